@@ -1,0 +1,54 @@
+"""`advisor` command line: a thin shell over the library.
+
+Each sub-command lives in a module `cmd_<name>.py` of this package that defines `register(subparsers)`;
+`register` adds a parser whose default `func` takes the parsed namespace and returns an exit code. The
+library itself never sees an `argparse.Namespace` and never prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+import traceback
+
+from ..errors import AdvisorError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="advisor",
+        description="The fastest TRL fine-tuning configuration that fits your GPU's memory, measured.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("cmd_"):
+            importlib.import_module(f"{__name__}.{info.name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except AdvisorError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"advisor {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"advisor {args.command}: interrupted; finished trials are kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

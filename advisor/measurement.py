@@ -1,0 +1,86 @@
+"""The result of measuring one candidate, whichever backend measured it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    OK = "ok"
+    OOM = "oom"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    PRUNED = "pruned"
+
+
+class Source(str, Enum):
+    """How a number was obtained, so a prediction is never mistaken for a measurement."""
+
+    ESTIMATE = "estimate"
+    SIMULATE = "simulate"
+    PROBE_CUDA = "probe-cuda"
+    PROBE_CPU = "probe-cpu"
+
+
+class Category(str, Enum):
+    """What the bytes at the peak are for."""
+
+    PARAMETERS = "parameters"
+    GRADIENTS = "gradients"
+    OPTIMIZER = "optimizer_state"
+    ACTIVATIONS = "activations"
+    LM_HEAD = "lm_head_and_loss"
+    TEMPORARIES = "temporaries"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Peak memory and speed of one candidate.
+
+    `peak_bytes` follows `torch.cuda.max_memory_allocated`, `reserved_bytes` `max_memory_reserved`,
+    `device_bytes` what NVML shows (the budget applies to it). On the CPU all three are the allocator's peak.
+    `breakdown` maps a Category value to the bytes live at the peak, where known.
+    """
+
+    status: Status
+    source: Source
+    peak_bytes: int | None = None
+    reserved_bytes: int | None = None
+    device_bytes: int | None = None
+    breakdown: dict[str, int] = field(default_factory=dict)
+    step_time_s: float | None = None
+    tokens_per_second: float | None = None
+    trained_tokens_per_step: int | None = None
+    peak_batch: str | None = None
+    message: str = ""
+    notes: tuple[str, ...] = ()
+    wall_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", Status(self.status))
+        object.__setattr__(self, "source", Source(self.source))
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    def fits(self, limit_bytes: int) -> bool:
+        """True when the run succeeded and its device peak is within `limit_bytes`."""
+        return self.ok and self.device_bytes is not None and self.device_bytes <= limit_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["status"] = self.status.value
+        data["source"] = self.source.value
+        data["notes"] = list(self.notes)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Measurement:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

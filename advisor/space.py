@@ -1,0 +1,417 @@
+"""The memory knobs: one `Candidate` is one value for every knob; a `SearchSpace` is the set the search explores.
+
+`Candidate.problems()` encodes TRL 1.16's own rules, exactly as strict as TRL and no stricter, so that no
+emitted configuration can be rejected by TRL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError
+from .workload import Method
+
+if TYPE_CHECKING:
+    from .workload import GPUSpec, ModelSpec
+
+
+class PackingStrategy(str, Enum):
+    BFD = "bfd"
+    BFD_SPLIT = "bfd_split"
+    WRAPPED = "wrapped"
+
+
+class Precision(str, Enum):
+    """Mixed-precision compute (SFTConfig `bf16` / `fp16`); FP32 means neither."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
+class WeightsDtype(str, Enum):
+    """The dtype the weights are loaded in (ModelConfig.dtype). TRL loads float32 unless told."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class Quantization(str, Enum):
+    NONE = "none"
+    INT8 = "8bit"
+    NF4 = "4bit"
+
+
+class Optimizer(str, Enum):
+    """Values of TrainingArguments.optim that the search considers."""
+
+    ADAMW_TORCH_FUSED = "adamw_torch_fused"
+    ADAMW_TORCH = "adamw_torch"
+    ADAMW_8BIT = "adamw_bnb_8bit"
+    PAGED_ADAMW_8BIT = "paged_adamw_8bit"
+    ADAFACTOR = "adafactor"
+
+    @property
+    def needs_bitsandbytes(self) -> bool:
+        return self in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
+
+
+class Attention(str, Enum):
+    SDPA = "sdpa"
+    EAGER = "eager"
+    FLASH_ATTENTION_2 = "kernels-community/flash-attn2"
+
+
+# Every linear projection of a Llama-style decoder layer; resolved per model by `default_lora_targets`.
+_LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class QualityCost:
+    """What a candidate gives up against full fine-tuning of every token in float32 weights."""
+
+    truncated_fraction: float = 0.0
+    adapters: bool = False
+    quantization: Quantization = Quantization.NONE
+    low_precision_weights: bool = False
+    mixed_examples: bool = False
+
+    @property
+    def neutral(self) -> bool:
+        return not (
+            self.truncated_fraction > 0
+            or self.adapters
+            or self.quantization is not Quantization.NONE
+            or self.low_precision_weights
+            or self.mixed_examples
+        )
+
+    def describe(self) -> list[str]:
+        out = []
+        if self.truncated_fraction > 0:
+            out.append(f"{self.truncated_fraction:.2%} of trained tokens lost to truncation")
+        if self.adapters:
+            out.append("LoRA adapters instead of full weights")
+        if self.quantization is not Quantization.NONE:
+            out.append(f"{self.quantization.value} quantized base weights")
+        if self.low_precision_weights:
+            out.append("pure low-precision weights (no float32 master copy)")
+        if self.mixed_examples:
+            out.append("'wrapped' packing mixes examples and cuts them mid-sequence")
+        return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One value for every memory knob. Field names follow SFTConfig / ModelConfig where one exists."""
+
+    max_length: int | None = 1024
+    packing: bool = False
+    packing_strategy: PackingStrategy = PackingStrategy.BFD
+    padding_free: bool = False
+    pad_to_multiple_of: int | None = None
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    activation_checkpointing: bool = True
+    checkpoint_selective: bool = False
+    checkpoint_every_n_layers: int = 1
+    activation_offloading: bool = False
+    optim: Optimizer = Optimizer.ADAMW_TORCH_FUSED
+    precision: Precision = Precision.BF16
+    weights_dtype: WeightsDtype = WeightsDtype.FLOAT32
+    group_by_length: bool = False
+    attn_implementation: Attention = Attention.SDPA
+    use_lora: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_target_modules: tuple[str, ...] = _LLAMA_LINEARS
+    quantization: Quantization = Quantization.NONE
+    expandable_segments: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept plain strings (YAML, --fix) and lists; store Enums and tuples so candidates hash and compare.
+        problems = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            enum = _ENUM_FIELDS.get(f.name)
+            if enum is not None and not isinstance(value, enum):
+                try:
+                    object.__setattr__(self, f.name, enum(value))
+                except ValueError:
+                    allowed = ", ".join(e.value for e in enum)
+                    problems.append(f"{f.name}={value!r}: not one of {allowed}")
+        if isinstance(self.lora_target_modules, (list, str)):
+            mods = [self.lora_target_modules] if isinstance(self.lora_target_modules, str) else self.lora_target_modules
+            object.__setattr__(self, "lora_target_modules", tuple(mods))
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "checkpoint_every_n_layers", "lora_r"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r}: must be an integer >= 1")
+        for name in ("max_length", "pad_to_multiple_of"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                problems.append(f"{name}={value!r}: must be an integer >= 1 or None")
+        if problems:
+            raise ConfigError(problems, context="invalid candidate")
+
+    # ---- derived -----------------------------------------------------------------------------------------
+    @property
+    def method(self) -> Method:
+        if not self.use_lora:
+            return Method.FULL
+        return Method.QLORA if self.quantization is not Quantization.NONE else Method.LORA
+
+    @property
+    def effective_padding_free(self) -> bool:
+        """What SFTTrainer really uses: bfd and bfd_split packing switch padding-free on."""
+        return self.padding_free or (
+            self.packing and self.packing_strategy in (PackingStrategy.BFD, PackingStrategy.BFD_SPLIT)
+        )
+
+    @property
+    def checkpointing_kwargs(self) -> dict[str, Any] | None:
+        if not self.activation_checkpointing:
+            return None
+        kwargs: dict[str, Any] = {"use_reentrant": False}
+        if self.checkpoint_selective:
+            kwargs["selective"] = True
+        if self.checkpoint_every_n_layers != 1:
+            kwargs["every_n_layers"] = self.checkpoint_every_n_layers
+        return kwargs
+
+    def replace(self, **changes: Any) -> Candidate:
+        return dataclasses.replace(self, **changes)
+
+    def canonical(self) -> Candidate:
+        """Fields that have no effect reset to their defaults, so equivalent candidates compare equal."""
+        d = Candidate()
+        changes: dict[str, Any] = {}
+        if not self.packing:
+            changes["packing_strategy"] = d.packing_strategy
+        if not self.activation_checkpointing:
+            changes.update(checkpoint_selective=False, checkpoint_every_n_layers=1)
+        if not self.use_lora:
+            changes.update(
+                lora_r=d.lora_r, lora_alpha=d.lora_alpha, lora_target_modules=d.lora_target_modules,
+            )
+        if self.packing and self.packing_strategy is not PackingStrategy.WRAPPED:
+            changes["padding_free"] = False  # implied by bfd / bfd_split
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Candidate:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(
+                [f"unknown knob {k!r}; known: {', '.join(sorted(names))}" for k in unknown], context="candidate"
+            )
+        return cls(**dict(data))
+
+    # ---- rules -------------------------------------------------------------------------------------------
+    def problems(self, gpu: GPUSpec | None = None, model: ModelSpec | None = None) -> list[str]:
+        """Every rule of TRL 1.16 / transformers 5 / torch that this candidate breaks, with the fix."""
+        out: list[str] = []
+        if self.packing and self.max_length is None:
+            out.append(
+                "packing=True with max_length=None: TRL raises \"When packing is enabled, `max_length` can't be "
+                "`None`.\"; set max_length"
+            )
+        if self.padding_free and not self.packing and self.max_length is not None:
+            out.append(
+                "padding_free=True without packing and with max_length set: TRL raises \"When `padding_free=True` "
+                "without packing, `max_length` is not enforced\"; set max_length=None, enable packing, or "
+                "pre-truncate the data"
+            )
+        if self.quantization is not Quantization.NONE and not self.use_lora:
+            out.append(
+                f"quantization={self.quantization.value} without LoRA: transformers raises \"You cannot perform "
+                "fine-tuning on purely quantized models\"; set use_lora=True (QLoRA) or quantization=none"
+            )
+        if self.use_lora and "lm_head" in self.lora_target_modules:
+            out.append(
+                "lora_target_modules contains 'lm_head': TRL raises \"Applying a PEFT adapter to `lm_head` is not "
+                "supported\" (its fused LM head reads lm_head.weight directly); remove 'lm_head'"
+            )
+        if self.use_lora and not self.lora_target_modules:
+            out.append("use_lora=True with no lora_target_modules: name the modules, e.g. q_proj,v_proj")
+        if self.precision is Precision.FP16 and self.weights_dtype is WeightsDtype.FLOAT16:
+            out.append(
+                "precision=fp16 with weights_dtype=float16: the gradient scaler raises \"Attempting to unscale FP16 "
+                "gradients\"; load float32 weights or use bf16"
+            )
+        if gpu is not None:
+            out.extend(self._device_problems(gpu))
+        if model is not None:
+            out.extend(self._model_problems(model))
+        return out
+
+    def _device_problems(self, gpu: GPUSpec) -> list[str]:
+        out = []
+        if not gpu.is_cuda:
+            if self.activation_offloading:
+                out.append(
+                    "activation_offloading=True on the CPU: TRL's offloading needs an accelerator (CUDA streams); "
+                    "set activation_offloading=False"
+                )
+            if self.quantization is not Quantization.NONE:
+                out.append(
+                    f"quantization={self.quantization.value} on the CPU: bitsandbytes training kernels need CUDA; "
+                    "set quantization=none"
+                )
+            if self.optim.needs_bitsandbytes:
+                out.append(f"optim={self.optim.value} on the CPU: bitsandbytes optimizers need CUDA; use adamw_torch")
+            if self.precision is Precision.FP16:
+                out.append("precision=fp16 on the CPU: fp16 mixed precision needs a GPU; use bf16 or fp32")
+            if self.attn_implementation is Attention.FLASH_ATTENTION_2:
+                out.append("attn_implementation=flash-attn2 on the CPU: FlashAttention needs CUDA; use sdpa")
+        else:
+            if self.precision is Precision.BF16 and not gpu.supports_bf16:
+                out.append(
+                    f"precision=bf16 on {gpu.name}: transformers raises \"Your setup doesn't support bf16/gpu\"; "
+                    "use fp16 or fp32"
+                )
+            if self.weights_dtype is WeightsDtype.BFLOAT16 and not gpu.supports_bf16:
+                out.append(f"weights_dtype=bfloat16 on {gpu.name}: no bf16 support; use float32 or float16")
+            if self.attn_implementation is Attention.FLASH_ATTENTION_2 and not gpu.supports_flash_attention:
+                out.append(f"attn_implementation=flash-attn2 on {gpu.name}: FlashAttention 2 needs Ampere or newer")
+        return out
+
+    def _model_problems(self, model: ModelSpec) -> list[str]:
+        out = []
+        if self.use_lora:
+            available = set(model_linear_names(model))
+            missing = [m for m in self.lora_target_modules if m not in available and m != "lm_head"]
+            if missing and available:
+                out.append(
+                    f"lora_target_modules {missing} do not exist in {model.name}; available: {sorted(available)}"
+                )
+        if self.checkpoint_every_n_layers > model.num_layers:
+            out.append(
+                f"checkpoint_every_n_layers={self.checkpoint_every_n_layers} exceeds the model's "
+                f"{model.num_layers} layers"
+            )
+        return out
+
+    def check(self, gpu: GPUSpec | None = None, model: ModelSpec | None = None) -> Candidate:
+        """Raise ConfigError with every problem at once; return self when valid."""
+        problems = self.problems(gpu, model)
+        if problems:
+            raise ConfigError(problems, context="configuration rejected")
+        return self
+
+    def quality_cost(self, truncated_fraction: float = 0.0) -> QualityCost:
+        """`truncated_fraction` comes from the dataset's length distribution (data.TokenizedDataset)."""
+        return QualityCost(
+            truncated_fraction=truncated_fraction,
+            adapters=self.use_lora,
+            quantization=self.quantization,
+            low_precision_weights=self.weights_dtype is not WeightsDtype.FLOAT32,
+            mixed_examples=self.packing and self.packing_strategy is PackingStrategy.WRAPPED,
+        )
+
+    @classmethod
+    def trl_defaults(cls) -> Candidate:
+        """What `SFTConfig()` gives on a GPU with TRL 1.16 and transformers 5 (float32 weights, bf16 autocast)."""
+        return cls(
+            max_length=1024,
+            packing=False,
+            padding_free=False,
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=1,
+            activation_checkpointing=True,
+            optim=Optimizer.ADAMW_TORCH_FUSED,
+            precision=Precision.BF16,
+            weights_dtype=WeightsDtype.FLOAT32,
+            expandable_segments=False,
+        )
+
+
+_ENUM_FIELDS: dict[str, type[Enum]] = {
+    "packing_strategy": PackingStrategy,
+    "optim": Optimizer,
+    "precision": Precision,
+    "weights_dtype": WeightsDtype,
+    "attn_implementation": Attention,
+    "quantization": Quantization,
+}
+
+
+def model_linear_names(model: ModelSpec) -> tuple[str, ...]:
+    """Names of the decoder layers' linear projections (LoRA targets), from the architecture family."""
+    mt = str(model.config.get("model_type", ""))
+    if mt in {"gpt2"}:
+        return ("c_attn", "c_proj", "c_fc")
+    return _LLAMA_LINEARS
+
+
+def default_lora_targets(model: ModelSpec) -> tuple[str, ...]:
+    """All linear layers of the decoder, written out (never 'all-linear', so the config says what it does)."""
+    return model_linear_names(model)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The values each knob may take. `candidates()` yields the valid, canonical, distinct combinations.
+
+    `gradient_accumulation_steps` is not a free dimension: it is derived from the micro-batch so that the
+    trained tokens per optimizer step stay fixed (see `accumulation`).
+    """
+
+    values: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = {f.name for f in dataclasses.fields(Candidate)}
+        unknown = sorted(set(self.values) - names)
+        if unknown:
+            raise ConfigError([f"unknown knob {k!r}" for k in unknown], context="search space")
+        empty = [k for k, v in self.values.items() if len(v) == 0]
+        if empty:
+            raise ConfigError([f"knob {k!r} has no allowed value" for k in empty], context="search space")
+
+    def fix(self, **fixed: Any) -> SearchSpace:
+        """Pin knobs to one value each."""
+        values = dict(self.values)
+        for k, v in fixed.items():
+            values[k] = (v,)
+        return SearchSpace(values)
+
+    def grid(self, base: Candidate | None = None) -> Iterator[Candidate]:
+        """Every combination (before validity), in a stable order."""
+        base = base or Candidate()
+        keys = sorted(self.values)
+        for combo in itertools.product(*(self.values[k] for k in keys)):
+            try:
+                yield base.replace(**dict(zip(keys, combo, strict=True)))
+            except ConfigError:
+                continue
+
+    def candidates(
+        self, gpu: GPUSpec | None = None, model: ModelSpec | None = None, base: Candidate | None = None
+    ) -> Iterator[Candidate]:
+        seen: set[Candidate] = set()
+        for cand in self.grid(base):
+            cand = cand.canonical()
+            if cand in seen or cand.problems(gpu, model):
+                continue
+            seen.add(cand)
+            yield cand
+
+    def size(self) -> int:
+        n = 1
+        for v in self.values.values():
+            n *= len(v)
+        return n

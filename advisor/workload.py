@@ -1,0 +1,151 @@
+"""What the user wants to train, on what, under which goals."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from .data import TokenizedDataset
+
+
+class Method(str, Enum):
+    """A training method; AUTO (a goal only) escalates full -> lora -> qlora until something fits."""
+
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"
+    AUTO = "auto"
+
+
+@dataclass(frozen=True, eq=False)
+class ModelSpec:
+    """A model architecture, resolved from the hub, a local directory/config.json or profiles/models/."""
+
+    name: str
+    config: Mapping[str, Any]
+    source: Literal["hub", "local", "profile"]
+    local_dir: Path | None = None
+
+    def hf_config(self) -> PretrainedConfig:
+        from transformers import AutoConfig
+
+        data = dict(self.config)
+        model_type = data.pop("model_type")
+        return AutoConfig.for_model(model_type, **data)
+
+    def text_value(self, key: str, default: Any = None) -> Any:
+        """A value of the text config (nested `text_config` for multimodal configs)."""
+        cfg = self.config.get("text_config") or self.config
+        return cfg.get(key, self.config.get(key, default))
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text_value("num_hidden_layers"))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_value("hidden_size"))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text_value("vocab_size"))
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.text_value("tie_word_embeddings", False))
+
+    def fingerprint(self) -> str:
+        return _digest(dict(self.config))
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """A target device: a profile in profiles/gpus/, or the host CPU."""
+
+    name: str
+    kind: Literal["cuda", "cpu"]
+    memory_bytes: int
+    bf16_tflops: float
+    fp16_tflops: float
+    fp32_tflops: float
+    memory_bandwidth_gbs: float
+    supports_bf16: bool
+    supports_flash_attention: bool
+    compute_capability: str | None = None
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+
+@dataclass(frozen=True)
+class Goals:
+    """The user's constraints. `tokens_per_step` is the fixed effective batch in trained tokens."""
+
+    tokens_per_step: int | None = None
+    memory_budget_bytes: int | None = None
+    headroom: float = 0.05
+    method: Method = Method.AUTO
+    max_truncation: float = 0.01
+    allow_low_precision_weights: bool = False
+    allow_wrapped: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", Method(self.method))
+        problems = []
+        if not 0.0 <= self.headroom < 1.0:
+            problems.append(f"--headroom {self.headroom}: must be in [0, 1), e.g. 0.05 for 5%")
+        if not 0.0 <= self.max_truncation <= 1.0:
+            problems.append(f"--max-truncation {self.max_truncation}: must be in [0, 1], e.g. 0.01 for 1%")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            problems.append(f"--memory-budget {self.memory_budget_bytes}: must be positive, e.g. 40GB")
+        if self.tokens_per_step is not None and self.tokens_per_step <= 0:
+            problems.append(f"--tokens-per-step {self.tokens_per_step}: must be a positive number of tokens")
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass(frozen=True, eq=False)
+class Workload:
+    model: ModelSpec
+    gpu: GPUSpec
+    dataset: TokenizedDataset
+    goals: Goals = field(default_factory=Goals)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def budget_bytes(self) -> int:
+        """The memory the training may use on the target (the card's capacity unless the user said less)."""
+        return self.goals.memory_budget_bytes or self.gpu.memory_bytes
+
+    @property
+    def limit_bytes(self) -> int:
+        """The device peak that a candidate must stay under: budget x (1 - headroom)."""
+        return int(self.budget_bytes * (1.0 - self.goals.headroom))
+
+    def fingerprint(self) -> str:
+        """Identifies model, data, target and goals (not the backend or library versions)."""
+        return _digest(
+            {
+                "model": self.model.fingerprint(),
+                "dataset": self.dataset.fingerprint,
+                "gpu": self.gpu.name,
+                "goals": {k: str(v) for k, v in self.goals.__dict__.items()},
+            }
+        )
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]

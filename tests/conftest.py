@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny models built from a config, small data, the CPU target. Nothing touches the hub."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+TINY_QWEN2 = {
+    "model_type": "qwen2",
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def tiny_model():
+    from advisor.workload import ModelSpec
+
+    return ModelSpec(name="tiny-qwen2", config=dict(TINY_QWEN2), source="local")
+
+
+@pytest.fixture
+def cpu_target():
+    from advisor.workload import GPUSpec
+
+    return GPUSpec(
+        name="cpu", kind="cpu", memory_bytes=16 * 2**30, bf16_tflops=0.5, fp16_tflops=0.5, fp32_tflops=0.5,
+        memory_bandwidth_gbs=20.0, supports_bf16=True, supports_flash_attention=False,
+    )
+
+
+@pytest.fixture
+def h100_target():
+    from advisor.workload import GPUSpec
+
+    return GPUSpec(
+        name="H100-80GB-SXM", kind="cuda", memory_bytes=80 * 10**9, bf16_tflops=989.0, fp16_tflops=989.0,
+        fp32_tflops=67.0, memory_bandwidth_gbs=3350.0, supports_bf16=True, supports_flash_attention=True,
+        compute_capability="9.0",
+    )
+
+
+@pytest.fixture
+def tiny_data():
+    """64 rows, lengths 16..256 (log-normal), prompt/completion split, ids within the tiny vocab."""
+    from advisor.data import synthetic
+
+    return synthetic(vocab_size=1024, rows=64, seed=0, median=64, max_len=256)
+
+
+@pytest.fixture
+def tiny_workload(tiny_model, cpu_target, tiny_data):
+    from advisor.workload import Goals, Workload
+
+    return Workload(model=tiny_model, gpu=cpu_target, dataset=tiny_data, goals=Goals(tokens_per_step=2048))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    """A word-level tokenizer trained on the spot, with a chat template; saved as a directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [f"hello world number {i} the quick brown fox jumps over the lazy dog" for i in range(200)]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>"])
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}"
+    )
+    path = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(path)
+    return path
