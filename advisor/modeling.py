@@ -1,0 +1,70 @@
+"""Models with random weights built from an architecture: same memory and speed as the real ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+    from .space import Candidate
+    from .workload import ModelSpec
+
+
+def _torch_dtype(candidate: Candidate | None):
+    import torch
+
+    return getattr(torch, candidate.weights_dtype.value) if candidate is not None else torch.float32
+
+
+def build_model(spec: ModelSpec, candidate: Candidate | None = None, device: str = "cpu") -> PreTrainedModel:
+    """A causal LM with random weights in the candidate's dtype and attention implementation.
+
+    `device="meta"` allocates nothing (for counting and for the simulator).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = spec.hf_config()
+    attn = candidate.attn_implementation.value if candidate is not None else "sdpa"
+    # The FlashAttention kernels come from the Hub; a random-weight model for measuring keeps sdpa's memory path.
+    config._attn_implementation = attn if not attn.startswith("kernels-community/") else "sdpa"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(candidate))
+    return model
+
+
+def save_random_model(spec: ModelSpec, directory: str | Path, candidate: Candidate | None = None) -> Path:
+    """Save config + safetensors of random weights so TRL loads the model by path and `model_init_kwargs` apply."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = build_model(spec, candidate, device="cpu")
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def placeholder_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
+    """A tokenizer whose vocabulary covers the model's ids, for pre-tokenized data.
+
+    SFTTrainer needs a processing class (for the pad token) even when the dataset is already token ids.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_size = spec.vocab_size
+    pad_id = _first_int(spec.text_value("pad_token_id"), 0)
+    eos_id = _first_int(spec.text_value("eos_token_id"), min(2, vocab_size - 1))
+    vocab = {f"<t{i}>": i for i in range(vocab_size)}
+    names = {i: f"<t{i}>" for i in (pad_id, eos_id)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=names[eos_id]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=names[pad_id], eos_token=names[eos_id], unk_token=names[eos_id]
+    )
+
+
+def _first_int(value, default: int) -> int:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return int(value) if value is not None else default
