@@ -149,7 +149,8 @@ class Candidate:
         if isinstance(self.lora_target_modules, (list, str)):
             mods = [self.lora_target_modules] if isinstance(self.lora_target_modules, str) else self.lora_target_modules
             object.__setattr__(self, "lora_target_modules", tuple(mods))
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "checkpoint_every_n_layers", "lora_r"):
+        counts = ("per_device_train_batch_size", "gradient_accumulation_steps", "checkpoint_every_n_layers", "lora_r")
+        for name in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r}: must be an integer >= 1")

@@ -149,3 +149,34 @@ class Workload:
 
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+DEFAULT_GPU = "H100-80GB"
+
+
+def build_workload(
+    model: str,
+    gpu: str | None = None,
+    dataset: str | None = None,
+    tokenizer: str | None = None,
+    sample: int | None = None,
+    goals: Goals | None = None,
+    seed: int = 0,
+) -> Workload:
+    """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
+    from .data import load_dataset
+    from .profiles import detect_gpu, resolve_gpu, resolve_model
+
+    notes: list[str] = []
+    spec = resolve_model(model)
+    if gpu is None:
+        target = detect_gpu()
+        if target is None:
+            target = resolve_gpu(DEFAULT_GPU)
+            notes.append(f"no --gpu given and no local GPU found: assuming {target.name}")
+        else:
+            notes.append(f"no --gpu given: using the local {target.name}")
+    else:
+        target = resolve_gpu(gpu)
+    data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
+    return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes))
