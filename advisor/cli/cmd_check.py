@@ -1,0 +1,45 @@
+"""`advisor check`: re-measure a baseline's workload and fail (exit 1) when peak memory grew."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..regress import DEFAULT_TOLERANCE, check, load_baseline, parse_tolerance
+from ._common import add_config_arg, emit_json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "check",
+        help="compare the peak memory of a configuration against a baseline (exit 1 on a regression)",
+        description="Re-measure the baseline's workload with the baseline's backend (or --config against it) "
+                    "and print baseline, now and difference per category. Exit 0 within tolerance, 1 on a "
+                    "regression, 2 on bad input. Writes the table as Markdown to $GITHUB_STEP_SUMMARY when set.",
+    )
+    p.add_argument("--baseline", required=True, metavar="FILE.json", help="a file written by `advisor baseline`")
+    add_config_arg(p, required=False)
+    p.add_argument("--tolerance", default=f"{DEFAULT_TOLERANCE:.0%}",
+                   help="allowed growth of the peaks, e.g. 1%% or 0.01 (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    tolerance = parse_tolerance(ns.tolerance)
+    baseline = load_baseline(ns.baseline)
+    candidate = None
+    if ns.config:
+        from ..emit import load_run_config
+
+        candidate = load_run_config(ns.config).candidate
+    result = check(baseline, candidate=candidate, tolerance=tolerance)
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        with open(summary, "a", encoding="utf-8") as fh:
+            fh.write(f"`{ns.baseline}`\n\n" + result.markdown() + "\n")
+    if ns.json:
+        print(emit_json({"baseline": ns.baseline, **result.to_dict()}))
+    else:
+        print(f"{ns.baseline}: " + result.text(), end="")
+    return 1 if result.regressed else 0
