@@ -1,0 +1,209 @@
+"""Memory meters of a probe's child process: the CPU allocator's events, torch.cuda's peaks, NVML sampling.
+
+Everything here runs inside the child (advisor.probe.worker); the parent never touches a device.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def oom_request_bytes(message: str) -> int | None:
+    """How much was being allocated when an allocation failed, parsed from torch's CPU or CUDA message."""
+    m = re.search(r"you tried to allocate (\d+) bytes", message)
+    if m:
+        return int(m.group(1))
+    m = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", message)
+    if m:
+        return int(float(m.group(1)) * _UNITS[m.group(2)])
+    return None
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for an allocation failure: CUDA OOM, the CPU allocator under RLIMIT_AS, Python's MemoryError."""
+    if isinstance(exc, MemoryError):
+        return True
+    try:
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "can't allocate memory" in text or "Cannot allocate memory" in text or "std::bad_alloc" in text
+        or "out of memory" in text.lower()
+    )
+
+
+# ---- CPU: the allocator's own events -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AllocationPeak:
+    """The largest total the CPU allocator reported while profiling, and when (profiler clock, ns)."""
+
+    peak_bytes: int
+    time_ns: int
+    events: int
+
+
+def cpu_peak(prof: Any) -> AllocationPeak:
+    """Peak of bytes allocated through PyTorch's CPU allocator while `prof` (profile_memory=True) ran.
+
+    Replays every Allocation event (frees are negative) of every thread in time order. Only blocks allocated
+    while profiling count, so start the profiler before the model is loaded: what was live before it is
+    import-time state, not the training's.
+    """
+    from torch._C._profiler import _EventType
+
+    allocations: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            ef = node.extra_fields
+            if str(ef.device).startswith("cpu"):
+                allocations.append((node.start_time_ns, int(ef.alloc_size), int(ef.total_allocated)))
+        stack.extend(node.children)
+    allocations.sort(key=lambda a: a[0])
+    live = peak = 0
+    peak_t = allocations[0][0] if allocations else 0
+    for t, size, total in allocations:
+        live += size
+        current = max(live, total)
+        if current > peak:
+            peak, peak_t = current, t
+    return AllocationPeak(peak_bytes=peak, time_ns=peak_t, events=len(allocations))
+
+
+def address_space_bytes() -> int:
+    """The process's current virtual address space (VmSize), which RLIMIT_AS limits."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def cap_address_space(budget_bytes: int) -> int:
+    """Let the process map at most `budget_bytes` more than now: a larger allocation really fails. Returns the cap."""
+    import resource
+
+    cap = address_space_bytes() + int(budget_bytes)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    return cap
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------------------
+class NvmlSampler:
+    """Samples the device memory this process uses through NVML in a daemon thread.
+
+    Uses the per-process figure when NVML lists this pid (it does not inside some containers' pid namespaces);
+    otherwise the device's used memory minus what was used before this process created its CUDA context.
+    """
+
+    def __init__(self, interval_s: float = 0.002):
+        import pynvml
+
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+        self._handle = _nvml_handle(pynvml)
+        self.total_bytes = int(pynvml.nvmlDeviceGetMemoryInfo(self._handle).total)
+        self.baseline_bytes = int(pynvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self.per_process = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def read(self) -> int:
+        """This process's device memory now."""
+        pid = os.getpid()
+        try:
+            for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
+                if p.pid == pid and p.usedGpuMemory is not None:
+                    self.per_process = True
+                    return int(p.usedGpuMemory)
+        except self._nvml.NVMLError:
+            pass
+        return max(0, int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used) - self.baseline_bytes)
+
+    def sample(self) -> int:
+        value = self.read()
+        self.peak_bytes = max(self.peak_bytes, value)
+        return value
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> NvmlSampler:
+        self._thread = threading.Thread(target=self._loop, name="advisor-nvml", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        self.sample()
+        return self.peak_bytes
+
+
+def _nvml_handle(pynvml: Any) -> Any:
+    """The NVML handle of the device that torch will call cuda:0 (honours CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if visible.startswith(("GPU-", "MIG-")):
+        return pynvml.nvmlDeviceGetHandleByUUID(visible)
+    if visible.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(visible))
+    return pynvml.nvmlDeviceGetHandleByIndex(0)
+
+
+@dataclass(frozen=True)
+class CudaContext:
+    """What the device holds for this process before any tensor: the CUDA context and the allocator's reserve."""
+
+    context_bytes: int
+    total_bytes: int
+
+
+def init_cuda(sampler: NvmlSampler | None) -> CudaContext:
+    """Create the CUDA context on cuda:0 and measure it (NVML reading minus what torch reserved)."""
+    import torch
+
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    torch.cuda.synchronize()
+    total = torch.cuda.get_device_properties(0).total_memory
+    context = 0
+    if sampler is not None:
+        context = max(0, sampler.sample() - torch.cuda.memory_reserved())
+    return CudaContext(context_bytes=context, total_bytes=int(total))
+
+
+def cap_cuda(budget_bytes: int, ctx: CudaContext) -> float:
+    """Cap the caching allocator so that reserved + context stays within `budget_bytes`; returns the fraction."""
+    import torch
+
+    from ..errors import ConfigError
+
+    usable = budget_bytes - ctx.context_bytes
+    if usable <= 0:
+        raise ConfigError(
+            f"--memory-budget {budget_bytes} bytes: the CUDA context alone takes {ctx.context_bytes} bytes; "
+            "give a larger budget"
+        )
+    fraction = min(1.0, usable / ctx.total_bytes)
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    return fraction

@@ -1,0 +1,304 @@
+"""The parent side of a real probe: plan the batches, start the child, watch it, read its result.
+
+The child (advisor.probe.worker) runs in a new session so that a timeout kills its whole process group
+without touching the caller; it holds every device resource, so nothing survives it. Whatever the child
+does (OOM, crash, hang, exception), `probe` returns a Measurement and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from ..errors import UsageError
+from ..measurement import Measurement, Source, Status
+
+if TYPE_CHECKING:
+    from ..space import Candidate
+    from ..workload import Workload
+
+Backend = Literal["cuda", "cpu"]
+
+# Test hook, read by the worker only: makes the child fail deterministically. Values: `kill` (SIGKILL itself in
+# the first training step), `hang` (stop making progress in the first training step), `raise` (raise in the first
+# training step), and `kill:start` / `hang:start` (the same before importing torch, for fast tests).
+FAULT_ENV = "ADVISOR_PROBE_FAULT"
+# Keep the job directory (job.json, the child's log, result.json) for debugging when set to 1.
+KEEP_ENV = "ADVISOR_PROBE_KEEP"
+
+JOB_FILE, RESULT_FILE, HEARTBEAT_FILE, LOG_FILE = "job.json", "result.json", "heartbeat", "child.log"
+POLL_S = 0.05
+
+
+class BatchKind(str, Enum):
+    """Which rows a training step gets: the longest (worst case for memory) or a typical sample."""
+
+    LONGEST = "longest"
+    TYPICAL = "typical"
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The rows the child trains on, in order, and the kind of each optimizer step."""
+
+    rows: tuple[dict[str, list[int]], ...]
+    kinds: tuple[BatchKind, ...]
+    rows_per_step: int
+
+
+def plan_batches(workload: Workload, candidate: Candidate, steps: int, warmup: int) -> BatchPlan:
+    """Worst case first: the first two optimizer steps (the first with optimizer state allocated, after one
+    warm-up) get the longest rows, longest first; later steps get a seeded sample of the other rows.
+
+    With packing TRL re-packs the rows, so enough rows to fill every step's packed batches are given.
+    """
+    total_steps = warmup + steps
+    rows_per_step = candidate.per_device_train_batch_size * candidate.gradient_accumulation_steps
+    ds = workload.dataset
+    if len(ds.rows) == 0:
+        raise UsageError(f"dataset {ds.name}: no rows to probe with; give a --dataset with data")
+    if candidate.packing and candidate.max_length:
+        mean = max(1.0, float(np.minimum(ds.lengths, candidate.max_length).mean()))
+        rows_per_step *= max(1, math.ceil(candidate.max_length / mean))
+    n_longest = min(2, total_steps)
+    kinds = tuple([BatchKind.LONGEST] * n_longest + [BatchKind.TYPICAL] * (total_steps - n_longest))
+    order = np.argsort(-ds.lengths, kind="stable")
+    longest_idx = order[:rows_per_step].tolist()
+    rest = order[rows_per_step:]
+    typical_pool = np.random.default_rng(0).permutation(rest).tolist() if len(rest) else list(longest_idx)
+    rows: list[dict[str, list[int]]] = []
+    for _ in range(n_longest):
+        rows.extend(ds.rows[i] for i in _cycle(longest_idx, rows_per_step))
+    typical_needed = rows_per_step * (total_steps - n_longest)
+    rows.extend(ds.rows[i] for i in _cycle(typical_pool, typical_needed))
+    return BatchPlan(rows=tuple(rows), kinds=kinds, rows_per_step=rows_per_step)
+
+
+def _cycle(pool: list[int], n: int) -> list[int]:
+    return [pool[i % len(pool)] for i in range(n)] if pool else []
+
+
+def job_dict(
+    workload: Workload, candidate: Candidate, backend: Backend, *, steps: int, warmup: int,
+    memory_budget_bytes: int | None, weights: str | None,
+) -> dict[str, Any]:
+    """Everything the child needs, as JSON: it rebuilds the workload from this, never from the parent's objects."""
+    plan = plan_batches(workload, candidate, steps, warmup)
+    ds = workload.dataset
+    goals = {k: (v.value if isinstance(v, Enum) else v) for k, v in dataclasses.asdict(workload.goals).items()}
+    return {
+        "backend": backend,
+        "steps": steps,
+        "warmup": warmup,
+        "memory_budget_bytes": memory_budget_bytes,
+        "weights": weights,
+        "candidate": candidate.to_dict(),
+        "model": {
+            "name": workload.model.name,
+            "config": dict(workload.model.config),
+            "source": workload.model.source,
+            "local_dir": str(workload.model.local_dir) if workload.model.local_dir else None,
+        },
+        "gpu": dataclasses.asdict(workload.gpu),
+        "goals": goals,
+        "dataset": {
+            "name": ds.name,
+            "source": ds.source,
+            "completion_only_loss": ds.completion_only_loss,
+            "dataset_name": ds.dataset_name,
+            "rows": [dict(r) for r in plan.rows],
+        },
+        "kinds": [k.value for k in plan.kinds],
+        "rows_per_step": plan.rows_per_step,
+    }
+
+
+def probe(
+    workload: Workload,
+    candidate: Candidate,
+    backend: Backend = "cpu",
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    timeout_s: float = 300,
+    memory_budget_bytes: int | None = None,
+    weights: str | None = None,
+) -> Measurement:
+    """Measure `candidate` with `warmup` + `steps` real SFTTrainer steps in a child process.
+
+    `memory_budget_bytes` is a hard cap (CUDA: the allocator's fraction less the CUDA context; CPU: the address
+    space the child may add after its imports). `timeout_s` is the longest the child may go without progress
+    (a heartbeat per step); then its process group is killed and the status is `timeout`.
+    """
+    problems = []
+    if backend not in ("cuda", "cpu"):
+        problems.append(f"--backend {backend!r}: a real probe runs on 'cuda' or 'cpu'")
+    if steps < 1:
+        problems.append(f"--steps {steps}: at least 1 measured step")
+    if warmup < 0:
+        problems.append(f"warmup={warmup}: must be >= 0")
+    if timeout_s <= 0:
+        problems.append(f"--timeout {timeout_s}: must be a positive number of seconds")
+    if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+        problems.append(f"--memory-budget {memory_budget_bytes}: must be positive, e.g. 40GB")
+    if problems:
+        from ..errors import ConfigError
+
+        raise ConfigError(problems, context="probe")
+    source = Source.PROBE_CUDA if backend == "cuda" else Source.PROBE_CPU
+    job = job_dict(workload, candidate, backend, steps=steps, warmup=warmup,
+                   memory_budget_bytes=memory_budget_bytes, weights=weights)
+    from ..emit import env_vars
+
+    jobdir = Path(tempfile.mkdtemp(prefix="advisor-probe-"))
+    try:
+        (jobdir / JOB_FILE).write_text(json.dumps(job))
+        return run_child(jobdir, source, timeout_s=timeout_s, env=env_vars(candidate))
+    finally:
+        if os.environ.get(KEEP_ENV) != "1":
+            shutil.rmtree(jobdir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class ChildExit:
+    """How the child ended: its exit status (negative: killed by that signal) and whether we killed it."""
+
+    returncode: int
+    timed_out: bool
+    pgid: int
+    wall_time_s: float
+
+
+def run_child(
+    jobdir: Path, source: Source, *, timeout_s: float, env: dict[str, str] | None = None,
+    on_start: Callable[[int], None] | None = None,
+) -> Measurement:
+    """Start the worker on `jobdir`, wait for it, and turn whatever it left into a Measurement."""
+    exit_ = _spawn_and_wait(jobdir, timeout_s=timeout_s, env=env or {}, on_start=on_start)
+    return _collect(jobdir, source, exit_, timeout_s)
+
+
+def _child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _spawn_and_wait(
+    jobdir: Path, *, timeout_s: float, env: dict[str, str], on_start: Callable[[int], None] | None
+) -> ChildExit:
+    heartbeat = jobdir / HEARTBEAT_FILE
+    start = time.monotonic()
+    with open(jobdir / LOG_FILE, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "advisor.probe.worker", str(jobdir)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env=_child_env(env), start_new_session=True, cwd=jobdir,
+        )
+    pgid = proc.pid  # the leader of its new session and process group
+    timed_out = False
+    try:
+        if on_start is not None:
+            on_start(pgid)
+        last_beat: float | None = None
+        last_progress = time.monotonic()
+        while True:
+            # WNOWAIT: learn that the leader exited without reaping it, so its pgid can't be reused before the
+            # rest of the group is killed below.
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if info is not None:
+                break
+            try:
+                beat = heartbeat.stat().st_mtime
+            except FileNotFoundError:
+                beat = last_beat
+            if beat != last_beat:
+                last_beat, last_progress = beat, time.monotonic()
+            if time.monotonic() - last_progress > timeout_s:
+                timed_out = True
+                _kill_group(pgid)
+                break
+            time.sleep(POLL_S)
+    finally:
+        # Whatever happened (normal exit, timeout, an exception or Ctrl-C in the caller): nothing survives.
+        _kill_group(pgid)
+        proc.wait()
+    return ChildExit(returncode=proc.returncode, timed_out=timed_out, pgid=pgid,
+                     wall_time_s=time.monotonic() - start)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of the group `pgid` exists (zombies included)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _collect(jobdir: Path, source: Source, exit_: ChildExit, timeout_s: float) -> Measurement:
+    wall = round(exit_.wall_time_s, 3)
+    if exit_.timed_out:
+        return Measurement(
+            status=Status.TIMEOUT, source=source, wall_time_s=wall,
+            message=f"no progress for {timeout_s:g} s (--timeout); the probe's process group was killed"
+            + _log_hint(jobdir),
+        )
+    result_path = jobdir / RESULT_FILE
+    if result_path.is_file():
+        try:
+            data = json.loads(result_path.read_text())
+        except ValueError as exc:
+            return Measurement(status=Status.ERROR, source=source, wall_time_s=wall,
+                               message=f"the probe's result file is unreadable ({exc})")
+        data["source"] = source.value
+        data["wall_time_s"] = wall
+        return Measurement.from_dict(data)
+    rc = exit_.returncode
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        hint = " (the kernel's OOM killer sends SIGKILL when host memory runs out)" if -rc == signal.SIGKILL else ""
+        message = f"the probe's child process was killed by {name}{hint}"
+    else:
+        message = f"the probe's child process exited with status {rc} without a result"
+    return Measurement(status=Status.ERROR, source=source, wall_time_s=wall, message=message + _log_hint(jobdir))
+
+
+def _log_hint(jobdir: Path, lines: int = 8) -> str:
+    try:
+        text = (jobdir / LOG_FILE).read_text(errors="replace")
+    except OSError:
+        return ""
+    tail = [line for line in text.splitlines() if line.strip() and not line.startswith("USDT:")][-lines:]
+    return ("; last output:\n" + "\n".join(tail)) if tail else ""

@@ -1,0 +1,337 @@
+"""The child side of a real probe: `python -m advisor.probe.worker JOBDIR`.
+
+Reads JOBDIR/job.json (written by runner.job_dict), trains `warmup + steps` optimizer steps with the real
+SFTTrainer on the planned rows, and writes JOBDIR/result.json (a Measurement's fields, plus per-step records).
+It touches JOBDIR/heartbeat at each stage and each step: the parent's timeout counts from the last touch.
+An exception of any kind becomes a result; only a signal or a hang leaves no result, and the parent handles those.
+
+Test hook: the environment variable ADVISOR_PROBE_FAULT (see runner.FAULT_ENV) makes the child kill itself,
+hang or raise, deterministically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from .runner import FAULT_ENV, HEARTBEAT_FILE, JOB_FILE, RESULT_FILE
+
+
+class Heartbeat:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def beat(self) -> None:
+        with open(self.path, "a"):
+            pass
+        now = time.time()
+        os.utime(self.path, (now, now))
+
+
+def _fault(fault: str, where: str) -> None:
+    """Act on ADVISOR_PROBE_FAULT when it names this point (`start` or the first training `step`)."""
+    action, _, at = fault.partition(":")
+    if (at or "step") != where:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "hang":
+        while True:  # no heartbeat: the parent's timeout fires
+            time.sleep(3600)
+    elif action == "raise":
+        raise RuntimeError(f"{FAULT_ENV}={fault}: injected failure in the probe's child")
+
+
+def _rebuild(job: dict[str, Any]):
+    from ..data import TokenizedDataset
+    from ..space import Candidate
+    from ..workload import Goals, GPUSpec, ModelSpec, Workload
+
+    m = job["model"]
+    spec = ModelSpec(name=m["name"], config=m["config"], source=m["source"],
+                     local_dir=Path(m["local_dir"]) if m.get("local_dir") else None)
+    gpu_fields = dict(job["gpu"])
+    gpu_fields["aliases"] = tuple(gpu_fields.get("aliases") or ())
+    d = job["dataset"]
+    dataset = TokenizedDataset(name=d["name"], source=d["source"], rows=tuple(d["rows"]),
+                               completion_only_loss=d["completion_only_loss"], dataset_name=d.get("dataset_name"))
+    workload = Workload(model=spec, gpu=GPUSpec(**gpu_fields), dataset=dataset, goals=Goals(**job["goals"]))
+    return workload, Candidate.from_dict(job["candidate"])
+
+
+class StepMeter:
+    """Per optimizer step: end time, micro-batch shapes, trained tokens, and (CUDA) the allocator's peaks."""
+
+    def __init__(self, cuda: bool, heartbeat: Heartbeat, fault: str):
+        self.cuda = cuda
+        self.heartbeat = heartbeat
+        self.fault = fault
+        self.train_begin_ns = 0
+        self.setup_peak = (0, 0)
+        self.ends_ns: list[int] = []
+        self.steps: list[dict[str, Any]] = []
+        self._shapes: list[list[int]] = []
+        self._trained = 0
+
+    def micro_batch(self, inputs: dict[str, Any]) -> None:
+        ids = inputs.get("input_ids")
+        labels = inputs.get("labels")
+        if ids is not None:
+            self._shapes.append(list(ids.shape))
+        if labels is not None:
+            self._trained += int((labels != -100).sum())
+
+    def train_begin(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            self.setup_peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+        self.heartbeat.beat()
+        self.train_begin_ns = time.time_ns()
+
+    def step_begin(self) -> None:
+        if not self.steps:
+            _fault(self.fault, "step")
+
+    def step_end(self) -> None:
+        record: dict[str, Any] = {"shapes": self._shapes, "trained_tokens": self._trained}
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            record["peak_bytes"] = torch.cuda.max_memory_allocated()
+            record["reserved_bytes"] = torch.cuda.max_memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+        now = time.time_ns()
+        previous = self.ends_ns[-1] if self.ends_ns else self.train_begin_ns
+        record["time_s"] = (now - previous) / 1e9
+        self.ends_ns.append(now)
+        self.steps.append(record)
+        self._shapes, self._trained = [], 0
+        self.heartbeat.beat()
+
+
+def _callback(meter: StepMeter):
+    from transformers import TrainerCallback
+
+    class _Callback(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            meter.train_begin()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            meter.step_begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            meter.step_end()
+
+    return _Callback()
+
+
+def _trainer_class(meter: StepMeter):
+    from trl import SFTTrainer
+
+    class ProbeTrainer(SFTTrainer):
+        """SFTTrainer that shows the meter each micro-batch (shape and trained tokens) before training on it."""
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            meter.micro_batch(inputs)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    return ProbeTrainer
+
+
+def _tensor_bytes(tensors) -> int:
+    import torch
+
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _breakdown(trainer, peak: int) -> dict[str, int]:
+    """Parameters and optimizer state (exact, live at every step's peak after the first); the rest unattributed."""
+    from ..measurement import Category
+
+    params = _tensor_bytes(trainer.model.parameters())
+    optim = 0
+    if trainer.optimizer is not None:
+        optim = _tensor_bytes(v for state in trainer.optimizer.state.values() for v in state.values())
+    out = {Category.PARAMETERS.value: params, Category.OPTIMIZER.value: optim}
+    rest = peak - params - optim
+    if rest > 0:
+        out[Category.OTHER.value] = rest
+    return out
+
+
+def _describe(index: int, kinds: list[str], warmup: int, record: dict[str, Any], packed: bool) -> str:
+    shapes = record.get("shapes") or []
+    kind = "packed" if packed else kinds[index] if index < len(kinds) else "typical"
+    warm = ", warm-up" if index < warmup else ""
+    if shapes:
+        widest = max(shapes, key=lambda s: s[0] * (s[1] if len(s) > 1 else 1))
+        batch = f"{len(shapes)} micro-batch(es) up to {' x '.join(map(str, widest))} tokens"
+    else:
+        batch = "no batch seen"
+    return (f"step {index + 1} of {len(kinds)} ({kind} rows{warm}): {batch}, "
+            f"{record.get('trained_tokens', 0)} trained tokens")
+
+
+def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str, state: dict[str, Any]) -> dict:
+    import torch
+
+    from ..emit import build_sft_config, peft_config, quantization_config
+    from ..modeling import placeholder_tokenizer, save_random_model
+    from . import meters
+
+    heartbeat.beat()
+    backend = job["backend"]
+    cuda = backend == "cuda"
+    steps, warmup, budget = int(job["steps"]), int(job["warmup"]), job.get("memory_budget_bytes")
+    workload, candidate = _rebuild(job)
+    spec = workload.model
+    notes: list[str] = []
+    sampler = ctx = None
+    if cuda:
+        if not torch.cuda.is_available():
+            from ..errors import UsageError
+
+            raise UsageError("--backend cuda: no CUDA device is visible to the probe; use --backend cpu")
+        try:
+            sampler = meters.NvmlSampler()
+        except Exception as exc:  # NVML missing or not permitted: fall back on torch's own figures
+            notes.append(f"NVML unavailable ({exc}); device_bytes = reserved + CUDA context estimate")
+        ctx = meters.init_cuda(sampler)
+        if budget:
+            fraction = meters.cap_cuda(int(budget), ctx)
+            notes.append(f"memory cap: {budget} bytes (allocator fraction {fraction:.4f} + context)")
+        if sampler is not None:
+            sampler.start()
+    model_path = job.get("weights") or str(save_random_model(spec, jobdir / "model", candidate))
+    heartbeat.beat()
+    tokenizer = placeholder_tokenizer(spec)
+    train_dataset = workload.dataset.to_hf()
+    total = warmup + steps
+    config = build_sft_config(
+        candidate, workload, output_dir=str(jobdir / "out"), use_cpu=not cuda, max_steps=total,
+        report_to="none", save_strategy="no", logging_strategy="steps", logging_steps=total,
+        train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True, seed=0,
+    )
+    meter = StepMeter(cuda, heartbeat, fault)
+    prof = None
+    if not cuda:
+        torch.ones(64, 64) @ torch.ones(64, 64)  # start the thread pool before measuring the address space
+        if budget:
+            cap = meters.cap_address_space(int(budget))
+            state["cap"] = f"address space capped at {cap} bytes (current + --memory-budget {budget})"
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        prof.__enter__()
+    trainer = _trainer_class(meter)(
+        model=model_path, args=config, train_dataset=train_dataset, processing_class=tokenizer,
+        peft_config=peft_config(candidate, spec), quantization_config=quantization_config(candidate),
+        callbacks=[_callback(meter)],
+    )
+    state["meter"] = meter
+    trainer.train()
+    heartbeat.beat()
+
+    records = meter.steps
+    packed = bool(candidate.packing)
+    kinds = list(job["kinds"])
+    if cuda:
+        import torch as _t
+
+        step_peaks = [r["peak_bytes"] for r in records]
+        peak = max([meter.setup_peak[0], *step_peaks])
+        reserved = max([meter.setup_peak[1], *[r["reserved_bytes"] for r in records]])
+        device = reserved + (ctx.context_bytes if ctx else 0)
+        if sampler is not None:
+            device = max(device, sampler.stop())
+        peak_index = max(range(len(records)), key=lambda i: step_peaks[i]) if records else None
+        if peak_index is not None and meter.setup_peak[0] > step_peaks[peak_index]:
+            peak_index = None
+        del _t
+    else:
+        prof.__exit__(None, None, None)
+        found = meters.cpu_peak(prof)
+        peak = reserved = device = found.peak_bytes
+        peak_index = None
+        if found.time_ns > meter.train_begin_ns:
+            peak_index = next((i for i, end in enumerate(meter.ends_ns) if found.time_ns <= end), len(records) - 1)
+        notes.append("cpu backend: peak from the CPU allocator's events (torch.profiler); step times include the "
+                     "profiler's overhead")
+    measured = records[warmup:]
+    time_s = sum(r["time_s"] for r in measured)
+    tokens = sum(r["trained_tokens"] for r in measured)
+    peak_batch = (_describe(peak_index, kinds, warmup, records[peak_index], packed) if peak_index is not None
+                  else "setup (model loading, before the first step)")
+    if "cap" in state:
+        notes.append(state["cap"])
+    return {
+        "status": "ok",
+        "peak_bytes": int(peak),
+        "reserved_bytes": int(reserved),
+        "device_bytes": int(device),
+        "breakdown": _breakdown(trainer, int(peak)),
+        "step_time_s": time_s / len(measured) if measured else None,
+        "tokens_per_second": tokens / time_s if time_s > 0 else None,
+        "trained_tokens_per_step": int(tokens / len(measured)) if measured else None,
+        "peak_batch": peak_batch,
+        "notes": notes,
+        "steps": [{**r, "description": _describe(i, kinds, warmup, r, packed)} for i, r in enumerate(records)],
+    }
+
+
+def failure(exc: BaseException, job: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """An exception in the child as a result: an allocation failure is `oom` (with its size), the rest `error`."""
+    from .meters import is_oom, oom_request_bytes
+
+    meter = state.get("meter")
+    where = f" in step {len(meter.steps) + 1}" if meter is not None and meter.train_begin_ns else " before training"
+    if is_oom(exc):
+        size = oom_request_bytes(str(exc))
+        what = f"allocating {size} bytes ({size / 2**20:.1f} MiB)" if size is not None else "allocating memory"
+        budget = job.get("memory_budget_bytes")
+        cap = f" under --memory-budget {budget} bytes" if budget else ""
+        notes = [state["cap"]] if "cap" in state else []
+        return {"status": "oom", "message": f"out of memory{where} while {what}{cap}", "notes": notes}
+    tb = traceback.extract_tb(exc.__traceback__)
+    origin = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    text = str(exc).strip().splitlines()
+    return {"status": "error", "message": f"{type(exc).__name__}{where}: {text[0] if text else ''}{origin}",
+            "notes": text[1:6]}
+
+
+def write_result(jobdir: Path, result: dict[str, Any]) -> None:
+    tmp = jobdir / (RESULT_FILE + ".tmp")
+    tmp.write_text(json.dumps(result, default=str))
+    os.replace(tmp, jobdir / RESULT_FILE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    jobdir = Path(argv[0])
+    heartbeat = Heartbeat(jobdir / HEARTBEAT_FILE)
+    heartbeat.beat()
+    fault = os.environ.get(FAULT_ENV, "")
+    _fault(fault, "start")
+    job = json.loads((jobdir / JOB_FILE).read_text())
+    state: dict[str, Any] = {}
+    try:
+        result = run_job(job, jobdir, heartbeat, fault, state)
+    except BaseException as exc:  # every failure is data for the parent
+        traceback.print_exc()
+        result = failure(exc, job, state)
+    write_result(jobdir, result)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: threads, CUDA and the profiler die with the process
+
+
+if __name__ == "__main__":
+    main()
