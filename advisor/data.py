@@ -7,17 +7,27 @@ longest batch) comes from a `TokenizedDataset`: pre-tokenized rows in the column
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import math
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from .errors import DatasetError
+
 if TYPE_CHECKING:
     import datasets
+    from transformers import PreTrainedTokenizerBase
 
     from .space import Candidate
+    from .workload import ModelSpec
 
 # The synthetic set: conversations whose total length is log-normal (median ~ 300 tokens, p99 ~ 1.7k, a tail past
 # 4k, clipped to [16, 8192]) and whose prompt takes 20-60% of it. Documented in README.md.
@@ -26,6 +36,33 @@ SYNTHETIC_SEED = 0
 SYNTHETIC_MEDIAN = 300
 SYNTHETIC_SIGMA = 0.75
 SYNTHETIC_MIN, SYNTHETIC_MAX = 16, 8192
+
+
+class DataFormat(str, Enum):
+    """The dataset formats TRL's SFT accepts."""
+
+    MESSAGES = "messages"  # conversational language modeling
+    CONVERSATIONS = "conversations"  # from/value conversations; TRL converts them to ChatML
+    PROMPT_COMPLETION = "prompt_completion"  # plain or conversational
+    TEXT = "text"
+    TOKENIZED = "input_ids"
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A row that could not be used: where it is (0-based row, 1-based file line) and which field is wrong."""
+
+    index: int
+    field: str
+    reason: str
+    line: int | None = None
+
+    def describe(self) -> str:
+        where = f"line {self.line}" if self.line is not None else f"row {self.index}"
+        return f"{where}: field {self.field!r}: {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "line": self.line, "field": self.field, "reason": self.reason}
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,6 +75,10 @@ class TokenizedDataset:
     completion_only_loss: bool
     dataset_name: str | None = None  # what `trl sft --dataset_name` takes, when there is one
     notes: tuple[str, ...] = ()
+    bad_rows: tuple[BadRow, ...] = ()
+    # rows in the whole source when `rows` is a seeded random sample of it (`--sample N`), else None
+    population: int | None = None
+    format: DataFormat | None = None
     lengths: np.ndarray = field(init=False, repr=False)
     trained: np.ndarray = field(init=False, repr=False)
     # token positions (within each row) that are trained; used to count tokens lost to truncation
@@ -62,6 +103,19 @@ class TokenizedDataset:
         h.update(self.lengths.tobytes())
         h.update(self.trained.tobytes())
         return h.hexdigest()[:16]
+
+    @property
+    def synthetic(self) -> bool:
+        return self.source == "synthetic"
+
+    @property
+    def sampled(self) -> bool:
+        return self.population is not None and self.population > len(self.rows)
+
+    @property
+    def trained_positions(self) -> tuple[np.ndarray, ...]:
+        """Per row, the token positions whose label is not -100."""
+        return self._trained_positions
 
     @property
     def total_trained(self) -> int:
@@ -139,3 +193,416 @@ def synthetic(
         completion_only_loss=True,
         notes=("synthetic data: no dataset was given; lengths are log-normal, see README",),
     )
+
+
+# --- Loading a user's dataset -------------------------------------------------------------------------------------
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_SHOWN_PROBLEMS = 10
+
+
+def load_dataset(
+    spec: str | None,
+    model: ModelSpec,
+    tokenizer: str | None = None,
+    sample: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> TokenizedDataset:
+    """Rows tokenized exactly as SFTTrainer prepares them (TRL's own code, `max_length=None`).
+
+    `spec`: None (the synthetic set), a local .jsonl/.json/.parquet/.csv file or dataset directory, or a hub id.
+    Bad rows are kept in `bad_rows` with their index, line and field; a file with only bad rows, or a line of
+    invalid JSON, raises DatasetError. `sample` draws a seeded random sample of that many rows.
+    """
+    if sample is not None and sample <= 0:
+        raise DatasetError(f"--sample {sample}: must be a positive number of rows, e.g. --sample 2000")
+    if spec is None:
+        data = synthetic(model.vocab_size)
+        if sample is not None:
+            note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} rows)"
+            data = _replace(data, notes=data.notes + (note,))
+        return data
+
+    raw = _read_raw(spec)
+    population = len(raw.rows)
+    indices = np.arange(population)
+    if sample is not None and sample < population:
+        indices = np.sort(np.random.default_rng(seed).choice(population, size=sample, replace=False))
+    rows = [raw.rows[int(i)] for i in indices]
+    lines = None if raw.lines is None else [raw.lines[int(i)] for i in indices]
+
+    fmt = _detect_format(rows, raw.label)
+    good: list[dict[str, Any]] = []
+    good_index: list[int] = []
+    bad: list[BadRow] = []
+    for pos, row in enumerate(rows):
+        index = int(indices[pos])
+        problem = _check_row(row, fmt, model.vocab_size)
+        if problem is None:
+            good.append(_columns(row, fmt))
+            good_index.append(index)
+        else:
+            bad.append(BadRow(index=index, field=problem[0], reason=problem[1],
+                              line=None if lines is None else lines[pos]))
+    if not good:
+        raise DatasetError(
+            f"--dataset {spec}: no usable row in {raw.label} (format {fmt.value}); "
+            + _list_problems([b.describe() for b in bad])
+            + "; fix the rows or omit --dataset to use the synthetic data"
+        )
+
+    tok = None if fmt is DataFormat.TOKENIZED else load_tokenizer(tokenizer, model)
+    input_ids, labels = _prepare_with_trl(good, fmt, tok, spec, progress)
+    completion_only = any(-100 in lab for lab in labels)
+    out_rows = []
+    for ids, lab in zip(input_ids, labels, strict=True):
+        row = {"input_ids": list(ids)}
+        if completion_only:
+            row["completion_mask"] = [int(x != -100) for x in lab]
+        out_rows.append(row)
+
+    notes = []
+    if bad:
+        notes.append(f"{len(bad)} bad row(s) skipped: " + _list_problems([b.describe() for b in bad]))
+    if sample is not None and sample < population:
+        notes.append(f"a seeded random sample (seed {seed}) of {len(rows)} of {population} rows")
+    return TokenizedDataset(
+        name=raw.label,
+        source=raw.source,
+        rows=tuple(out_rows),
+        completion_only_loss=completion_only,
+        dataset_name=spec if raw.source == "hub" else None,
+        notes=tuple(notes),
+        bad_rows=tuple(bad),
+        population=population if sample is not None and sample < population else None,
+        format=fmt,
+    )
+
+
+def load_tokenizer(tokenizer: str | None, model: ModelSpec) -> PreTrainedTokenizerBase:
+    """`--tokenizer PATH`, else the model's directory, else its hub id; DatasetError says how to provide one."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        try:
+            return AutoTokenizer.from_pretrained(tokenizer)
+        except Exception as exc:  # transformers raises OSError, ValueError, EnvironmentError...
+            raise DatasetError(
+                f"--tokenizer {tokenizer}: no tokenizer could be loaded ({_first_line(exc)}); pass a directory that "
+                f"holds one of {', '.join(TOKENIZER_FILES)}"
+            ) from exc
+    local = model.local_dir
+    if local is not None and any((Path(local) / f).exists() for f in TOKENIZER_FILES):
+        try:
+            return AutoTokenizer.from_pretrained(str(local))
+        except Exception as exc:
+            raise DatasetError(
+                f"--model {model.name}: the tokenizer in {local} could not be loaded ({_first_line(exc)}); "
+                "pass --tokenizer PATH"
+            ) from exc
+    hint = ("pass --tokenizer PATH (a directory with tokenizer.json or tokenizer_config.json), "
+            "or omit --dataset to use the built-in synthetic data")
+    if model.source == "local":
+        raise DatasetError(f"--model {model.name}: its directory has no tokenizer; {hint}")
+    try:
+        return AutoTokenizer.from_pretrained(model.name)
+    except Exception as exc:
+        raise DatasetError(
+            f"--model {model.name}: no tokenizer reachable (not local, hub unreachable: {_first_line(exc)}); {hint}"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class _Raw:
+    rows: Sequence[Any]
+    lines: list[int] | None  # 1-based file line of each row (jsonl), else None
+    label: str
+    source: Literal["local", "hub"]
+
+
+def _read_raw(spec: str) -> _Raw:
+    path = Path(spec).expanduser()
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            rows, lines = _read_jsonl(path)
+            return _Raw(rows, lines, str(path), "local")
+        if suffix == ".json":
+            return _read_json(path)
+        if suffix in (".parquet", ".csv"):
+            return _Raw(_read_arrow(path, suffix), None, str(path), "local")
+        raise DatasetError(
+            f"--dataset {spec}: unsupported file type {suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}"
+        )
+    if path.is_dir():
+        return _Raw(_load_hf(str(path), spec), None, str(path), "local")
+    if path.suffix.lower() in LOCAL_SUFFIXES or spec.startswith((".", "/", "~")):
+        raise DatasetError(f"--dataset {spec}: no such file; check the path")
+    return _Raw(_load_hf(spec, spec), None, spec, "hub")
+
+
+def _read_jsonl(path: Path) -> tuple[list[Any], list[int]]:
+    rows, lines, invalid = [], [], []
+    with path.open(encoding="utf-8") as fh:
+        for number, text in enumerate(fh, start=1):
+            if not text.strip():
+                continue
+            try:
+                rows.append(json.loads(text))
+            except json.JSONDecodeError as exc:
+                invalid.append(f"line {number}: invalid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            lines.append(number)
+    if invalid:
+        raise DatasetError(f"--dataset {path}: {_list_problems(invalid)}; each line must be one JSON object")
+    if not rows:
+        raise DatasetError(f"--dataset {path}: the file has no rows")
+    return rows, lines
+
+
+def _read_json(path: Path) -> _Raw:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data":  # JSON lines under a .json name
+            rows, lines = _read_jsonl(path)
+            return _Raw(rows, lines, str(path), "local")
+        raise DatasetError(
+            f"--dataset {path}: invalid JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); the file must "
+            "hold a list of objects, an object of columns, or one object per line"
+        ) from exc
+    if isinstance(data, dict):
+        lists = {k: v for k, v in data.items() if isinstance(v, list)}
+        if len(lists) == 1 and all(isinstance(r, dict) for r in next(iter(lists.values()))):
+            data = next(iter(lists.values()))  # {"data": [...]} / {"train": [...]}
+        elif lists and len(lists) == len(data) and len({len(v) for v in lists.values()}) == 1:
+            keys = list(lists)
+            data = [dict(zip(keys, values, strict=True)) for values in zip(*lists.values(), strict=True)]
+    if not isinstance(data, list):
+        raise DatasetError(f"--dataset {path}: expected a list of rows, got a JSON {type(data).__name__}")
+    if not data:
+        raise DatasetError(f"--dataset {path}: the file has no rows")
+    return _Raw(data, None, str(path), "local")
+
+
+def _read_arrow(path: Path, suffix: str) -> list[dict[str, Any]]:
+    try:
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+        else:
+            import pyarrow.csv as pcsv
+
+            table = pcsv.read_csv(path)
+    except Exception as exc:  # pyarrow.ArrowInvalid and friends
+        raise DatasetError(f"--dataset {path}: cannot read the {suffix[1:]} file ({_first_line(exc)})") from exc
+    if table.num_rows == 0:
+        raise DatasetError(f"--dataset {path}: the file has no rows")
+    return table.to_pylist()
+
+
+def _load_hf(target: str, spec: str) -> Sequence[dict[str, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(target, split="train")
+    except Exception as exc:  # offline, unknown id, no "train" split...
+        raise DatasetError(
+            f"--dataset {spec}: cannot load it with datasets.load_dataset ({_first_line(exc)}); pass a local "
+            f".jsonl/.json/.parquet/.csv file, or omit --dataset to use the built-in synthetic data"
+        ) from exc
+    return ds  # indexable row by row; only the sampled rows are materialized
+
+
+_FORMAT_FIELDS = {
+    DataFormat.TOKENIZED: "input_ids",
+    DataFormat.PROMPT_COMPLETION: "prompt/completion",
+    DataFormat.MESSAGES: "messages",
+    DataFormat.CONVERSATIONS: "conversations",
+    DataFormat.TEXT: "text",
+}
+
+
+def _row_format(row: Any) -> DataFormat | None:
+    if not isinstance(row, dict):
+        return None
+    if row.get("input_ids") is not None:
+        return DataFormat.TOKENIZED
+    if row.get("prompt") is not None and row.get("completion") is not None:
+        return DataFormat.PROMPT_COMPLETION
+    for fmt in (DataFormat.MESSAGES, DataFormat.CONVERSATIONS, DataFormat.TEXT):
+        if row.get(fmt.value) is not None:
+            return fmt
+    return None
+
+
+def _detect_format(rows: Sequence[Any], label: str) -> DataFormat:
+    """The format most rows have; rows of another shape become bad rows."""
+    votes = Counter(f for f in map(_row_format, rows) if f is not None)
+    if not votes:
+        first = rows[0]
+        keys = sorted(first) if isinstance(first, dict) else type(first).__name__
+        raise DatasetError(
+            f"--dataset {label}: no row has a field TRL's SFT reads ({', '.join(_FORMAT_FIELDS.values())}); "
+            f"row 0 has {keys}"
+        )
+    return votes.most_common(1)[0][0]
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _check_text(value: Any, name: str) -> tuple[str, str] | None:
+    if value is None:
+        return name, "missing"
+    if not isinstance(value, str):
+        return name, f"wrong type: expected a string, got {_type_name(value)}"
+    if not value.strip():
+        return name, "empty"
+    return None
+
+
+def _check_messages(value: Any, name: str, role: str = "role", content: str = "content") -> tuple[str, str] | None:
+    if value is None:
+        return name, "missing"
+    if not isinstance(value, list):
+        return name, f"wrong type: expected a list of messages, got {_type_name(value)}"
+    if not value:
+        return name, "empty"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"{name}[{i}]", f"wrong type: expected an object with {role!r} and {content!r}, got " \
+                                   f"{_type_name(message)}"
+        if not isinstance(message.get(role), str):
+            return f"{name}[{i}].{role}", "missing" if message.get(role) is None else "wrong type: expected a string"
+        body = message.get(content)
+        if body is None and not message.get("tool_calls"):
+            return f"{name}[{i}].{content}", "missing"
+        if body is not None and not isinstance(body, (str, list)):
+            return f"{name}[{i}].{content}", f"wrong type: expected a string, got {_type_name(body)}"
+    return None
+
+
+def _check_row(row: Any, fmt: DataFormat, vocab_size: int) -> tuple[str, str] | None:
+    """(field, reason) of the first problem of a row in format `fmt`, or None when TRL can take it."""
+    if not isinstance(row, dict):
+        return "<row>", f"wrong type: expected an object, got {_type_name(row)}"
+    if fmt is DataFormat.TEXT:
+        return _check_text(row.get("text"), "text")
+    if fmt is DataFormat.MESSAGES:
+        return _check_messages(row.get("messages"), "messages")
+    if fmt is DataFormat.CONVERSATIONS:
+        return _check_messages(row.get("conversations"), "conversations", "from", "value")
+    if fmt is DataFormat.PROMPT_COMPLETION:
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if isinstance(prompt, list) or isinstance(completion, list):
+            for value, name in ((prompt, "prompt"), (completion, "completion")):
+                if isinstance(value, str):
+                    return name, "wrong type: a string where the other field is a list of messages"
+                problem = _check_messages(value, name)
+                if problem:
+                    return problem
+            return None
+        if prompt is None:
+            return "prompt", "missing"
+        if not isinstance(prompt, str):
+            return "prompt", f"wrong type: expected a string, got {_type_name(prompt)}"
+        return _check_text(completion, "completion")
+    ids = row.get("input_ids")
+    if ids is None:
+        return "input_ids", "missing"
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return "input_ids", f"wrong type: expected a list of integers, got {_type_name(ids)}"
+    if not ids:
+        return "input_ids", "empty"
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        return "input_ids", f"token id out of the model's vocabulary [0, {vocab_size})"
+    mask = row.get("completion_mask")
+    if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)):
+        return "completion_mask", "wrong type: expected a list of 0/1 as long as input_ids"
+    return None
+
+
+def _columns(row: dict[str, Any], fmt: DataFormat) -> dict[str, Any]:
+    """The columns TRL's preparation reads, so one odd extra column cannot break the Arrow schema."""
+    keep = {
+        DataFormat.TEXT: ("text",),
+        DataFormat.MESSAGES: ("messages", "tools"),
+        DataFormat.CONVERSATIONS: ("conversations", "tools"),
+        DataFormat.PROMPT_COMPLETION: ("prompt", "completion", "tools"),
+        DataFormat.TOKENIZED: ("input_ids", "completion_mask", "assistant_masks"),
+    }[fmt]
+    return {k: row[k] for k in keep if row.get(k) is not None}
+
+
+def _prepare_with_trl(
+    rows: list[dict[str, Any]], fmt: DataFormat, tok: PreTrainedTokenizerBase | None, spec: str, progress: bool
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Run SFTTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`."""
+    import tempfile
+    import types
+    import warnings
+
+    import datasets
+    from trl import SFTConfig
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    columns = sorted({k for r in rows for k in r})
+    try:
+        hf = datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in columns})
+    except Exception as exc:  # pyarrow cannot unify the rows' types
+        raise DatasetError(f"--dataset {spec}: rows of mixed types in one field ({_first_line(exc)})") from exc
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        args = SFTConfig(output_dir=tempfile.gettempdir(), max_length=None, use_cpu=True, report_to="none")
+    # SFTTrainer.__init__ decides these three attributes; `completion_only_loss=None` (the default) means
+    # "prompt/completion data only", and no custom chat template unless `assistant_only_loss`.
+    trainer_like = types.SimpleNamespace(
+        _tokenizer=tok,
+        completion_only_loss=fmt is DataFormat.PROMPT_COMPLETION,
+        chat_template=None,
+    )
+    try:
+        with _progress_bars(progress):
+            prepared = SFTTrainer._prepare_dataset(trainer_like, hf, tok, args, False, None, "train")
+    except Exception as exc:  # TRL/transformers raise ValueError, TemplateError, KeyError...
+        raise DatasetError(
+            f"--dataset {spec}: TRL could not tokenize it ({_first_line(exc)}); a conversational dataset needs a "
+            "tokenizer with a chat template (--tokenizer PATH)"
+        ) from exc
+    return prepared["input_ids"], prepared["labels"]
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool) -> Iterator[None]:
+    from datasets.utils import logging as dlogging
+
+    was = dlogging.is_progress_bar_enabled()
+    (dlogging.enable_progress_bar if enabled else dlogging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (dlogging.enable_progress_bar if was else dlogging.disable_progress_bar)()
+
+
+def _list_problems(problems: Sequence[str]) -> str:
+    shown = "; ".join(problems[:_SHOWN_PROBLEMS])
+    more = len(problems) - _SHOWN_PROBLEMS
+    return shown + (f"; and {more} more" if more > 0 else "")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _replace(data: TokenizedDataset, **changes: Any) -> TokenizedDataset:
+    """`dataclasses.replace` for TokenizedDataset (its derived fields are init=False)."""
+    fields = {k: getattr(data, k) for k in ("name", "source", "rows", "completion_only_loss", "dataset_name",
+                                            "notes", "bad_rows", "population", "format")}
+    fields.update(changes)
+    return TokenizedDataset(**fields)
