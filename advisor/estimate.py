@@ -1,0 +1,408 @@
+"""The analytic estimate: peak memory by category and step time of one candidate, in microseconds.
+
+It follows the path TRL 1.16's SFTTrainer really takes: the loss goes through `add_fused_lm_head`
+(`trl/kernels/chunked_logprob.py`), which projects hidden states through the LM head in tiles of
+4096 tokens x 32768 vocabulary columns and never builds (batch, seq, vocab) logits. On CUDA (Triton) only the
+positions with a label are scored; elsewhere every position is, through fp32 copies of each tile.
+
+The peak is the larger of two moments of a training step:
+- the end of the forward (activations saved for backward, the autocast weight cache, the LM head's tiles and,
+  when gradients accumulate over micro-batches, the previous micro-batches' gradients);
+- the optimizer step (every gradient, the optimizer state and the optimizer's own temporaries).
+Backward lies between the two: activations are freed layer by layer as gradients appear.
+
+Step time is FLOPs (6 x params x tokens for full fine-tuning, 4x for frozen weights, + attention, + the
+recomputed forward under checkpointing) over the profile's dense TFLOP/s x `MFU`, plus the optimizer's
+memory traffic over the profile's bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .measurement import Category, Measurement, Source, Status
+from .space import Attention, Candidate, Optimizer, PackingStrategy, Precision, Quantization, WeightsDtype
+
+if TYPE_CHECKING:
+    from .data import TokenizedDataset
+    from .workload import GPUSpec, ModelSpec, Workload
+
+MiB = 2**20
+CUDA_CONTEXT_BYTES = 500 * MiB
+# Model FLOPs utilisation assumed against the profile's dense peak; typical of a single-GPU HF Trainer run.
+MFU_CUDA = 0.40
+# The CPU profile's TFLOP/s are an order of magnitude only; PyTorch CPU kernels reach about half of it.
+MFU_CPU = 0.50
+# Caching allocator: reserved over allocated at the peak (fragmentation), with and without expandable segments.
+RESERVED_FACTOR = {True: 1.02, False: 1.10}
+# Host-device copies of offloaded activations (PCIe 4/5 effective), half hidden behind compute.
+OFFLOAD_GBS = 25.0
+# bitsandbytes dequantises the frozen base weights on every matmul.
+QUANT_SLOWDOWN = {Quantization.NONE: 1.0, Quantization.NF4: 1.25, Quantization.INT8: 1.6}
+
+# trl/kernels/chunked_logprob.py and trl/trainer/utils.py (TRL 1.16)
+TOKEN_CHUNK = 4096
+VOCAB_CHUNK = 32768
+# SFTTrainer asks add_fused_lm_head for log_probs, entropy and is_top1: seven fp32 per-token vectors.
+LM_HEAD_FP32_VECTORS = 7
+
+_DTYPE_BYTES = {WeightsDtype.FLOAT32: 4, WeightsDtype.BFLOAT16: 2, WeightsDtype.FLOAT16: 2}
+# Bytes per base weight when quantized (nf4: 4-bit codes + an fp32 absmax per block of 64; int8: codes + row scales).
+_QUANT_BYTES = {Quantization.NF4: 0.5 + 4 / 64, Quantization.INT8: 1.0 + 4 / 4096}
+
+
+# ---- the architecture ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Shapes that memory and FLOPs depend on, read from a transformers config."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    q_dim: int
+    kv_dim: int
+    heads: int
+    tied: bool
+    # parameter counts
+    embedding: int
+    lm_head: int  # 0 when tied to the embedding
+    per_layer: int
+    final_norm: int
+    # (module name, in_features, out_features) of each decoder layer's linear projections
+    linears: tuple[tuple[str, int, int], ...]
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.lm_head + self.layers * self.per_layer + self.final_norm
+
+    @property
+    def decoder_linear(self) -> int:
+        """Weights of all decoder linear projections (what autocast casts and what bitsandbytes quantizes)."""
+        return self.layers * sum(i * o for _, i, o in self.linears)
+
+
+@lru_cache(maxsize=64)
+def architecture(model: ModelSpec) -> Architecture:
+    """From the config alone; Llama-style decoders (Llama, Qwen2/3, Mistral, Gemma 1/2/3 text)."""
+    t = model.text_value
+    h = int(t("hidden_size"))
+    heads = int(t("num_attention_heads"))
+    kv_heads = int(t("num_key_value_heads") or heads)
+    head_dim = int(t("head_dim") or h // heads)
+    inter = int(t("intermediate_size"))
+    vocab = int(t("vocab_size"))
+    layers = int(t("num_hidden_layers"))
+    mt = str(model.config.get("model_type", ""))
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    qkv_bias = mt.startswith("qwen2") or bool(t("attention_bias", False))
+    o_bias = bool(t("attention_bias", False))
+    mlp_bias = bool(t("mlp_bias", False))
+    linears = (
+        ("q_proj", h, q_dim), ("k_proj", h, kv_dim), ("v_proj", h, kv_dim), ("o_proj", q_dim, h),
+        ("gate_proj", h, inter), ("up_proj", h, inter), ("down_proj", inter, h),
+    )
+    biases = (q_dim + 2 * kv_dim if qkv_bias else 0) + (h if o_bias else 0) + (2 * inter + h if mlp_bias else 0)
+    norms = 4 * h if mt in ("gemma2", "gemma3", "gemma3_text") else 2 * h
+    if mt in ("qwen3", "gemma3", "gemma3_text", "olmo2"):
+        norms += 2 * head_dim  # q_norm / k_norm
+    per_layer = sum(i * o for _, i, o in linears) + biases + norms
+    tied = bool(t("tie_word_embeddings", mt.startswith("gemma")))
+    return Architecture(
+        layers=layers, hidden=h, intermediate=inter, vocab=vocab, q_dim=q_dim, kv_dim=kv_dim, heads=heads,
+        tied=tied, embedding=vocab * h, lm_head=0 if tied else vocab * h, per_layer=per_layer, final_norm=h,
+        linears=linears,
+    )
+
+
+def lora_parameters(arch: Architecture, candidate: Candidate) -> int:
+    """Adapter parameters: r x (in + out) for each targeted projection of every layer."""
+    targets = set(candidate.lora_target_modules)
+    return arch.layers * sum(candidate.lora_r * (i + o) for name, i, o in arch.linears if name in targets)
+
+
+# ---- the batch -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """One micro-batch as the model sees it: rows x sequence length, and what the loss scores."""
+
+    rows: int
+    seq: int
+    trained: int  # labelled positions (what the CUDA LM head scores)
+    attention_sq: float  # sum over sequences of length^2 (attention FLOPs and eager scores)
+    mask_bytes: int  # the materialised attention mask, when there is one
+
+
+@lru_cache(maxsize=4096)
+def _batches(dataset: TokenizedDataset, c: Candidate) -> tuple[BatchShape, BatchShape]:
+    """The worst micro-batch (the longest rows, truncated) and a typical one (for throughput)."""
+    b, ml = c.per_device_train_batch_size, c.max_length
+    if c.packing:
+        assert ml is not None
+        per_row = dataset.trained_tokens_per_row(c)
+        mean_doc = float(np.minimum(dataset.lengths, ml).mean()) if len(dataset.lengths) else float(ml)
+        attn = b * (ml if c.packing_strategy is PackingStrategy.WRAPPED else ml * mean_doc)
+        flat = c.effective_padding_free
+        shape = BatchShape(
+            rows=1 if flat else b, seq=b * ml if flat else ml, trained=int(round(b * per_row)),
+            attention_sq=float(attn), mask_bytes=_mask(c, b * ml if flat else ml, 1 if flat else b, packed=True),
+        )
+        return shape, shape
+    worst_rows = dataset.longest_rows(b)
+    cap = ml if ml is not None else 1 << 62
+    lens = np.array([min(len(r["input_ids"]), cap) for r in worst_rows], dtype=np.int64)
+    order = np.argsort(-dataset.lengths, kind="stable")[:b]
+    trained_worst = int(dataset.trained_after_truncation(ml)[order].sum())
+    lengths = np.minimum(dataset.lengths, cap)
+    trained_rows = dataset.trained_after_truncation(ml)
+    if c.effective_padding_free:
+        worst = BatchShape(1, int(lens.sum()), trained_worst, float((lens.astype(float) ** 2).sum()),
+                           _mask(c, int(lens.sum()), 1, packed=True))
+        mean_len = float(lengths.mean())
+        typical = BatchShape(1, int(b * mean_len), int(b * trained_rows.mean()), b * mean_len**2, 0)
+        return worst, typical
+    seq = _round_up(int(lens.max()) if len(lens) else 1, c.pad_to_multiple_of)
+    worst = BatchShape(b, seq, trained_worst, float(b * seq * seq), _mask(c, seq, b, packed=False))
+    if c.group_by_length or b == 1:
+        typ_seq = float(lengths.mean())
+    else:
+        # E[max of b random lengths] ~ the b/(b+1) quantile
+        typ_seq = float(np.quantile(lengths, b / (b + 1.0)))
+    typ_seq = float(_round_up(int(math.ceil(typ_seq)), c.pad_to_multiple_of))
+    typical = BatchShape(b, int(typ_seq), int(b * trained_rows.mean()), b * typ_seq**2, 0)
+    return worst, typical
+
+
+def _round_up(n: int, multiple: int | None) -> int:
+    return n if not multiple else -(-n // multiple) * multiple
+
+
+def _mask(c: Candidate, seq: int, rows: int, packed: bool) -> int:
+    """A boolean (rows, 1, seq, seq) mask: sdpa/eager build one for padded batches and for packed position_ids."""
+    if c.attn_implementation is Attention.FLASH_ATTENTION_2:
+        return 0
+    if packed and c.packing_strategy is PackingStrategy.WRAPPED and c.packing and not c.padding_free:
+        return 0  # full rows, plain causal attention
+    return rows * seq * seq
+
+
+# ---- the estimate ----------------------------------------------------------------------------------------------
+
+
+def estimate(workload: Workload, candidate: Candidate) -> Measurement:
+    """Peak memory by category and step time of `candidate`; status ok (the search decides what fits)."""
+    c = candidate
+    gpu = workload.gpu
+    cuda = gpu.is_cuda
+    arch = architecture(workload.model)
+    worst, typical = _batches(workload.dataset, c)
+
+    weight_bytes = _DTYPE_BYTES[c.weights_dtype]
+    mixed = c.precision is not Precision.FP32
+    act_bytes = 2 if (mixed or c.weights_dtype is not WeightsDtype.FLOAT32) else 4
+    autocast = mixed and c.weights_dtype is WeightsDtype.FLOAT32
+
+    # parameters
+    quant = c.use_lora and c.quantization is not Quantization.NONE
+    base_linear = arch.decoder_linear
+    other = arch.total - base_linear
+    if quant:
+        params = int(base_linear * _QUANT_BYTES[c.quantization]) + other * weight_bytes
+    else:
+        params = arch.total * weight_bytes
+    adapters = lora_parameters(arch, c) if c.use_lora else 0
+    params += adapters * 4  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
+
+    # gradients and optimizer state, of what is trained
+    trainable = adapters if c.use_lora else arch.total
+    grad_bytes = 4 if c.use_lora else weight_bytes
+    grads = trainable * grad_bytes
+    optimizer, opt_temp = _optimizer_bytes(c, arch, trainable, grad_bytes)
+
+    # activations saved for backward, at the end of the forward
+    tokens = worst.rows * worst.seq
+    per_layer = _layer_activation_bytes(arch, c, worst, act_bytes, residual_bytes=4 if autocast else act_bytes)
+    resid = tokens * arch.hidden * (4 if autocast else act_bytes)
+    if c.activation_checkpointing:
+        n_ckpt = math.ceil(arch.layers / c.checkpoint_every_n_layers)
+        kept = arch.layers - n_ckpt
+        per_ckpt = resid + (tokens * arch.hidden * act_bytes if c.checkpoint_selective else 0)
+        layer_acts = n_ckpt * per_ckpt + kept * per_layer
+        recompute = per_layer  # one layer's activations rebuilt during its backward
+    else:
+        layer_acts = arch.layers * per_layer
+        recompute = 0
+    if c.activation_offloading:
+        # TRL's offloader moves saved tensors to pinned host memory, keeping about two layers in flight.
+        layer_acts = min(layer_acts, 2 * max(per_layer, resid))
+    # embedding output and final norm input/output
+    activations = layer_acts + 3 * resid + worst.mask_bytes
+    # the autocast cache holds a low-precision copy of every trainable weight until the forward ends
+    if autocast and not c.use_lora:
+        activations += base_linear * 2
+    elif autocast and not quant and not c.activation_checkpointing:
+        activations += base_linear * 2  # frozen weights are cast per call, and saved by each matmul
+
+    lm_saved, lm_peak = _lm_head_bytes(arch, c, worst, cuda, act_bytes, weight_bytes, autocast)
+
+    grads_before = grads if c.gradient_accumulation_steps > 1 else 0
+    head_grad = 0 if c.use_lora else arch.vocab * arch.hidden * grad_bytes
+    forward_end = {
+        Category.PARAMETERS: params,
+        Category.OPTIMIZER: optimizer,
+        Category.GRADIENTS: grads_before,
+        Category.ACTIVATIONS: activations,
+        Category.LM_HEAD: lm_saved + lm_peak,
+        Category.TEMPORARIES: 0,
+    }
+    # after the LM head's backward, the last checkpointed layer is recomputed while every other layer's
+    # activations are still held
+    backward_start = {
+        Category.PARAMETERS: params,
+        Category.OPTIMIZER: optimizer,
+        Category.GRADIENTS: max(grads_before, head_grad),
+        Category.ACTIVATIONS: activations,
+        Category.LM_HEAD: worst.rows * worst.seq * arch.hidden * act_bytes,
+        Category.TEMPORARIES: recompute,
+    }
+    step_end = {
+        Category.PARAMETERS: params,
+        Category.OPTIMIZER: optimizer,
+        Category.GRADIENTS: grads,
+        Category.ACTIVATIONS: 0,
+        Category.LM_HEAD: 0,
+        Category.TEMPORARIES: opt_temp,
+    }
+    moments = {"end of the forward": forward_end, "start of the backward": backward_start, "optimizer step": step_end}
+    when, moment = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    peak = int(sum(moment.values()))
+    reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
+    device = reserved + CUDA_CONTEXT_BYTES if cuda else peak
+
+    step_time, trained_per_step = _step_time(arch, c, gpu, typical, trainable, layer_acts)
+    notes = [
+        f"LM head: TRL's fused tiled head, {'labelled positions only (CUDA)' if cuda else 'every position (CPU)'}",
+        f"peak at the {when}",
+        f"step time from FLOPs at MFU {MFU_CUDA if cuda else MFU_CPU:.2f} of {gpu.name}",
+    ]
+    return Measurement(
+        status=Status.OK,
+        source=Source.ESTIMATE,
+        peak_bytes=peak,
+        reserved_bytes=reserved,
+        device_bytes=device,
+        breakdown={k.value: int(v) for k, v in moment.items()},
+        step_time_s=step_time,
+        tokens_per_second=trained_per_step / step_time if step_time > 0 else None,
+        trained_tokens_per_step=trained_per_step,
+        peak_batch=f"{worst.rows}x{worst.seq}",
+        notes=tuple(notes),
+    )
+
+
+def _optimizer_bytes(c: Candidate, arch: Architecture, trainable: int, grad_bytes: int) -> tuple[int, int]:
+    """(state bytes, peak temporaries of one step)."""
+    state_bytes = grad_bytes  # torch AdamW keeps its moments in the parameter's dtype
+    if c.optim in (Optimizer.ADAMW_TORCH_FUSED,):
+        return 2 * trainable * state_bytes, 0
+    if c.optim is Optimizer.ADAMW_TORCH:
+        # foreach: _foreach_sqrt(exp_avg_sq) and friends allocate one parameter-sized list
+        return 2 * trainable * state_bytes, trainable * state_bytes
+    if c.optim.needs_bitsandbytes:
+        # two 8-bit moments + an fp32 absmax per block of 256 (tensors under 4096 elements stay 32-bit: ignored)
+        return int(trainable * 2 * (1 + 4 / 256)), 0
+    # Adafactor (transformers): factored second moment (row + column) for matrices, no first moment
+    if c.use_lora:
+        targets = [(i, o) for name, i, o in arch.linears if name in set(c.lora_target_modules)]
+        state = arch.layers * sum(c.lora_r * 2 + i + o for i, o in targets) * 4
+        largest = max((c.lora_r * max(i, o) for i, o in targets), default=0)
+    else:
+        state = (arch.layers * sum(i + o for _, i, o in arch.linears) + 2 * (arch.vocab + arch.hidden)) * 4
+        state += (arch.layers * (arch.per_layer - sum(i * o for _, i, o in arch.linears)) + arch.final_norm) * 4
+        largest = arch.vocab * arch.hidden
+    return int(state), 3 * largest * 4  # grad**2, the update and its RMS, each the size of the largest parameter
+
+
+def _layer_activation_bytes(arch: Architecture, c: Candidate, batch: BatchShape, a: int, residual_bytes: int) -> int:
+    """Tensors one decoder layer saves for backward (Llama-style, SwiGLU, RMSNorm in fp32)."""
+    t = batch.rows * batch.seq
+    h, q, kv, inter = arch.hidden, arch.q_dim, arch.kv_dim, arch.intermediate
+    casts = 2 if (a == 2 and residual_bytes == 4) else 0  # autocast casts the input of each projection anew
+    norms = 2 * (4 * h + a * h)  # RMSNorm keeps its fp32 input and its normalised output
+    qkv_in = a * h * (1 + casts)  # one input, or three casts under autocast
+    # rotary q/k, and sdpa's q, k, v (k/v repeated to all heads when a mask is present), output, logsumexp
+    kv_rep = q if batch.mask_bytes else kv
+    attn = a * (2 * q + 2 * kv) + a * (q + 2 * kv_rep + q) + 4 * arch.heads
+    o_in = a * q
+    mlp_in = a * h * (1 + casts // 2)
+    mlp = 4 * a * inter
+    per_token = norms + qkv_in + attn + o_in + mlp_in + mlp
+    out = t * per_token
+    if c.attn_implementation is Attention.EAGER:
+        out += int(arch.heads * batch.attention_sq * (4 + a))  # fp32 softmax + its low-precision copy
+    if c.use_lora:
+        # each adapter keeps its input (dropout output) and the r-dim projection
+        targets = set(c.lora_target_modules)
+        out += t * sum(4 * i + 4 * c.lora_r for name, i, _ in arch.linears if name in targets)
+    return int(out)
+
+
+def _lm_head_bytes(
+    arch: Architecture, c: Candidate, batch: BatchShape, cuda: bool, a: int, weight_bytes: int, autocast: bool
+) -> tuple[int, int]:
+    """(saved for backward, peak temporaries) of TRL's chunked log-prob head."""
+    positions = batch.rows * max(batch.seq - 1, 1)
+    n = batch.trained if cuda else positions
+    h, v = arch.hidden, arch.vocab
+    chunk_t, chunk_v = min(n, TOKEN_CHUNK), min(v, VOCAB_CHUNK)
+    saved = n * h * a + LM_HEAD_FP32_VECTORS * n * 4 + positions * 8  # hidden[mask] / reshape copy, stats, labels
+    tile = chunk_t * chunk_v * a
+    w_chunk = chunk_v * h * a if (autocast or weight_bytes != a) else 0
+    h_chunk = chunk_t * h * a if autocast else 0
+    fwd = tile + w_chunk + h_chunk
+    bwd = tile + w_chunk + h_chunk + n * h * 4  # fp32 grad of the hidden states
+    if not c.use_lora:
+        bwd += v * h * 4  # fp32 grad of the head's weight, accumulated across tiles
+    if not cuda:
+        # torch fallback: tile.float(), the transformed logits, exp and products, each an fp32 tile;
+        # _addmm_fp32 upcasts the tile and the weight chunk
+        fwd += 4 * chunk_t * chunk_v * 4
+        bwd += 5 * chunk_t * chunk_v * 4 + chunk_v * h * 4
+    return int(saved), int(max(fwd, bwd))
+
+
+def _step_time(
+    arch: Architecture, c: Candidate, gpu: GPUSpec, batch: BatchShape, trainable: int, act_bytes: int
+) -> tuple[float, int]:
+    """(seconds per optimizer step, trained tokens per optimizer step) for a typical batch."""
+    tokens = batch.rows * batch.seq
+    body = arch.total - arch.embedding - arch.lm_head
+    passes = 4.0 if c.use_lora else 6.0  # frozen weights: no weight gradients
+    if c.activation_checkpointing:
+        passes += 2.0 / c.checkpoint_every_n_layers * (0.9 if c.checkpoint_selective else 1.0)
+    flops = passes * body * tokens * QUANT_SLOWDOWN[c.quantization if c.use_lora else Quantization.NONE]
+    if c.use_lora:
+        flops += 6.0 * lora_parameters(arch, c) * tokens
+    flops += 3.0 * 2.0 * arch.layers * arch.q_dim * batch.attention_sq  # QK^T and AV, causal half, fwd+bwd
+    scored = batch.trained if gpu.is_cuda else tokens
+    flops += (8.0 if not c.use_lora else 6.0) * arch.vocab * arch.hidden * scored
+    tflops = {Precision.BF16: gpu.bf16_tflops, Precision.FP16: gpu.fp16_tflops}.get(c.precision, 0.0)
+    if c.precision is Precision.FP32 or tflops <= 0:
+        tflops = gpu.fp32_tflops
+    mfu = MFU_CUDA if gpu.is_cuda else MFU_CPU
+    micro = flops / (tflops * 1e12 * mfu)
+    if c.activation_offloading:
+        micro += 0.5 * act_bytes / (OFFLOAD_GBS * 1e9)
+    state_bytes = trainable * (4 + 4 + 8)  # read/write params, grads, two moments
+    optimizer_s = 2 * state_bytes / (gpu.memory_bandwidth_gbs * 1e9)
+    step = micro * c.gradient_accumulation_steps + optimizer_s
+    return step, int(batch.trained * c.gradient_accumulation_steps)
