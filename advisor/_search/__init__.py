@@ -1,0 +1,1 @@
+"""Private helpers of `advisor.search`: the default space, backends, the ledger of measured candidates, storage."""

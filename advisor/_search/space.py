@@ -1,0 +1,280 @@
+"""The default search space of a workload, `--fix` pins, and the accumulation that keeps the effective batch fixed."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..space import (
+    Attention,
+    Candidate,
+    Optimizer,
+    PackingStrategy,
+    Precision,
+    Quantization,
+    SearchSpace,
+    WeightsDtype,
+    default_lora_targets,
+)
+from ..workload import Method
+
+if TYPE_CHECKING:
+    from ..data import TokenizedDataset
+    from ..workload import Workload
+
+# TRL's defaults: per_device_train_batch_size=8, gradient_accumulation_steps=1 -> the default effective batch.
+DEFAULT_ROWS_PER_STEP = 8
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_LORA_R = 16
+
+_BOOL_TRUE = {"true", "1", "yes", "on"}
+_BOOL_FALSE = {"false", "0", "no", "off"}
+_NONE = {"none", "null", "~"}
+
+
+# ---- effective batch ---------------------------------------------------------------------------------------
+class RowTokens:
+    """Trained tokens per micro-batch row for each (max_length, packing, strategy), memoised (it scans the data)."""
+
+    def __init__(self, dataset: TokenizedDataset):
+        self.dataset = dataset
+        self._memo: dict[tuple, float] = {}
+
+    def __call__(self, c: Candidate) -> float:
+        key = (c.max_length, c.packing, c.packing_strategy if c.packing else None)
+        if key not in self._memo:
+            self._memo[key] = max(1e-9, float(self.dataset.trained_tokens_per_row(c)))
+        return self._memo[key]
+
+    def truncation(self, c: Candidate) -> float:
+        key = ("trunc", c.max_length, c.packing, c.packing_strategy if c.packing else None)
+        if key not in self._memo:
+            self._memo[key] = self.dataset.truncated_fraction(c.max_length, c.packing, c.packing_strategy.value)
+        return self._memo[key]
+
+
+def default_tokens_per_step(workload: Workload, row_tokens: RowTokens | None = None) -> int:
+    """The user's --tokens-per-step, else TRL's default 8 rows x mean trained tokens at TRL's default max_length."""
+    if workload.goals.tokens_per_step:
+        return int(workload.goals.tokens_per_step)
+    rt = row_tokens or RowTokens(workload.dataset)
+    return max(1, round(DEFAULT_ROWS_PER_STEP * rt(Candidate.trl_defaults())))
+
+
+def with_accumulation(c: Candidate, tokens_per_step: int, row_tokens: RowTokens) -> Candidate | None:
+    """Set gradient_accumulation_steps so micro-batch x accumulation carries `tokens_per_step` trained tokens.
+
+    None when the micro-batch alone carries more than twice the step (only micro-batch 1 may overshoot).
+    """
+    rows = tokens_per_step / row_tokens(c)
+    b = c.per_device_train_batch_size
+    if b > 1 and b > 2 * rows:
+        return None
+    acc = max(1, round(rows / b))
+    return c if acc == c.gradient_accumulation_steps else dataclasses.replace(c, gradient_accumulation_steps=acc)
+
+
+# ---- the default space -------------------------------------------------------------------------------------
+def max_length_values(dataset: TokenizedDataset, max_truncation: float) -> tuple[int, ...]:
+    """Candidate max_length values from the data (advisor.lengths when present, else rounded percentiles)."""
+    try:
+        from ..lengths import max_length_candidates
+
+        values = tuple(int(v) for v in max_length_candidates(dataset, max_truncation) if v is not None)
+        if values:
+            return tuple(sorted(set(values)))
+    except ImportError:
+        pass
+    lengths = np.asarray(dataset.lengths)
+    if lengths.size == 0:
+        return (1024,)
+    out = {int(math.ceil(float(np.percentile(lengths, q)) / 64.0) * 64) for q in (90, 95, 99, 99.5, 100)}
+    return tuple(sorted(max(64, v) for v in out))
+
+
+def default_space(workload: Workload, method: Method) -> SearchSpace:
+    """Every quality-neutral knob free; quality-changing ones only as the workload's goals allow."""
+    gpu, model, goals = workload.gpu, workload.model, workload.goals
+    cuda = gpu.is_cuda
+    lengths = max_length_values(workload.dataset, goals.max_truncation)
+    precision = (Precision.BF16,) if (not cuda or gpu.supports_bf16) else (Precision.FP16,)
+    weights = [WeightsDtype.FLOAT32]
+    if goals.allow_low_precision_weights:
+        weights.append(WeightsDtype.BFLOAT16 if precision[0] is Precision.BF16 else WeightsDtype.FLOAT16)
+    strategies = [PackingStrategy.BFD, PackingStrategy.BFD_SPLIT]
+    if goals.allow_wrapped:
+        strategies.append(PackingStrategy.WRAPPED)
+    optims = [Optimizer.ADAMW_TORCH_FUSED, Optimizer.ADAMW_TORCH]
+    if cuda:
+        optims += [Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT]
+    attention = [Attention.SDPA]
+    if cuda and gpu.supports_flash_attention:
+        attention.append(Attention.FLASH_ATTENTION_2)
+    every_n = tuple(n for n in (1, 2) if n <= model.num_layers)
+    values: dict[str, tuple[Any, ...]] = {
+        "max_length": (*lengths, None),
+        "packing": (False, True),
+        "packing_strategy": tuple(strategies),
+        "padding_free": (False, True),
+        "per_device_train_batch_size": MICRO_BATCHES,
+        "activation_checkpointing": (False, True),
+        "checkpoint_selective": (False, True),
+        "checkpoint_every_n_layers": every_n,
+        "activation_offloading": (False, True) if cuda else (False,),
+        "optim": tuple(optims),
+        "precision": precision,
+        "weights_dtype": tuple(weights),
+        "group_by_length": (False, True),
+        "attn_implementation": tuple(attention),
+        "expandable_segments": (True,) if cuda else (False,),
+        "use_lora": (method in (Method.LORA, Method.QLORA),),
+        "lora_r": (DEFAULT_LORA_R,),
+        "lora_target_modules": (default_lora_targets(model),),
+        "quantization": (Quantization.NF4, Quantization.INT8) if method is Method.QLORA else (Quantization.NONE,),
+        "pad_to_multiple_of": (None,),
+        "gradient_accumulation_steps": (1,),
+    }
+    return SearchSpace(values)
+
+
+# ---- --fix FIELD=VALUE -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pins:
+    """Knob -> allowed values, from --fix; `methods` narrows full/lora/qlora when a pin implies one."""
+
+    values: Mapping[str, tuple[Any, ...]]
+    methods: frozenset[Method] | None = None
+
+
+# SFTConfig / ModelConfig / TrainingArguments field name -> Candidate field (identity for Candidate's own names).
+_ALIASES = {
+    "gradient_checkpointing": "activation_checkpointing",
+    "dtype": "weights_dtype",
+    "torch_dtype": "weights_dtype",
+    "use_peft": "use_lora",
+    "selective": "checkpoint_selective",
+    "every_n_layers": "checkpoint_every_n_layers",
+    "attention": "attn_implementation",
+}
+_SPECIAL = ("bf16", "fp16", "load_in_4bit", "load_in_8bit", "train_sampling_strategy")
+
+
+def fixable_fields() -> list[str]:
+    names = [f.name for f in dataclasses.fields(Candidate)]
+    return sorted({*names, *_ALIASES, *_SPECIAL})
+
+
+def _parse_bool(text: str) -> bool | None:
+    t = text.strip().lower()
+    return True if t in _BOOL_TRUE else False if t in _BOOL_FALSE else None
+
+
+def _parse_value(field_name: str, text: str) -> tuple[Any, str | None]:
+    """(value, problem) for one Candidate field."""
+    default = getattr(Candidate(), field_name)
+    t = text.strip()
+    if isinstance(default, bool):
+        b = _parse_bool(t)
+        return (b, None) if b is not None else (None, f"--fix {field_name}={text}: not a boolean; use true or false")
+    if field_name in ("max_length", "pad_to_multiple_of") and t.lower() in _NONE:
+        return None, None
+    if isinstance(default, int) or field_name in ("max_length", "pad_to_multiple_of"):
+        try:
+            v = int(t)
+        except ValueError:
+            return None, f"--fix {field_name}={text}: not an integer"
+        return (v, None) if v >= 1 else (None, f"--fix {field_name}={text}: must be >= 1")
+    if isinstance(default, tuple):
+        mods = tuple(m.strip() for m in t.split(",") if m.strip())
+        return (mods, None) if mods else (None, f"--fix {field_name}={text}: name modules, e.g. q_proj,v_proj")
+    enum = type(default)
+    try:
+        return enum(t), None
+    except ValueError:
+        allowed = ", ".join(e.value for e in enum)
+        return None, f"--fix {field_name}={text}: not one of {allowed}"
+
+
+def parse_fix(fix: Mapping[str, Any] | None) -> Pins:
+    """Map SFTConfig / ModelConfig names to Candidate knobs; raise ConfigError naming every bad field at once."""
+    if not fix:
+        return Pins({})
+    names = {f.name for f in dataclasses.fields(Candidate)}
+    pins: dict[str, tuple[Any, ...]] = {}
+    methods: set[Method] | None = None
+    problems: list[str] = []
+
+    def pin(knob: str, vals: tuple[Any, ...]) -> None:
+        pins[knob] = tuple(v for v in pins[knob] if v in vals) if knob in pins else vals
+        if not pins[knob]:
+            problems.append(f"--fix: contradictory values for {knob}")
+
+    for raw_key, raw_value in fix.items():
+        key = str(raw_key).strip()
+        text = str(raw_value).lower() if isinstance(raw_value, bool) else str(raw_value)
+        if key in ("bf16", "fp16"):
+            b = _parse_bool(text)
+            if b is None:
+                problems.append(f"--fix {key}={raw_value}: not a boolean; use true or false")
+            elif b:
+                pin("precision", (Precision(key),))
+            else:
+                pin("precision", tuple(p for p in Precision if p.value != key))
+        elif key in ("load_in_4bit", "load_in_8bit"):
+            b = _parse_bool(text)
+            q = Quantization.NF4 if key == "load_in_4bit" else Quantization.INT8
+            if b is None:
+                problems.append(f"--fix {key}={raw_value}: not a boolean; use true or false")
+            elif b:
+                pin("quantization", (q,))
+                pin("use_lora", (True,))
+                methods = {Method.QLORA}
+            else:
+                pin("quantization", tuple(v for v in Quantization if v is not q))
+        elif key == "train_sampling_strategy":
+            if text not in ("group_by_length", "random", "sequential"):
+                problems.append(f"--fix {key}={raw_value}: not one of group_by_length, random, sequential")
+            else:
+                pin("group_by_length", (text == "group_by_length",))
+        else:
+            knob = _ALIASES.get(key, key)
+            if knob not in names:
+                problems.append(f"--fix {key}: unknown field; fixable: {', '.join(fixable_fields())}")
+                continue
+            value, problem = _parse_value(knob, text)
+            if problem:
+                problems.append(problem)
+                continue
+            pin(knob, (value,))
+            if knob == "use_lora":
+                methods = {Method.LORA, Method.QLORA} if value else {Method.FULL}
+            if knob == "quantization":
+                methods = {Method.FULL, Method.LORA} if value is Quantization.NONE else {Method.QLORA}
+    if problems:
+        raise ConfigError(problems, context="--fix")
+    return Pins(pins, frozenset(methods) if methods is not None else None)
+
+
+def apply_pins(space: SearchSpace, pins: Pins) -> SearchSpace:
+    values = dict(space.values)
+    values.update(pins.values)
+    return SearchSpace(values)
+
+
+def method_order(method: Method, pins: Pins) -> list[Method]:
+    """auto escalates full -> lora -> qlora; a pin may rule some out."""
+    order = [Method.FULL, Method.LORA, Method.QLORA] if method is Method.AUTO else [method]
+    if pins.methods is not None:
+        ruled_out = [m for m in order if m not in pins.methods]
+        order = [m for m in order if m in pins.methods]
+        if not order:
+            implied = ", ".join(sorted(m.value for m in pins.methods))
+            raise ConfigError(f"--method {method.value} contradicts --fix (which implies {implied}); drop one of them")
+        del ruled_out
+    return order

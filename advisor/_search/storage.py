@@ -1,0 +1,68 @@
+"""Where studies live: SQLite under the user's cache by default, any Optuna RDB URL, or a journal file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from optuna.storages import BaseStorage
+
+_VERSIONED = ("advisor", "torch", "transformers", "trl", "peft", "accelerate", "optuna")
+
+
+def cache_dir() -> Path:
+    """$ADVISOR_CACHE_DIR, else $XDG_CACHE_HOME/advisor, else ~/.cache/advisor."""
+    env = os.environ.get("ADVISOR_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "advisor"
+
+
+def library_versions() -> dict[str, str]:
+    out = {}
+    for name in _VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "none"
+    return out
+
+
+def fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def default_storage_url() -> str:
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{d / 'studies.sqlite3'}"
+
+
+def open_storage(url: str | None) -> BaseStorage:
+    """None -> in memory; 'scheme://...' -> RDB storage; anything else is a journal file path."""
+    import optuna
+    from optuna.storages import InMemoryStorage, JournalStorage, RDBStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if url is None:
+        return InMemoryStorage()
+    if "://" in url:
+        try:
+            kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
+            return RDBStorage(url, engine_kwargs=kwargs)
+        except Exception as exc:  # sqlalchemy raises many kinds for a bad URL or driver
+            raise UsageError(f"--storage {url!r}: cannot open ({exc}); use sqlite:///FILE, postgresql://... "
+                             "or a journal file path") from None
+    path = Path(url).expanduser()
+    if not path.parent.exists():
+        raise UsageError(f"--storage {url!r}: directory {path.parent} does not exist")
+    return JournalStorage(JournalFileBackend(str(path)))

@@ -1,0 +1,126 @@
+"""`advisor suggest`: the fastest configuration that fits, as a table, YAML, JSON or Python."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import UsageError
+from ._common import add_workload_args, emit_json, parse_fraction, parse_size, workload_from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("suggest", help="search the fastest configuration that fits the target's memory",
+                              description="Search the memory knobs for the fastest configuration that fits.")
+    add_workload_args(p, model_required=False)
+    p.add_argument("--config", default=None, metavar="RUN.yaml",
+                   help="take model_name_or_path / dataset_name from a trl sft --config file")
+    p.add_argument("--backend", choices=("estimate", "simulate", "cuda", "cpu"), default=None,
+                   help="how candidates are measured (default: cuda when a GPU is present, else simulate)")
+    p.add_argument("--method", choices=("full", "lora", "qlora", "auto"), default="auto",
+                   help="auto: full fine-tuning if anything fits, else LoRA, else QLoRA")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE", help="memory the training may use (default: "
+                   "the card's capacity), e.g. 40GB")
+    p.add_argument("--headroom", default="0.05", help="keep the device peak under budget x (1 - headroom)")
+    p.add_argument("--max-truncation", default="0.01", help="share of trained tokens truncation may drop")
+    p.add_argument("--tokens-per-step", type=int, default=None, help="trained tokens per optimizer step "
+                   "(the effective batch; default: TRL's 8 rows x mean trained tokens per row)")
+    p.add_argument("--trials", type=int, default=None, help="distinct candidates to measure at most")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S", help="stop searching after S seconds")
+    p.add_argument("--fix", action="append", default=[], metavar="FIELD=VALUE",
+                   help="pin a knob by its SFTConfig / ModelConfig name, e.g. optim=adamw_torch (repeatable)")
+    p.add_argument("--allow-low-precision-weights", action="store_true", help="allow pure bf16/fp16 weights")
+    p.add_argument("--allow-wrapped", action="store_true", help="allow 'wrapped' packing (mixes examples)")
+    p.add_argument("--storage", default=None, help="Optuna RDB URL or journal file to share the study")
+    p.add_argument("--study", default=None, help="study name (with --storage; workers join it by this name)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the study cache")
+    p.add_argument("--exhaustive", action="store_true", help="evaluate every valid candidate (benchmarks)")
+    p.add_argument("--format", choices=("table", "yaml", "json", "python"), default="table")
+    p.add_argument("--json", action="store_true", help="same as --format json")
+    p.add_argument("--report", action="store_true", help="with --format table: list every trial")
+    p.add_argument("--output", default=None, metavar="FILE", help="write the configuration to FILE")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="device peak against throughput")
+    p.set_defaults(func=run)
+
+
+def parse_fixes(items: list[str]) -> dict[str, str]:
+    out, bad = {}, []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            bad.append(item)
+        else:
+            out[key.strip()] = value.strip()
+    if bad:
+        raise UsageError(f"--fix {', '.join(map(repr, bad))}: write FIELD=VALUE, e.g. --fix optim=adamw_torch")
+    return out
+
+
+def run(ns: argparse.Namespace) -> int:
+    from ..search import suggest
+    from ..workload import Goals
+
+    fmt = "json" if ns.json else ns.format
+    goals = Goals(
+        memory_budget_bytes=parse_size(ns.memory_budget) if ns.memory_budget else None,
+        headroom=parse_fraction(ns.headroom, "--headroom"),
+        max_truncation=parse_fraction(ns.max_truncation, "--max-truncation"),
+        tokens_per_step=ns.tokens_per_step, method=ns.method,
+        allow_low_precision_weights=ns.allow_low_precision_weights, allow_wrapped=ns.allow_wrapped,
+    )
+    fixes = parse_fixes(ns.fix)
+    if ns.study and not ns.storage:
+        raise UsageError("--study needs --storage (the shared study's URL or journal file)")
+    if ns.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UsageError("--plot needs matplotlib: pip install 'advisor[plot]'")
+    workload = workload_from_args(ns, goals=goals)
+    bar = _ProgressBar() if sys.stderr.isatty() else None
+    try:
+        s = suggest(workload, backend=ns.backend, trials=ns.trials, time_budget_s=ns.time_budget, fix=fixes,
+                    storage=ns.storage, study_name=ns.study, cache=not ns.no_cache, exhaustive=ns.exhaustive,
+                    progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    text = {"yaml": s.to_yaml, "python": s.to_python, "json": lambda: emit_json(s.to_json_dict())}.get(fmt)
+    config_text = text() if text else s.to_yaml()
+    if ns.output:
+        Path(ns.output).write_text(config_text if text else s.to_yaml())
+    if ns.plot:
+        from ..report import plot
+
+        plot(s, ns.plot)
+    if fmt == "table":
+        from ..report import render_report, render_summary
+
+        print(render_report(s) if ns.report else render_summary(s))
+        if ns.output:
+            print(f"\nwrote {ns.output}")
+    else:
+        print(config_text, end="" if config_text.endswith("\n") else "\n")
+    return 0
+
+
+class _ProgressBar:
+    """tqdm over measured candidates: count, best tokens/s so far, ETA."""
+
+    def __init__(self) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=None, unit="cand", file=sys.stderr, leave=False)
+        self._n = 0
+
+    def __call__(self, p) -> None:
+        if self._bar.total != p.total:
+            self._bar.total = p.total
+        self._bar.update(max(0, p.evaluations - self._n))
+        self._n = p.evaluations
+        if p.best_tokens_per_second:
+            self._bar.set_postfix_str(f"best {p.best_tokens_per_second:,.0f} tok/s")
+
+    def close(self) -> None:
+        self._bar.close()

@@ -1,0 +1,130 @@
+"""What the search chose and why: a table of every trial (tabulate), and a plot of peak against throughput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ._search.ledger import device_bytes, feasible
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .suggestion import Suggestion, Trial
+
+_GiB = 2**30
+
+
+def _gib(v: int | None) -> str:
+    return "-" if v is None else f"{v / _GiB:.2f}"
+
+
+def _tps(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f}"
+
+
+def _knobs(t: Trial) -> str:
+    c = t.candidate
+    ckpt = "off"
+    if c.activation_checkpointing:
+        ckpt = "sel" if c.checkpoint_selective else f"1/{c.checkpoint_every_n_layers}"
+    pack = c.packing_strategy.value if c.packing else ("pf" if c.padding_free else "pad")
+    extra = []
+    if c.activation_offloading:
+        extra.append("offload")
+    if c.group_by_length:
+        extra.append("gbl")
+    if c.use_lora:
+        extra.append(f"lora{c.lora_r}" + (f"/{c.quantization.value}" if c.quantization.value != "none" else ""))
+    if c.weights_dtype.value != "float32":
+        extra.append(c.weights_dtype.value)
+    if c.attn_implementation.value != "sdpa":
+        extra.append("fa2")
+    return (f"{c.per_device_train_batch_size}x{c.gradient_accumulation_steps} L={c.max_length} {pack} "
+            f"ckpt={ckpt} {c.optim.value} " + " ".join(extra)).strip()
+
+
+def trial_rows(s: Suggestion) -> list[list[str]]:
+    limit = s.workload.limit_bytes
+    rows = []
+    for t in sorted(s.trials, key=lambda t: -(t.measurement.tokens_per_second or 0) if feasible(t.measurement, limit)
+                    else float("inf")):
+        m = t.measurement
+        rows.append(["" if t.number is None else str(t.number), _knobs(t), _gib(device_bytes(m)),
+                     _tps(m.tokens_per_second), m.status.value,
+                     m.source.value, t.reason])
+    return rows
+
+
+def render_summary(s: Suggestion) -> str:
+    """The short table the CLI prints by default: what was chosen, its numbers, and why."""
+    from tabulate import tabulate
+
+    c, m, wl = s.candidate, s.measurement, s.workload
+    rows = [
+        ["model", wl.model.name], ["target", f"{wl.gpu.name} (limit {_gib(wl.limit_bytes)} GiB of "
+                                            f"{_gib(wl.budget_bytes)} GiB)"],
+        ["method", c.method.value],
+        ["micro-batch x accumulation", f"{c.per_device_train_batch_size} x {c.gradient_accumulation_steps}"],
+        ["max_length", str(c.max_length)],
+        ["packing", c.packing_strategy.value if c.packing else "off"],
+        ["padding_free", str(c.effective_padding_free)],
+        ["activation checkpointing", "off" if not c.activation_checkpointing else
+         ("selective" if c.checkpoint_selective else f"every {c.checkpoint_every_n_layers} layer(s)")],
+        ["activation offloading", str(c.activation_offloading)],
+        ["optim", c.optim.value], ["precision / weights", f"{c.precision.value} / {c.weights_dtype.value}"],
+        ["attention", c.attn_implementation.value], ["group_by_length", str(c.group_by_length)],
+        ["device peak (GiB)", _gib(device_bytes(m))], ["tokens/s (trained)", _tps(m.tokens_per_second)],
+        ["source", m.source.value], ["evaluations", str(s.evaluations)],
+    ]
+    out = tabulate(rows, tablefmt="simple")
+    quality = c.quality_cost(s.truncated_fraction).describe()
+    notes = list(s.reasons) + [f"quality: {q}" for q in quality]
+    if notes:
+        out += "\n\n" + "\n".join(f"- {n}" for n in notes)
+    return out
+
+
+def render_report(s: Suggestion) -> str:
+    """The summary, then every trial with its peak, tokens/s, status and the reason it lost."""
+    from tabulate import tabulate
+
+    table = tabulate(trial_rows(s), headers=["#", "candidate", "device GiB", "tokens/s", "status", "source", "why"],
+                     tablefmt="simple")
+    return render_summary(s) + "\n\nTrials (fastest feasible first):\n" + table
+
+
+def plot(s: Suggestion, path: str | Path) -> Path:
+    """Device peak against throughput: every measured trial, the feasible front and the budget line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'advisor[plot]'") from None
+    limit = s.workload.limit_bytes
+    pts = [(device_bytes(t.measurement), t.measurement.tokens_per_second or 0.0, feasible(t.measurement, limit))
+           for t in s.trials if device_bytes(t.measurement) is not None and t.measurement.status.value != "pruned"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ok = [(d / _GiB, v) for d, v, f in pts if f]
+    bad = [(d / _GiB, v) for d, v, f in pts if not f]
+    if ok:
+        ax.scatter(*zip(*ok, strict=True), s=18, c="tab:blue", label="fits")
+    if bad:
+        ax.scatter(*zip(*bad, strict=True), s=18, c="tab:red", marker="x", label="over the limit / OOM")
+    front = [(device_bytes(t.measurement) / _GiB, t.measurement.tokens_per_second or 0.0) for t in s.front]
+    if front:
+        ax.plot(*zip(*front, strict=True), c="tab:green", drawstyle="steps-post", label="feasible front")
+    ax.axvline(limit / _GiB, c="k", ls="--", lw=1, label=f"limit {limit / _GiB:.1f} GiB")
+    ax.axvline(s.workload.budget_bytes / _GiB, c="gray", ls=":", lw=1, label="budget")
+    ax.scatter([device_bytes(s.measurement) / _GiB], [s.measurement.tokens_per_second or 0], s=120,
+               facecolors="none", edgecolors="tab:orange", lw=2, label="chosen")
+    ax.set_xlabel("device peak (GiB)")
+    ax.set_ylabel("trained tokens / s")
+    ax.set_title(f"{s.workload.model.name} on {s.workload.gpu.name} ({s.measurement.source.value})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,706 @@
+"""The search: an Optuna study over the SearchSpace that finds the fastest candidate that fits, and confirms it.
+
+Objective: trained tokens per second at a fixed effective batch (micro-batch x accumulation is a knob, the
+trained tokens per optimizer step are not). Constraint (`Trial.set_constraint`): device bytes <= the limit.
+Proposals come, in order, from the study's queue (the estimate's best guesses, or every candidate with
+`exhaustive`), from the neighbours of the best candidate so far, and from TPE. Each distinct candidate is
+measured once (our ledger; TPE repeats points), a measured failure bounds its larger neighbours, and the
+estimate prunes candidates far over the limit before a costlier backend sees them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from ._search.backends import (
+    FunctionBackend,
+    backend_names,
+    default_backend_name,
+    get_backend,
+    register_backend,
+    unregister_backend,
+)
+from ._search.ledger import Entry, Ledger, candidate_key, device_bytes, feasible
+from ._search.space import (
+    RowTokens,
+    apply_pins,
+    default_space,
+    default_tokens_per_step,
+    method_order,
+    parse_fix,
+    with_accumulation,
+)
+from ._search.storage import cache_dir, default_storage_url, fingerprint, library_versions, open_storage
+from .errors import ConfigError, NoFitError, UsageError
+from .measurement import Measurement, Source, Status
+from .space import Candidate, SearchSpace
+from .suggestion import Suggestion, Trial
+from .workload import Goals, Method, Workload
+
+if TYPE_CHECKING:
+    import optuna
+
+__all__ = [
+    "suggest", "run_worker", "build_space", "Progress", "register_backend", "unregister_backend", "backend_names",
+    "default_backend_name", "cache_dir", "parse_fix", "DEFAULT_TRIALS",
+]
+
+DEFAULT_TRIALS = 40
+PRUNE_FACTOR = 1.3  # the estimate prunes a candidate over limit x this: "far over budget", allowing its error
+SEEDS = 8
+_SPEC_KEY = "advisor"
+_GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Reported after every trial (the CLI draws a bar from it)."""
+
+    evaluations: int
+    total: int
+    best_tokens_per_second: float | None
+    elapsed_s: float
+    message: str = ""
+
+
+# ---- the space ---------------------------------------------------------------------------------------------
+def build_space(workload: Workload, method: Method = Method.FULL, fix: Mapping[str, Any] | None = None) -> SearchSpace:
+    """The default space of `workload` for one method, narrowed by `fix` (SFTConfig / ModelConfig names)."""
+    return apply_pins(default_space(workload, method), parse_fix(fix))
+
+
+def _encode(v: Any) -> Any:
+    if isinstance(v, Enum):
+        return v.value
+    if isinstance(v, tuple):
+        return ",".join(v)
+    return v
+
+
+class _Space:
+    """A SearchSpace seen by Optuna: one categorical per knob with more than one value; decoding checks validity."""
+
+    def __init__(self, workload: Workload, space: SearchSpace, tokens_per_step: int, rows: RowTokens):
+        self.workload, self.space, self.tokens_per_step, self.rows = workload, space, tokens_per_step, rows
+        self.fixed = {k: v[0] for k, v in space.values.items() if len(v) == 1}
+        self.params = {k: tuple(v) for k, v in sorted(space.values.items()) if len(v) > 1}
+        self.base = Candidate().replace(**self.fixed) if self.fixed else Candidate()
+
+    def choices(self, name: str) -> list[Any]:
+        return [_encode(v) for v in self.params[name]]
+
+    def decode(self, params: Mapping[str, Any]) -> Candidate | str:
+        """The candidate for Optuna params, or why it is not admissible."""
+        values = {}
+        for k, vals in self.params.items():
+            enc = self.choices(k)
+            values[k] = vals[enc.index(params[k])]
+        try:
+            cand = self.base.replace(**values).canonical()
+        except ConfigError as exc:
+            return str(exc)
+        return self.admit(cand)
+
+    def admit(self, cand: Candidate) -> Candidate | str:
+        wl = self.workload
+        problems = cand.problems(wl.gpu, wl.model)
+        if problems:
+            return "; ".join(problems)
+        lost = self.rows.truncation(cand)
+        if lost > wl.goals.max_truncation:
+            return f"loses {lost:.2%} of trained tokens to truncation (--max-truncation {wl.goals.max_truncation:.2%})"
+        out = with_accumulation(cand, self.tokens_per_step, self.rows)
+        if out is None:
+            return "one micro-batch carries more than twice the effective batch"
+        return out
+
+    def params_of(self, cand: Candidate) -> dict[str, Any]:
+        out = {}
+        for k in self.params:
+            v = _encode(getattr(cand, k))
+            out[k] = v if v in self.choices(k) else self.choices(k)[0]  # irrelevant knobs canonicalise away
+        return out
+
+    def candidates(self) -> Iterator[Candidate]:
+        seen: set[Candidate] = set()
+        for cand in self.space.grid(self.base):
+            cand = cand.canonical()
+            if cand in seen:
+                continue
+            seen.add(cand)
+            out = self.admit(cand)
+            if isinstance(out, Candidate):
+                yield out
+
+    def neighbours(self, cand: Candidate) -> Iterator[Candidate]:
+        """Admissible candidates that differ from `cand` in one knob."""
+        for k, vals in self.params.items():
+            for v in vals:
+                if v == getattr(cand, k):
+                    continue
+                try:
+                    other = cand.replace(**{k: v}).canonical()
+                except ConfigError:
+                    continue
+                out = self.admit(other)
+                if isinstance(out, Candidate) and out != cand:
+                    yield out
+
+    def to_json(self) -> dict[str, list[Any]]:
+        return {k: [_encode(v) for v in vals] for k, vals in self.space.values.items()}
+
+
+def _space_from_json(data: Mapping[str, list[Any]]) -> SearchSpace:
+    def dec(k: str, v: Any) -> Any:
+        return tuple(x for x in v.split(",") if x) if k == "lora_target_modules" and isinstance(v, str) else v
+
+    values = {}
+    for k, vals in data.items():
+        decoded = []
+        for v in vals:
+            d = dec(k, v)
+            decoded.append(getattr(Candidate(**{k: d}), k))  # strings back to Enums
+        values[k] = tuple(decoded)
+    return SearchSpace(values)
+
+
+# ---- one study ---------------------------------------------------------------------------------------------
+@dataclass
+class _Outcome:
+    ledger: Ledger
+    best: Entry | None
+    evaluations: int
+    new_measurements: int
+    study: optuna.Study
+    notes: list[str]
+
+
+class _Study:
+    """One method's search: the Optuna study, our ledger, the estimate, and the backend."""
+
+    def __init__(self, workload: Workload, method: Method, space: _Space, backend: FunctionBackend,
+                 study: optuna.Study, progress: Callable[[Progress], None] | None = None):
+        self.workload, self.method, self.space, self.backend, self.study = workload, method, space, backend, study
+        self.limit = workload.limit_bytes
+        self.ledger = Ledger(self.limit)
+        self.progress = progress
+        self.new_measurements = 0
+        self.notes: list[str] = []
+        self._estimates: dict[str, Measurement | None] = {}
+        self._estimate_fn = self._load_estimate()
+        self.refresh()
+
+    # -- estimate ------------------------------------------------------------------------------------------
+    def _load_estimate(self) -> Callable[[Workload, Candidate], Measurement] | None:
+        if self.backend.name == "estimate":
+            return None  # no cheaper backend to prune or rank with
+        try:
+            from .estimate import estimate
+        except ImportError:
+            return None
+        return estimate
+
+    def estimate(self, cand: Candidate) -> Measurement | None:
+        if self._estimate_fn is None:
+            return None
+        key = candidate_key(cand)
+        if key not in self._estimates:
+            try:
+                self._estimates[key] = self._estimate_fn(self.workload, cand)
+            except Exception:  # an estimate that cannot price a candidate only loses its help
+                self._estimates[key] = None
+        return self._estimates[key]
+
+    def _estimated_tps(self, cand: Candidate) -> float:
+        est = self.estimate(cand)
+        if est is None or not est.ok:
+            return 0.0
+        d = device_bytes(est)
+        if d is not None and d > self.limit * PRUNE_FACTOR:
+            return -1.0
+        return est.tokens_per_second or 0.0
+
+    # -- the ledger, rebuilt from the study (other runs and workers write there too) ---------------------------
+    def refresh(self) -> None:
+        from optuna.trial import TrialState
+
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            attrs = t.user_attrs
+            if "measurement" not in attrs or attrs.get("cached"):
+                continue
+            key = attrs["key"]
+            if key in self.ledger:
+                continue
+            cand = Candidate.from_dict(attrs["candidate"])
+            self.ledger.add(Entry(cand, Measurement.from_dict(attrs["measurement"]), t.number,
+                                  bool(attrs.get("measured")), attrs.get("reason", "")))
+
+    def _running_elsewhere(self, key: str, number: int) -> bool:
+        from optuna.trial import TrialState
+
+        return any(t.user_attrs.get("key") == key and t.number != number
+                   for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+    # -- evaluating one candidate --------------------------------------------------------------------------
+    def evaluate(self, cand: Candidate, number: int | None) -> tuple[Entry, bool]:
+        """(entry, cached). Measures only a candidate never seen, not bounded and not far over by the estimate."""
+        key = candidate_key(cand)
+        hit = self.ledger.get(key)
+        if hit is not None:
+            return hit, True
+        bound = self.ledger.bound(cand)
+        if bound is not None:
+            m = Measurement(Status.PRUNED, bound.measurement.source,
+                            message=f"cannot fit: trial #{bound.number}, no hungrier, already failed")
+            entry = Entry(cand, m, number, measured=False, reason=m.message)
+        else:
+            est = self.estimate(cand)
+            d = device_bytes(est) if est is not None else None
+            if est is not None and d is not None and d > self.limit * PRUNE_FACTOR:
+                m = Measurement(Status.PRUNED, Source.ESTIMATE, peak_bytes=est.peak_bytes,
+                                reserved_bytes=est.reserved_bytes, device_bytes=est.device_bytes,
+                                tokens_per_second=est.tokens_per_second,
+                                message=f"estimate {d / _GiB:.1f} GiB, far over the limit {self.limit / _GiB:.1f}")
+                entry = Entry(cand, m, number, measured=False, reason=m.message)
+            else:
+                m = self._measure(cand)
+                self.new_measurements += 1
+                entry = Entry(cand, m, number, measured=True, reason=_failure_reason(m, self.limit))
+        self.ledger.add(entry)
+        return entry, False
+
+    def _measure(self, cand: Candidate) -> Measurement:
+        start = time.perf_counter()
+        try:
+            m = self.backend.measure(self.workload, cand)
+        except (KeyboardInterrupt, NoFitError):
+            raise
+        except Exception as exc:  # a crash of one candidate is an outcome, not the end of the search
+            return Measurement(Status.ERROR, _source_of(self.backend.name), message=f"{type(exc).__name__}: {exc}",
+                               wall_time_s=time.perf_counter() - start)
+        if m.wall_time_s is None:
+            m = dataclasses.replace(m, wall_time_s=time.perf_counter() - start)
+        return m
+
+    # -- the Optuna side -----------------------------------------------------------------------------------
+    def _tell(self, trial: optuna.Trial, entry: Entry | None, cached: bool, reason: str = "") -> None:
+        trial.set_user_attr("cached", cached)
+        if entry is None:  # not admissible: infeasible for TPE, never measured
+            trial.set_user_attr("invalid", reason[:500])
+            trial.set_constraint("device_bytes", 1.0)
+            self.study.tell(trial, 0.0)
+            return
+        m = entry.measurement
+        trial.set_user_attr("key", candidate_key(entry.candidate))
+        trial.set_user_attr("candidate", entry.candidate.to_dict())
+        trial.set_user_attr("measurement", _json_safe(m.to_dict()))
+        trial.set_user_attr("measured", entry.measured)
+        trial.set_user_attr("reason", entry.reason)
+        d = device_bytes(m)
+        violation = (d - self.limit) / _GiB if (m.ok and d is not None) else 1.0 + (d or 0) / _GiB
+        trial.set_constraint("device_bytes", float(violation))
+        self.study.tell(trial, float(m.tokens_per_second or 0.0) if m.ok else 0.0)
+
+    def step(self, trial: optuna.Trial) -> tuple[Entry | None, bool]:
+        """Evaluate the candidate of one asked trial and tell the study."""
+        params = {k: trial.suggest_categorical(k, self.space.choices(k)) for k in self.space.params}
+        cand = self.space.decode(params)
+        if not isinstance(cand, Candidate):
+            self._tell(trial, None, True, cand)
+            return None, True
+        key = candidate_key(cand)
+        trial.set_user_attr("key", key)
+        self.refresh()
+        if key not in self.ledger and self._running_elsewhere(key, trial.number):
+            from optuna.trial import TrialState
+
+            trial.set_user_attr("claimed_elsewhere", True)
+            self.study.tell(trial, state=TrialState.FAIL)
+            return None, True
+        try:
+            entry, cached = self.evaluate(cand, trial.number)
+        except BaseException:
+            from optuna.trial import TrialState
+
+            self.study.tell(trial, state=TrialState.FAIL)  # finished trials stay; this one is retried next run
+            raise
+        self._tell(trial, entry, cached)
+        return entry, cached
+
+    def enqueue(self, cands: list[Candidate], tag: str) -> None:
+        for c in cands:
+            if candidate_key(c) not in self.ledger:
+                self.study.enqueue_trial(self.space.params_of(c), user_attrs={"proposed_by": tag}, skip_if_exists=True)
+
+    def waiting(self) -> int:
+        from optuna.trial import TrialState
+
+        return len(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+    def seeds(self, n: int) -> list[Candidate]:
+        """The estimate's best guesses among candidates it does not put far over the limit."""
+        if self._estimate_fn is None:
+            return []
+        scored = [(self._estimated_tps(c), i, c) for i, c in enumerate(self.space.candidates())]
+        scored = [s for s in scored if s[0] > 0]
+        scored.sort(key=lambda s: (-s[0], s[1]))
+        return [c for _, _, c in scored[:n]]
+
+    def next_neighbour(self) -> Candidate | None:
+        """The unmeasured neighbour of the best candidate so far that the estimate ranks fastest."""
+        best = self.ledger.best()
+        if best is None:
+            return None
+        fresh = [c for c in self.space.neighbours(best.candidate)
+                 if candidate_key(c) not in self.ledger and self.ledger.bound(c) is None]
+        if not fresh:
+            return None
+        if self._estimate_fn is None:
+            return fresh[0]
+        ranked = sorted(fresh, key=lambda c: -self._estimated_tps(c))
+        return ranked[0] if self._estimated_tps(ranked[0]) >= 0 else None
+
+    def run(self, *, trials: int, time_budget_s: float | None, exhaustive: bool, queue_only: bool = False,
+            idle_s: float = 0.0) -> None:
+        """Ask, evaluate, tell until `trials` distinct measurements (in the study), the time budget, or no new point."""
+        start = time.perf_counter()
+        if exhaustive:
+            self.enqueue(list(self.space.candidates()), "exhaustive")
+        elif not queue_only:
+            self.enqueue(self.seeds(SEEDS), "estimate")
+        misses, turn = 0, 0
+        miss_limit = 40
+        idle_since: float | None = None
+        while True:
+            done = len(self.ledger.measured)
+            if not exhaustive and not queue_only and done >= trials:
+                break
+            if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+                self.notes.append(f"stopped by --time-budget {time_budget_s:g}s after {done} measurements")
+                break
+            waiting = self.waiting()
+            if not waiting:
+                if exhaustive or queue_only:
+                    if queue_only and idle_s > 0:
+                        idle_since = idle_since or time.perf_counter()
+                        if time.perf_counter() - idle_since < idle_s:
+                            time.sleep(0.2)
+                            continue
+                    break
+                turn += 1
+                if turn % 2:
+                    nb = self.next_neighbour()
+                    if nb is not None:
+                        self.enqueue([nb], "neighbour")
+                if misses >= miss_limit:
+                    self.notes.append(f"stopped after {miss_limit} proposals in a row gave no new candidate")
+                    break
+            idle_since = None
+            trial = self.study.ask()
+            if queue_only and "fixed_params" not in trial.system_attrs:
+                from optuna.trial import TrialState
+
+                self.study.tell(trial, state=TrialState.FAIL)  # lost the race for the last queued trial
+                continue
+            entry, cached = self.step(trial)
+            misses = misses + 1 if (cached or entry is None or not entry.measured) else 0
+            if self.progress is not None:
+                best = self.ledger.best()
+                self.progress(Progress(len(self.ledger.measured), trials, best.measurement.tokens_per_second
+                                       if best else None, time.perf_counter() - start,
+                                       _describe(entry.candidate) if entry else ""))
+
+    def wait_for_running(self, timeout_s: float = 600.0) -> None:
+        """Workers may still be measuring queued candidates; their results belong in the answer."""
+        from optuna.trial import TrialState
+
+        end = time.perf_counter() + timeout_s
+        while time.perf_counter() < end:
+            running = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                       if "key" in t.user_attrs]
+            if not running:
+                break
+            time.sleep(0.2)
+        self.refresh()
+
+    # -- confirmation --------------------------------------------------------------------------------------
+    def confirm(self, entry: Entry) -> Measurement:
+        """One more measurement of the same backend (stored in the study, so a rerun does not repeat it)."""
+        attr = "confirm:" + fingerprint(candidate_key(entry.candidate))
+        stored = self.study.user_attrs.get(attr)
+        if stored is not None:
+            return Measurement.from_dict(stored)
+        m = self._measure(entry.candidate)
+        self.study.set_user_attr(attr, _json_safe(m.to_dict()))
+        return m
+
+
+def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+def _source_of(backend: str) -> Source:
+    return {"estimate": Source.ESTIMATE, "simulate": Source.SIMULATE, "cuda": Source.PROBE_CUDA}.get(
+        backend, Source.PROBE_CPU if backend == "cpu" else Source.ESTIMATE)
+
+
+def _failure_reason(m: Measurement, limit: int) -> str:
+    if m.status is Status.OOM:
+        return "out of memory" + (f": {m.message}" if m.message else "")
+    if not m.ok:
+        return f"{m.status.value}: {m.message}" if m.message else m.status.value
+    d = device_bytes(m)
+    if d is None:
+        return "no device peak measured"
+    if d > limit:
+        return f"device {d / _GiB:.2f} GiB over the limit {limit / _GiB:.2f} GiB"
+    return ""
+
+
+def _describe(c: Candidate) -> str:
+    ckpt = "off"
+    if c.activation_checkpointing:
+        ckpt = "selective" if c.checkpoint_selective else f"every {c.checkpoint_every_n_layers}"
+    pack = c.packing_strategy.value if c.packing else ("padding-free" if c.padding_free else "padded")
+    return (f"mb={c.per_device_train_batch_size}x{c.gradient_accumulation_steps} len={c.max_length} {pack} "
+            f"ckpt={ckpt} {c.optim.value}")
+
+
+# ---- public API ----------------------------------------------------------------------------------------------
+def _goals(base: Goals | None, **given: Any) -> Goals:
+    defaults = Goals()
+    merged = dict((base or defaults).__dict__)
+    for k, v in given.items():
+        if v is not None and (base is None or v != getattr(defaults, k)):
+            merged[k] = v
+    return Goals(**merged)
+
+
+def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | None, goals: dict[str, Any]) -> Workload:
+    if isinstance(model, Workload):
+        if gpu is not None or dataset is not None:
+            raise UsageError("suggest(): pass gpu and dataset inside the Workload, not beside it")
+        return dataclasses.replace(model, goals=_goals(model.goals, **goals))
+    from .workload import build_workload
+
+    return build_workload(model, gpu=gpu, dataset=dataset, goals=_goals(None, **goals))
+
+
+def _study_name(workload: Workload, backend: str, method: Method, space: _Space) -> str:
+    fp = fingerprint({
+        "workload": workload.fingerprint(), "backend": backend, "method": method.value, "space": space.to_json(),
+        "tokens_per_step": space.tokens_per_step, "limit": workload.limit_bytes, "versions": library_versions(),
+    })
+    short = workload.model.name.rstrip("/").split("/")[-1]
+    return f"advisor-{short}-{workload.gpu.name}-{backend}-{method.value}-{fp}"
+
+
+def _create_study(storage: optuna.storages.BaseStorage, name: str, spec: dict[str, Any]) -> optuna.Study:
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.TPESampler(seed=0, multivariate=True, group=True, constant_liar=True,
+                                             n_startup_trials=5)
+    study = optuna.create_study(study_name=name, storage=storage, direction="maximize", sampler=sampler,
+                                load_if_exists=True)
+    if _SPEC_KEY not in study.user_attrs:
+        study.set_user_attr(_SPEC_KEY, spec)
+    return study
+
+
+def _spec(workload: Workload, backend: str, method: Method, space: _Space, origin: dict[str, Any]) -> dict[str, Any]:
+    return {"backend": backend, "method": method.value, "space": space.to_json(),
+            "tokens_per_step": space.tokens_per_step, "workload_fingerprint": workload.fingerprint(),
+            "goals": {k: (v.value if isinstance(v, Enum) else v) for k, v in workload.goals.__dict__.items()},
+            **origin}
+
+
+def suggest(
+    model: str | Workload,
+    gpu: str | None = None,
+    dataset: str | None = None,
+    *,
+    backend: str | None = None,
+    method: str | Method = "auto",
+    memory_budget: int | None = None,
+    headroom: float = 0.05,
+    max_truncation: float = 0.01,
+    tokens_per_step: int | None = None,
+    trials: int | None = None,
+    time_budget_s: float | None = None,
+    fix: Mapping[str, Any] | None = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+    cache: bool = True,
+    exhaustive: bool = False,
+    allow_low_precision_weights: bool = False,
+    allow_wrapped: bool = False,
+    progress: Callable[[Progress], None] | None = None,
+) -> Suggestion:
+    """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
+
+    Raises NoFitError (exit 1) when nothing fits, ConfigError / UsageError (exit 2) for bad input.
+    """
+    try:
+        method = Method(method)
+    except ValueError:
+        raise UsageError(f"--method {method!r}: choose one of full, lora, qlora, auto") from None
+    if trials is not None and trials < 1:
+        raise UsageError(f"--trials {trials}: must be >= 1")
+    goals = dict(memory_budget_bytes=memory_budget, headroom=headroom, max_truncation=max_truncation,
+                 tokens_per_step=tokens_per_step, method=method,
+                 allow_low_precision_weights=allow_low_precision_weights or None, allow_wrapped=allow_wrapped or None)
+    origin = {"model": model if isinstance(model, str) else None, "gpu": gpu, "dataset": dataset}
+    workload = _resolve_workload(model, gpu, dataset, goals)
+    backend_name = backend or default_backend_name()
+    be = get_backend(backend_name)
+    pins = parse_fix(fix)
+    order = method_order(workload.goals.method, pins)
+    rows = RowTokens(workload.dataset)
+    tps = default_tokens_per_step(workload, rows)
+    store = open_storage(storage if storage else (default_storage_url() if cache else None))
+    reasons: list[str] = []
+    if not workload.goals.tokens_per_step:
+        reasons.append(f"effective batch: {tps} trained tokens per optimizer step (TRL's default 8 rows x mean "
+                       "trained tokens per row; set --tokens-per-step to change)")
+    smallest: list[tuple[int, Candidate]] = []
+    for i, m in enumerate(order):
+        space = _Space(workload, apply_pins(default_space(workload, m), pins), tps, rows)
+        name = study_name if study_name and len(order) == 1 else (
+            f"{study_name}-{m.value}" if study_name else _study_name(workload, backend_name, m, space))
+        study = _create_study(store, name, _spec(workload, backend_name, m, space, origin))
+        run = _Study(workload, m, space, be, study, progress)
+        run.run(trials=trials or DEFAULT_TRIALS, time_budget_s=time_budget_s, exhaustive=exhaustive)
+        if storage:
+            run.wait_for_running()
+        best = _confirmed_best(run, reasons)
+        if best is not None:
+            entry, confirmed = best
+            if run.new_measurements == 0 and run.ledger.measured:
+                reasons.append(f"answered from the stored study {name!r}: no new measurement")
+            return _suggestion(workload, run, entry, confirmed, reasons, backend_name)
+        low = _smallest(run)
+        if low is not None:
+            smallest.append(low)
+        peak = f"; the smallest device peak found was {low[0] / _GiB:.2f} GiB" if low else ""
+        nxt = order[i + 1].value if i + 1 < len(order) else None
+        reasons.append(f"{m.value}: nothing fits the limit {workload.limit_bytes / _GiB:.2f} GiB{peak}"
+                       + (f"; escalated to {nxt}" if nxt else ""))
+    raise NoFitError(_no_fit_message(workload, order, smallest, reasons))
+
+
+def _confirmed_best(run: _Study, reasons: list[str]) -> tuple[Entry, Measurement] | None:
+    rejected: set[str] = set()
+    for _ in range(3):
+        ok = [e for e in run.ledger.measured
+              if feasible(e.measurement, run.limit) and candidate_key(e.candidate) not in rejected]
+        if not ok:
+            return None
+        best = max(ok, key=lambda e: e.measurement.tokens_per_second or 0.0)
+        confirmed = run.confirm(best)
+        if feasible(confirmed, run.limit):
+            return best, confirmed
+        rejected.add(candidate_key(best.candidate))
+        reasons.append(f"{_describe(best.candidate)} failed its confirmation ({_failure_reason(confirmed, run.limit)})")
+    return None
+
+
+def _smallest(run: _Study) -> tuple[int, Candidate] | None:
+    sized = [(device_bytes(e.measurement), e.candidate) for e in run.ledger.entries.values()
+             if device_bytes(e.measurement) is not None]
+    return min(sized, key=lambda s: s[0]) if sized else None  # type: ignore[return-value]
+
+
+def _no_fit_message(workload: Workload, order: list[Method], smallest: list[tuple[int, Candidate]],
+                    reasons: list[str]) -> str:
+    limit = workload.limit_bytes / _GiB
+    head = f"nothing fits {workload.gpu.name} within {limit:.2f} GiB (budget x (1 - headroom))"
+    if smallest:
+        d, c = min(smallest, key=lambda s: s[0])
+        head += f"; the smallest device peak found was {d / _GiB:.2f} GiB ({_describe(c)})"
+    last = order[-1]
+    nxt = {Method.FULL: "--method lora (or auto)", Method.LORA: "--method qlora"}.get(
+        last, "a larger --memory-budget or --gpu")
+    return head + f"; next knob to try: {nxt}. " + " | ".join(reasons)
+
+
+def _suggestion(workload: Workload, run: _Study, entry: Entry, confirmed: Measurement, reasons: list[str],
+                backend: str) -> Suggestion:
+    best_tps = confirmed.tokens_per_second or 0.0
+    chosen_key = candidate_key(entry.candidate)
+    trials = []
+    for key, e in run.ledger.entries.items():
+        if key == chosen_key:
+            why = "chosen"
+        elif e.reason:
+            why = e.reason
+        elif feasible(e.measurement, run.limit):
+            slower = 1.0 - (e.measurement.tokens_per_second or 0.0) / best_tps if best_tps else 0.0
+            why = f"{slower:.1%} slower"
+        else:
+            why = _failure_reason(e.measurement, run.limit)
+        trials.append(Trial(e.candidate, e.measurement, e.number, why))
+    trials.sort(key=lambda t: (t.number if t.number is not None else 1 << 30))
+    drift = abs(confirmed.tokens_per_second or 0) - abs(entry.measurement.tokens_per_second or 0)
+    notes = list(reasons) + run.notes
+    if entry.measurement.tokens_per_second and abs(drift) > 0.05 * entry.measurement.tokens_per_second:
+        notes.append(f"the confirmation measured {drift / entry.measurement.tokens_per_second:+.1%} tokens/s")
+    if run.method is not Method.FULL:
+        notes.append(f"method: {run.method.value}")
+    return Suggestion(
+        workload=workload, candidate=entry.candidate, measurement=confirmed, trials=tuple(trials),
+        reasons=tuple(notes), backend=backend, evaluations=len(run.ledger.measured), front=_front(trials, run.limit),
+    )
+
+
+def _front(trials: list[Trial], limit: int) -> tuple[Trial, ...]:
+    """Feasible trials that no other is both smaller and faster than."""
+    ok = sorted((t for t in trials if feasible(t.measurement, limit)),
+                key=lambda t: (device_bytes(t.measurement), -(t.measurement.tokens_per_second or 0)))
+    out, best = [], -1.0
+    for t in ok:
+        if (t.measurement.tokens_per_second or 0) > best:
+            out.append(t)
+            best = t.measurement.tokens_per_second or 0
+    return tuple(out)
+
+
+def run_worker(storage: str, study_name: str, *, workload: Workload | None = None, backend: str | None = None,
+               idle_s: float = 5.0, progress: Callable[[Progress], None] | None = None) -> int:
+    """Measure queued candidates of a shared study until the queue stays empty for `idle_s`; return how many.
+
+    Optuna hands each queued trial to one worker only, so no two workers measure the same candidate.
+    """
+    import optuna
+
+    store = open_storage(storage)
+    try:
+        study = optuna.load_study(study_name=study_name, storage=store)
+    except KeyError:
+        raise UsageError(f"--study {study_name!r}: no such study in {storage}") from None
+    spec = study.user_attrs.get(_SPEC_KEY)
+    if spec is None:
+        raise UsageError(f"--study {study_name!r}: not an advisor study (no spec attribute)")
+    if workload is None:
+        from .workload import build_workload
+
+        if not spec.get("model"):
+            raise UsageError(f"--study {study_name!r}: started from a Workload object; run workers through "
+                             "advisor.search.run_worker(workload=...)")
+        workload = build_workload(spec["model"], gpu=spec.get("gpu"), dataset=spec.get("dataset"),
+                                  goals=Goals(**spec["goals"]))
+    if workload.fingerprint() != spec["workload_fingerprint"]:
+        raise UsageError(f"--study {study_name!r}: the workload differs from the one the study was made for")
+    be = get_backend(backend or spec["backend"])
+    space = _Space(workload, _space_from_json(spec["space"]), int(spec["tokens_per_step"]),
+                   RowTokens(workload.dataset))
+    run = _Study(workload, Method(spec["method"]), space, be, study, progress)
+    run.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True, idle_s=idle_s)
+    return run.new_measurements
