@@ -567,7 +567,7 @@ def _prepare_with_trl(
         chat_template=None,
     )
     try:
-        with _progress_bars(progress):
+        with progress_bars(progress):
             prepared = SFTTrainer._prepare_dataset(trainer_like, hf, tok, args, False, None, "train")
     except Exception as exc:  # TRL/transformers raise ValueError, TemplateError, KeyError...
         raise DatasetError(
@@ -578,7 +578,7 @@ def _prepare_with_trl(
 
 
 @contextlib.contextmanager
-def _progress_bars(enabled: bool) -> Iterator[None]:
+def progress_bars(enabled: bool) -> Iterator[None]:
     from datasets.utils import logging as dlogging
 
     was = dlogging.is_progress_bar_enabled()
