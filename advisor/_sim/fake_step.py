@@ -1,0 +1,295 @@
+"""Runs TRL's own `SFTTrainer.train()` for a few optimizer steps on fake tensors, with every storage tracked.
+
+The trainer is built outside the fake mode on a `meta` model (its `__init__` cannot swap fake parameters);
+inside the mode the model is materialised with `to_empty`, the worst-case batches are lifted with
+`from_tensor`, and `train()` runs its real loop (clipping, optimizer, scheduler, zero_grad) on them.
+Where transformers or TRL branch on "is this a fake tensor", the branch is patched to the real run's answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..measurement import Category
+from .tracker import PeakSnapshot, StorageTracker
+
+
+@dataclass(frozen=True)
+class BatchFacts:
+    """What data-dependent branches of the real run would see on this batch."""
+
+    unpadded: bool  # attention_mask all ones (or a padding-free batch holding a single sequence per row)
+    labelled: int  # positions whose next-token label is not -100 (the fused LM head's compact rows)
+    tokens: int  # input positions in the batch
+    shape: tuple[int, int]
+
+
+@dataclass
+class FakeRunResult:
+    peak: PeakSnapshot
+    facts: BatchFacts
+    allocations: int
+    events: list[tuple[int, int]] | None
+
+
+def batch_facts(batch: dict[str, torch.Tensor]) -> BatchFacts:
+    ids = batch["input_ids"]
+    if "attention_mask" in batch and batch["attention_mask"] is not None:
+        unpadded = bool(batch["attention_mask"].all())
+    else:
+        pos = batch["position_ids"]
+        first = pos[:, :1] - 1
+        seq = (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1)
+        unpadded = bool((seq[:, -1] == 0).all())
+    labels = batch["labels"][:, 1:]
+    return BatchFacts(
+        unpadded=unpadded,
+        labelled=int((labels != -100).sum()),
+        tokens=int(ids.numel()),
+        shape=(int(ids.shape[0]), int(ids.shape[1])),
+    )
+
+
+def worst_batch(trainer: Any, batch_size: int) -> dict[str, torch.Tensor]:
+    """The batch that needs the most memory: the longest prepared (packed, truncated) rows, TRL's own collator."""
+    ds = trainer.train_dataset
+    lengths = [len(x) for x in ds["input_ids"]]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:batch_size]
+    rows = [ds[i] for i in order]
+    keep = set(getattr(trainer, "_signature_columns", None) or ()) | {"input_ids", "completion_mask", "seq_lengths"}
+    rows = [{k: v for k, v in r.items() if k in keep} for r in rows]
+    return trainer.data_collator(rows)
+
+
+def _in_module(prefix: str) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(prefix):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class ScalarOracle:
+    """Answers `.item()` on fake tensors: the real batch's answer inside transformers' masking code, else 1."""
+
+    def __init__(self, facts: BatchFacts) -> None:
+        self.facts = facts
+
+    def __call__(self, t: torch.Tensor) -> object:
+        if t.dtype is torch.bool:
+            if _in_module("transformers.masking_utils"):
+                return self.facts.unpadded
+            return True
+        return 1.0 if t.dtype.is_floating_point else 1
+
+
+@contextlib.contextmanager
+def real_path_patches(cuda: bool) -> Iterator[None]:
+    """Make the fake run take the real run's branches.
+
+    - transformers' `is_tracing(t)` is True for any FakeTensor, so an unpadded batch would build an attention mask
+      (and packed single sequences a packed mask) that the real run skips: masking_utils sees "not tracing" and
+      the `.item()` it then asks is answered from the real batch (ScalarOracle).
+    - TRL's fused LM head: on CUDA it scores only labelled rows and folds tiles in a Triton kernel that allocates
+      nothing; on the CPU it scores every position with torch ops. `cuda` selects the CUDA path.
+    """
+    import transformers.masking_utils as mu
+    from transformers.utils.import_utils import is_torchdynamo_compiling
+
+    saved: list[tuple[Any, str, Any]] = [(mu, "is_tracing", mu.is_tracing)]
+    mu.is_tracing = lambda tensor=None: is_torchdynamo_compiling()
+    if cuda:
+        import trl.kernels.chunked_logprob as ck
+        import trl.trainer.utils as tu
+
+        saved.append((tu, "_use_triton", tu._use_triton))
+        tu._use_triton = lambda device: True
+        for name in ("_forward_tile", "_backward_tile"):
+            if hasattr(ck, name):
+                saved.append((ck, name, getattr(ck, name)))
+                setattr(ck, name, _no_alloc_fold)
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+def _no_alloc_fold(*args: Any, **kwargs: Any) -> None:
+    """Stands in for TRL's Triton fold kernels: they work in registers and allocate nothing."""
+    return None
+
+
+class CompactIndexing(torch.utils._python_dispatch.TorchDispatchMode):
+    """Boolean indexing has a data-dependent size; on fake tensors answer it with the real batch's count."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.nonzero.default:
+            src = args[0]
+            return torch.empty((self.count, src.dim()), dtype=torch.long, device=src.device)
+        if func is torch.ops.aten.index.Tensor and _bool_index(args[1]):
+            src, mask = args[0], args[1][0]
+            return src.new_empty((self.count, *src.shape[mask.dim():]))
+        if func in (torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default) and _bool_index(
+            args[1]
+        ):
+            return args[0]
+        if func is torch.ops.aten.index_put.default and _bool_index(args[1]):
+            return torch.empty_like(args[0])
+        return func(*args, **kwargs)
+
+
+def _bool_index(indices: Any) -> bool:
+    return (
+        isinstance(indices, (list, tuple))
+        and len(indices) == 1
+        and isinstance(indices[0], torch.Tensor)
+        and indices[0].dtype is torch.bool
+    )
+
+
+def make_trainer_class():
+    from trl import SFTTrainer
+
+    class FakeSFTTrainer(SFTTrainer):
+        """SFTTrainer that leaves placement alone and trains on batches handed to it."""
+
+        _fake_batches: deque = deque()
+
+        def _move_model_to_device(self, model, device):
+            return None
+
+        def get_train_dataloader(self):
+            return _BatchFeed(self._fake_batches)
+
+    return FakeSFTTrainer
+
+
+class _BatchFeed:
+    """Yields pre-built batches once each and drops them, so a used batch is freed as the real loader's is."""
+
+    def __init__(self, batches: deque) -> None:
+        self._batches = batches
+        self._n = len(batches)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        while self._batches:
+            yield self._batches.popleft()
+
+
+def run_fake_training(
+    trainer: Any,
+    batch: dict[str, torch.Tensor],
+    *,
+    steps: int,
+    cuda: bool,
+    on_op: Callable[[Any, tuple, dict, Any], None] | None = None,
+    record_events: bool = False,
+) -> FakeRunResult:
+    """Materialise `trainer.model` as fake tensors and run `trainer.train()` for `steps` optimizer steps."""
+    facts = batch_facts(batch)
+    ga = trainer.args.gradient_accumulation_steps
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tracker = StorageTracker(answer_scalar=ScalarOracle(facts))
+    if record_events:
+        tracker.events = []
+    model = trainer.model
+    with real_path_patches(cuda), mode, tracker:
+        _materialise(model)
+        tracker.set_category([p for p in model.parameters()], Category.PARAMETERS)
+        tracker.set_category([b for b in model.buffers()], Category.PARAMETERS)
+        batches = deque()
+        for _ in range(steps * ga):
+            fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            tracker.track(fake.values(), Category.OTHER)
+            batches.append(fake)
+        trainer._fake_batches = batches
+        trainer.train_dataset = _Sized(steps * ga)
+        trainer.accelerator.device_placement = False  # model.to() cannot swap fake parameters; it is a no-op anyway
+        with contextlib.ExitStack() as stack:
+            if cuda:
+                stack.enter_context(CompactIndexing(facts.labelled))
+            tracker.on_op = on_op
+            _label_training_state(trainer, tracker)
+            trainer.train()
+    return FakeRunResult(
+        peak=tracker.peak,
+        facts=facts,
+        allocations=tracker.allocations,
+        events=tracker.events,
+    )
+
+
+def _materialise(model: torch.nn.Module) -> None:
+    """`to_empty` on fake tensors unties shared weights; this keeps one fake tensor per distinct parameter."""
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, value in table.items():
+                if value is None:
+                    continue
+                if id(value) not in memo:
+                    empty = torch.empty_like(value, device="cpu")
+                    if isinstance(value, torch.nn.Parameter):
+                        empty = torch.nn.Parameter(empty, requires_grad=value.requires_grad)
+                    memo[id(value)] = empty
+                table[name] = memo[id(value)]
+
+
+class _Sized:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _label_training_state(trainer: Any, tracker: StorageTracker) -> None:
+    """Gradients and optimizer state are labelled when created: wrap the optimizer's step and backward hooks."""
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def _grad_hook(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            tracker.set_category([p.grad], Category.GRADIENTS)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(_grad_hook)
+
+    original = trainer.create_optimizer
+
+    def create_optimizer(*args: Any, **kwargs: Any):
+        opt = original(*args, **kwargs)
+        inner = getattr(opt, "optimizer", opt)
+
+        def _before_step(optimizer, *_a, **_k):
+            tracker.default_category = Category.TEMPORARIES
+
+        def _after_step(optimizer, *_a, **_k):
+            tracker.default_category = Category.ACTIVATIONS
+            for state in optimizer.state.values():
+                tracker.set_category(
+                    [v for v in state.values() if isinstance(v, torch.Tensor)], Category.OPTIMIZER
+                )
+
+        inner.register_step_pre_hook(_before_step)
+        inner.register_step_post_hook(_after_step)
+        return opt
+
+    trainer.create_optimizer = create_optimizer

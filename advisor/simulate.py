@@ -1,0 +1,336 @@
+"""Predict the peak memory (and a step time) of a real TRL training step without a GPU, on fake tensors.
+
+`simulate()` runs TRL's own `SFTTrainer.train()` for `steps` optimizer steps on the batch that needs the most
+memory (the longest rows), with every storage tracked (advisor/_sim). Decoder layers are identical, so it runs
+two shallow depths and extrapolates linearly to the model's depth (exact, see tests). For a CUDA target it follows
+the CUDA path and replays the caching allocator's rules; what fake tensors cannot run is modelled and noted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .measurement import Category, Measurement, Source, Status
+from .space import Attention, Candidate, Optimizer, Precision, Quantization, WeightsDtype
+from .workload import GPUSpec, ModelSpec, Workload
+
+__all__ = ["simulate", "simulate_depth", "DepthRun"]
+
+
+@dataclass(frozen=True)
+class DepthRun:
+    """One fake run at one depth: the numbers that are extrapolated."""
+
+    layers: int
+    peak_bytes: int
+    breakdown: dict[str, int]
+    allocated_bytes: int  # CUDA rules applied (== peak_bytes on the CPU)
+    reserved_bytes: int
+    time_s: float  # roofline time of one optimizer step
+    trained_tokens: int  # per micro-batch
+    batch_shape: tuple[int, int]
+    unpadded: bool
+
+
+def simulate(
+    workload: Workload,
+    candidate: Candidate,
+    gpu: str | GPUSpec | None = None,
+    *,
+    layers: tuple[int, int] | None = (2, 3),
+    steps: int = 2,
+) -> Measurement:
+    """Peak bytes of `steps` real SFT optimizer steps of `candidate` on the target, predicted on fake tensors."""
+    started = time.perf_counter()
+    target = _resolve_target(gpu, workload)
+    candidate.check(target, workload.model)
+    run_cand, notes = _runnable(candidate, target)
+    depth = workload.model.num_layers
+    depths, layer_note = _depths(workload.model, layers)
+    if layer_note:
+        notes.append(layer_note)
+    runs = [simulate_depth(workload, run_cand, target, n, steps=steps) for n in depths]
+    combined = _extrapolate(runs, depth)
+    peak, allocated, reserved = combined.peak_bytes, combined.allocated_bytes, combined.reserved_bytes
+    breakdown = dict(combined.breakdown)
+    step_time = combined.time_s
+
+    adjust = _modelled_adjustments(candidate, workload.model, breakdown, step_time)
+    notes.extend(adjust.notes)
+    peak += adjust.bytes_delta
+    allocated += adjust.bytes_delta
+    reserved += adjust.bytes_delta
+    step_time = adjust.step_time_s
+    for cat, delta in adjust.breakdown_delta.items():
+        breakdown[cat] = breakdown.get(cat, 0) + delta
+
+    if target.is_cuda:
+        from ._sim.cuda_rules import context_bytes, cublas_workspace_bytes
+
+        ws = cublas_workspace_bytes(target.compute_capability)
+        peak_bytes, reserved_bytes = allocated + ws, reserved + ws
+        device_bytes = reserved_bytes + context_bytes(target.compute_capability)
+        breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
+        notes.append("device_bytes = reserved + CUDA context + cuBLAS workspace (profiles/measurements/cuda_constants.json)")
+    else:
+        peak_bytes = reserved_bytes = device_bytes = peak
+    ga = candidate.gradient_accumulation_steps
+    trained = combined.trained_tokens * ga
+    step_time *= 1.0  # already one optimizer step (all micro-batches)
+    status = Status.OK if device_bytes <= workload.budget_bytes else Status.OOM
+    b, s = combined.batch_shape
+    return Measurement(
+        status=status,
+        source=Source.SIMULATE,
+        peak_bytes=int(peak_bytes),
+        reserved_bytes=int(reserved_bytes),
+        device_bytes=int(device_bytes),
+        breakdown={k: int(v) for k, v in breakdown.items() if v},
+        step_time_s=step_time if step_time > 0 else None,
+        tokens_per_second=trained / step_time if step_time > 0 else None,
+        trained_tokens_per_step=int(trained),
+        peak_batch=f"{b} x {s} ({'unpadded' if combined.unpadded else 'padded'}; the longest rows)",
+        message="" if status is Status.OK else f"device peak {device_bytes} B over the budget {workload.budget_bytes} B",
+        notes=tuple(notes),
+        wall_time_s=time.perf_counter() - started,
+    )
+
+
+def simulate_depth(
+    workload: Workload, candidate: Candidate, target: GPUSpec, layers: int, *, steps: int = 2
+) -> DepthRun:
+    """One fake run of `candidate` (already runnable on fake tensors) with `layers` decoder layers."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from ._sim.fake_step import make_trainer_class, run_fake_training, worst_batch
+    from ._sim.flops import Roofline
+    from .emit import build_sft_config, peft_config
+    from .modeling import build_model, placeholder_tokenizer
+
+    spec = with_depth(workload.model, layers)
+    model = build_model(spec, candidate, device="meta")
+    rows = _worst_rows(workload, candidate)
+    with tempfile.TemporaryDirectory(prefix="advisor-sim-") as tmp, _quiet():
+        args = build_sft_config(
+            candidate, workload, use_cpu=True, output_dir=tmp, max_steps=steps, report_to="none",
+            save_strategy="no", logging_strategy="no", disable_tqdm=True, dataset_num_proc=None, seed=0,
+            model_init_kwargs=None,
+        )
+        trainer = make_trainer_class()(
+            model=model, args=args, train_dataset=workload.dataset.to_hf(rows),
+            processing_class=placeholder_tokenizer(spec), peft_config=peft_config(candidate, spec),
+        )
+        for callback in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(callback)
+        batch = worst_batch(trainer, candidate.per_device_train_batch_size)
+        roofline = Roofline(target)
+        result = run_fake_training(
+            trainer, batch, steps=steps, cuda=target.is_cuda, on_op=roofline, record_events=target.is_cuda
+        )
+    peak = result.peak
+    allocated = reserved = peak.peak_bytes
+    if target.is_cuda and result.events is not None:
+        from ._sim.cuda_rules import replay
+
+        peaks = replay(result.events, expandable_segments=candidate.expandable_segments)
+        allocated, reserved = peaks.allocated, peaks.reserved
+    return DepthRun(
+        layers=layers,
+        peak_bytes=peak.peak_bytes,
+        breakdown={c.value: n for c, n in peak.by_category.items()},
+        allocated_bytes=allocated,
+        reserved_bytes=reserved,
+        time_s=roofline.time_s / steps,
+        trained_tokens=result.facts.labelled,
+        batch_shape=result.facts.shape,
+        unpadded=result.facts.unpadded,
+    )
+
+
+def with_depth(model: ModelSpec, layers: int) -> ModelSpec:
+    """The same architecture with `layers` decoder layers (per-layer lists cut to match)."""
+    config = dict(model.config)
+    text = dict(config.get("text_config") or {})
+    target = text if text else config
+    target["num_hidden_layers"] = layers
+    if isinstance(target.get("layer_types"), list):
+        target["layer_types"] = target["layer_types"][:layers]
+    if text:
+        config["text_config"] = text
+    return dataclasses.replace(model, config=config)
+
+
+def _depths(model: ModelSpec, layers: tuple[int, int] | None) -> tuple[list[int], str]:
+    depth = model.num_layers
+    if layers is None or depth <= layers[1]:
+        return [depth], ""
+    types = model.text_value("layer_types")
+    period = 1
+    if isinstance(types, list) and len(set(types)) > 1:
+        period = next((p for p in range(1, len(types)) if all(types[i] == types[i % p] for i in range(len(types)))), 0)
+        if not period or depth % period:
+            return [depth], "layer types do not repeat: simulated at full depth"
+    a = period * max(1, -(-layers[0] // period))
+    b = a + period * max(1, (layers[1] - layers[0]) // period)
+    if b >= depth:
+        return [depth], ""
+    return [a, b], f"simulated {a} and {b} decoder layers, extrapolated linearly to {depth}"
+
+
+def _extrapolate(runs: list[DepthRun], depth: int) -> DepthRun:
+    if len(runs) == 1:
+        return runs[0]
+    lo, hi = runs
+    k = (depth - lo.layers) / (hi.layers - lo.layers)
+
+    def lin(a: float, b: float) -> float:
+        return a + k * (b - a)
+
+    cats = set(lo.breakdown) | set(hi.breakdown)
+    return DepthRun(
+        layers=depth,
+        peak_bytes=round(lin(lo.peak_bytes, hi.peak_bytes)),
+        breakdown={c: max(0, round(lin(lo.breakdown.get(c, 0), hi.breakdown.get(c, 0)))) for c in cats},
+        allocated_bytes=round(lin(lo.allocated_bytes, hi.allocated_bytes)),
+        reserved_bytes=round(lin(lo.reserved_bytes, hi.reserved_bytes)),
+        time_s=lin(lo.time_s, hi.time_s),
+        trained_tokens=hi.trained_tokens,
+        batch_shape=hi.batch_shape,
+        unpadded=hi.unpadded,
+    )
+
+
+def _worst_rows(workload: Workload, candidate: Candidate) -> list[dict]:
+    """Enough of the longest rows to fill one micro-batch (packed rows when packing)."""
+    b = candidate.per_device_train_batch_size
+    data = workload.dataset
+    if not candidate.packing or not candidate.max_length:
+        return data.longest_rows(b)
+    need = b * candidate.max_length
+    rows, total = [], 0
+    for row in data.longest_rows(len(data.rows)):
+        rows.append(row)
+        total += min(len(row["input_ids"]), candidate.max_length)
+        if total >= need + candidate.max_length:
+            break
+    return rows
+
+
+def _resolve_target(gpu: str | GPUSpec | None, workload: Workload) -> GPUSpec:
+    if gpu is None:
+        return workload.gpu
+    if isinstance(gpu, GPUSpec):
+        return gpu
+    from .profiles import resolve_gpu
+
+    return resolve_gpu(gpu)
+
+
+def _runnable(candidate: Candidate, target: GPUSpec) -> tuple[Candidate, list[str]]:
+    """The candidate fake tensors can run on the CPU, and what is modelled instead."""
+    notes: list[str] = []
+    changes: dict = {}
+    if candidate.quantization is not Quantization.NONE:
+        changes["quantization"] = Quantization.NONE
+        changes["weights_dtype"] = WeightsDtype.BFLOAT16 if candidate.precision is not Precision.FP16 else WeightsDtype.FLOAT16
+    if candidate.optim.needs_bitsandbytes:
+        changes["optim"] = Optimizer.ADAMW_TORCH
+    if candidate.attn_implementation is Attention.FLASH_ATTENTION_2:
+        changes["attn_implementation"] = Attention.SDPA
+        notes.append("FlashAttention kernels cannot run on fake tensors: simulated with sdpa (same O(seq) memory)")
+    if candidate.activation_offloading:
+        changes["activation_offloading"] = False
+    if candidate.precision is Precision.FP16:
+        changes["precision"] = Precision.BF16
+        notes.append("fp16 autocast simulated as bf16 (same sizes); the gradient scaler's few bytes are ignored")
+    if target.is_cuda:
+        notes.append("CUDA path: TRL's fused LM head scores labelled positions only (Triton), CUDA allocator rules")
+    if changes.get("weights_dtype") is WeightsDtype.FLOAT16 and changes.get("precision") is Precision.BF16:
+        changes["weights_dtype"] = WeightsDtype.BFLOAT16
+    try:
+        return (candidate.replace(**changes) if changes else candidate), notes
+    except ConfigError:  # pragma: no cover - the replacements are always valid
+        raise
+
+
+@dataclass
+class _Adjustment:
+    bytes_delta: int = 0
+    breakdown_delta: dict[str, int] = dataclasses.field(default_factory=dict)
+    step_time_s: float = 0.0
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def _modelled_adjustments(candidate: Candidate, model: ModelSpec, breakdown: dict[str, int], step_time: float) -> _Adjustment:
+    """Closed-form corrections for what fake tensors cannot run (bitsandbytes, activation offloading)."""
+    from ._sim.flops import offload_transfer_s
+
+    adj = _Adjustment(step_time_s=step_time)
+    params = Category.PARAMETERS.value
+    if candidate.quantization is not Quantization.NONE:
+        n = quantized_linear_params(model)
+        bits = 4.127 if candidate.quantization is Quantization.NF4 else 8.0 + 32.0 / model.hidden_size
+        saved = int(n * 2 - n * bits / 8)  # simulated in 16-bit
+        largest = 2 * model.hidden_size * int(model.text_value("intermediate_size", 4 * model.hidden_size))
+        adj.bytes_delta += -saved + largest
+        adj.breakdown_delta[params] = adj.breakdown_delta.get(params, 0) - saved
+        adj.breakdown_delta[Category.TEMPORARIES.value] = largest
+        adj.notes.append(
+            f"bitsandbytes {candidate.quantization.value} kernels cannot run on fake tensors: decoder linear weights "
+            f"modelled at {bits:.2f} bits (simulated in 16-bit), plus one dequantized weight as a temporary"
+        )
+    if candidate.optim.needs_bitsandbytes:
+        state = breakdown.get(Category.OPTIMIZER.value, 0)
+        saved = state * 3 // 4  # two fp32 moments -> two uint8 moments
+        adj.bytes_delta -= saved
+        adj.breakdown_delta[Category.OPTIMIZER.value] = -saved
+        adj.notes.append(f"{candidate.optim.value}: 8-bit optimizer state modelled as 1/4 of AdamW's fp32 state")
+    if candidate.activation_offloading:
+        acts = breakdown.get(Category.ACTIVATIONS.value, 0)
+        layers = max(1, model.num_layers)
+        kept = 2 * acts // layers  # double-buffered: the layer being computed and the one in flight
+        adj.bytes_delta -= acts - kept
+        adj.breakdown_delta[Category.ACTIVATIONS.value] = kept - acts
+        transfer = offload_transfer_s(acts)
+        adj.step_time_s = step_time + max(0.0, transfer - step_time)
+        adj.notes.append(
+            "activation offloading's CUDA streams cannot run on fake tensors: saved activations modelled as moved "
+            "to host except two layers in flight; transfer time over PCIe overlapped with compute"
+        )
+    return adj
+
+
+def quantized_linear_params(model: ModelSpec) -> int:
+    """Parameters of the decoder's linear layers (what bitsandbytes quantizes; embeddings and lm_head stay)."""
+    h = model.hidden_size
+    inter = int(model.text_value("intermediate_size", 4 * h))
+    heads = int(model.text_value("num_attention_heads", 1))
+    kv = int(model.text_value("num_key_value_heads", heads))
+    head_dim = int(model.text_value("head_dim", h // heads) or h // heads)
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    mlp = 3 * h * inter
+    return model.num_layers * (attn + mlp)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The library never prints: silence datasets' progress bars and transformers' info logs while simulating."""
+    import datasets
+    import transformers
+
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    level = transformers.logging.get_verbosity()
+    datasets.utils.logging.disable_progress_bar()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        if bars:
+            datasets.utils.logging.enable_progress_bar()
+        transformers.logging.set_verbosity(level)
