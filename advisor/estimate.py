@@ -198,13 +198,27 @@ def _mask(c: Candidate, seq: int, rows: int, packed: bool) -> int:
 # ---- the estimate ----------------------------------------------------------------------------------------------
 
 
-def estimate(workload: Workload, candidate: Candidate) -> Measurement:
-    """Peak memory by category and step time of `candidate`; status ok (the search decides what fits)."""
+@dataclass(frozen=True)
+class MemoryParts:
+    """Bytes of each thing the estimate counts, before they are placed at a moment of the step."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    optimizer_temporaries: int
+    activations: int  # saved for backward at the end of the forward, outside the LM head
+    lm_head_saved: int
+    lm_head_temporaries: int
+    recompute: int  # one checkpointed layer rebuilt during backward
+    trainable: int  # parameters that get gradients
+    batch: BatchShape  # the worst micro-batch
+
+
+def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
+    """Every byte count the estimate adds up, for the worst micro-batch of the workload's data."""
     c = candidate
-    gpu = workload.gpu
-    cuda = gpu.is_cuda
     arch = architecture(workload.model)
-    worst, typical = _batches(workload.dataset, c)
+    worst, _ = _batches(workload.dataset, c)
 
     weight_bytes = _DTYPE_BYTES[c.weights_dtype]
     mixed = c.precision is not Precision.FP32
@@ -237,14 +251,14 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
         kept = arch.layers - n_ckpt
         per_ckpt = resid + (tokens * arch.hidden * act_bytes if c.checkpoint_selective else 0)
         layer_acts = n_ckpt * per_ckpt + kept * per_layer
-        recompute = per_layer  # one layer's activations rebuilt during its backward
+        recompute = per_layer
     else:
         layer_acts = arch.layers * per_layer
         recompute = 0
     if c.activation_offloading:
         # TRL's offloader moves saved tensors to pinned host memory, keeping about two layers in flight.
         layer_acts = min(layer_acts, 2 * max(per_layer, resid))
-    # embedding output and final norm input/output
+    # embedding output, final norm input and output, the attention mask
     activations = layer_acts + 3 * resid + worst.mask_bytes
     # the autocast cache holds a low-precision copy of every trainable weight until the forward ends
     if autocast and not c.use_lora:
@@ -252,7 +266,28 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     elif autocast and not quant and not c.activation_checkpointing:
         activations += base_linear * 2  # frozen weights are cast per call, and saved by each matmul
 
-    lm_saved, lm_peak = _lm_head_bytes(arch, c, worst, cuda, act_bytes, weight_bytes, autocast)
+    lm_saved, lm_peak = _lm_head_bytes(arch, c, worst, workload.gpu.is_cuda, act_bytes, weight_bytes, autocast)
+    return MemoryParts(
+        parameters=int(params), gradients=int(grads), optimizer=int(optimizer), optimizer_temporaries=int(opt_temp),
+        activations=int(activations), lm_head_saved=lm_saved, lm_head_temporaries=lm_peak, recompute=int(recompute),
+        trainable=int(trainable), batch=worst,
+    )
+
+
+def estimate(workload: Workload, candidate: Candidate) -> Measurement:
+    """Peak memory by category and step time of `candidate`; status ok (the search decides what fits)."""
+    c = candidate
+    gpu = workload.gpu
+    cuda = gpu.is_cuda
+    arch = architecture(workload.model)
+    p = memory_parts(workload, c)
+    worst = p.batch
+    _, typical = _batches(workload.dataset, c)
+    act_bytes = 2 if (c.precision is not Precision.FP32 or c.weights_dtype is not WeightsDtype.FLOAT32) else 4
+    grad_bytes = 4 if c.use_lora else _DTYPE_BYTES[c.weights_dtype]
+    params, optimizer, grads, activations = p.parameters, p.optimizer, p.gradients, p.activations
+    lm_saved, lm_peak = p.lm_head_saved, p.lm_head_temporaries
+    recompute, opt_temp = p.recompute, p.optimizer_temporaries
 
     grads_before = grads if c.gradient_accumulation_steps > 1 else 0
     head_grad = 0 if c.use_lora else arch.vocab * arch.hidden * grad_bytes
@@ -288,7 +323,7 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
     device = reserved + CUDA_CONTEXT_BYTES if cuda else peak
 
-    step_time, trained_per_step = _step_time(arch, c, gpu, typical, trainable, layer_acts)
+    step_time, trained_per_step = _step_time(arch, c, gpu, typical, p.trainable, activations)
     notes = [
         f"LM head: TRL's fused tiled head, {'labelled positions only (CUDA)' if cuda else 'every position (CPU)'}",
         f"peak at the {when}",
