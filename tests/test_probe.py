@@ -1,0 +1,242 @@
+"""Real probes on the CPU: ok with a peak, oom under a cap, a killed child, a hung child; nothing survives.
+
+The faults come from the worker's test hook ADVISOR_PROBE_FAULT (advisor.probe.runner.FAULT_ENV).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from advisor.measurement import Source, Status
+from advisor.probe import FAULT_ENV, BatchKind, plan_batches, probe
+from advisor.probe import runner as runner_mod
+from advisor.probe.meters import is_oom, oom_request_bytes
+from advisor.space import Candidate
+
+SMALL = Candidate(max_length=256, per_device_train_batch_size=4, optim="adamw_torch", precision="fp32")
+
+
+@pytest.fixture
+def children(monkeypatch):
+    """Records every child the runner starts (its ChildExit), to check afterwards that its group is gone."""
+    seen = []
+    original = runner_mod._spawn_and_wait
+
+    def spy(*args, **kwargs):
+        exit_ = original(*args, **kwargs)
+        seen.append(exit_)
+        return exit_
+
+    monkeypatch.setattr(runner_mod, "_spawn_and_wait", spy)
+    return seen
+
+
+def assert_no_child_left(children):
+    assert children, "no child was started"
+    for exit_ in children:
+        assert not runner_mod.group_alive(exit_.pgid), f"process group {exit_.pgid} survived the probe"
+
+
+# ---- planning and parsing (no child) -------------------------------------------------------------------------
+def test_plan_puts_the_longest_rows_first(tiny_workload):
+    plan = plan_batches(tiny_workload, SMALL, steps=3, warmup=1)
+    lengths = [len(r["input_ids"]) for r in plan.rows]
+    assert plan.rows_per_step == 4
+    assert len(plan.rows) == 4 * 4
+    assert plan.kinds == (BatchKind.LONGEST, BatchKind.LONGEST, BatchKind.TYPICAL, BatchKind.TYPICAL)
+    longest = sorted(tiny_workload.dataset.lengths.tolist(), reverse=True)[:4]
+    assert lengths[:4] == longest and lengths[4:8] == longest
+    assert max(lengths[8:]) <= min(longest)
+
+
+def test_plan_scales_rows_with_accumulation_and_cycles_a_small_dataset(tiny_workload):
+    cand = SMALL.replace(per_device_train_batch_size=8, gradient_accumulation_steps=4)
+    plan = plan_batches(tiny_workload, cand, steps=3, warmup=1)
+    assert plan.rows_per_step == 32
+    assert len(plan.rows) == 128  # more than the 64 rows: typical rows repeat
+
+
+def test_oom_messages_are_parsed():
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 314572800 bytes. Error code 12 (Cannot allocate memory)")
+    assert is_oom(cpu) and oom_request_bytes(str(cpu)) == 314572800
+    cuda = "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB"
+    assert oom_request_bytes(cuda) == 20 * 2**20
+    assert is_oom(MemoryError()) and not is_oom(ValueError("shapes do not match"))
+
+
+def test_cpu_peak_replays_the_allocator_events():
+    import torch
+
+    from advisor.probe.meters import cpu_peak
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.ones(1024, 1024)  # 4 MiB
+        b = torch.ones(1024, 1024)  # 8 MiB live
+        del a
+        c = torch.ones(512, 1024)  # 6 MiB live: below the peak
+        del b, c
+    found = cpu_peak(prof)
+    assert found.peak_bytes == 8 * 2**20
+    assert found.events >= 5
+
+
+def test_invalid_arguments_are_reported_together(tiny_workload):
+    from advisor.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        probe(tiny_workload, SMALL, "tpu", steps=0, timeout_s=0)
+    assert len(info.value.problems) == 3
+
+
+# ---- the child's outcomes -------------------------------------------------------------------------------------
+def test_killed_child_is_an_error_with_the_signal(tiny_workload, monkeypatch, children):
+    monkeypatch.setenv(FAULT_ENV, "kill:start")
+    m = probe(tiny_workload, SMALL, "cpu", timeout_s=60)
+    assert m.status is Status.ERROR and m.source is Source.PROBE_CPU
+    assert "SIGKILL" in m.message
+    assert children[0].returncode == -signal.SIGKILL
+    assert_no_child_left(children)
+
+
+def test_hung_child_times_out_and_its_group_is_killed(tiny_workload, monkeypatch, children):
+    monkeypatch.setenv(FAULT_ENV, "hang:start")
+    m = probe(tiny_workload, SMALL, "cpu", timeout_s=1.5)
+    assert m.status is Status.TIMEOUT
+    assert "1.5 s" in m.message
+    assert children[0].timed_out
+    assert_no_child_left(children)
+
+
+def test_caller_interrupted_while_waiting_leaves_no_child(tmp_path, monkeypatch):
+    """An exception in the parent (e.g. Ctrl-C) while the child runs still kills the group."""
+    monkeypatch.setenv(FAULT_ENV, "hang:start")
+    (tmp_path / runner_mod.JOB_FILE).write_text("{}")
+    started = []
+
+    def interrupt(pgid):
+        started.append(pgid)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner_mod.run_child(tmp_path, Source.PROBE_CPU, timeout_s=30, on_start=interrupt)
+    assert started and not runner_mod.group_alive(started[0])
+
+
+@pytest.mark.slow
+def test_probe_cpu_ok_reports_peak_speed_and_the_peak_batch(tiny_workload, children):
+    m = probe(tiny_workload, SMALL, "cpu", steps=2, warmup=1, timeout_s=120)
+    assert m.status is Status.OK, m.message
+    assert m.source is Source.PROBE_CPU
+    # the CPU has one memory: all three figures are the allocator's peak
+    assert m.peak_bytes > 0 and m.peak_bytes == m.reserved_bytes == m.device_bytes
+    from advisor.modeling import build_model
+
+    n_params = sum(p.numel() for p in build_model(tiny_workload.model, SMALL, device="meta").parameters())
+    assert m.breakdown["parameters"] == 4 * n_params  # float32 weights
+    assert m.breakdown["optimizer_state"] >= 2 * 4 * n_params  # AdamW's two moments
+    assert m.peak_bytes > m.breakdown["parameters"] + m.breakdown["optimizer_state"]
+    assert m.tokens_per_second > 0 and m.step_time_s > 0 and m.trained_tokens_per_step > 0
+    assert "longest rows" in m.peak_batch
+    assert_no_child_left(children)
+
+
+@pytest.mark.slow
+def test_probe_cpu_under_a_small_budget_is_oom_with_the_size(tiny_workload, children):
+    m = probe(tiny_workload, SMALL, "cpu", memory_budget_bytes=40 * 2**20, timeout_s=120)
+    assert m.status is Status.OOM, m.message
+    assert "while allocating" in m.message and "bytes" in m.message
+    assert_no_child_left(children)
+
+
+@pytest.mark.slow
+def test_exception_in_training_is_an_error_with_the_message(tiny_workload, monkeypatch, children):
+    monkeypatch.setenv(FAULT_ENV, "raise")
+    m = probe(tiny_workload, SMALL, "cpu", timeout_s=120)
+    assert m.status is Status.ERROR
+    assert "RuntimeError in step 1" in m.message and "injected failure" in m.message
+    assert_no_child_left(children)
+
+
+@pytest.mark.slow
+def test_child_killed_during_a_training_step(tiny_workload, monkeypatch, children):
+    monkeypatch.setenv(FAULT_ENV, "kill")
+    m = probe(tiny_workload, SMALL, "cpu", timeout_s=120)
+    assert m.status is Status.ERROR and "SIGKILL" in m.message
+    assert_no_child_left(children)
+
+
+@pytest.mark.slow
+def test_child_hung_during_a_training_step(tiny_workload, monkeypatch, children):
+    monkeypatch.setenv(FAULT_ENV, "hang")
+    # long enough for the imports between two heartbeats on a loaded machine, short enough for a test
+    m = probe(tiny_workload, SMALL, "cpu", timeout_s=25)
+    assert m.status is Status.TIMEOUT
+    assert_no_child_left(children)
+
+
+# ---- the command line -----------------------------------------------------------------------------------------
+@pytest.fixture
+def model_dir(tmp_path):
+    from conftest import TINY_QWEN2
+
+    d = tmp_path / "tiny-model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(TINY_QWEN2))
+    return d
+
+
+@pytest.fixture
+def run_yaml(tmp_path):
+    from advisor.emit import to_yaml
+
+    path = tmp_path / "RUN.yaml"
+    path.write_text(to_yaml(SMALL, model_name_or_path=None))
+    return path
+
+
+def _cli(argv, capsys):
+    from advisor.cli import main
+
+    rc = main(argv)
+    out = capsys.readouterr().out
+    return rc, json.loads(out)
+
+
+@pytest.mark.slow
+def test_cli_probe_cpu_ok(model_dir, run_yaml, capsys, children):
+    rc, data = _cli(["probe", "--model", str(model_dir), "--gpu", "cpu", "--config", str(run_yaml),
+                     "--backend", "cpu", "--steps", "2", "--json"], capsys)
+    assert rc == 0
+    for key in ("status", "peak_bytes", "reserved_bytes", "device_bytes", "breakdown", "tokens_per_second",
+                "source", "step_time_s", "peak_batch", "message"):
+        assert key in data
+    assert data["status"] == "ok" and data["source"] == "probe-cpu"
+    assert data["peak_bytes"] > 0 and data["tokens_per_second"] > 0
+    assert "longest rows" in data["peak_batch"]
+    assert_no_child_left(children)
+
+
+@pytest.mark.slow
+def test_cli_probe_cpu_budget_below_need_is_oom(model_dir, run_yaml, capsys, children):
+    rc, data = _cli(["probe", "--model", str(model_dir), "--gpu", "cpu", "--config", str(run_yaml),
+                     "--backend", "cpu", "--memory-budget", "40MiB", "--json"], capsys)
+    assert rc == 1
+    assert data["status"] == "oom" and "allocating" in data["message"]
+    assert_no_child_left(children)
+
+
+def test_cli_probe_killed_and_hung_children(model_dir, run_yaml, capsys, monkeypatch, children):
+    base = ["probe", "--model", str(model_dir), "--gpu", "cpu", "--config", str(run_yaml), "--backend", "cpu",
+            "--json"]
+    monkeypatch.setenv(FAULT_ENV, "kill:start")
+    rc, data = _cli(base, capsys)
+    assert rc == 1 and data["status"] == "error" and "SIGKILL" in data["message"]
+    monkeypatch.setenv(FAULT_ENV, "hang:start")
+    rc, data = _cli([*base, "--timeout", "1"], capsys)
+    assert rc == 1 and data["status"] == "timeout"
+    assert len(children) == 2
+    assert_no_child_left(children)
