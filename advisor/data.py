@@ -287,7 +287,7 @@ def load_tokenizer(tokenizer: str | None, model: ModelSpec) -> PreTrainedTokeniz
 
     if tokenizer is not None:
         try:
-            return AutoTokenizer.from_pretrained(tokenizer)
+            return _from_pretrained(tokenizer)
         except Exception as exc:  # transformers raises OSError, ValueError, EnvironmentError...
             raise DatasetError(
                 f"--tokenizer {tokenizer}: no tokenizer could be loaded ({_first_line(exc)}); pass a directory that "
@@ -296,7 +296,7 @@ def load_tokenizer(tokenizer: str | None, model: ModelSpec) -> PreTrainedTokeniz
     local = model.local_dir
     if local is not None and any((Path(local) / f).exists() for f in TOKENIZER_FILES):
         try:
-            return AutoTokenizer.from_pretrained(str(local))
+            return _from_pretrained(str(local))
         except Exception as exc:
             raise DatasetError(
                 f"--model {model.name}: the tokenizer in {local} could not be loaded ({_first_line(exc)}); "
@@ -312,6 +312,23 @@ def load_tokenizer(tokenizer: str | None, model: ModelSpec) -> PreTrainedTokeniz
         raise DatasetError(
             f"--model {model.name}: no tokenizer reachable (not local, hub unreachable: {_first_line(exc)}); {hint}"
         ) from exc
+
+
+def _from_pretrained(path: str) -> PreTrainedTokenizerBase:
+    """AutoTokenizer, except that a directory saved with the generic fast class keeps that class.
+
+    transformers 5 lets a `config.json` beside the tokenizer pick the class from the model type (Qwen2Tokenizer
+    for qwen2), which rebuilds the pipeline and loses a custom tokenizer saved as `TokenizersBackend`.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(path) / "tokenizer_config.json"
+    if config.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            saved = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
+            if saved in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+                return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,97 @@
+"""`advisor lengths`: the token-length distribution of a dataset, as TRL prepares it, and what each max_length costs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._common import add_workload_args, emit_json, parse_fraction
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "lengths",
+        help="token lengths of a dataset: percentiles, truncation, padding and packing per max_length",
+        description="Tokenize the dataset exactly as SFTTrainer does (max_length=None) and report the length "
+                    "percentiles, trained tokens, and for each candidate max_length the trained tokens lost to "
+                    "truncation, the padding share per micro-batch size (random order and group_by_length) and "
+                    "the fill rate of packed rows (bfd, bfd_split, wrapped) from TRL's own pack_dataset. "
+                    "Exit 2 on a malformed file or when no tokenizer is reachable.",
+    )
+    add_workload_args(p)
+    p.add_argument("--max-length", type=int, nargs="+", default=None, metavar="L",
+                   help="max_length values to evaluate (default: the advisor's candidates for --max-truncation)")
+    p.add_argument("--max-truncation", default="1%",
+                   help="share of trained tokens that truncation may drop, for the suggested max_length "
+                        "(default: %(default)s)")
+    p.add_argument("--micro-batch", type=int, nargs="+", default=None, metavar="B",
+                   help="micro-batch sizes for the padding share (default: 1 2 4 8 16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --sample and of the bootstrap (default: 0)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="also write a histogram PNG (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from ..data import load_dataset
+    from ..lengths import MICRO_BATCHES, length_report, plot_lengths
+    from ..profiles import resolve_model
+
+    max_truncation = parse_fraction(ns.max_truncation, "--max-truncation")
+    model = resolve_model(ns.model)
+    data = load_dataset(ns.dataset, model, tokenizer=ns.tokenizer, sample=ns.sample, seed=ns.seed,
+                        progress=sys.stderr.isatty())
+    report = length_report(data, max_lengths=ns.max_length, micro_batches=tuple(ns.micro_batch or MICRO_BATCHES),
+                           max_truncation=max_truncation, seed=ns.seed)
+    marker = ns.max_length[0] if ns.max_length else report.suggested_max_length
+    plot = plot_lengths(report, ns.plot, max_length=marker) if ns.plot else None
+    if ns.json:
+        out = report.to_dict()
+        out["plot"] = None if plot is None else str(plot)
+        print(emit_json(out))
+        return 0
+    print(_text(report, marker))
+    if plot is not None:
+        print(f"\nhistogram written to {plot}")
+    return 0
+
+
+def _text(report, marker: int) -> str:
+    from tabulate import tabulate
+
+    from ..lengths import histogram_text
+
+    kind = "synthetic data (no --dataset given)" if report.synthetic else "dataset"
+    pct = report.percentiles
+    lines = [
+        f"{report.name}: {kind}, {report.count} rows, {report.total_tokens} tokens, "
+        f"{report.trained_tokens} trained tokens",
+        f"full prepared length: p50 {pct.p50}  p90 {pct.p90}  p95 {pct.p95}  p99 {pct.p99}  max {pct.max}  "
+        f"(mean {report.mean_length:.1f})",
+    ]
+    if report.sampling is not None:
+        s = report.sampling
+        ci = "  ".join(f"{k} [{v.low:.0f}, {v.high:.0f}]" for k, v in s.percentiles.items())
+        lines.append(f"sampled {s.rows} of {s.population} rows; {s.confidence:.0%} bootstrap intervals: {ci}; "
+                     f"mean [{s.mean_length.low:.1f}, {s.mean_length.high:.1f}]")
+    lines.append(f"suggested max_length: {report.suggested_max_length} "
+                 f"(loses at most {report.max_truncation:.1%} of trained tokens, a multiple of 64)")
+    rows = []
+    for m in report.max_lengths:
+        padding = " ".join(f"{p.micro_batch}:{p.random:.0%}/{p.group_by_length:.0%}" for p in m.padding)
+        packing = " ".join(f"{p.strategy.value} {p.fill_rate:.1%}" for p in m.packing)
+        rows.append([m.max_length, f"{m.tokens_lost_fraction:.2%}", m.rows_truncated, m.rows_dropped, padding,
+                     packing])
+    lines.append("")
+    lines.append(tabulate(rows, headers=["max_length", "trained lost", "rows cut", "rows dropped",
+                                         "padding per micro-batch (random/grouped)", "packed fill"]))
+    lines.append("")
+    lines.append(histogram_text(report, max_length=marker))
+    if report.bad_rows:
+        lines.append("")
+        lines.append(f"{len(report.bad_rows)} bad row(s), skipped:")
+        lines += [f"  {b.describe()}" for b in report.bad_rows[:20]]
+        if len(report.bad_rows) > 20:
+            lines.append(f"  ... and {len(report.bad_rows) - 20} more (see --json)")
+    lines += [f"note: {n}" for n in report.notes if not n.startswith(f"{len(report.bad_rows)} bad row")]
+    return "\n".join(lines)
