@@ -403,7 +403,7 @@ class _Study:
                     break
             idle_since = None
             trial = self.study.ask()
-            if queue_only and "fixed_params" not in trial.system_attrs:
+            if queue_only and "proposed_by" not in trial.user_attrs:
                 from optuna.trial import TrialState
 
                 self.study.tell(trial, state=TrialState.FAIL)  # lost the race for the last queued trial
@@ -681,11 +681,18 @@ def run_worker(storage: str, study_name: str, *, workload: Workload | None = Non
     import optuna
 
     store = open_storage(storage)
-    try:
-        study = optuna.load_study(study_name=study_name, storage=store)
-    except KeyError:
-        raise UsageError(f"--study {study_name!r}: no such study in {storage}") from None
-    spec = study.user_attrs.get(_SPEC_KEY)
+    deadline = time.perf_counter() + idle_s
+    while True:  # a worker may start before the leader has made the study
+        try:
+            study = optuna.load_study(study_name=study_name, storage=store)
+            spec = study.user_attrs.get(_SPEC_KEY)
+        except KeyError:
+            spec = None
+        if spec is not None or time.perf_counter() > deadline:
+            break
+        time.sleep(0.2)
+    if spec is None and "study" not in locals():
+        raise UsageError(f"--study {study_name!r}: no such study in {storage}")
     if spec is None:
         raise UsageError(f"--study {study_name!r}: not an advisor study (no spec attribute)")
     if workload is None:
@@ -696,6 +703,7 @@ def run_worker(storage: str, study_name: str, *, workload: Workload | None = Non
                              "advisor.search.run_worker(workload=...)")
         workload = build_workload(spec["model"], gpu=spec.get("gpu"), dataset=spec.get("dataset"),
                                   goals=Goals(**spec["goals"]))
+    workload = dataclasses.replace(workload, goals=Goals(**spec["goals"]))
     if workload.fingerprint() != spec["workload_fingerprint"]:
         raise UsageError(f"--study {study_name!r}: the workload differs from the one the study was made for")
     be = get_backend(backend or spec["backend"])

@@ -1,0 +1,61 @@
+"""`advisor suggest` and `advisor worker` through the CLI: formats, exit codes, messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from advisor.cli import main
+from tests.conftest import TINY_QWEN2
+
+
+@pytest.fixture
+def tiny_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADVISOR_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_QWEN2))
+    return str(path)
+
+
+def _args(cfg, *more):
+    return ["suggest", "--model", cfg, "--gpu", "cpu", "--backend", "estimate", "--trials", "6", *more]
+
+
+def test_json_has_the_design_keys(tiny_config, capsys):
+    assert main(_args(tiny_config, "--json", "--no-cache")) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("config", "peak_bytes", "reserved_bytes", "device_bytes", "tokens_per_second", "evaluations",
+                "backend", "source", "notes"):
+        assert key in out
+    assert out["backend"] == "estimate" and out["evaluations"] == 6
+    assert out["config"]["per_device_train_batch_size"] >= 1
+
+
+def test_table_yaml_output_and_plot(tiny_config, tmp_path, capsys):
+    yaml_path, png = tmp_path / "run.yaml", tmp_path / "front.png"
+    assert main(_args(tiny_config, "--output", str(yaml_path), "--plot", str(png), "--report")) == 0
+    text = capsys.readouterr().out
+    assert "micro-batch x accumulation" in text and "chosen" in text
+    import yaml
+
+    assert yaml.safe_load(yaml_path.read_text())["model_name_or_path"]
+    assert png.stat().st_size > 1000
+
+
+def test_bad_fix_exits_2_naming_the_field(tiny_config, capsys):
+    assert main(_args(tiny_config, "--fix", "optim=sgd", "--no-cache")) == 2
+    err = capsys.readouterr().err
+    assert "optim=sgd" in err and "adamw_torch" in err
+    assert main(_args(tiny_config, "--fix", "optim")) == 2
+
+
+def test_nothing_fits_exits_1(tiny_config, capsys):
+    assert main(_args(tiny_config, "--memory-budget", "1MB", "--method", "full", "--no-cache")) == 1
+    err = capsys.readouterr().err
+    assert "nothing fits" in err and "--method lora" in err
+
+
+def test_worker_needs_an_existing_study(tmp_path, capsys):
+    assert main(["worker", "--storage", str(tmp_path / "j.log"), "--study", "nope", "--idle", "0.5"]) == 2
+    assert "nope" in capsys.readouterr().err

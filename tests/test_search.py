@@ -1,0 +1,234 @@
+"""The search on tiny workloads with fake backends: fake OOMs, a counting backend, the ledger and the storage."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+
+import pytest
+
+from advisor import search
+from advisor._search.ledger import candidate_key, needs_at_least
+from advisor._search.space import RowTokens, parse_fix
+from advisor.errors import ConfigError, NoFitError
+from advisor.measurement import Measurement
+from advisor.space import Candidate, Precision, Quantization, WeightsDtype
+from advisor.workload import Goals, Method
+
+LIMIT_BUDGET = 10**9  # limit = 0.95 GB
+NARROW = {"optim": "adamw_torch", "group_by_length": "false", "packing": "false", "padding_free": "false",
+          "checkpoint_selective": "false", "checkpoint_every_n_layers": "1"}
+
+
+def fake_measure(w, c):
+    """Memory grows with micro-batch x length, falls with checkpointing; big micro-batches are fast."""
+    length = c.max_length or 256
+    act = c.per_device_train_batch_size * length * 4e5 * (0.3 if c.activation_checkpointing else 1.0)
+    dev = int(2e8 + act) // (3 if c.use_lora else 1)
+    tps = 1000 * c.per_device_train_batch_size ** 0.5 * (0.75 if c.activation_checkpointing else 1.0)
+    tps *= 1.1 if c.packing else 1.0
+    if dev > 1.2e9:
+        return Measurement("oom", "probe-cpu", message="fake OOM")
+    return Measurement("ok", "probe-cpu", peak_bytes=dev, reserved_bytes=dev, device_bytes=dev, tokens_per_second=tps)
+
+
+class Counter:
+    def __init__(self, fail_after: int | None = None):
+        self.calls: list[str] = []
+        self.fail_after = fail_after
+
+    def __call__(self, w, c):
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise KeyboardInterrupt
+        self.calls.append(candidate_key(c))
+        return fake_measure(w, c)
+
+
+@pytest.fixture
+def budget_workload(tiny_workload):
+    import dataclasses
+
+    return dataclasses.replace(tiny_workload, goals=Goals(tokens_per_step=2048, memory_budget_bytes=LIMIT_BUDGET))
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADVISOR_CACHE_DIR", str(tmp_path / "cache"))
+    search.register_backend("fake", fake_measure)
+    yield
+    search.unregister_backend("fake")
+
+
+def test_infeasible_trials_never_win(budget_workload):
+    s = search.suggest(budget_workload, backend="fake", cache=False, trials=25)
+    limit = budget_workload.limit_bytes
+    assert s.measurement.ok and s.measurement.device_bytes <= limit
+    faster = [t for t in s.trials if (t.measurement.tokens_per_second or 0) > s.measurement.tokens_per_second]
+    assert faster, "the fake space has faster candidates that do not fit"
+    assert all(not t.measurement.ok or t.measurement.device_bytes > limit for t in faster)
+    assert any(t.measurement.status.value == "oom" for t in s.trials)
+
+
+def test_effective_batch_is_fixed(budget_workload):
+    s = search.suggest(budget_workload, backend="fake", cache=False, trials=25)
+    rows = RowTokens(budget_workload.dataset)
+    assert len(s.trials) >= 10
+    for t in s.trials:
+        c = t.candidate
+        per_step = c.per_device_train_batch_size * c.gradient_accumulation_steps * rows(c)
+        # within one micro-batch of rounding of the 2048 trained tokens the user asked for
+        assert abs(per_step - 2048) <= c.per_device_train_batch_size * rows(c), (c, per_step)
+
+
+def test_second_run_makes_no_new_measurement(budget_workload):
+    first = Counter()
+    search.register_backend("fake", first)
+    s1 = search.suggest(budget_workload, backend="fake", trials=12)
+    assert len(first.calls) == 12 + 1  # twelve distinct candidates and one confirmation
+    assert len(set(first.calls[:-1])) == 12
+    second = Counter()
+    search.register_backend("fake", second)
+    s2 = search.suggest(budget_workload, backend="fake", trials=12)
+    assert second.calls == []
+    assert s2.candidate == s1.candidate and s2.evaluations == 12
+    assert any("no new measurement" in r for r in s2.reasons)
+
+
+def test_no_cache_measures_again(budget_workload):
+    search.suggest(budget_workload, backend="fake", trials=5)
+    again = Counter()
+    search.register_backend("fake", again)
+    search.suggest(budget_workload, backend="fake", trials=5, cache=False)
+    assert len(again.calls) == 6
+
+
+def test_interrupted_run_resumes(budget_workload):
+    broken = Counter(fail_after=4)
+    search.register_backend("fake", broken)
+    with pytest.raises(KeyboardInterrupt):
+        search.suggest(budget_workload, backend="fake", trials=10)
+    assert len(broken.calls) == 4
+    resumed = Counter()
+    search.register_backend("fake", resumed)
+    s = search.suggest(budget_workload, backend="fake", trials=10)
+    assert not set(broken.calls) & set(resumed.calls[:-1]), "a finished trial was measured again"
+    assert len(resumed.calls) == 10 - 4 + 1
+    assert s.evaluations == 10
+
+
+def test_oom_bounds_its_neighbours(budget_workload):
+    small = Candidate(max_length=128, per_device_train_batch_size=4, activation_checkpointing=True)
+    assert needs_at_least(small.replace(per_device_train_batch_size=8), small)
+    assert needs_at_least(small.replace(max_length=256, activation_checkpointing=False), small)
+    assert not needs_at_least(small.replace(per_device_train_batch_size=2), small)
+    assert not needs_at_least(small.replace(optim="adamw_torch"), small)
+    s = search.suggest(budget_workload, backend="fake", cache=False, trials=30)
+    pruned = [t for t in s.trials if t.measurement.status.value == "pruned"]
+    assert all("cannot fit" in t.reason or "estimate" in t.reason for t in pruned)
+
+
+def test_nothing_fits_raises_with_smallest_peak(budget_workload):
+    import dataclasses
+
+    tiny_budget = dataclasses.replace(budget_workload, goals=Goals(tokens_per_step=2048, memory_budget_bytes=10**8))
+    with pytest.raises(NoFitError) as err:
+        search.suggest(tiny_budget, backend="fake", cache=False, trials=8, method="full")
+    assert err.value.exit_code == 1
+    assert "smallest device peak" in str(err.value) and "--method lora" in str(err.value)
+
+
+def test_auto_escalates_to_lora(budget_workload):
+    import dataclasses
+
+    wl = dataclasses.replace(budget_workload, goals=Goals(tokens_per_step=2048, memory_budget_bytes=2 * 10**8))
+    s = search.suggest(wl, backend="fake", cache=False, trials=8)
+    assert s.candidate.use_lora
+    assert any("escalated to lora" in r for r in s.reasons)
+
+
+def test_fix_maps_trl_field_names():
+    pins = parse_fix({"bf16": "false", "dtype": "bfloat16", "load_in_4bit": "true", "optim": "adamw_torch",
+                      "gradient_checkpointing": "off", "max_length": "none", "lora_target_modules": "q_proj,v_proj"})
+    assert Precision.BF16 not in pins.values["precision"]
+    assert pins.values["weights_dtype"] == (WeightsDtype.BFLOAT16,)
+    assert pins.values["quantization"] == (Quantization.NF4,) and pins.methods == {Method.QLORA}
+    assert pins.values["activation_checkpointing"] == (False,) and pins.values["max_length"] == (None,)
+    assert pins.values["lora_target_modules"] == (("q_proj", "v_proj"),)
+
+
+def test_fix_reports_every_bad_field_at_once():
+    with pytest.raises(ConfigError) as err:
+        parse_fix({"optimizer": "adamw", "optim": "sgd", "packing": "maybe"})
+    msg = str(err.value)
+    assert "optimizer" in msg and "fixable" in msg
+    assert "optim=sgd" in msg and "adamw_torch_fused" in msg
+    assert "packing=maybe" in msg and "boolean" in msg
+    assert err.value.exit_code == 2
+
+
+def test_fix_narrows_every_trial(budget_workload):
+    s = search.suggest(budget_workload, backend="fake", cache=False, trials=6, fix={"optim": "adamw_torch",
+                                                                                      "per_device_train_batch_size": 2})
+    assert all(t.candidate.optim.value == "adamw_torch" and t.candidate.per_device_train_batch_size == 2
+               for t in s.trials)
+
+
+def test_report_lists_every_trial(budget_workload, tmp_path):
+    from advisor.report import plot
+
+    s = search.suggest(budget_workload, backend="fake", cache=False, trials=10)
+    text = s.report()
+    assert "chosen" in text and "out of memory" in text or "over the limit" in text
+    assert text.count("\n") > len(s.trials)
+    out = plot(s, tmp_path / "front.png")
+    assert out.stat().st_size > 1000
+    assert s.front and s.front[-1].measurement.tokens_per_second == max(
+        t.measurement.tokens_per_second for t in s.front)
+
+
+def _worker(storage, study, workload, out):
+    search.register_backend("fake", _slow_fake)
+    n = search.run_worker(storage, study, workload=workload, idle_s=8.0)
+    out.put(n)
+
+
+def _slow_fake(w, c):
+    import time
+
+    time.sleep(0.05)
+    return fake_measure(w, c)
+
+
+def test_two_workers_never_measure_the_same_candidate(budget_workload, tmp_path):
+    storage = str(tmp_path / "journal.log")
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    fix = dict(NARROW)
+    workers = [ctx.Process(target=_worker, args=(storage, "shared", budget_workload, out)) for _ in range(2)]
+    for p in workers:
+        p.start()
+    search.register_backend("fake", _slow_fake)
+    s = search.suggest(budget_workload, backend="fake", exhaustive=True, storage=storage, study_name="shared",
+                       fix=fix, method="full")
+    for p in workers:
+        p.join(60)
+    counts = [out.get(timeout=5) for _ in workers]
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    study = optuna.load_study(study_name="shared",
+                              storage=JournalStorage(JournalFileBackend(storage)))
+    measured = [t.user_attrs["key"] for t in study.trials
+                if t.user_attrs.get("measured") and not t.user_attrs.get("cached")]
+    assert len(measured) == len(set(measured)) == s.evaluations
+    assert sum(counts) > 0, "the workers took part"
+    assert json.loads(measured[0])  # keys are the candidates' JSON
+
+
+@pytest.mark.slow
+def test_cpu_probe_backend(tiny_workload):
+    s = search.suggest(tiny_workload, backend="cpu", cache=False, trials=2, method="full",
+                       fix={**NARROW, "max_length": 128, "activation_checkpointing": "true"})
+    assert s.measurement.source.value == "probe-cpu" and s.measurement.ok
+    assert s.evaluations == 2
