@@ -78,6 +78,12 @@ class Architecture:
     final_norm: int
     # (module name, in_features, out_features) of each decoder layer's linear projections
     linears: tuple[tuple[str, int, int], ...]
+    head_dim: int = 0
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The rotary embedding's inv_freq and original_inv_freq, float32 whatever the weights' dtype."""
+        return 2 * (self.head_dim // 2) * 4
 
     @property
     def total(self) -> int:
@@ -118,7 +124,7 @@ def architecture(model: ModelSpec) -> Architecture:
     return Architecture(
         layers=layers, hidden=h, intermediate=inter, vocab=vocab, q_dim=q_dim, kv_dim=kv_dim, heads=heads,
         tied=tied, embedding=vocab * h, lm_head=0 if tied else vocab * h, per_layer=per_layer, final_norm=h,
-        linears=linears,
+        linears=linears, head_dim=head_dim,
     )
 
 
@@ -235,6 +241,7 @@ def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
         params = arch.total * weight_bytes
     adapters = lora_parameters(arch, c) if c.use_lora else 0
     params += adapters * 4  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
+    params += arch.buffer_bytes
 
     # gradients and optimizer state, of what is trained
     trainable = adapters if c.use_lora else arch.total
@@ -258,8 +265,8 @@ def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
     if c.activation_offloading:
         # TRL's offloader moves saved tensors to pinned host memory, keeping about two layers in flight.
         layer_acts = min(layer_acts, 2 * max(per_layer, resid))
-    # embedding output, final norm input and output, the attention mask
-    activations = layer_acts + 3 * resid + worst.mask_bytes
+    # the final norm keeps its fp32 input and normalised output; the attention mask, when there is one
+    activations = layer_acts + tokens * arch.hidden * (4 + act_bytes) + worst.mask_bytes
     # the autocast cache holds a low-precision copy of every trainable weight until the forward ends
     if autocast and not c.use_lora:
         activations += base_linear * 2
@@ -374,9 +381,10 @@ def _layer_activation_bytes(arch: Architecture, c: Candidate, batch: BatchShape,
     casts = 2 if (a == 2 and residual_bytes == 4) else 0  # autocast casts the input of each projection anew
     norms = 2 * (4 * h + a * h)  # RMSNorm keeps its fp32 input and its normalised output
     qkv_in = a * h * (1 + casts)  # one input, or three casts under autocast
-    # rotary q/k, and sdpa's q, k, v (k/v repeated to all heads when a mask is present), output, logsumexp
+    # sdpa keeps q, k, v after rotary (k/v repeated to every head when a mask is present), its output and
+    # logsumexp; rotary itself keeps only cos/sin
     kv_rep = q if batch.mask_bytes else kv
-    attn = a * (2 * q + 2 * kv) + a * (q + 2 * kv_rep + q) + 4 * arch.heads
+    attn = a * (q + 2 * kv_rep + q) + 4 * arch.heads
     o_in = a * q
     mlp_in = a * h * (1 + casts // 2)
     mlp = 4 * a * inter
