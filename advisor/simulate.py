@@ -207,17 +207,27 @@ def _extrapolate(runs: list[DepthRun], depth: int) -> DepthRun:
 
 
 def _worst_rows(workload: Workload, candidate: Candidate) -> list[dict]:
-    """Enough of the longest rows to fill one micro-batch (packed rows when packing)."""
+    """Enough of the longest rows to fill one micro-batch (packed rows when packing).
+
+    Rows whose trained tokens all fall past `max_length` are skipped: TRL drops them as fully masked.
+    """
+    import numpy as np
+
     b = candidate.per_device_train_batch_size
     data = workload.dataset
-    if not candidate.packing or not candidate.max_length:
-        return data.longest_rows(b)
-    need = b * candidate.max_length
+    cap = candidate.max_length
+    kept = np.flatnonzero(data.trained_after_truncation(cap) > 0) if data.completion_only_loss else np.arange(
+        len(data.rows))
+    lengths = np.minimum(data.lengths[kept], cap) if cap else data.lengths[kept]
+    order = [int(kept[i]) for i in np.argsort(-lengths, kind="stable")]
+    if not candidate.packing or not cap:
+        return [data.rows[i] for i in order[:b]]
+    need = b * cap
     rows, total = [], 0
-    for row in data.longest_rows(len(data.rows)):
-        rows.append(row)
-        total += min(len(row["input_ids"]), candidate.max_length)
-        if total >= need + candidate.max_length:
+    for i in order:
+        rows.append(data.rows[i])
+        total += min(len(data.rows[i]["input_ids"]), cap)
+        if total >= need + cap:
             break
     return rows
 

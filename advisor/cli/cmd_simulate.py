@@ -1,0 +1,39 @@
+"""`advisor simulate`: the peak memory of a RUN.yaml's training step on a target, predicted on fake tensors."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import add_config_arg, add_workload_args, candidate_from_args, emit_json, workload_from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("simulate", help="predict peak memory and step time on fake tensors (no GPU needed)")
+    add_workload_args(p)
+    add_config_arg(p)
+    p.add_argument("--full-depth", action="store_true", help="simulate every layer instead of extrapolating")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from ..simulate import simulate
+
+    workload = workload_from_args(ns)
+    candidate = candidate_from_args(ns, workload)
+    m = simulate(workload, candidate, layers=None if ns.full_depth else (2, 3))
+    if ns.json:
+        print(emit_json(m.to_dict()))
+    else:
+        gib = 2**30
+        print(f"status        {m.status.value}  (source: {m.source.value})")
+        print(f"peak_bytes    {m.peak_bytes / gib:.3f} GiB")
+        print(f"reserved      {m.reserved_bytes / gib:.3f} GiB")
+        print(f"device_bytes  {m.device_bytes / gib:.3f} GiB  (budget {workload.budget_bytes / gib:.2f} GiB)")
+        for cat, n in sorted(m.breakdown.items(), key=lambda kv: -kv[1]):
+            print(f"  {cat:<18}{n / gib:.3f} GiB")
+        if m.step_time_s:
+            print(f"step time     {m.step_time_s:.3f} s  ({m.tokens_per_second:.0f} trained tokens/s, predicted)")
+        for note in m.notes:
+            print(f"note: {note}")
+    return 0 if m.ok else 1
