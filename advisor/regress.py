@@ -55,12 +55,13 @@ class WorkloadRef:
     @classmethod
     def of(cls, workload: Workload, **given: Any) -> WorkloadRef:
         """From a built workload; `given` (model=, gpu=, dataset=, ...) overrides what is derived."""
-        model = workload.model
+        data = workload.dataset
         derived: dict[str, Any] = {
-            "model": str(model.local_dir) if model.source == "local" and model.local_dir else model.name,
+            "model": workload.model.name,  # the id, or the path as the user gave it
             "gpu": workload.gpu.name,
-            "dataset": None if workload.dataset.source == "synthetic"
-            else (workload.dataset.dataset_name or workload.dataset.name),
+            "dataset": None if data.source == "synthetic" else (data.dataset_name or data.name),
+            # a sampled dataset is rebuilt with the same seeded sample
+            "sample": len(data.rows) if getattr(data, "population", None) is not None else None,
         }
         derived.update({k: v for k, v in given.items() if v is not None})
         return cls(goals=workload.goals, fingerprint=workload.fingerprint(), **derived)
