@@ -111,7 +111,7 @@ class NvmlSampler:
     otherwise the device's used memory minus what was used before this process created its CUDA context.
     """
 
-    def __init__(self, interval_s: float = 0.002):
+    def __init__(self, interval_s: float = 0.005):
         import pynvml
 
         self._nvml = pynvml
@@ -196,14 +196,9 @@ def cap_cuda(budget_bytes: int, ctx: CudaContext) -> float:
     """Cap the caching allocator so that reserved + context stays within `budget_bytes`; returns the fraction."""
     import torch
 
-    from ..errors import ConfigError
-
     usable = budget_bytes - ctx.context_bytes
-    if usable <= 0:
-        raise ConfigError(
-            f"--memory-budget {budget_bytes} bytes: the CUDA context alone takes {ctx.context_bytes} bytes; "
-            "give a larger budget"
-        )
+    if usable <= 0:  # the candidate cannot run at all under this cap: that is an OOM, not a usage error
+        raise MemoryError(f"the CUDA context alone takes {ctx.context_bytes} bytes, more than the budget")
     fraction = min(1.0, usable / ctx.total_bytes)
     torch.cuda.set_per_process_memory_fraction(fraction, 0)
     return fraction

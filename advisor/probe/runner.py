@@ -141,8 +141,11 @@ def probe(
 ) -> Measurement:
     """Measure `candidate` with `warmup` + `steps` real SFTTrainer steps in a child process.
 
-    `memory_budget_bytes` is a hard cap (CUDA: the allocator's fraction less the CUDA context; CPU: the address
-    space the child may add after its imports). `timeout_s` is the longest the child may go without progress
+    `memory_budget_bytes` is a hard cap (CUDA: the allocator's fraction less the CUDA context; CPU: RLIMIT_AS at
+    the address space after loading, plus the budget less the weights loaded; lenient by the free heap already
+    mapped then, so a candidate within ~10% over the budget can still pass on the CPU).
+
+    `timeout_s` is the longest the child may go without progress
     (a heartbeat per step); then its process group is killed and the status is `timeout`.
     """
     problems = []

@@ -225,10 +225,6 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     meter = StepMeter(cuda, heartbeat, fault)
     prof = None
     if not cuda:
-        torch.ones(64, 64) @ torch.ones(64, 64)  # start the thread pool before measuring the address space
-        if budget:
-            cap = meters.cap_address_space(int(budget))
-            state["cap"] = f"address space capped at {cap} bytes (current + --memory-budget {budget})"
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         prof.__enter__()
     trainer = _trainer_class(meter)(
@@ -237,6 +233,16 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         callbacks=[_callback(meter)],
     )
     state["meter"] = meter
+    if not cuda and budget:
+        # Capped once everything is imported and the model loaded, so code and library mappings don't count;
+        # the weights already loaded do.
+        torch.ones(64, 64) @ torch.ones(64, 64)  # start the thread pool (its stacks are address space too)
+        live = _tensor_bytes(trainer.model.parameters()) + _tensor_bytes(trainer.model.buffers())
+        if live >= budget:
+            raise MemoryError(f"the loaded model alone takes {live} bytes, more than the budget")
+        cap = meters.cap_address_space(int(budget) - live)
+        state["cap"] = (f"address space capped at {cap} bytes: current + --memory-budget {budget} less the "
+                        f"{live} bytes of weights already loaded")
     trainer.train()
     heartbeat.beat()
 
@@ -244,8 +250,6 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     packed = bool(candidate.packing)
     kinds = list(job["kinds"])
     if cuda:
-        import torch as _t
-
         step_peaks = [r["peak_bytes"] for r in records]
         peak = max([meter.setup_peak[0], *step_peaks])
         reserved = max([meter.setup_peak[1], *[r["reserved_bytes"] for r in records]])
@@ -255,7 +259,6 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         peak_index = max(range(len(records)), key=lambda i: step_peaks[i]) if records else None
         if peak_index is not None and meter.setup_peak[0] > step_peaks[peak_index]:
             peak_index = None
-        del _t
     else:
         prof.__exit__(None, None, None)
         found = meters.cpu_peak(prof)
@@ -295,7 +298,9 @@ def failure(exc: BaseException, job: dict[str, Any], state: dict[str, Any]) -> d
     where = f" in step {len(meter.steps) + 1}" if meter is not None and meter.train_begin_ns else " before training"
     if is_oom(exc):
         size = oom_request_bytes(str(exc))
-        what = f"allocating {size} bytes ({size / 2**20:.1f} MiB)" if size is not None else "allocating memory"
+        text = str(exc).strip().splitlines()
+        what = (f"allocating {size} bytes ({size / 2**20:.1f} MiB)" if size is not None
+                else f"allocating memory ({text[0]})" if text else "allocating memory")
         budget = job.get("memory_budget_bytes")
         cap = f" under --memory-budget {budget} bytes" if budget else ""
         notes = [state["cap"]] if "cap" in state else []
