@@ -77,7 +77,9 @@ def simulate(
         peak_bytes, reserved_bytes = allocated + ws, reserved + ws
         device_bytes = reserved_bytes + context_bytes(target.compute_capability)
         breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
-        notes.append("device_bytes = reserved + CUDA context + cuBLAS workspace (profiles/measurements/cuda_constants.json)")
+        notes.append(
+            "device_bytes = reserved + CUDA context + cuBLAS workspace (profiles/measurements/cuda_constants.json)"
+        )
     else:
         peak_bytes = reserved_bytes = device_bytes = peak
     ga = candidate.gradient_accumulation_steps
@@ -96,7 +98,7 @@ def simulate(
         tokens_per_second=trained / step_time if step_time > 0 else None,
         trained_tokens_per_step=int(trained),
         peak_batch=f"{b} x {s} ({'unpadded' if combined.unpadded else 'padded'}; the longest rows)",
-        message="" if status is Status.OK else f"device peak {device_bytes} B over the budget {workload.budget_bytes} B",
+        message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes),
         wall_time_s=time.perf_counter() - started,
     )
@@ -248,7 +250,8 @@ def _runnable(candidate: Candidate, target: GPUSpec) -> tuple[Candidate, list[st
     changes: dict = {}
     if candidate.quantization is not Quantization.NONE:
         changes["quantization"] = Quantization.NONE
-        changes["weights_dtype"] = WeightsDtype.BFLOAT16 if candidate.precision is not Precision.FP16 else WeightsDtype.FLOAT16
+        fp16 = candidate.precision is Precision.FP16
+        changes["weights_dtype"] = WeightsDtype.FLOAT16 if fp16 else WeightsDtype.BFLOAT16
     if candidate.optim.needs_bitsandbytes:
         changes["optim"] = Optimizer.ADAMW_TORCH
     if candidate.attn_implementation is Attention.FLASH_ATTENTION_2:
@@ -277,7 +280,9 @@ class _Adjustment:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-def _modelled_adjustments(candidate: Candidate, model: ModelSpec, breakdown: dict[str, int], step_time: float) -> _Adjustment:
+def _modelled_adjustments(
+    candidate: Candidate, model: ModelSpec, breakdown: dict[str, int], step_time: float
+) -> _Adjustment:
     """Closed-form corrections for what fake tensors cannot run (bitsandbytes, activation offloading)."""
     from ._sim.flops import offload_transfer_s
 

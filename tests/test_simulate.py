@@ -63,7 +63,8 @@ def test_modelled_kernels_are_noted_and_shrink_memory(deep_workload, h100_target
     m_q = simulate(deep_workload, qlora, h100_target)
     assert any("bitsandbytes" in n for n in m_q.notes)
     assert m_q.breakdown["parameters"] < m_lora.breakdown["parameters"]
-    off = simulate(deep_workload, Candidate(**{**BASE, "precision": "bf16", "activation_offloading": True}), h100_target)
+    offload = Candidate(**{**BASE, "precision": "bf16", "activation_offloading": True})
+    off = simulate(deep_workload, offload, h100_target)
     on = simulate(deep_workload, Candidate(**{**BASE, "precision": "bf16"}), h100_target)
     assert any("offloading" in n for n in off.notes)
     assert off.peak_bytes < on.peak_bytes
@@ -79,7 +80,8 @@ def test_cli_simulate_json(tmp_path, tiny_model, capsys):
     (tmp_path / "config.json").write_text(json.dumps(dict(tiny_model.config)))
     run = tmp_path / "RUN.yaml"
     run.write_text(to_yaml(Candidate(**BASE), model_name_or_path=str(tmp_path / "config.json")))
-    rc = main(["simulate", "--model", str(tmp_path / "config.json"), "--config", str(run), "--gpu", "cpu", "--json"])
+    cfg = str(tmp_path / "config.json")
+    rc = main(["simulate", "--model", cfg, "--config", str(run), "--gpu", "cpu", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     for key in ("status", "peak_bytes", "reserved_bytes", "device_bytes", "breakdown", "tokens_per_second", "source"):
