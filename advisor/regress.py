@@ -436,14 +436,21 @@ def check(
         notes.append("configuration differs from the baseline's: " + ", ".join(changed))
     m = measure(workload, candidate, baseline.backend)
     rows = compare_rows(baseline.totals(), baseline.breakdown, m)
-    now_versions = library_versions()
-    changes = tuple(
-        VersionChange(p, baseline.versions.get(p), now_versions.get(p))
-        for p in sorted(set(baseline.versions) | set(now_versions))
-        if baseline.versions.get(p) != now_versions.get(p)
-    )
+    changes = version_changes(baseline.versions, library_versions(), baseline.backend)
     return CheckResult(baseline=baseline, measurement=m, candidate=candidate, tolerance=tolerance, rows=rows,
                        version_changes=changes, notes=tuple(notes))
+
+
+def version_changes(was: dict[str, str], now: dict[str, str], backend: Backend) -> tuple[VersionChange, ...]:
+    """Changed packages. Simulate and estimate never touch a device, so a build label (+cpu, +cu128) is ignored."""
+
+    def same(a: str | None, b: str | None) -> bool:
+        if backend in (Backend.SIMULATE, Backend.ESTIMATE) and a and b:
+            return a.split("+")[0] == b.split("+")[0]
+        return a == b
+
+    return tuple(VersionChange(p, was.get(p), now.get(p)) for p in sorted(set(was) | set(now))
+                 if not same(was.get(p), now.get(p)))
 
 
 def knob_changes(before: Candidate, after: Candidate) -> list[str]:
@@ -456,7 +463,11 @@ def compare_rows(totals: dict[str, int | None], breakdown: dict[str, int], now: 
     rows = [Row(k, totals.get(k), getattr(now, k)) for k in TOTALS]
     order = [c.value for c in Category]
     names = sorted(set(breakdown) | set(now.breakdown), key=lambda n: (order.index(n) if n in order else len(order), n))
-    rows.extend(Row(n, breakdown.get(n), now.breakdown.get(n)) for n in names)
+    # a category absent from a non-empty breakdown had no bytes live at that peak
+    def get(side: dict[str, int], n: str) -> int | None:
+        return side.get(n, 0) if side else None
+
+    rows.extend(Row(n, get(breakdown, n), get(now.breakdown, n)) for n in names)
     return tuple(rows)
 
 

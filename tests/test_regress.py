@@ -171,3 +171,21 @@ def test_cli_check_missing_or_bad_baseline_exits_2(tmp_path, capsys):
     assert "truncated" in capsys.readouterr().err
     assert main(["check", "--baseline", str(bad), "--tolerance", "lots"]) == 2
     assert "--tolerance" in capsys.readouterr().err
+
+
+def test_version_changes_ignore_build_labels_only_where_no_device_is_touched():
+    from advisor.regress import version_changes
+
+    was = {"torch": "2.13.0+cpu", "trl": "1.16.0"}
+    now = {"torch": "2.13.0", "trl": "1.17.0"}
+    assert [str(v) for v in version_changes(was, now, Backend.SIMULATE)] == ["trl 1.16.0 -> 1.17.0"]
+    assert [v.package for v in version_changes(was, now, Backend.CUDA)] == ["torch", "trl"]
+
+
+def test_a_category_absent_at_the_new_peak_counts_as_zero():
+    now = _now(50 * MiB)
+    now = Measurement(status=Status.OK, source=Source.ESTIMATE, peak_bytes=now.peak_bytes,
+                      breakdown={k: v for k, v in now.breakdown.items() if k != "optimizer_state"})
+    rows = {r.metric: r for r in compare_rows(_baseline().totals(), _baseline().breakdown, now)}
+    assert rows["optimizer_state"].now == 0 and rows["optimizer_state"].difference == -10 * MiB
+    assert rows["reserved_bytes"].now is None  # a total the backend did not report stays unknown
