@@ -111,3 +111,26 @@ def test_estimate_backend_round_trip(tmp_path, model_dir, capsys):
     config = _run_yaml(tmp_path / "nockpt.yaml", BASE.replace(activation_checkpointing=False))
     assert main(["check", "--baseline", baseline, "--config", config, "--tolerance", "0.01"]) == 1
     assert "activations" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cpu_probe_backend_records_a_real_measurement(tmp_path, model_dir):
+    """The real-step backend: the baseline says it was measured, not predicted."""
+    small = BASE.replace(max_length=128, per_device_train_batch_size=1)
+    config = _run_yaml(tmp_path / "RUN.yaml", small)
+    out = tmp_path / "cpu.json"
+    assert main(["baseline", "--model", str(model_dir), "--gpu", "cpu", "--config", config, "--backend", "cpu",
+                 "--out", str(out)]) == 0
+    b = load_baseline(out)
+    assert b.backend.value == "cpu" and b.source == "probe-cpu" and b.peak_bytes > 0
+
+
+@pytest.mark.gpu
+def test_cuda_probe_baseline_then_check(tmp_path, model_dir):
+    config = _run_yaml(tmp_path / "RUN.yaml", BASE.replace(precision=Precision.BF16))
+    out = tmp_path / "cuda.json"
+    # no --gpu: the local GPU, through NVML
+    assert main(["baseline", "--model", str(model_dir), "--config", config, "--backend", "cuda",
+                 "--out", str(out)]) == 0
+    assert load_baseline(out).source == "probe-cuda"
+    assert main(["check", "--baseline", str(out), "--tolerance", "5%"]) == 0
