@@ -586,6 +586,8 @@ def suggest(
             if run.new_measurements == 0 and run.ledger.measured:
                 reasons.append(f"answered from the stored study {name!r}: no new measurement")
             return _suggestion(workload, run, entry, confirmed, reasons, backend_name)
+        if not run.ledger.entries:
+            reasons.append(f"{m.value}: no admissible candidate in the space (check --fix, --max-truncation)")
         low = _smallest(run)
         if low is not None:
             smallest.append(low)

@@ -229,6 +229,6 @@ def test_two_workers_never_measure_the_same_candidate(budget_workload, tmp_path)
 @pytest.mark.slow
 def test_cpu_probe_backend(tiny_workload):
     s = search.suggest(tiny_workload, backend="cpu", cache=False, trials=2, method="full",
-                       fix={**NARROW, "max_length": 128, "activation_checkpointing": "true"})
+                       fix={**NARROW, "max_length": 256, "activation_checkpointing": "true"})
     assert s.measurement.source.value == "probe-cpu" and s.measurement.ok
     assert s.evaluations == 2
