@@ -12,6 +12,7 @@ import importlib
 import pkgutil
 import sys
 import traceback
+import warnings
 
 from ..errors import AdvisorError
 
@@ -38,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if not args.debug:
+        # Deprecation chatter of transformers/TRL/PEFT inside a measurement is not the user's business.
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"(transformers|trl|peft|torch)\.")
     try:
         return int(args.func(args))
     except AdvisorError as exc:
