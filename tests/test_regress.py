@@ -189,3 +189,20 @@ def test_a_category_absent_at_the_new_peak_counts_as_zero():
     rows = {r.metric: r for r in compare_rows(_baseline().totals(), _baseline().breakdown, now)}
     assert rows["optimizer_state"].now == 0 and rows["optimizer_state"].difference == -10 * MiB
     assert rows["reserved_bytes"].now is None  # a total the backend did not report stays unknown
+
+
+def test_shipped_baselines_match_their_run_yaml():
+    """profiles/baselines/: each JSON loads, was simulated, and its candidate is what its RUN.yaml says."""
+    from pathlib import Path
+
+    from advisor.emit import load_run_config
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted((root / "profiles" / "baselines").glob("*.json"))
+    assert {f.stem for f in files} >= {"qwen2.5-0.5b-h100-trl-defaults", "qwen2.5-0.5b-h100-advisor-pick"}
+    for f in files:
+        b = load_baseline(f)
+        assert b.backend is Backend.SIMULATE and b.workload.model == "Qwen/Qwen2.5-0.5B"
+        assert load_run_config(root / b.config_path).candidate == b.candidate, f
+    defaults = load_baseline(root / "profiles/baselines/qwen2.5-0.5b-h100-trl-defaults.json")
+    assert defaults.candidate == Candidate.trl_defaults()
