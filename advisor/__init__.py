@@ -32,7 +32,7 @@ _EXPORTS = {
     "probe": "probe",
     "suggest": "search",
     "length_report": "lengths",
-    "record_baseline": "regress", "load_baseline": "regress", "check": "regress",
+    "Baseline": "regress", "CheckResult": "regress", "record_baseline": "regress", "load_baseline": "regress", "check": "regress",
     "assert_peak_memory": "regress",
 }
 

@@ -13,10 +13,10 @@ import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._versions import library_versions as _library_versions
 from .errors import BaselineError, ConfigError, UsageError
 from .measurement import Category, Measurement
 from .space import Candidate
@@ -287,13 +287,7 @@ def parse_tolerance(value: str | float) -> float:
 
 
 def library_versions() -> dict[str, str]:
-    out = {}
-    for name in TRACKED_PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "absent"
-    return out
+    return _library_versions(TRACKED_PACKAGES)
 
 
 # ---- baseline file ---------------------------------------------------------------------------------------------

@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._versions import library_versions as _library_versions
 from ..errors import UsageError
 
 if TYPE_CHECKING:
@@ -27,13 +27,7 @@ def cache_dir() -> Path:
 
 
 def library_versions() -> dict[str, str]:
-    out = {}
-    for name in _VERSIONED:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "none"
-    return out
+    return _library_versions(_VERSIONED)
 
 
 def fingerprint(obj: Any) -> str:
