@@ -5,6 +5,8 @@ Heavy modules (torch, transformers, trl, optuna) load only when a function that 
 
 from __future__ import annotations
 
+import sys
+import types
 from importlib import import_module
 from typing import Any
 
@@ -32,7 +34,8 @@ _EXPORTS = {
     "probe": "probe",
     "suggest": "search",
     "length_report": "lengths",
-    "Baseline": "regress", "CheckResult": "regress", "record_baseline": "regress", "load_baseline": "regress", "check": "regress",
+    "Baseline": "regress", "CheckResult": "regress", "record_baseline": "regress", "load_baseline": "regress",
+    "check": "regress",
     "assert_peak_memory": "regress",
 }
 
@@ -50,3 +53,19 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+class _Package(types.ModuleType):
+    """`advisor.simulate`, `advisor.estimate` and `advisor.probe` are functions that share their module's name.
+
+    Importing a submodule binds it on the package (`advisor.simulate = <module>`), which would shadow the
+    public function; the public name wins, and the module stays reachable through `sys.modules`.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name, "").split(".")[0] == name:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

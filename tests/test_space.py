@@ -106,3 +106,15 @@ def test_search_space_yields_valid_distinct(cpu_target, tiny_model):
     assert space.fix(packing=True).values["packing"] == (True,)
     with pytest.raises(ConfigError, match="unknown knob"):
         SearchSpace({"nope": (1,)})
+
+
+def test_public_functions_are_not_shadowed_by_their_modules():
+    import advisor
+    import advisor.estimate
+    import advisor.probe
+    import advisor.regress
+    import advisor.simulate  # noqa: F401  (binding submodules must not replace the functions)
+
+    for name in ("estimate", "simulate", "probe", "suggest", "check"):
+        assert callable(getattr(advisor, name)) and not isinstance(getattr(advisor, name), type(advisor)), name
+    assert set(advisor.__all__) <= set(dir(advisor))
