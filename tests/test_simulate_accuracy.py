@@ -7,6 +7,7 @@ were live before (parameters, buffers, the batches).
 
 from __future__ import annotations
 
+import gc
 import tempfile
 from collections import deque
 
@@ -60,6 +61,9 @@ def _real_cpu_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> 
         tensors += [v for b in trainer.feed for v in b.values() if isinstance(v, torch.Tensor)]
         for t in tensors:
             live[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        # garbage left by earlier tests would be freed by train()'s own gc.collect() inside the profile, and those
+        # frees of memory allocated before it would lower the measured peak: collect it first
+        gc.collect()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             trainer.train()
     events = []

@@ -9,6 +9,7 @@ Where transformers or TRL branch on "is this a fake tensor", the branch is patch
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -211,7 +212,7 @@ def run_fake_training(
     if record_events:
         tracker.events = []
     model = trainer.model
-    with real_path_patches(cuda), mode, tracker:
+    with _frozen_heap(), real_path_patches(cuda), mode, tracker:
         _materialise(model)
         tracker.set_category([p for p in model.parameters()], Category.PARAMETERS)
         tracker.set_category([b for b in model.buffers()], Category.PARAMETERS)
@@ -235,6 +236,21 @@ def run_fake_training(
         allocations=tracker.allocations,
         events=tracker.events,
     )
+
+
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """`train()` calls `gc.collect()` (accelerate's free_memory); with transformers and TRL imported a full collection
+    walks millions of objects (~0.3 s). Frozen before the first tracked storage exists, so the collection can still free
+    everything of the fake run it could free before; it just stops walking the older heap."""
+    if gc.get_freeze_count():  # the host process manages freezing itself: leave it alone
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _materialise(model: torch.nn.Module) -> None:

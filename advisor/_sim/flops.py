@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from ..workload import GPUSpec
 from .cuda_rules import constants
+from .tracker import tensors_in
 
 _LOW = {torch.bfloat16: "bf16_tflops", torch.float16: "fp16_tflops"}
 
@@ -37,7 +37,7 @@ class Roofline:
         flops = 0.0
         if packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        tensors = tensors_in(args) + tensors_in(kwargs) + tensors_in(out)
         nbytes = float(sum(t.numel() * t.element_size() for t in tensors))
         dtype = tensors[0].dtype if tensors else torch.float32
         peak = getattr(self.gpu, _LOW.get(dtype, "fp32_tflops")) * 1e12 * self.matmul_eff

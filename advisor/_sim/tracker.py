@@ -11,10 +11,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..measurement import Category
+
+_SCALAR = torch.ops.aten._local_scalar_dense.default
 
 
 @dataclass
@@ -25,11 +27,10 @@ class _Live:
 
 @dataclass
 class PeakSnapshot:
-    """Bytes live at the peak, by category, and the allocation sizes live then (for the CUDA allocator rules)."""
+    """Bytes live at the peak, by category."""
 
     peak_bytes: int = 0
     by_category: dict[Category, int] = field(default_factory=dict)
-    sizes: tuple[int, ...] = ()
 
 
 def _key(storage: torch.UntypedStorage) -> int:
@@ -43,6 +44,7 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
         self._live: dict[int, _Live] = {}
         self.current = 0
+        self._by_category: dict[Category, int] = {}  # running totals of _live, so a new peak costs O(categories)
         self.peak = PeakSnapshot()
         self.category_of: dict[int, Category] = {}
         self.default_category = Category.ACTIVATIONS
@@ -62,11 +64,12 @@ class StorageTracker(TorchDispatchMode):
         key = _key(storage)
         if key in self._live:
             if category is not None:
-                self._live[key].category = category
+                self._relabel(self._live[key], category)
             return
         nbytes = storage.nbytes()
         cat = category or self.category_of.get(key) or self.default_category
         self._live[key] = _Live(nbytes, cat)
+        self._by_category[cat] = self._by_category.get(cat, 0) + nbytes
         self.allocations += 1
         self.current += nbytes
         if self.events is not None:
@@ -79,14 +82,17 @@ class StorageTracker(TorchDispatchMode):
         live = self._live.pop(key, None)
         if live is not None:
             self.current -= live.nbytes
+            self._by_category[live.category] -= live.nbytes
             if self.events is not None:
                 self.events.append((key, -live.nbytes))
 
     def _snapshot(self) -> None:
-        by_cat: dict[Category, int] = {}
-        for live in self._live.values():
-            by_cat[live.category] = by_cat.get(live.category, 0) + live.nbytes
-        self.peak = PeakSnapshot(self.current, by_cat, tuple(v.nbytes for v in self._live.values()))
+        self.peak = PeakSnapshot(self.current, {c: n for c, n in self._by_category.items() if n})
+
+    def _relabel(self, live: _Live, category: Category) -> None:
+        self._by_category[live.category] -= live.nbytes
+        self._by_category[category] = self._by_category.get(category, 0) + live.nbytes
+        live.category = category
 
     def set_category(self, tensors: Iterable[torch.Tensor], category: Category) -> None:
         """Label storages that are (or will be) live, e.g. parameters, gradients, optimizer state."""
@@ -95,26 +101,47 @@ class StorageTracker(TorchDispatchMode):
                 continue
             key = _key(t.untyped_storage())
             if key in self._live:
-                self._live[key].category = category
+                self._relabel(self._live[key], category)
             else:
                 self.category_of[key] = category
 
     def live_by_category(self) -> dict[Category, int]:
-        out: dict[Category, int] = {}
-        for live in self._live.values():
-            out[live.category] = out.get(live.category, 0) + live.nbytes
-        return out
+        return {c: n for c, n in self._by_category.items() if n}
 
     # ---- dispatch ----------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Metadata queries (prim.device above all: half of all calls, from autograd) allocate nothing and are no
+        # op of the step; answer them as FakeTensorMode would, without its dispatch or the hooks.
+        handler = _DISPATCH_META_HANDLERS.get(func)
+        if handler is not None and len(args) == 1 and type(args[0]) is FakeTensor:
+            return handler(args)
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and self.answer_scalar is not None:
+        if func is _SCALAR and self.answer_scalar is not None:
             return self.answer_scalar(args[0])
         out = func(*args, **kwargs)
         if self.on_op is not None:
             self.on_op(func, args, kwargs, out)
-        flat, _ = tree_flatten(out)
-        for t in flat:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+        for t in tensors_in(out):
+            if (t.fake_device if type(t) is FakeTensor else t.device).type != "meta":
                 self._add(t.untyped_storage(), None)
         return out
+
+
+def tensors_in(tree: object) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or outputs, in pytree order, without tree_flatten's generality."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    out: list[torch.Tensor] = []
+    _collect(tree, out)
+    return out
+
+
+def _collect(tree: object, out: list[torch.Tensor]) -> None:
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            _collect(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _collect(x, out)
