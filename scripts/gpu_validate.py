@@ -1,0 +1,201 @@
+"""Real CUDA steps of a configuration matrix next to the simulator's prediction, written to profiles/measurements/.
+
+Run by scripts/gpu_validate.sh (which installs missing dependencies offline first). Each row: the probe's
+max_memory_allocated / max_memory_reserved / NVML device peak / step time (advisor.probe, backend cuda) and the
+simulator's peak_bytes / reserved_bytes / device_bytes / step time for the same candidate and the same GPU profile.
+
+  python scripts/gpu_validate.py                       # Qwen2.5-0.5B shape on the local GPU (detected via NVML)
+  python scripts/gpu_validate.py --gpu H100-80GB       # name the profile instead of detecting it
+  python scripts/gpu_validate.py --dry-run             # print the matrix and check imports; runs nothing
+  python scripts/gpu_validate.py --backend cpu --tiny  # the same code path on a tiny model and the CPU probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import re
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TINY_QWEN2 = {
+    "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+    "max_position_embeddings": 4096, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "optuna", "nvidia-ml-py")
+# name -> Candidate fields on top of the base (bf16 autocast, sdpa, AdamW); every one at each batch size
+MATRIX: dict[str, dict] = {
+    "full-ckpt": {},
+    "full-no-ckpt": {"activation_checkpointing": False},
+    "lora-ckpt": {"use_lora": True, "weights_dtype": "bfloat16"},
+    "packing-bfd": {"packing": True, "packing_strategy": "bfd"},
+    "padding-free": {"packing": True, "packing_strategy": "bfd", "padding_free": True},
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    fields: dict
+
+    def candidate(self, max_length: int):
+        from advisor.space import Candidate
+
+        return Candidate(max_length=max_length, per_device_train_batch_size=self.batch, precision="bf16",
+                         optim="adamw_torch", attn_implementation="sdpa", **self.fields)
+
+
+def cases(batches: tuple[int, ...], only: tuple[str, ...] | None) -> list[Case]:
+    names = [n for n in MATRIX if not only or n in only]
+    return [Case(n, b, MATRIX[n]) for b in batches for n in names]
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def device_facts() -> dict:
+    """GPU name, driver, CUDA runtime and memory from torch and NVML (what exists on this machine)."""
+    import torch
+
+    facts: dict = {"cuda_available": torch.cuda.is_available(), "cuda_runtime": torch.version.cuda}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(handle)
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        facts.update(
+            gpu_name=name.decode() if isinstance(name, bytes) else str(name),
+            driver=driver.decode() if isinstance(driver, bytes) else str(driver),
+            memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+        )
+    except Exception as exc:  # no NVML on a CPU machine
+        facts["nvml"] = f"unavailable: {exc}"
+    return facts
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _fields(m) -> dict:
+    return {"status": m.status.value, "peak_bytes": m.peak_bytes, "reserved_bytes": m.reserved_bytes,
+            "device_bytes": m.device_bytes, "step_time_s": m.step_time_s, "tokens_per_second": m.tokens_per_second,
+            "message": m.message, "notes": list(m.notes)}
+
+
+def _ratio(a: int | None, b: int | None) -> float | None:
+    return round(a / b, 4) if a and b else None
+
+
+def run(a: argparse.Namespace) -> int:
+    from advisor.data import synthetic
+    from advisor.probe import probe
+    from advisor.profiles import detect_gpu, resolve_gpu, resolve_model
+    from advisor.simulate import simulate
+    from advisor.workload import Goals, ModelSpec, Workload
+
+    matrix = cases(tuple(a.batch), tuple(a.only) if a.only else None)
+    if a.tiny:
+        spec = ModelSpec(name="tiny-qwen2", config=dict(TINY_QWEN2), source="local")
+    else:
+        spec = resolve_model(a.model)
+    if a.gpu:
+        gpu = resolve_gpu(a.gpu)
+    elif a.backend == "cuda":
+        gpu = detect_gpu()
+        if gpu is None:
+            print("no CUDA GPU found through NVML: give --gpu NAME, or --backend cpu --tiny to test on the CPU",
+                  file=sys.stderr)
+            return 2
+    else:
+        gpu = resolve_gpu("cpu")
+    max_length = a.max_length or (128 if a.tiny else 1024)
+    print(f"model {spec.name} ({spec.num_layers} layers), gpu profile {gpu.name}, backend {a.backend}, "
+          f"max_length {max_length}, {len(matrix)} cases")
+    for c in matrix:
+        print(f"  {c.name:<14} batch {c.batch}  {c.fields}")
+    print("versions:", json.dumps(versions()))
+    if a.dry_run:
+        for c in matrix:  # every candidate must be valid for TRL on this target before a GPU is spent on it
+            c.candidate(max_length).check(gpu, spec)
+        return 0
+
+    data = synthetic(vocab_size=spec.vocab_size, rows=a.rows, seed=0, median=max_length // 2, max_len=max_length)
+    wl = Workload(model=spec, gpu=gpu, dataset=data, goals=Goals())
+    rows = []
+    started = time.perf_counter()
+    for c in matrix:
+        cand = c.candidate(max_length)
+        sim = simulate(wl, cand, gpu)
+        real = probe(wl, cand, a.backend, steps=a.steps, warmup=a.warmup, timeout_s=a.timeout)
+        row = {"case": c.name, "batch_size": c.batch, "candidate": cand.to_dict(), "probe": _fields(real),
+               "simulate": _fields(sim),
+               "simulate_over_probe": {k: _ratio(getattr(sim, k), getattr(real, k))
+                                       for k in ("peak_bytes", "reserved_bytes", "device_bytes", "step_time_s")}}
+        rows.append(row)
+        r = row["simulate_over_probe"]
+        print(f"{c.name:<14} b{c.batch}  probe {real.status.value:<7} peak {real.peak_bytes or 0:>14,} "
+              f"sim {sim.peak_bytes or 0:>14,}  sim/probe peak {r['peak_bytes']} reserved {r['reserved_bytes']} "
+              f"device {r['device_bytes']} step {r['step_time_s']}", flush=True)
+    out = {
+        "schema_version": 1,
+        "source": "scripts/gpu_validate.sh",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "gpu_profile": gpu.name,
+        "device": device_facts(),
+        "versions": versions(),
+        "model": spec.name,
+        "backend": a.backend,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "max_length": max_length,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "rows": rows,
+    }
+    path = Path(a.out) if a.out else ROOT / "profiles" / "measurements" / f"{slug(gpu.name)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="Qwen/Qwen2.5-0.5B", help="a model shape from profiles/models/")
+    p.add_argument("--gpu", help="GPU profile name (default: detected through NVML)")
+    p.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer 64-wide Qwen2 instead of --model (CPU tests)")
+    p.add_argument("--batch", type=int, nargs="+", default=[2, 4], help="per-device batch sizes (default 2 4)")
+    p.add_argument("--only", nargs="+", choices=sorted(MATRIX), help="a subset of the matrix")
+    p.add_argument("--max-length", type=int, help="default 1024 (128 with --tiny)")
+    p.add_argument("--rows", type=int, default=64, help="synthetic dataset rows")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a probe may go without progress")
+    p.add_argument("--out", help="default profiles/measurements/<gpu>.json")
+    p.add_argument("--dry-run", action="store_true", help="print the matrix and check imports and candidates")
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
