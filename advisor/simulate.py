@@ -220,12 +220,19 @@ def _extrapolate(runs: list[DepthRun], depth: int) -> DepthRun:
         peak_bytes=round(lin(lo.peak_bytes, hi.peak_bytes)),
         breakdown={c: max(0, round(lin(lo.breakdown.get(c, 0), hi.breakdown.get(c, 0)))) for c in cats},
         allocated_bytes=round(lin(lo.allocated_bytes, hi.allocated_bytes)),
-        reserved_bytes=round(lin(lo.reserved_bytes, hi.reserved_bytes)),
+        reserved_bytes=_reserved_at_depth(lo, hi, round(lin(lo.allocated_bytes, hi.allocated_bytes)), lin),
         time_s=lin(lo.time_s, hi.time_s),
         trained_tokens=hi.trained_tokens,
         batch_shape=hi.batch_shape,
         unpadded=hi.unpadded,
     )
+
+
+def _reserved_at_depth(lo: DepthRun, hi: DepthRun, allocated: int, lin) -> int:
+    """Reserved memory is not linear in depth (segments are reused or split), but it never falls below what is
+    allocated: the full depth keeps at least the slack between reserved and allocated seen at the deeper run."""
+    slack = max(0, hi.reserved_bytes - hi.allocated_bytes)
+    return max(round(lin(lo.reserved_bytes, hi.reserved_bytes)), allocated + slack)
 
 
 def _worst_rows(workload: Workload, candidate: Candidate) -> list[dict]:
