@@ -51,7 +51,7 @@ def trial_rows(s: Suggestion) -> list[list[str]]:
         m = t.measurement
         rows.append(["" if t.number is None else str(t.number), _knobs(t), _gib(device_bytes(m)),
                      _tps(m.tokens_per_second), m.status.value,
-                     m.source.value, t.reason])
+                     m.source.value + (" (stored)" if t.cached else ""), t.reason])
     return rows
 
 
@@ -90,7 +90,9 @@ def render_report(s: Suggestion) -> str:
 
     table = tabulate(trial_rows(s), headers=["#", "candidate", "device GiB", "tokens/s", "status", "source", "why"],
                      tablefmt="simple")
-    return render_summary(s) + "\n\nTrials (fastest feasible first):\n" + table
+    stored = sum(t.cached for t in s.trials)
+    note = f"; {stored} answered from the stored study, not measured again" if stored else ""
+    return render_summary(s) + f"\n\nTrials (fastest feasible first{note}):\n" + table
 
 
 def plot(s: Suggestion, path: str | Path) -> Path:

@@ -195,6 +195,7 @@ class _Study:
         self._estimates: dict[str, Measurement | None] = {}
         self._estimate_fn = self._load_estimate()
         self.refresh()
+        self.stored = frozenset(self.ledger.entries)  # answered from the stored study, not by this run
 
     # -- estimate ------------------------------------------------------------------------------------------
     def _load_estimate(self) -> Callable[[Workload, Candidate], Measurement] | None:
@@ -352,6 +353,44 @@ class _Study:
         scored.sort(key=lambda s: (-s[0], s[1]))
         return [c for _, _, c in scored[:n]]
 
+    def reused(self, n: int) -> list[Candidate]:
+        """The fastest feasible candidates of stored studies of this workload, method and effective batch that a
+        cheaper measuring backend (simulate for a cuda or cpu search) answered: they seed the queue first."""
+        import optuna
+        from optuna.trial import TrialState
+
+        own = self.study.user_attrs.get(_SPEC_KEY) or {}
+        found: dict[str, tuple[float, Candidate]] = {}
+        sources: list[str] = []
+        for summary in optuna.get_all_study_summaries(self.study._storage, include_best_trial=False):
+            spec = summary.user_attrs.get(_SPEC_KEY) or {}
+            if (summary.study_name == self.study.study_name or spec.get("backend") in (None, "estimate")
+                    or any(spec.get(k) != own.get(k) for k in ("workload_fingerprint", "method", "tokens_per_step"))):
+                continue
+            try:
+                if get_backend(spec["backend"]).cost >= self.backend.cost:
+                    continue
+            except UsageError:
+                continue
+            other = optuna.load_study(study_name=summary.study_name, storage=self.study._storage)
+            sources.append(spec["backend"])
+            for t in other.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+                a = t.user_attrs
+                if not a.get("measured") or "measurement" not in a:
+                    continue
+                m = Measurement.from_dict(a["measurement"])
+                cand = self.space.admit(Candidate.from_dict(a["candidate"]))
+                if not isinstance(cand, Candidate) or not feasible(m, self.limit):
+                    continue
+                key = candidate_key(cand)
+                if key not in self.ledger and m.tokens_per_second > found.get(key, (0.0,))[0]:
+                    found[key] = (m.tokens_per_second, cand)
+        best = [c for _, c in sorted(found.values(), key=lambda v: -v[0])[:n]]
+        if best:
+            self.notes.append(f"seeded with the {len(best)} fastest candidates of stored "
+                              f"{'/'.join(sorted(set(sources)))} studies of this workload")
+        return best
+
     def next_neighbour(self) -> Candidate | None:
         """The unmeasured neighbour of the best candidate so far that the estimate ranks fastest."""
         best = self.ledger.best()
@@ -373,6 +412,7 @@ class _Study:
         if exhaustive:
             self.enqueue(list(self.space.candidates()), "exhaustive")
         elif not queue_only:
+            self.enqueue(self.reused(SEEDS), "stored")
             self.enqueue(self.seeds(SEEDS), "estimate")
         misses, turn = 0, 0
         miss_limit = 40
@@ -648,7 +688,7 @@ def _suggestion(workload: Workload, run: _Study, entry: Entry, confirmed: Measur
             why = f"{slower:.1%} slower"
         else:
             why = _failure_reason(e.measurement, run.limit)
-        trials.append(Trial(e.candidate, e.measurement, e.number, why))
+        trials.append(Trial(e.candidate, e.measurement, e.number, why, cached=key in run.stored))
     trials.sort(key=lambda t: (t.number if t.number is not None else 1 << 30))
     drift = abs(confirmed.tokens_per_second or 0) - abs(entry.measurement.tokens_per_second or 0)
     notes = list(reasons) + run.notes

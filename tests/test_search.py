@@ -92,6 +92,24 @@ def test_second_run_makes_no_new_measurement(budget_workload):
     assert second.calls == []
     assert s2.candidate == s1.candidate and s2.evaluations == 12
     assert any("no new measurement" in r for r in s2.reasons)
+    assert not any(t.cached for t in s1.trials)
+    assert s2.trials and all(t.cached for t in s2.trials)
+    assert "(stored)" in s2.report() and f"{len(s2.trials)} answered from the stored study" in s2.report()
+
+
+def test_cheaper_backend_results_seed_a_costlier_search(budget_workload):
+    search.register_backend("fake-sim", fake_measure, cost=1)
+    probe = Counter()
+    search.register_backend("fake-probe", probe, cost=2)
+    try:
+        cheap = search.suggest(budget_workload, backend="fake-sim", trials=12)
+        costly = search.suggest(budget_workload, backend="fake-probe", trials=3)
+    finally:
+        search.unregister_backend("fake-sim")
+        search.unregister_backend("fake-probe")
+    assert probe.calls[0] == candidate_key(cheap.candidate), "the cheaper backend's best is measured first"
+    assert costly.candidate == cheap.candidate
+    assert any("seeded with" in r and "fake-sim" in r for r in costly.reasons)
 
 
 def test_no_cache_measures_again(budget_workload):
