@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..measurement import Measurement
 from ..space import Candidate
 from ..workload import Goals, Workload, build_workload
 
@@ -68,9 +72,32 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
         raise UsageError("--model is required (or model_name_or_path in --config)")
     wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
                         sample=getattr(ns, "sample", None), goals=goals)
-    for note in wl.notes:
+    for note in workload_notes(wl):
         print(f"advisor: {note}", file=sys.stderr)
     return wl
+
+
+def workload_notes(wl: Workload) -> tuple[str, ...]:
+    """What the user must know about the inputs: an assumed GPU, synthetic data, bad rows skipped, a sample."""
+    return tuple(wl.notes) + tuple(wl.dataset.notes)
+
+
+def with_workload_notes(m: Measurement, wl: Workload) -> Measurement:
+    return dataclasses.replace(m, notes=workload_notes(wl) + tuple(m.notes))
+
+
+def check_writable(path: str | Path | None, flag: str) -> None:
+    """Fail before the work, not after it, when an output file cannot be written."""
+    if path is None:
+        return
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {path / 'out'}")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable; choose a writable path")
 
 
 def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None) -> Candidate:
@@ -89,7 +116,6 @@ def emit_json(obj: Any) -> str:
 
 def _json_default(o: Any) -> Any:
     import enum
-    from pathlib import Path
 
     if isinstance(o, enum.Enum):
         return o.value

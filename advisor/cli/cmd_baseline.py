@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 from ..regress import Backend, WorkloadRef, format_bytes, record_baseline
-from ._common import add_config_arg, add_workload_args, candidate_from_args, emit_json, workload_from_args
+from ._common import (
+    add_config_arg,
+    add_workload_args,
+    candidate_from_args,
+    check_writable,
+    emit_json,
+    workload_from_args,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,6 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    check_writable(ns.out, "--out")
     workload = workload_from_args(ns)
     candidate = candidate_from_args(ns, workload)
     ref = WorkloadRef.of(workload, model=ns.model, gpu=ns.gpu, dataset=ns.dataset, tokenizer=ns.tokenizer,

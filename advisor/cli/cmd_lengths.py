@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._common import add_workload_args, emit_json, parse_fraction
+from ..errors import UsageError
+from ._common import add_workload_args, check_writable, emit_json, parse_fraction
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,6 +39,10 @@ def run(ns: argparse.Namespace) -> int:
     from ..profiles import resolve_model
 
     max_truncation = parse_fraction(ns.max_truncation, "--max-truncation")
+    check_writable(ns.plot, "--plot")
+    bad = [v for v in (ns.max_length or []) if v < 1] + [v for v in (ns.micro_batch or []) if v < 1]
+    if bad:
+        raise UsageError(f"--max-length / --micro-batch {bad}: must be positive integers, e.g. --max-length 1024")
     model = resolve_model(ns.model)
     data = load_dataset(ns.dataset, model, tokenizer=ns.tokenizer, sample=ns.sample, seed=ns.seed,
                         progress=sys.stderr.isatty())

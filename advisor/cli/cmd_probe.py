@@ -10,6 +10,7 @@ from ._common import (
     candidate_from_args,
     emit_json,
     parse_size,
+    with_workload_notes,
     workload_from_args,
 )
 
@@ -46,6 +47,7 @@ def run(ns: argparse.Namespace) -> int:
     backend = ns.backend or ("cuda" if workload.gpu.is_cuda else "cpu")
     m = probe(workload, candidate, backend, steps=ns.steps, warmup=ns.warmup, timeout_s=ns.timeout,
               memory_budget_bytes=budget, weights=ns.weights)
+    m = with_workload_notes(m, workload)
     if ns.json:
         print(emit_json(m.to_dict()))
     else:

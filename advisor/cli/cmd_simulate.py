@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import add_config_arg, add_workload_args, candidate_from_args, emit_json, workload_from_args
+from ._common import (
+    add_config_arg,
+    add_workload_args,
+    candidate_from_args,
+    emit_json,
+    with_workload_notes,
+    workload_from_args,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +28,7 @@ def run(ns: argparse.Namespace) -> int:
 
     workload = workload_from_args(ns)
     candidate = candidate_from_args(ns, workload)
-    m = simulate(workload, candidate, layers=None if ns.full_depth else (2, 3))
+    m = with_workload_notes(simulate(workload, candidate, layers=None if ns.full_depth else (2, 3)), workload)
     if ns.json:
         print(emit_json(m.to_dict()))
     else:
