@@ -293,12 +293,10 @@ def to_python(candidate: Candidate, *, model_name_or_path: str, dataset_name: st
     lines += ["", "config = SFTConfig(", '    output_dir="advisor-sft",']
     lines += [f"    {k}={v!r}," for k, v in kw.items()]
     lines.append(")")
-    args = [f"    model={model_name_or_path!r},", "    args=config,"]
-    if dataset_name:
-        lines.insert(lines.index("config = SFTConfig("), f'dataset = load_dataset({dataset_name!r}, split="train")')
-        args.append("    train_dataset=dataset,")
-    else:
-        args.append("    train_dataset=dataset,  # your dataset")
+    args = [f"    model={model_name_or_path!r},", "    args=config,", "    train_dataset=dataset,"]
+    load = f"load_dataset({dataset_name!r}, split=\"train\")" if dataset_name else \
+        'load_dataset("json", data_files="train.jsonl", split="train")  # your data'
+    lines.insert(lines.index("config = SFTConfig("), f"dataset = {load}")
     if candidate.use_lora:
         lines.append(
             f"peft_config = LoraConfig(r={candidate.lora_r}, lora_alpha={candidate.lora_alpha}, lora_dropout=0.0, "

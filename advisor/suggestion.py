@@ -46,7 +46,13 @@ class Suggestion:
         return str(spec.local_dir) if spec.source == "local" and spec.local_dir else spec.name
 
     def sft_config(self, **overrides: Any) -> SFTConfig:
-        """A trl.SFTConfig; on a machine without a GPU, a bf16 config needs `use_cpu=True`."""
+        """A trl.SFTConfig; on a machine without a GPU, a bf16 config needs `use_cpu=True`.
+
+        Its `model_init_kwargs` carry the quantization too, so `SFTTrainer(model=<id>, args=s.sft_config(),
+        peft_config=s.peft_config())` loads a QLoRA pick quantized.
+        """
+        overrides.setdefault("model_init_kwargs", self.model_init_kwargs)
+        overrides.setdefault("completion_only_loss", self._completion_only_loss)
         return emit.build_sft_config(self.candidate, self.workload, **overrides)
 
     def peft_config(self) -> LoraConfig | None:
@@ -65,13 +71,18 @@ class Suggestion:
     def env(self) -> dict[str, str]:
         return emit.env_vars(self.candidate)
 
-    def run_config(self) -> dict[str, Any]:
+    @property
+    def _completion_only_loss(self) -> bool | None:
+        """Explicit for the synthetic set (pre-tokenized prompt/completion); TRL's own default for real data."""
         ds = self.workload.dataset
+        return ds.completion_only_loss if ds.source == "synthetic" else None
+
+    def run_config(self) -> dict[str, Any]:
         return emit.run_config_dict(
             self.candidate,
             model_name_or_path=self.model_name_or_path,
-            dataset_name=ds.dataset_name,
-            completion_only_loss=ds.completion_only_loss if ds.source == "synthetic" else None,
+            dataset_name=self.workload.dataset.dataset_name,
+            completion_only_loss=self._completion_only_loss,
         )
 
     def to_yaml(self) -> str:
@@ -83,7 +94,7 @@ class Suggestion:
     def to_python(self) -> str:
         return emit.to_python(
             self.candidate, model_name_or_path=self.model_name_or_path,
-            dataset_name=self.workload.dataset.dataset_name,
+            dataset_name=self.workload.dataset.dataset_name, completion_only_loss=self._completion_only_loss,
         )
 
     def to_json_dict(self) -> dict[str, Any]:

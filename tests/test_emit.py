@@ -88,9 +88,32 @@ def test_missing_and_malformed_config(tmp_path):
         load_run_config(bad)
 
 
-def test_python_snippet_is_valid_python():
+def _undefined_names(code: str) -> list[str]:
+    """Names read before any import or assignment binds them (top-level statements, in order)."""
+    import builtins
+
+    bound = set(dir(builtins))
+    missing = []
+    for stmt in ast.parse(code).body:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
+                missing.append(node.id)
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                bound.add(node.id)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return missing
+
+
+@pytest.mark.parametrize("dataset_name", ["trl-lib/Capybara", None])
+def test_python_snippet_runs_as_written(dataset_name):
     for cand in CASES:
-        ast.parse(to_python(cand, model_name_or_path="Qwen/Qwen2.5-0.5B", dataset_name="trl-lib/Capybara"))
+        code = to_python(cand, model_name_or_path="Qwen/Qwen2.5-0.5B", dataset_name=dataset_name)
+        assert _undefined_names(code) == [], code
+        if cand.quantization.value != "none":
+            assert "quantization_config=quantization_config" in code
+    assert _undefined_names("x = y\n") == ["y"]
 
 
 def test_sft_config_needs_use_cpu_for_bf16_on_cpu():
@@ -133,3 +156,18 @@ def test_emitted_config_trains_two_steps(cand, tiny_model, tiny_data, tmp_path):
     out = trainer.train()
     assert out.global_step == 2
     assert torch.isfinite(torch.tensor(out.training_loss))
+
+
+def test_suggestion_sft_config_carries_quantization_and_masks(tiny_model, h100_target, tiny_data):
+    from advisor.measurement import Measurement, Source, Status
+    from advisor.suggestion import Suggestion
+    from advisor.workload import Workload
+
+    cand = Candidate(use_lora=True, quantization="4bit", lora_target_modules=("q_proj",))
+    s = Suggestion(workload=Workload(model=tiny_model, gpu=h100_target, dataset=tiny_data), candidate=cand,
+                   measurement=Measurement(status=Status.OK, source=Source.ESTIMATE))
+    cfg = s.sft_config(use_cpu=True, output_dir="x")
+    assert cfg.model_init_kwargs["quantization_config"].load_in_4bit
+    assert cfg.completion_only_loss is True  # the synthetic set trains completions only, as the YAML says
+    assert s.run_config()["completion_only_loss"] is True
+    assert "completion_only_loss=True" in s.to_python()
