@@ -295,16 +295,13 @@ class Candidate:
         out = []
         if self.use_lora:
             available = set(model_linear_names(model))
-            missing = [m for m in self.lora_target_modules if m not in available and m != "lm_head"]
-            if missing and available:
+            targets = [m for m in self.lora_target_modules if m != "lm_head"]
+            if targets and available and not set(targets) & available:
+                # PEFT raises only when no target matches ("Target modules {...} not found in the base model")
                 out.append(
-                    f"lora_target_modules {missing} do not exist in {model.name}; available: {sorted(available)}"
+                    f"lora_target_modules {targets} do not exist in {model.name} (PEFT raises \"Target modules "
+                    f"not found in the base model\"); available: {sorted(available)}"
                 )
-        if self.checkpoint_every_n_layers > model.num_layers:
-            out.append(
-                f"checkpoint_every_n_layers={self.checkpoint_every_n_layers} exceeds the model's "
-                f"{model.num_layers} layers"
-            )
         return out
 
     def check(self, gpu: GPUSpec | None = None, model: ModelSpec | None = None) -> Candidate:
