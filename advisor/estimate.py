@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from .workload import GPUSpec, ModelSpec, Workload
 
 MiB = 2**20
-CUDA_CONTEXT_BYTES = 500 * MiB
 # Model FLOPs utilisation assumed against the profile's dense peak; typical of a single-GPU HF Trainer run.
 MFU_CUDA = 0.40
 # The CPU profile's TFLOP/s are an order of magnitude only; PyTorch CPU kernels reach about half of it.
@@ -339,7 +338,7 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     when, moment = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     peak = int(sum(moment.values()))
     reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
-    device = reserved + CUDA_CONTEXT_BYTES if cuda else peak
+    device = reserved + _outside_allocator_bytes(gpu) if cuda else peak
 
     step_time, trained_per_step = _step_time(arch, c, gpu, typical, p.trainable, activations)
     notes = [
@@ -460,3 +459,11 @@ def _step_time(
     optimizer_s = 2 * state_bytes / (gpu.memory_bandwidth_gbs * 1e9)
     step = micro * c.gradient_accumulation_steps + optimizer_s
     return step, int(batch.trained * c.gradient_accumulation_steps)
+
+
+def _outside_allocator_bytes(gpu: GPUSpec) -> int:
+    """CUDA context + cuBLAS workspace: the same calibrated constants the simulator uses
+    (profiles/measurements/cuda_constants.json)."""
+    from ._sim.cuda_rules import context_bytes, cublas_workspace_bytes
+
+    return context_bytes(gpu.compute_capability) + cublas_workspace_bytes(gpu.compute_capability)

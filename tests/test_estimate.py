@@ -65,7 +65,11 @@ def test_estimate_is_a_measurement_with_every_category(tiny_workload):
 def test_cuda_adds_context_and_fragmentation(tiny_model, h100_target, tiny_data):
     m = estimate(Workload(model=tiny_model, gpu=h100_target, dataset=tiny_data), Candidate())
     assert m.reserved_bytes > m.peak_bytes
-    assert m.device_bytes == m.reserved_bytes + 500 * 2**20
+    # the CUDA context and cuBLAS workspace come from the same calibration file as the simulator's
+    from advisor._sim.cuda_rules import constants
+
+    c = constants()
+    assert m.device_bytes == m.reserved_bytes + c["cuda_context_bytes"]["default"] + c["cublas_workspace_bytes"]["sm90"]
 
 
 def test_monotonic_sanity(h100_target):

@@ -122,7 +122,10 @@ def replay(events: list[tuple[int, int]], *, expandable_segments: bool, base_byt
 
 
 def context_bytes(compute_capability: str | None) -> int:
-    return int(constants()["cuda_context_bytes"]["default"])
+    """The CUDA context (outside PyTorch's allocator); a measured `sm<cc>` entry wins over the default."""
+    ctx = constants()["cuda_context_bytes"]
+    key = f"sm{compute_capability.replace('.', '')}" if compute_capability else None
+    return int(ctx.get(key, ctx["default"]) if key else ctx["default"])
 
 
 def cublas_workspace_bytes(compute_capability: str | None) -> int:
