@@ -240,3 +240,21 @@ def test_cli_probe_killed_and_hung_children(model_dir, run_yaml, capsys, monkeyp
     assert rc == 1 and data["status"] == "timeout"
     assert len(children) == 2
     assert_no_child_left(children)
+
+
+def test_bad_probe_inputs_fail_in_the_parent_with_usage_errors(tiny_workload, monkeypatch):
+    """No child is started for a probe that could only fail: exit 2 material, not an `error` measurement."""
+    import torch
+
+    from advisor.errors import ConfigError
+    from advisor.space import Candidate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError) as info:
+        probe(tiny_workload, Candidate(activation_offloading=True, precision="fp32"), "cpu", weights="/nonexistent")
+    text = str(info.value)
+    assert "--backend cpu: activation_offloading=True on the CPU" in text
+    assert "--weights /nonexistent: not a directory" in text
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="--backend cuda: no CUDA device"):
+            probe(tiny_workload, Candidate(precision="fp32"), "cuda")

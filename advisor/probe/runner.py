@@ -159,6 +159,7 @@ def probe(
         problems.append(f"--timeout {timeout_s}: must be a positive number of seconds")
     if memory_budget_bytes is not None and memory_budget_bytes <= 0:
         problems.append(f"--memory-budget {memory_budget_bytes}: must be positive, e.g. 40GB")
+    problems.extend(_device_problems(workload, candidate, backend, weights))
     if problems:
         from ..errors import ConfigError
 
@@ -305,3 +306,21 @@ def _log_hint(jobdir: Path, lines: int = 8) -> str:
         return ""
     tail = [line for line in text.splitlines() if line.strip() and not line.startswith("USDT:")][-lines:]
     return ("; last output:\n" + "\n".join(tail)) if tail else ""
+
+
+def _device_problems(workload: Workload, candidate: Candidate, backend: str, weights: str | None) -> list[str]:
+    """What would only fail inside the child: no CUDA for a cuda probe, a candidate the CPU can't run,
+    real weights that are not there."""
+    out = []
+    if backend == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            out.append("--backend cuda: no CUDA device is visible here; use --backend cpu, or run on a GPU machine")
+    elif backend == "cpu":
+        from ..profiles import resolve_gpu
+
+        out.extend(f"--backend cpu: {p}" for p in candidate.problems(resolve_gpu("cpu")))
+    if weights is not None and not Path(weights).is_dir() and os.environ.get("HF_HUB_OFFLINE"):
+        out.append(f"--weights {weights}: not a directory, and the hub is offline; give a local model directory")
+    return out
