@@ -12,7 +12,7 @@
 #   scripts/gpu_validate.sh --build-wheels WHEEL_DIR [PY_VERSION]
 # which runs
 #   pip download --only-binary=:all: --python-version PY --platform manylinux2014_x86_64 -d WHEEL_DIR \
-#       "trl==1.16.*" datasets "optuna>=5,<6"
+#       trl datasets optuna   (at the versions pinned in constraints.txt)
 #   pip wheel --no-deps -w WHEEL_DIR .
 # (torch, transformers, accelerate, peft and their dependencies are expected on the GPU image already; pip
 # downloads whatever else trl, datasets and optuna need.)
@@ -25,7 +25,7 @@ if [[ "${1:-}" == "--build-wheels" ]]; then
     pyver=${3:-$($PY -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')}
     mkdir -p "$dir"
     $PY -m pip download --only-binary=:all: --python-version "$pyver" --platform manylinux2014_x86_64 \
-        -d "$dir" "trl==1.16.*" datasets "optuna>=5,<6"
+        -d "$dir" $(grep -E '^(trl|datasets|optuna)==' constraints.txt)
     $PY -m pip wheel --no-deps -w "$dir" .
     exit 0
 fi
