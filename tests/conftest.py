@@ -105,3 +105,20 @@ def tiny_tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer")
     fast.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def children(monkeypatch):
+    """Records every probe child the runner starts (its ChildExit), to check afterwards that its group is gone."""
+    from advisor.probe import runner
+
+    seen = []
+    original = runner._spawn_and_wait
+
+    def spy(*args, **kwargs):
+        exit_ = original(*args, **kwargs)
+        seen.append(exit_)
+        return exit_
+
+    monkeypatch.setattr(runner, "_spawn_and_wait", spy)
+    return seen

@@ -19,21 +19,6 @@ from advisor.space import Candidate
 SMALL = Candidate(max_length=256, per_device_train_batch_size=4, optim="adamw_torch", precision="fp32")
 
 
-@pytest.fixture
-def children(monkeypatch):
-    """Records every child the runner starts (its ChildExit), to check afterwards that its group is gone."""
-    seen = []
-    original = runner_mod._spawn_and_wait
-
-    def spy(*args, **kwargs):
-        exit_ = original(*args, **kwargs)
-        seen.append(exit_)
-        return exit_
-
-    monkeypatch.setattr(runner_mod, "_spawn_and_wait", spy)
-    return seen
-
-
 def assert_no_child_left(children):
     assert children, "no child was started"
     for exit_ in children:

@@ -49,20 +49,6 @@ def gpu_workload(h100_target):
     return Workload(model=spec, gpu=h100_target, dataset=data, goals=Goals())
 
 
-@pytest.fixture
-def children(monkeypatch):
-    seen = []
-    original = runner_mod._spawn_and_wait
-
-    def spy(*args, **kwargs):
-        exit_ = original(*args, **kwargs)
-        seen.append(exit_)
-        return exit_
-
-    monkeypatch.setattr(runner_mod, "_spawn_and_wait", spy)
-    return seen
-
-
 def _inline_peak(workload, candidate, tmp_path) -> int:
     """max_memory_allocated of the same planned rows and steps, trained in this process with plain SFTTrainer."""
     import torch
