@@ -311,6 +311,15 @@ class Candidate:
             raise ConfigError(problems, context="configuration rejected")
         return self
 
+    def requirements(self) -> tuple[str, ...]:
+        """Packages the training run needs beyond torch/transformers/trl/peft (pip names)."""
+        out = []
+        if self.quantization is not Quantization.NONE or self.optim.needs_bitsandbytes:
+            out.append("bitsandbytes")
+        if self.attn_implementation is Attention.FLASH_ATTENTION_2:
+            out.append("kernels")  # transformers loads kernels-community/* attention through it, from the Hub
+        return tuple(out)
+
     def quality_cost(self, truncated_fraction: float = 0.0) -> QualityCost:
         """`truncated_fraction` comes from the dataset's length distribution (data.TokenizedDataset)."""
         return QualityCost(

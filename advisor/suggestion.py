@@ -100,6 +100,8 @@ class Suggestion:
     def to_json_dict(self) -> dict[str, Any]:
         m = self.measurement
         notes = list(self.workload.notes) + list(self.workload.dataset.notes) + list(self.reasons) + list(m.notes)
+        if self.candidate.requirements():
+            notes.append(self.requirements_note)
         return {
             "config": self.run_config(),
             "peak_bytes": m.peak_bytes,
@@ -116,6 +118,11 @@ class Suggestion:
             "quality": self.candidate.quality_cost(self.truncated_fraction).describe(),
             "notes": notes,
         }
+
+    @property
+    def requirements_note(self) -> str:
+        pkgs = self.candidate.requirements()
+        return f"training with this configuration needs: pip install {' '.join(pkgs)}" if pkgs else ""
 
     @property
     def truncated_fraction(self) -> float:

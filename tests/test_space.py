@@ -120,3 +120,10 @@ def test_public_functions_are_not_shadowed_by_their_modules():
     for name in ("estimate", "simulate", "probe", "suggest", "check"):
         assert callable(getattr(advisor, name)) and not isinstance(getattr(advisor, name), type(advisor)), name
     assert set(advisor.__all__) <= set(dir(advisor))
+
+
+def test_requirements_name_the_extra_packages():
+    assert Candidate().requirements() == ()
+    assert Candidate(optim="paged_adamw_8bit").requirements() == ("bitsandbytes",)
+    assert Candidate(use_lora=True, quantization="4bit", attn_implementation="kernels-community/flash-attn2"
+                     ).requirements() == ("bitsandbytes", "kernels")
