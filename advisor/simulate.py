@@ -291,6 +291,11 @@ def _runnable(candidate: Candidate, target: GPUSpec) -> tuple[Candidate, list[st
         notes.append("fp16 autocast simulated as bf16 (same sizes); the gradient scaler's few bytes are ignored")
     if target.is_cuda:
         notes.append("CUDA path: TRL's fused LM head scores labelled positions only (Triton), CUDA allocator rules")
+        if candidate.precision is not Precision.FP32:
+            notes.append(
+                "autocast follows the CPU's op lists on fake tensors; CUDA's lists differ for a few ops, so the "
+                "dtype of some temporaries may differ from a real GPU run"
+            )
     if changes.get("weights_dtype") is WeightsDtype.FLOAT16 and changes.get("precision") is Precision.BF16:
         changes["weights_dtype"] = WeightsDtype.BFLOAT16
     try:
