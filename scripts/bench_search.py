@@ -44,6 +44,7 @@ class Memo:
                 rec = json.loads(line)
                 if rec["tag"] == self.tag:
                     self.table[rec["key"]] = (Measurement.from_dict(rec["measurement"]), rec["seconds"])
+        self.loaded = frozenset(self.table)
 
     def measure(self, wl, c, asked: dict[str, float]):
         key = candidate_key(c)
@@ -97,7 +98,7 @@ def bench(gpu: str, backend: str, share: float, memo_path: Path | None) -> list[
 
     def row(name, tps_value, n, secs, grid_tps, grid_n):
         ratio = f"{tps_value / grid_tps:.3f}" if tps_value and grid_tps else "-"
-        cost = f"{n / grid_n:.2f}" if grid_n else "-"
+        cost = f"{n / grid_n:.3f}" if grid_n else "-"
         out.append([gpu, name, f"{tps_value:,.0f}" if tps_value else "none fits", ratio, str(n), cost, f"{secs:.1f}"])
 
     t = time.perf_counter()
@@ -120,7 +121,9 @@ def bench(gpu: str, backend: str, share: float, memo_path: Path | None) -> list[
         asked = {}
         _, v = finder(memo, wl, sizes, asked)
         row(name, v, len(asked), sum(asked.values()), grid_tps, grid_n)
-    out.append([gpu, f"(wall {time.perf_counter() - t:.0f}s)", "", "", "", "", ""])
+    fresh = sum(1 for k in memo.table if k not in memo.loaded)
+    out.append([gpu, f"(wall {time.perf_counter() - t:.0f}s, {fresh} measured now, {len(memo.loaded)} from --memo)",
+                "", "", "", "", ""])
     return out
 
 
