@@ -49,9 +49,16 @@ class BaselineError(UsageError):
 
 
 class NoFitError(AdvisorError):
-    """A valid search whose answer is negative: no candidate fits the budget (exit 1)."""
+    """A valid search whose answer is negative: no candidate fits the budget (exit 1).
+
+    `details` keeps the facts as data (smallest device peak found, the limit, the next knob) for --json.
+    """
 
     exit_code = 1
+
+    def __init__(self, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.details: dict = dict(details or {})
 
 
 class RegressionError(AdvisorError):

@@ -78,7 +78,9 @@ def render_summary(s: Suggestion) -> str:
     ]
     out = tabulate(rows, tablefmt="simple")
     quality = c.quality_cost(s.truncated_fraction).describe()
-    notes = list(s.reasons) + [f"quality: {q}" for q in quality]
+    notes = list(wl.dataset.notes) + list(s.reasons) + [f"quality: {q}" for q in quality]
+    if s.requirements_note:
+        notes.append(s.requirements_note)
     if notes:
         out += "\n\n" + "\n".join(f"- {n}" for n in notes)
     return out

@@ -192,6 +192,7 @@ class _Study:
         self.progress = progress
         self.new_measurements = 0
         self.notes: list[str] = []
+        self.stopped_by_time = False
         self._estimates: dict[str, Measurement | None] = {}
         self._estimate_fn = self._load_estimate()
         self.refresh()
@@ -423,6 +424,7 @@ class _Study:
                 break
             if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
                 self.notes.append(f"stopped by --time-budget {time_budget_s:g}s after {done} measurements")
+                self.stopped_by_time = True
                 break
             waiting = self.waiting()
             if not waiting:
@@ -594,6 +596,8 @@ def suggest(
         raise UsageError(f"--method {method!r}: choose one of full, lora, qlora, auto") from None
     if trials is not None and trials < 1:
         raise UsageError(f"--trials {trials}: must be >= 1")
+    if time_budget_s is not None and time_budget_s <= 0:
+        raise UsageError(f"--time-budget {time_budget_s:g}: must be a positive number of seconds, e.g. 600")
     goals = dict(memory_budget_bytes=memory_budget, headroom=headroom, max_truncation=max_truncation,
                  tokens_per_step=tokens_per_step, method=method,
                  allow_low_precision_weights=allow_low_precision_weights or None, allow_wrapped=allow_wrapped or None)
@@ -626,6 +630,12 @@ def suggest(
             if run.new_measurements == 0 and run.ledger.measured:
                 reasons.append(f"answered from the stored study {name!r}: no new measurement")
             return _suggestion(workload, run, entry, confirmed, reasons, backend_name)
+        if not run.ledger.measured and time_budget_s is not None and run.stopped_by_time:
+            raise NoFitError(
+                f"--time-budget {time_budget_s:g}s ended before any candidate was measured with {backend_name}; "
+                "give it more time (finished trials are kept and the next run resumes)",
+                details={"limit_bytes": workload.limit_bytes, "next_knob": "--time-budget"},
+            )
         if not run.ledger.entries:
             reasons.append(f"{m.value}: no admissible candidate in the space (check --fix, --max-truncation)")
         low = _smallest(run)
@@ -635,7 +645,14 @@ def suggest(
         nxt = order[i + 1].value if i + 1 < len(order) else None
         reasons.append(f"{m.value}: nothing fits the limit {workload.limit_bytes / _GiB:.2f} GiB{peak}"
                        + (f"; escalated to {nxt}" if nxt else ""))
-    raise NoFitError(_no_fit_message(workload, order, smallest, reasons))
+    low = min(smallest, key=lambda s: s[0]) if smallest else None
+    raise NoFitError(_no_fit_message(workload, order, smallest, reasons), details={
+        "limit_bytes": workload.limit_bytes,
+        "smallest_device_bytes": low[0] if low else None,
+        "smallest_config": low[1].to_dict() if low else None,
+        "next_knob": _next_knob(order[-1]),
+        "notes": reasons,
+    })
 
 
 def _confirmed_best(run: _Study, reasons: list[str]) -> tuple[Entry, Measurement] | None:
@@ -645,7 +662,9 @@ def _confirmed_best(run: _Study, reasons: list[str]) -> tuple[Entry, Measurement
               if feasible(e.measurement, run.limit) and candidate_key(e.candidate) not in rejected]
         if not ok:
             return None
-        best = max(ok, key=lambda e: e.measurement.tokens_per_second or 0.0)
+        # On a tie (e.g. flash-attn2 simulated as sdpa), prefer fewer extra packages, then less memory.
+        best = max(ok, key=lambda e: (e.measurement.tokens_per_second or 0.0, -len(e.candidate.requirements()),
+                                      -(device_bytes(e.measurement) or 0)))
         confirmed = run.confirm(best)
         if feasible(confirmed, run.limit):
             return best, confirmed
@@ -667,10 +686,12 @@ def _no_fit_message(workload: Workload, order: list[Method], smallest: list[tupl
     if smallest:
         d, c = min(smallest, key=lambda s: s[0])
         head += f"; the smallest device peak found was {d / _GiB:.2f} GiB ({_describe(c)})"
-    last = order[-1]
-    nxt = {Method.FULL: "--method lora (or auto)", Method.LORA: "--method qlora"}.get(
-        last, "a larger --memory-budget or --gpu")
-    return head + f"; next knob to try: {nxt}. " + " | ".join(reasons)
+    return head + f"; next knob to try: {_next_knob(order[-1])}. " + " | ".join(reasons)
+
+
+def _next_knob(last: Method) -> str:
+    return {Method.FULL: "--method lora (or auto)", Method.LORA: "--method qlora"}.get(
+        last, "a larger --memory-budget or --gpu, or a larger --max-truncation (shorter max_length)")
 
 
 def _suggestion(workload: Workload, run: _Study, entry: Entry, confirmed: Measurement, reasons: list[str],

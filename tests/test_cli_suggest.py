@@ -59,3 +59,28 @@ def test_nothing_fits_exits_1(tiny_config, capsys):
 def test_worker_needs_an_existing_study(tmp_path, capsys):
     assert main(["worker", "--storage", str(tmp_path / "j.log"), "--study", "nope", "--idle", "0.5"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_nothing_fits_with_json_still_prints_one_object(tiny_config, capsys):
+    assert main(_args(tiny_config, "--memory-budget", "1MB", "--method", "full", "--json", "--no-cache")) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "no_fit" and out["limit_bytes"] == int(1e6 * 0.95)
+    assert out["smallest_device_bytes"] > out["limit_bytes"] and out["next_knob"].startswith("--method lora")
+
+
+@pytest.mark.parametrize(
+    ("more", "text"),
+    [
+        (["--time-budget", "0"], "--time-budget 0: must be a positive number of seconds"),
+        (["--output", "/nonexistent-dir/run.yaml"], "--output /nonexistent-dir/run.yaml: the folder"),
+        (["--plot", "/nonexistent-dir/p.png"], "--plot /nonexistent-dir/p.png: the folder"),
+    ],
+)
+def test_bad_flags_exit_2_before_any_work(tiny_config, capsys, more, text):
+    assert main(_args(tiny_config, *more)) == 2
+    assert text in capsys.readouterr().err
+
+
+def test_summary_says_the_data_was_synthetic(tiny_config, capsys):
+    assert main(_args(tiny_config, "--no-cache")) == 0
+    assert "synthetic data: no dataset was given" in capsys.readouterr().out

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..errors import UsageError
-from ._common import add_workload_args, emit_json, parse_fraction, parse_size, workload_from_args
+from ..errors import NoFitError, UsageError
+from ._common import add_workload_args, check_writable, emit_json, parse_fraction, parse_size, workload_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -77,12 +77,19 @@ def run(ns: argparse.Namespace) -> int:
 
         if importlib.util.find_spec("matplotlib") is None:
             raise UsageError("--plot needs matplotlib: pip install 'advisor[plot]'")
+    check_writable(ns.output, "--output")
+    check_writable(ns.plot, "--plot")
     workload = workload_from_args(ns, goals=goals)
     bar = _ProgressBar() if sys.stderr.isatty() else None
     try:
         s = suggest(workload, backend=ns.backend, trials=ns.trials, time_budget_s=ns.time_budget, fix=fixes,
                     storage=ns.storage, study_name=ns.study, cache=not ns.no_cache, exhaustive=ns.exhaustive,
                     progress=bar)
+    except NoFitError as exc:
+        if fmt != "json":
+            raise
+        print(emit_json({"status": "no_fit", "message": str(exc), **exc.details}))
+        return exc.exit_code
     finally:
         if bar is not None:
             bar.close()
