@@ -20,7 +20,18 @@ import yaml
 from .errors import ProfileError, UnknownGPUError, UnknownModelError
 from .workload import GPUSpec, ModelSpec
 
-PROFILES_DIR = Path(os.environ.get("ADVISOR_PROFILES_DIR") or Path(__file__).resolve().parent.parent / "profiles")
+
+def _profiles_dir() -> Path:
+    """$ADVISOR_PROFILES_DIR, else the checkout's profiles/, else the copy installed as `advisor._profiles`."""
+    if os.environ.get("ADVISOR_PROFILES_DIR"):
+        return Path(os.environ["ADVISOR_PROFILES_DIR"])
+    checkout = Path(__file__).resolve().parent.parent / "profiles"
+    if checkout.is_dir():
+        return checkout
+    return Path(__file__).resolve().parent / "_profiles"
+
+
+PROFILES_DIR = _profiles_dir()
 
 _GPU_KEYS_REQUIRED = (
     "name", "kind", "memory", "bf16_tflops", "fp16_tflops", "fp32_tflops", "memory_bandwidth_gbs",

@@ -14,7 +14,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-CONSTANTS_PATH = Path(__file__).resolve().parents[2] / "profiles" / "measurements" / "cuda_constants.json"
+
+def _constants_path() -> Path:
+    from ..profiles import PROFILES_DIR
+
+    return PROFILES_DIR / "measurements" / "cuda_constants.json"
+
+
+CONSTANTS_PATH = _constants_path()
 
 
 @lru_cache(maxsize=1)
