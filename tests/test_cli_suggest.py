@@ -84,3 +84,22 @@ def test_bad_flags_exit_2_before_any_work(tiny_config, capsys, more, text):
 def test_summary_says_the_data_was_synthetic(tiny_config, capsys):
     assert main(_args(tiny_config, "--no-cache")) == 0
     assert "synthetic data: no dataset was given" in capsys.readouterr().out
+
+
+def test_front_door_yaml_goes_through_trl_sft_parser(tmp_path, monkeypatch, capsys):
+    """Issue 2's must-show: `advisor suggest --model Qwen/Qwen2.5-0.5B --gpu H100-80GB --format yaml`, offline,
+    parsed by the parser `trl sft` itself uses, with nothing left over."""
+    from trl.scripts.sft import make_parser
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("ADVISOR_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "run.yaml"
+    assert main(["suggest", "--model", "Qwen/Qwen2.5-0.5B", "--gpu", "H100-80GB", "--backend", "estimate",
+                 "--format", "yaml", "--output", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == out.read_text().strip()
+    *parsed, config_left, args_left = make_parser().parse_args_and_config(
+        ["--config", str(out), "--use_cpu", "True"], return_remaining_strings=True, separate_remaining_strings=True)
+    assert config_left == [] and args_left == []
+    script, training, model, _ = parsed
+    assert model.model_name_or_path == "Qwen/Qwen2.5-0.5B"
+    assert training.per_device_train_batch_size >= 1 and training.completion_only_loss is True
