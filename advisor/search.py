@@ -28,6 +28,7 @@ from ._search.backends import (
 )
 from ._search.ledger import Entry, Ledger, candidate_key, device_bytes, feasible
 from ._search.space import (
+    BATCH_TOLERANCE,
     RowTokens,
     apply_pins,
     default_space,
@@ -117,7 +118,8 @@ class _Space:
             return f"loses {lost:.2%} of trained tokens to truncation (--max-truncation {wl.goals.max_truncation:.2%})"
         out = with_accumulation(cand, self.tokens_per_step, self.rows)
         if out is None:
-            return "one micro-batch carries more than twice the effective batch"
+            return ("no accumulation keeps this micro-batch within "
+                    f"{BATCH_TOLERANCE:.0%} of {self.tokens_per_step} trained tokens per optimizer step")
         return out
 
     def params_of(self, cand: Candidate) -> dict[str, Any]:

@@ -73,8 +73,10 @@ def _method(name: str, memo: Memo, wl, run):
 
 
 def finder(memo: Memo, wl, sizes, asked) -> tuple[Candidate | None, float | None]:
-    """Batch finders on TRL's defaults, keeping the effective batch fixed: try micro-batches in order, stop at
-    the first that fits (x0.9) or the last before a failure (power of two)."""
+    """Batch finders on TRL's defaults, keeping the effective batch fixed by the search's own rule
+    (`with_accumulation`: accumulation = round(rows / micro-batch), and a micro-batch whose trained tokens per
+    optimizer step would land more than 25% off the target is skipped, as the search refuses it): try
+    micro-batches in order, stop at the first that fits (x0.9) or the last before a failure (power of two)."""
     rows, tps = RowTokens(wl.dataset), default_tokens_per_step(wl)
     best = None
     for b in sizes:

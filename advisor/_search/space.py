@@ -67,16 +67,30 @@ def default_tokens_per_step(workload: Workload, row_tokens: RowTokens | None = N
     return max(1, round(DEFAULT_ROWS_PER_STEP * rt(Candidate.trl_defaults())))
 
 
+BATCH_TOLERANCE = 0.25  # a candidate's trained tokens per optimizer step stay within +-25% of the target
+
+
+def accumulation_for(b: int, rows: float) -> int | None:
+    """The accumulation that makes `b` rows per micro-batch carry `rows` rows per optimizer step within
+    BATCH_TOLERANCE, or None when none does. `rows` may be fractional (1729 tokens / 216.1 per row = 7.9998)."""
+    if rows <= 0 or b < 1:
+        return None
+    acc = max(1, round(rows / b))
+    ratio = b * acc / rows
+    # 1e-9 of slack so a ratio that is 1 +- 0.25 up to float rounding is judged as the exact value would be
+    return acc if abs(ratio - 1.0) <= BATCH_TOLERANCE + 1e-9 else None
+
+
 def with_accumulation(c: Candidate, tokens_per_step: int, row_tokens: RowTokens) -> Candidate | None:
     """Set gradient_accumulation_steps so micro-batch x accumulation carries `tokens_per_step` trained tokens.
 
-    None when the micro-batch alone carries more than twice the step (only micro-batch 1 may overshoot).
+    accumulation = round(rows / micro-batch); None when that leaves the trained tokens per optimizer step more
+    than BATCH_TOLERANCE away from `tokens_per_step` (e.g. 16 x 1 against an 8-row step is 2.0x: refused).
     """
     rows = tokens_per_step / row_tokens(c)
-    b = c.per_device_train_batch_size
-    if b > 1 and b > 2 * rows:
+    acc = accumulation_for(c.per_device_train_batch_size, rows)
+    if acc is None:
         return None
-    acc = max(1, round(rows / b))
     return c if acc == c.gradient_accumulation_steps else dataclasses.replace(c, gradient_accumulation_steps=acc)
 
 
