@@ -55,6 +55,7 @@ __all__ = [
 DEFAULT_TRIALS = 40
 PRUNE_FACTOR = 1.3  # the estimate prunes a candidate over limit x this: "far over budget", allowing its error
 SEEDS = 8
+FIT_CHECK = 4  # before giving up on a method: measure this many of the candidates the estimate says fit
 _SPEC_KEY = "advisor"
 _GiB = 2**30
 
@@ -197,13 +198,15 @@ class _Study:
         self.stopped_by_time = False
         self._estimates: dict[str, Measurement | None] = {}
         self._estimate_fn = self._load_estimate()
+        # The estimate backend IS the estimate: it orders the queue, but pruning by it would only skip measuring.
+        self._prunes = backend.name != "estimate"
         self.refresh()
         self.stored = frozenset(self.ledger.entries)  # answered from the stored study, not by this run
 
     # -- estimate ------------------------------------------------------------------------------------------
     def _load_estimate(self) -> Callable[[Workload, Candidate], Measurement] | None:
         if self.backend.name == "estimate":
-            return None  # no cheaper backend to prune or rank with
+            return self.backend.measure  # the backend itself: its numbers seed and order the queue
         try:
             from .estimate import estimate
         except ImportError:
@@ -226,7 +229,8 @@ class _Study:
         if est is None or not est.ok:
             return 0.0
         d = device_bytes(est)
-        if d is not None and d > self.limit * PRUNE_FACTOR:
+        # As a backend the estimate is exact about itself: what it puts over the limit does not fit.
+        if d is not None and d > self.limit * (PRUNE_FACTOR if self._prunes else 1.0):
             return -1.0
         return est.tokens_per_second or 0.0
 
@@ -266,7 +270,7 @@ class _Study:
         else:
             est = self.estimate(cand)
             d = device_bytes(est) if est is not None else None
-            if est is not None and d is not None and d > self.limit * PRUNE_FACTOR:
+            if self._prunes and est is not None and d is not None and d > self.limit * PRUNE_FACTOR:
                 m = Measurement(Status.PRUNED, Source.ESTIMATE, peak_bytes=est.peak_bytes,
                                 reserved_bytes=est.reserved_bytes, device_bytes=est.device_bytes,
                                 tokens_per_second=est.tokens_per_second,
@@ -393,6 +397,34 @@ class _Study:
             self.notes.append(f"seeded with the {len(best)} fastest candidates of stored "
                               f"{'/'.join(sorted(set(sources)))} studies of this workload")
         return best
+
+    def fit_check(self, n: int = FIT_CHECK) -> tuple[list[Candidate], int, int]:
+        """Before giving up on this method: (the unmeasured candidates the estimate puts under the limit, the
+        lowest-peak and the best-predicted first, at most `n`; how many it puts under the limit; how many
+        admissible candidates remain unmeasured). Scans the whole admissible space with the estimate."""
+        if self._estimate_fn is None:
+            return [], 0, 0
+        fits: list[tuple[int, float, int, Candidate]] = []
+        unmeasured = 0
+        for i, c in enumerate(self.space.candidates()):
+            hit = self.ledger.get(candidate_key(c))
+            if hit is not None and hit.measured:
+                continue
+            unmeasured += 1
+            if hit is not None or self.ledger.bound(c) is not None:
+                continue
+            est = self.estimate(c)
+            d = device_bytes(est) if est is not None and est.ok else None
+            if d is not None and d <= self.limit:
+                fits.append((d, est.tokens_per_second or 0.0, i, c))
+        low = sorted(fits, key=lambda f: (f[0], f[2]))
+        fast = sorted(fits, key=lambda f: (-f[1], f[2]))
+        picked: list[Candidate] = []
+        for pair in zip(low, fast, strict=True):
+            for f in pair:
+                if f[3] not in picked and len(picked) < n:
+                    picked.append(f[3])
+        return picked, len(fits), unmeasured
 
     def next_neighbour(self) -> Candidate | None:
         """The unmeasured neighbour of the best candidate so far that the estimate ranks fastest."""
@@ -627,6 +659,19 @@ def suggest(
         if storage:
             run.wait_for_running()
         best = _confirmed_best(run, reasons)
+        unmeasured = 0
+        if best is None and not run.stopped_by_time:
+            # The trial budget may have run out before anything that fits was tried: ask the estimate about
+            # the whole admissible space and measure the few it says fit before escalating or giving up.
+            extra, n_fit, unmeasured = run.fit_check()
+            if extra:
+                reasons.append(f"{m.value}: none of the {len(run.ledger.measured)} measured candidates fit; the "
+                               f"estimate puts {n_fit} unmeasured ones under the limit: measured the {len(extra)} "
+                               "lowest-peak / best-predicted of them")
+                run.enqueue(extra, "fit-check")
+                run.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True)
+                best = _confirmed_best(run, reasons)
+                unmeasured = run.fit_check(0)[2]
         if best is not None:
             entry, confirmed = best
             if run.new_measurements == 0 and run.ledger.measured:
@@ -645,8 +690,16 @@ def suggest(
             smallest.append(low)
         peak = f"; the smallest device peak found was {low[0] / _GiB:.2f} GiB" if low else ""
         nxt = order[i + 1].value if i + 1 < len(order) else None
-        reasons.append(f"{m.value}: nothing fits the limit {workload.limit_bytes / _GiB:.2f} GiB{peak}"
-                       + (f"; escalated to {nxt}" if nxt else ""))
+        if unmeasured and backend_name == "estimate":
+            what = (f"nothing fits the limit {workload.limit_bytes / _GiB:.2f} GiB{peak} (the estimate puts the "
+                    f"{unmeasured} unmeasured admissible candidates over it too)")
+        elif unmeasured:
+            what = (f"none of the {len(run.ledger.measured)} measured candidates fit the limit "
+                    f"{workload.limit_bytes / _GiB:.2f} GiB{peak}; raise --trials to measure the {unmeasured} "
+                    "unmeasured ones (the estimate puts them over the limit)")
+        else:
+            what = f"nothing fits the limit {workload.limit_bytes / _GiB:.2f} GiB{peak}"
+        reasons.append(f"{m.value}: {what}" + (f"; escalated to {nxt}" if nxt else ""))
     low = min(smallest, key=lambda s: s[0]) if smallest else None
     raise NoFitError(_no_fit_message(workload, order, smallest, reasons), details={
         "limit_bytes": workload.limit_bytes,

@@ -263,3 +263,42 @@ def test_cpu_probe_backend(tiny_workload):
                        fix={**NARROW, "max_length": 256, "activation_checkpointing": "true"})
     assert s.measurement.source.value == "probe-cpu" and s.measurement.ok
     assert s.evaluations == 2
+
+
+def _estimate_fake(w, c):
+    from advisor.estimate import estimate
+
+    return estimate(w, c)
+
+
+def test_auto_measures_what_the_estimate_says_fits_before_escalating(tiny_workload):
+    """The trial budget running out is not "nothing fits": the whole space is checked with the estimate first."""
+    import dataclasses
+
+    from advisor._search.ledger import device_bytes
+
+    search.register_backend("fake-est", _estimate_fake)
+    try:
+        probe = search.suggest(tiny_workload, backend="fake-est", cache=False, method="full", trials=2,
+                               fix={"optim": "adamw_torch"}, exhaustive=True)
+        peaks = sorted(device_bytes(t.measurement) for t in probe.trials if t.measurement.ok)
+        # a budget only the leanest few full fine-tuning candidates fit: the estimate's fastest seeds do not
+        budget = int(peaks[2] / 0.95) + 1
+        wl = dataclasses.replace(tiny_workload, goals=Goals(tokens_per_step=2048, memory_budget_bytes=budget))
+        s = search.suggest(wl, backend="fake-est", cache=False, trials=2, fix={"optim": "adamw_torch"})
+    finally:
+        search.unregister_backend("fake-est")
+    assert not s.candidate.use_lora, s.reasons
+    assert device_bytes(s.measurement) <= wl.limit_bytes
+    assert any("none of the 2 measured candidates fit" in r for r in s.reasons), s.reasons
+    assert not any("escalated" in r for r in s.reasons)
+
+
+def test_estimate_backend_seeds_from_itself(tiny_workload):
+    import dataclasses
+
+    wl = dataclasses.replace(tiny_workload, goals=Goals(tokens_per_step=2048, memory_budget_bytes=LIMIT_BUDGET))
+    s = search.suggest(wl, backend="estimate", cache=False, trials=1, method="full", fix={"optim": "adamw_torch"})
+    grid = search.suggest(wl, backend="estimate", cache=False, exhaustive=True, method="full",
+                          fix={"optim": "adamw_torch"})
+    assert s.evaluations == 1 and s.measurement.tokens_per_second == grid.measurement.tokens_per_second
