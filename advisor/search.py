@@ -619,10 +619,13 @@ def suggest(
     allow_low_precision_weights: bool = False,
     allow_wrapped: bool = False,
     progress: Callable[[Progress], None] | None = None,
+    workload_names: Mapping[str, Any] | None = None,
 ) -> Suggestion:
     """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
 
     Raises NoFitError (exit 1) when nothing fits, ConfigError / UsageError (exit 2) for bad input.
+    `workload_names` (model, gpu, dataset, tokenizer, sample: the names a Workload passed as `model` was built
+    from) are stored in the study so that `advisor worker` can rebuild the workload and join it.
     """
     try:
         method = Method(method)
@@ -635,7 +638,9 @@ def suggest(
     goals = dict(memory_budget_bytes=memory_budget, headroom=headroom, max_truncation=max_truncation,
                  tokens_per_step=tokens_per_step, method=method,
                  allow_low_precision_weights=allow_low_precision_weights or None, allow_wrapped=allow_wrapped or None)
-    origin = {"model": model if isinstance(model, str) else None, "gpu": gpu, "dataset": dataset}
+    origin: dict[str, Any] = {"model": model if isinstance(model, str) else None, "gpu": gpu, "dataset": dataset,
+                              "tokenizer": None, "sample": None}
+    origin.update({k: v for k, v in (workload_names or {}).items() if k in origin and v is not None})
     workload = _resolve_workload(model, gpu, dataset, goals)
     backend_name = backend or default_backend_name()
     be = get_backend(backend_name)
@@ -790,43 +795,81 @@ def _front(trials: list[Trial], limit: int) -> tuple[Trial, ...]:
     return tuple(out)
 
 
-def run_worker(storage: str, study_name: str, *, workload: Workload | None = None, backend: str | None = None,
-               idle_s: float = 5.0, progress: Callable[[Progress], None] | None = None) -> int:
-    """Measure queued candidates of a shared study until the queue stays empty for `idle_s`; return how many.
+METHOD_SUFFIXES = tuple(f"-{m.value}" for m in (Method.FULL, Method.LORA, Method.QLORA))
 
-    Optuna hands each queued trial to one worker only, so no two workers measure the same candidate.
-    """
+
+def _study_names(store: optuna.storages.BaseStorage) -> list[str]:
     import optuna
 
-    store = open_storage(storage)
-    deadline = time.perf_counter() + idle_s
-    while True:  # a worker may start before the leader has made the study
-        try:
-            study = optuna.load_study(study_name=study_name, storage=store)
-            spec = study.user_attrs.get(_SPEC_KEY)
-        except KeyError:
-            spec = None
-        if spec is not None or time.perf_counter() > deadline:
-            break
-        time.sleep(0.2)
-    if spec is None and "study" not in locals():
-        raise UsageError(f"--study {study_name!r}: no such study in {storage}")
+    return [su.study_name for su in optuna.get_all_study_summaries(store, include_best_trial=False)]
+
+
+def _worker_names(names: list[str], study_name: str) -> list[str]:
+    """The study itself, or the per-method studies `suggest --method auto --study NAME` makes (NAME-full, ...)."""
+    if study_name in names:
+        return [study_name]
+    return [study_name + sfx for sfx in METHOD_SUFFIXES if study_name + sfx in names]
+
+
+def _worker_run(store: optuna.storages.BaseStorage, name: str, storage: str, workload: Workload | None,
+                backend: str | None, progress: Callable[[Progress], None] | None) -> _Study:
+    import optuna
+
+    study = optuna.load_study(study_name=name, storage=store)
+    spec = study.user_attrs.get(_SPEC_KEY)
     if spec is None:
-        raise UsageError(f"--study {study_name!r}: not an advisor study (no spec attribute)")
+        raise UsageError(f"--study {name!r}: not an advisor study in {storage} (no spec attribute); name a study "
+                         "made by `advisor suggest --storage URL --study NAME`")
+    if backend is not None and backend != spec["backend"]:
+        raise UsageError(f"--backend {backend}: the study {name!r} measures with {spec['backend']}; a worker must "
+                         f"use the study's backend: drop --backend or pass --backend {spec['backend']}")
     if workload is None:
         from .workload import build_workload
 
         if not spec.get("model"):
-            raise UsageError(f"--study {study_name!r}: started from a Workload object; run workers through "
+            raise UsageError(f"--study {name!r}: started from a Workload object; run workers through "
                              "advisor.search.run_worker(workload=...)")
         workload = build_workload(spec["model"], gpu=spec.get("gpu"), dataset=spec.get("dataset"),
+                                  tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
                                   goals=Goals(**spec["goals"]))
     workload = dataclasses.replace(workload, goals=Goals(**spec["goals"]))
     if workload.fingerprint() != spec["workload_fingerprint"]:
-        raise UsageError(f"--study {study_name!r}: the workload differs from the one the study was made for")
-    be = get_backend(backend or spec["backend"])
+        raise UsageError(f"--study {name!r}: the workload differs from the one the study was made for")
+    be = get_backend(spec["backend"])
     space = _Space(workload, _space_from_json(spec["space"]), int(spec["tokens_per_step"]),
                    RowTokens(workload.dataset))
-    run = _Study(workload, Method(spec["method"]), space, be, study, progress)
-    run.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True, idle_s=idle_s)
-    return run.new_measurements
+    return _Study(workload, Method(spec["method"]), space, be, study, progress)
+
+
+def run_worker(storage: str, study_name: str, *, workload: Workload | None = None, backend: str | None = None,
+               idle_s: float = 5.0, progress: Callable[[Progress], None] | None = None) -> int:
+    """Measure queued candidates of a shared study until no queue has had work for `idle_s`; return how many.
+
+    `study_name` is the name given to `suggest --study`: with `--method auto` the worker follows the per-method
+    studies NAME-full, NAME-lora, NAME-qlora as the leader escalates. Optuna hands each queued trial to one
+    worker only, so no two workers measure the same candidate.
+    """
+    store = open_storage(storage)
+    runs: dict[str, _Study] = {}
+    idle_since = time.perf_counter()
+    while True:  # a worker may start before the leader has made the study, or before it escalates
+        for name in _worker_names(_study_names(store), study_name):
+            if name not in runs:
+                runs[name] = _worker_run(store, name, storage, workload, backend, progress)
+        worked = 0
+        for run in runs.values():
+            before = run.new_measurements
+            run.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True, idle_s=0.0)
+            worked += run.new_measurements - before
+        if worked:
+            idle_since = time.perf_counter()
+        elif time.perf_counter() - idle_since > idle_s:
+            break
+        else:
+            time.sleep(0.2)
+    if not runs:
+        known = _study_names(store)
+        listed = f"studies there: {', '.join(known)}" if known else "it holds no study yet"
+        raise UsageError(f"--study {study_name!r}: no such study in {storage} ({listed}); pass the --study name "
+                         "given to `advisor suggest`")
+    return sum(run.new_measurements for run in runs.values())

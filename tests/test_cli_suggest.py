@@ -103,3 +103,63 @@ def test_front_door_yaml_goes_through_trl_sft_parser(tmp_path, monkeypatch, caps
     script, training, model, _ = parsed
     assert model.model_name_or_path == "Qwen/Qwen2.5-0.5B"
     assert training.per_device_train_batch_size >= 1 and training.completion_only_loss is True
+
+
+def _cli_fake(w, c):
+    """Slow enough that a worker takes part; memory grows with micro-batch x length."""
+    import time
+
+    from advisor.measurement import Measurement
+
+    time.sleep(0.4)  # the forked worker builds its workload from the stored names meanwhile
+    dev = int(2e8 + c.per_device_train_batch_size * (c.max_length or 256) * 4e5)
+    return Measurement("ok", "probe-cpu", peak_bytes=dev, reserved_bytes=dev, device_bytes=dev,
+                       tokens_per_second=1000.0 * c.per_device_train_batch_size ** 0.5)
+
+
+_CLI_NARROW = ["--fix", "optim=adamw_torch", "--fix", "group_by_length=false", "--fix", "packing=false",
+               "--fix", "padding_free=false", "--fix", "gradient_checkpointing=false"]
+
+
+def _cli_worker(storage, study, out):
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["worker", "--storage", storage, "--study", study, "--idle", "4", "--json"])
+    out.put((rc, buf.getvalue()))
+
+
+def test_worker_joins_a_cli_made_auto_study(tiny_config, tmp_path, capsys):
+    """`advisor suggest --storage J --study S` (method auto: studies S-full, ...) and `advisor worker --storage J
+    --study S` in another process share the queue; no candidate is measured twice."""
+    import multiprocessing as mp
+
+    import optuna
+
+    from advisor import search
+    from advisor._search.storage import open_storage
+
+    search.register_backend("fake", _cli_fake)
+    try:
+        storage = str(tmp_path / "journal.log")
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+        worker = ctx.Process(target=_cli_worker, args=(storage, "S", out))
+        worker.start()
+        rc = main(["suggest", "--model", tiny_config, "--gpu", "cpu", "--backend", "fake", "--storage", storage,
+                   "--study", "S", "--exhaustive", "--json", "--memory-budget", "1GB", *_CLI_NARROW])
+        worker.join(60)
+        worker_rc, worker_out = out.get(timeout=5)
+        assert rc == 0 and worker_rc == 0
+    finally:
+        search.unregister_backend("fake")
+    result = json.loads(capsys.readouterr().out)
+    study = optuna.load_study(study_name="S-full", storage=open_storage(storage))
+    spec = study.user_attrs["advisor"]
+    assert spec["model"] == tiny_config and spec["gpu"] == "cpu"
+    measured = [t.user_attrs["key"] for t in study.trials
+                if t.user_attrs.get("measured") and not t.user_attrs.get("cached")]
+    assert len(measured) == len(set(measured)) == result["evaluations"]
+    assert json.loads(worker_out)["measured"] > 0, ("the worker took part", worker_out, result["evaluations"])

@@ -16,7 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_workload_args(p, model_required=False)
     p.add_argument("--config", default=None, metavar="RUN.yaml",
                    help="take model_name_or_path / dataset_name from a trl sft --config file")
-    p.add_argument("--backend", choices=("estimate", "simulate", "cuda", "cpu"), default=None,
+    p.add_argument("--backend", default=None, metavar="{estimate,simulate,cuda,cpu}",
                    help="how candidates are measured (default: cuda when a GPU is present, else simulate)")
     p.add_argument("--method", choices=("full", "lora", "qlora", "auto"), default="auto",
                    help="auto: full fine-tuning if anything fits, else LoRA, else QLoRA")
@@ -79,12 +79,16 @@ def run(ns: argparse.Namespace) -> int:
             raise UsageError("--plot needs matplotlib: pip install 'advisor[plot]'")
     check_writable(ns.output, "--output")
     check_writable(ns.plot, "--plot")
+    if ns.backend is not None:
+        from ..search import get_backend
+
+        get_backend(ns.backend)  # an unknown name exits 2 naming --backend before any work
     workload = workload_from_args(ns, goals=goals)
     bar = _ProgressBar() if sys.stderr.isatty() else None
     try:
         s = suggest(workload, backend=ns.backend, trials=ns.trials, time_budget_s=ns.time_budget, fix=fixes,
                     storage=ns.storage, study_name=ns.study, cache=not ns.no_cache, exhaustive=ns.exhaustive,
-                    progress=bar)
+                    progress=bar, workload_names=_workload_names(ns, workload))
     except NoFitError as exc:
         if fmt != "json":
             raise
@@ -110,6 +114,19 @@ def run(ns: argparse.Namespace) -> int:
     else:
         print(config_text, end="" if config_text.endswith("\n") else "\n")
     return 0
+
+
+def _workload_names(ns: argparse.Namespace, workload) -> dict[str, object]:
+    """The names the workload was built from, stored in the study so `advisor worker` can rebuild it."""
+    model, dataset = ns.model, ns.dataset
+    if ns.config and (model is None or dataset is None):
+        from ..emit import load_run_config
+
+        rc = load_run_config(ns.config)
+        model, dataset = model or rc.model_name_or_path, dataset or rc.dataset_name
+    # the resolved GPU, so that a worker on another machine measures for the same target
+    return {"model": model, "gpu": ns.gpu or workload.gpu.name, "dataset": dataset, "tokenizer": ns.tokenizer,
+            "sample": ns.sample}
 
 
 class _ProgressBar:

@@ -12,9 +12,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("worker", help="measure queued candidates of a shared study (one per GPU)",
                               description="Join a study made by `advisor suggest --storage URL --study NAME`.")
     p.add_argument("--storage", required=True, help="the study's Optuna RDB URL or journal file")
-    p.add_argument("--study", required=True, help="the study name")
-    p.add_argument("--backend", choices=("estimate", "simulate", "cuda", "cpu"), default=None,
-                   help="default: the study's backend")
+    p.add_argument("--study", required=True, help="the --study name given to `advisor suggest` (with --method "
+                   "auto the worker follows NAME-full, NAME-lora, NAME-qlora)")
+    p.add_argument("--backend", default=None, help="the study's backend (default); any other is refused")
     p.add_argument("--idle", type=float, default=30.0, metavar="S", help="exit after S seconds with an empty queue")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
