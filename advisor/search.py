@@ -577,7 +577,30 @@ def _study_name(workload: Workload, backend: str, method: Method, space: _Space)
     return f"advisor-{short}-{workload.gpu.name}-{backend}-{method.value}-{fp}"
 
 
-def _create_study(storage: optuna.storages.BaseStorage, name: str, spec: dict[str, Any]) -> optuna.Study:
+# What a stored study must agree on with a new run that reuses its name (pins are part of the space).
+_SPEC_FIELDS = ("backend", "method", "space", "tokens_per_step", "workload_fingerprint", "goals")
+
+
+def _spec_differences(stored: Mapping[str, Any], spec: Mapping[str, Any]) -> list[str]:
+    out = []
+    for k in _SPEC_FIELDS:
+        a, b = stored.get(k), spec.get(k)
+        if k == "goals":  # the requested method (auto or not) is not the study's: "method" above is
+            a = {g: v for g, v in (a or {}).items() if g != "method"}
+            b = {g: v for g, v in (b or {}).items() if g != "method"}
+            changed = sorted(g for g in set(a) | set(b) if a.get(g) != b.get(g))
+            if changed:
+                out.append(f"goals ({', '.join(changed)})")
+        elif k == "space" and a != b:
+            keys = sorted(g for g in set(a or {}) | set(b or {}) if (a or {}).get(g) != (b or {}).get(g))
+            out.append(f"space ({', '.join(keys)}: --fix, --method or --max-truncation)")
+        elif a != b:
+            out.append(k if k != "workload_fingerprint" else "workload (model, GPU, dataset or budget)")
+    return out
+
+
+def _create_study(storage: optuna.storages.BaseStorage, name: str, spec: dict[str, Any],
+                  given_name: str | None = None) -> optuna.Study:
     import optuna
 
     with warnings.catch_warnings():
@@ -586,8 +609,13 @@ def _create_study(storage: optuna.storages.BaseStorage, name: str, spec: dict[st
                                              n_startup_trials=5)
     study = optuna.create_study(study_name=name, storage=storage, direction="maximize", sampler=sampler,
                                 load_if_exists=True)
-    if _SPEC_KEY not in study.user_attrs:
+    stored = study.user_attrs.get(_SPEC_KEY)
+    if stored is None:
         study.set_user_attr(_SPEC_KEY, spec)
+    elif differences := _spec_differences(stored, spec):
+        shown = given_name or name
+        raise UsageError(f"--study {shown!r}: the stored study {name!r} was made with a different "
+                         f"{'; '.join(differences)}; pass the original flags to resume it, or name a new --study")
     return study
 
 
@@ -658,7 +686,7 @@ def suggest(
         space = _Space(workload, apply_pins(default_space(workload, m), pins), tps, rows)
         name = study_name if study_name and len(order) == 1 else (
             f"{study_name}-{m.value}" if study_name else _study_name(workload, backend_name, m, space))
-        study = _create_study(store, name, _spec(workload, backend_name, m, space, origin))
+        study = _create_study(store, name, _spec(workload, backend_name, m, space, origin), study_name)
         run = _Study(workload, m, space, be, study, progress)
         run.run(trials=trials or DEFAULT_TRIALS, time_budget_s=time_budget_s, exhaustive=exhaustive)
         if storage:

@@ -302,3 +302,26 @@ def test_estimate_backend_seeds_from_itself(tiny_workload):
     grid = search.suggest(wl, backend="estimate", cache=False, exhaustive=True, method="full",
                           fix={"optim": "adamw_torch"})
     assert s.evaluations == 1 and s.measurement.tokens_per_second == grid.measurement.tokens_per_second
+
+
+def test_reused_study_name_with_changed_flags_exits_2(budget_workload, tmp_path):
+    from advisor.errors import UsageError
+
+    storage = str(tmp_path / "j.log")
+    search.suggest(budget_workload, backend="fake", trials=3, method="full", storage=storage, study_name="mine")
+    with pytest.raises(UsageError) as err:
+        search.suggest(budget_workload, backend="fake", trials=3, method="full", storage=storage,
+                       study_name="mine", fix={"optim": "adamw_torch"})
+    assert err.value.exit_code == 2 and "--study 'mine'" in str(err.value) and "space (optim" in str(err.value)
+    search.register_backend("fake-2", fake_measure)
+    try:
+        with pytest.raises(UsageError) as err:
+            search.suggest(budget_workload, backend="fake-2", trials=3, method="full", storage=storage,
+                           study_name="mine", headroom=0.2)
+    finally:
+        search.unregister_backend("fake-2")
+    assert "backend" in str(err.value) and "goals (headroom)" in str(err.value)
+    again = Counter()
+    search.register_backend("fake", again)
+    search.suggest(budget_workload, backend="fake", trials=3, method="full", storage=storage, study_name="mine")
+    assert again.calls == [], "the same flags resume the stored study"
