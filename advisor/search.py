@@ -10,7 +10,9 @@ estimate prunes candidates far over the limit before a costlier backend sees the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -57,6 +59,10 @@ PRUNE_FACTOR = 1.3  # the estimate prunes a candidate over limit x this: "far ov
 SEEDS = 8
 FIT_CHECK = 4  # before giving up on a method: measure this many of the candidates the estimate says fit
 _SPEC_KEY = "advisor"
+# A measuring trial stamps the wall clock into its "heartbeat" user attr every HEARTBEAT_S; a RUNNING trial whose
+# stamp is older than STALE_S belongs to a killed process: it is failed and its candidate can be measured again.
+HEARTBEAT_S = 10.0
+STALE_S = 120.0
 _GiB = 2**30
 
 
@@ -249,11 +255,46 @@ class _Study:
             self.ledger.add(Entry(cand, Measurement.from_dict(attrs["measurement"]), t.number,
                                   bool(attrs.get("measured")), attrs.get("reason", "")))
 
-    def _running_elsewhere(self, key: str, number: int) -> bool:
+    def _live_running(self) -> list[optuna.trial.FrozenTrial]:
+        """RUNNING trials with a recent heartbeat; stale ones (a killed run or worker) are failed on the way."""
         from optuna.trial import TrialState
 
-        return any(t.user_attrs.get("key") == key and t.number != number
-                   for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+        now, live = time.time(), []
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            beat = t.user_attrs.get("heartbeat")
+            if beat is None and t.datetime_start is not None:
+                beat = t.datetime_start.timestamp()
+            if beat is not None and now - float(beat) > STALE_S:
+                with contextlib.suppress(Exception):  # its owner may finish it meanwhile: then it is not stale
+                    self.study._storage.set_trial_user_attr(t._trial_id, "stale", True)
+                    self.study.tell(t.number, state=TrialState.FAIL)
+                continue
+            live.append(t)
+        return live
+
+    def _running_elsewhere(self, key: str, number: int) -> bool:
+        return any(t.user_attrs.get("key") == key and t.number != number for t in self._live_running())
+
+    @contextlib.contextmanager
+    def _heartbeat(self, trial: optuna.Trial) -> Iterator[None]:
+        """Keep `trial`'s heartbeat fresh while it is measured, so that others can tell it from a dead one."""
+        trial.set_user_attr("heartbeat", time.time())
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(HEARTBEAT_S):
+                try:
+                    trial.set_user_attr("heartbeat", time.time())
+                except Exception:  # the storage went away: the trial will be judged stale, as it should
+                    return
+
+        thread = threading.Thread(target=beat, name="advisor-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     # -- evaluating one candidate --------------------------------------------------------------------------
     def evaluate(self, cand: Candidate, number: int | None) -> tuple[Entry, bool]:
@@ -332,7 +373,8 @@ class _Study:
             self.study.tell(trial, state=TrialState.FAIL)
             return None, True
         try:
-            entry, cached = self.evaluate(cand, trial.number)
+            with self._heartbeat(trial):
+                entry, cached = self.evaluate(cand, trial.number)
         except BaseException:
             from optuna.trial import TrialState
 
@@ -342,9 +384,18 @@ class _Study:
         return entry, cached
 
     def enqueue(self, cands: list[Candidate], tag: str) -> None:
+        """Queue candidates not measured and not already waiting or being measured. Unlike Optuna's
+        skip_if_exists, a failed trial (an interrupted or killed measurement) does not keep its candidate out."""
+        from optuna.trial import TrialState
+
+        pending = [t.system_attrs.get("fixed_params", t.params)
+                   for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+        pending += [t.system_attrs.get("fixed_params", t.params) for t in self._live_running()]
         for c in cands:
-            if candidate_key(c) not in self.ledger:
-                self.study.enqueue_trial(self.space.params_of(c), user_attrs={"proposed_by": tag}, skip_if_exists=True)
+            params = self.space.params_of(c)
+            if candidate_key(c) not in self.ledger and params not in pending:
+                self.study.enqueue_trial(params, user_attrs={"proposed_by": tag})
+                pending.append(params)
 
     def waiting(self) -> int:
         from optuna.trial import TrialState
@@ -493,13 +544,11 @@ class _Study:
                                        _describe(entry.candidate) if entry else ""))
 
     def wait_for_running(self, timeout_s: float = 600.0) -> None:
-        """Workers may still be measuring queued candidates; their results belong in the answer."""
-        from optuna.trial import TrialState
-
+        """Workers may still be measuring queued candidates; their results belong in the answer (a RUNNING trial
+        whose heartbeat stopped is failed instead of waited for)."""
         end = time.perf_counter() + timeout_s
         while time.perf_counter() < end:
-            running = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                       if "key" in t.user_attrs]
+            running = [t for t in self._live_running() if "key" in t.user_attrs]
             if not running:
                 break
             time.sleep(0.2)

@@ -325,3 +325,49 @@ def test_reused_study_name_with_changed_flags_exits_2(budget_workload, tmp_path)
     search.register_backend("fake", again)
     search.suggest(budget_workload, backend="fake", trials=3, method="full", storage=storage, study_name="mine")
     assert again.calls == [], "the same flags resume the stored study"
+
+
+def _killed_run(storage, workload):
+    """A run that dies hard (no exception handler runs) while measuring its third candidate."""
+    import os
+
+    calls = []
+
+    def dying(w, c):
+        if len(calls) == 2:
+            os._exit(3)
+        calls.append(1)
+        return fake_measure(w, c)
+
+    search.register_backend("fake", dying)
+    search.suggest(workload, backend="fake", exhaustive=True, storage=storage, study_name="killed",
+                   fix=NARROW, method="full")
+
+
+def test_a_killed_run_leaves_no_candidate_blocked(budget_workload, tmp_path):
+    import time
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from advisor._search.storage import open_storage
+
+    storage = str(tmp_path / "j.log")
+    child = mp.get_context("fork").Process(target=_killed_run, args=(storage, budget_workload))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 3
+    store = open_storage(storage)
+    study = optuna.load_study(study_name="killed", storage=store)
+    (left,) = study.get_trials(states=(TrialState.RUNNING,))
+    assert "key" in left.user_attrs and "heartbeat" in left.user_attrs
+    store.set_trial_user_attr(left._trial_id, "heartbeat", time.time() - 10 * search.STALE_S)
+    resumed = Counter()
+    search.register_backend("fake", resumed)
+    s = search.suggest(budget_workload, backend="fake", exhaustive=True, storage=storage, study_name="killed",
+                       fix=NARROW, method="full")
+    assert left.user_attrs["key"] in resumed.calls, "the killed trial's candidate is measured again"
+    study = optuna.load_study(study_name="killed", storage=store)
+    assert study.trials[left.number].state is TrialState.FAIL and study.trials[left.number].user_attrs["stale"]
+    assert not study.get_trials(states=(TrialState.RUNNING,))
+    assert len(resumed.calls) - 1 == s.evaluations - 2, "the two finished before the kill are not repeated"
