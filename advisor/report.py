@@ -55,6 +55,12 @@ def trial_rows(s: Suggestion) -> list[list[str]]:
     return rows
 
 
+def _evaluations(s: Suggestion) -> str:
+    """Distinct candidates this search measured with its backend, and those the stored study answered."""
+    stored = sum(1 for t in s.trials if t.cached and t.measurement.status.value != "pruned")
+    return f"{s.evaluations}" + (f" (+{stored} answered from the stored study)" if stored else "")
+
+
 def render_summary(s: Suggestion) -> str:
     """The short table the CLI prints by default: what was chosen, its numbers, and why."""
     from tabulate import tabulate
@@ -74,7 +80,7 @@ def render_summary(s: Suggestion) -> str:
         ["optim", c.optim.value], ["precision / weights", f"{c.precision.value} / {c.weights_dtype.value}"],
         ["attention", c.attn_implementation.value], ["group_by_length", str(c.group_by_length)],
         ["device peak (GiB)", _gib(device_bytes(m))], ["tokens/s (trained)", _tps(m.tokens_per_second)],
-        ["source", m.source.value], ["evaluations", str(s.evaluations)],
+        ["source", m.source.value], ["evaluations", _evaluations(s)],
     ]
     out = tabulate(rows, tablefmt="simple")
     quality = c.quality_cost(s.truncated_fraction).describe()

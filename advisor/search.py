@@ -701,8 +701,11 @@ def suggest(
     """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
 
     Raises NoFitError (exit 1) when nothing fits, ConfigError / UsageError (exit 2) for bad input.
-    `workload_names` (model, gpu, dataset, tokenizer, sample: the names a Workload passed as `model` was built
-    from) are stored in the study so that `advisor worker` can rebuild the workload and join it.
+    `evaluations` in the answer counts the distinct candidates this search measured with its backend (every
+    method it tried, its workers included); those answered from a stored study are listed in the trials as
+    cached but not counted. `workload_names` (model, gpu, dataset, tokenizer, sample: the names a Workload
+    passed as `model` was built from) are stored in the study so that `advisor worker` can rebuild the
+    workload and join it.
     """
     try:
         method = Method(method)
@@ -731,12 +734,14 @@ def suggest(
         reasons.append(f"effective batch: {tps} trained tokens per optimizer step (TRL's default 8 rows x mean "
                        "trained tokens per row; set --tokens-per-step to change)")
     smallest: list[tuple[int, Candidate]] = []
+    runs: list[_Study] = []
     for i, m in enumerate(order):
         space = _Space(workload, apply_pins(default_space(workload, m), pins), tps, rows)
         name = study_name if study_name and len(order) == 1 else (
             f"{study_name}-{m.value}" if study_name else _study_name(workload, backend_name, m, space))
         study = _create_study(store, name, _spec(workload, backend_name, m, space, origin), study_name)
         run = _Study(workload, m, space, be, study, progress)
+        runs.append(run)
         run.run(trials=trials or DEFAULT_TRIALS, time_budget_s=time_budget_s, exhaustive=exhaustive)
         if storage:
             run.wait_for_running()
@@ -756,9 +761,9 @@ def suggest(
                 unmeasured = run.fit_check(0)[2]
         if best is not None:
             entry, confirmed = best
-            if run.new_measurements == 0 and run.ledger.measured:
+            if not any(r.new_measurements for r in runs) and run.ledger.measured:
                 reasons.append(f"answered from the stored study {name!r}: no new measurement")
-            return _suggestion(workload, run, entry, confirmed, reasons, backend_name)
+            return _suggestion(workload, runs, entry, confirmed, reasons, backend_name)
         if not run.ledger.measured and time_budget_s is not None and run.stopped_by_time:
             raise NoFitError(
                 f"--time-budget {time_budget_s:g}s ended before any candidate was measured with {backend_name}; "
@@ -831,23 +836,35 @@ def _next_knob(last: Method) -> str:
         last, "a larger --memory-budget or --gpu, or a larger --max-truncation (shorter max_length)")
 
 
-def _suggestion(workload: Workload, run: _Study, entry: Entry, confirmed: Measurement, reasons: list[str],
+def _evaluations(runs: list[_Study]) -> int:
+    """The distinct candidates this search measured with its backend, over every method it tried: by this
+    process or by workers sharing its study, but not those answered from a stored study, nor confirmations."""
+    return sum(1 for r in runs for key, e in r.ledger.entries.items() if e.measured and key not in r.stored)
+
+
+def _suggestion(workload: Workload, runs: list[_Study], entry: Entry, confirmed: Measurement, reasons: list[str],
                 backend: str) -> Suggestion:
+    run = runs[-1]
     best_tps = confirmed.tokens_per_second or 0.0
     chosen_key = candidate_key(entry.candidate)
     trials = []
-    for key, e in run.ledger.entries.items():
-        if key == chosen_key:
-            why = "chosen"
-        elif e.reason:
-            why = e.reason
-        elif feasible(e.measurement, run.limit):
-            slower = 1.0 - (e.measurement.tokens_per_second or 0.0) / best_tps if best_tps else 0.0
-            why = f"{slower:.1%} slower"
-        else:
-            why = _failure_reason(e.measurement, run.limit)
-        trials.append(Trial(e.candidate, e.measurement, e.number, why, cached=key in run.stored))
-    trials.sort(key=lambda t: (t.number if t.number is not None else 1 << 30))
+    for rank, r in enumerate(runs):  # earlier methods' trials too: they are why the search escalated
+        own: list[Trial] = []
+        for key, e in r.ledger.entries.items():
+            if r is run and key == chosen_key:
+                why = "chosen"
+            elif e.reason:
+                why = e.reason
+            elif feasible(e.measurement, r.limit):
+                slower = 1.0 - (e.measurement.tokens_per_second or 0.0) / best_tps if best_tps else 0.0
+                why = f"{slower:.1%} slower"
+            else:
+                why = _failure_reason(e.measurement, r.limit)
+            if r is not run:
+                why = f"{r.method.value}: {why}"
+            own.append(Trial(e.candidate, e.measurement, e.number, why, cached=key in r.stored))
+        own.sort(key=lambda t: (rank, t.number if t.number is not None else 1 << 30))
+        trials += own
     drift = abs(confirmed.tokens_per_second or 0) - abs(entry.measurement.tokens_per_second or 0)
     notes = list(reasons) + run.notes
     if entry.measurement.tokens_per_second and abs(drift) > 0.05 * entry.measurement.tokens_per_second:
@@ -856,7 +873,7 @@ def _suggestion(workload: Workload, run: _Study, entry: Entry, confirmed: Measur
         notes.append(f"method: {run.method.value}")
     return Suggestion(
         workload=workload, candidate=entry.candidate, measurement=confirmed, trials=tuple(trials),
-        reasons=tuple(notes), backend=backend, evaluations=len(run.ledger.measured), front=_front(trials, run.limit),
+        reasons=tuple(notes), backend=backend, evaluations=_evaluations(runs), front=_front(trials, run.limit),
     )
 
 

@@ -103,7 +103,10 @@ def test_second_run_makes_no_new_measurement(budget_workload):
     search.register_backend("fake", second)
     s2 = search.suggest(budget_workload, backend="fake", trials=12)
     assert second.calls == []
-    assert s2.candidate == s1.candidate and s2.evaluations == 12
+    # evaluations: the distinct candidates this search measured with its backend; the stored ones are listed apart
+    assert s1.evaluations == 12 and s2.candidate == s1.candidate and s2.evaluations == 0
+    assert sum(t.cached and t.measurement.status.value != "pruned" for t in s2.trials) == 12
+    assert "0 (+12 answered from the stored study)" in s2.report()
     assert any("no new measurement" in r for r in s2.reasons)
     assert not any(t.cached for t in s1.trials)
     assert s2.trials and all(t.cached for t in s2.trials)
@@ -144,7 +147,8 @@ def test_interrupted_run_resumes(budget_workload):
     s = search.suggest(budget_workload, backend="fake", trials=10)
     assert not set(broken.calls) & set(resumed.calls[:-1]), "a finished trial was measured again"
     assert len(resumed.calls) == 10 - 4 + 1
-    assert s.evaluations == 10
+    assert s.evaluations == 10 - 4  # measured by this search; the four stored ones are listed as cached
+    assert sum(t.cached and t.measurement.status.value != "pruned" for t in s.trials) == 4
 
 
 def test_oom_bounds_its_neighbours(budget_workload):
@@ -175,6 +179,10 @@ def test_auto_escalates_to_lora(budget_workload):
     s = search.suggest(wl, backend="fake", cache=False, trials=8)
     assert s.candidate.use_lora
     assert any("escalated to lora" in r for r in s.reasons)
+    full = [t for t in s.trials if not t.candidate.use_lora]
+    assert full and all(t.reason.startswith("full: ") for t in full), "the full fine-tuning trials stay in the report"
+    measured = [t for t in s.trials if t.measurement.status.value != "pruned"]
+    assert s.evaluations == len(measured) > len([t for t in measured if t.candidate.use_lora])
 
 
 def test_fix_maps_trl_field_names():
@@ -370,4 +378,5 @@ def test_a_killed_run_leaves_no_candidate_blocked(budget_workload, tmp_path):
     study = optuna.load_study(study_name="killed", storage=store)
     assert study.trials[left.number].state is TrialState.FAIL and study.trials[left.number].user_attrs["stale"]
     assert not study.get_trials(states=(TrialState.RUNNING,))
-    assert len(resumed.calls) - 1 == s.evaluations - 2, "the two finished before the kill are not repeated"
+    assert len(resumed.calls) - 1 == s.evaluations, "the two finished before the kill are not repeated"
+    assert sum(t.cached and t.measurement.status.value != "pruned" for t in s.trials) == 2
