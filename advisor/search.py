@@ -147,6 +147,27 @@ class _Space:
             if isinstance(out, Candidate):
                 yield out
 
+    def why_empty(self) -> str | None:
+        """None when some candidate is admissible, else the commonest reason the grid's candidates are refused."""
+        from collections import Counter
+
+        why: Counter[str] = Counter()
+        seen: set[Candidate] = set()
+        for cand in self.space.grid(self.base):
+            try:
+                cand = cand.canonical()
+            except ConfigError as exc:
+                why[str(exc)] += 1
+                continue
+            if cand in seen:
+                continue
+            seen.add(cand)
+            out = self.admit(cand)
+            if isinstance(out, Candidate):
+                return None
+            why[out] += 1
+        return why.most_common(1)[0][0] if why else "the space is empty"
+
     def neighbours(self, cand: Candidate) -> Iterator[Candidate]:
         """Admissible candidates that differ from `cand` in one knob."""
         for k, vals in self.params.items():
@@ -735,8 +756,22 @@ def suggest(
                        "trained tokens per row; set --tokens-per-step to change)")
     smallest: list[tuple[int, Candidate]] = []
     runs: list[_Study] = []
+    spaces = {m: _Space(workload, apply_pins(default_space(workload, m), pins), tps, rows) for m in order}
+    empty = {m: sp.why_empty() for m, sp in spaces.items()}
+    if all(empty.values()):  # no method has an admissible candidate: bad input, not "nothing fits"
+        why = "; ".join(f"{m.value}: {w}" for m, w in empty.items())
+        if fix:
+            shown = " ".join(f"--fix {k}={v}" for k, v in fix.items())
+            raise UsageError(f"{shown}: leaves no admissible candidate ({why}); drop or change the --fix")
+        raise UsageError(f"--max-truncation {workload.goals.max_truncation:g} / --tokens-per-step {tps}: no "
+                         f"admissible candidate ({why}); allow more truncation or a different effective batch")
     for i, m in enumerate(order):
-        space = _Space(workload, apply_pins(default_space(workload, m), pins), tps, rows)
+        space = spaces[m]
+        if empty[m]:
+            nxt = order[i + 1].value if i + 1 < len(order) else None
+            reasons.append(f"{m.value}: no admissible candidate ({empty[m]})"
+                           + (f"; escalated to {nxt}" if nxt else ""))
+            continue
         name = study_name if study_name and len(order) == 1 else (
             f"{study_name}-{m.value}" if study_name else _study_name(workload, backend_name, m, space))
         study = _create_study(store, name, _spec(workload, backend_name, m, space, origin), study_name)

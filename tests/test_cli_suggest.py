@@ -163,3 +163,10 @@ def test_worker_joins_a_cli_made_auto_study(tiny_config, tmp_path, capsys):
                 if t.user_attrs.get("measured") and not t.user_attrs.get("cached")]
     assert len(measured) == len(set(measured)) == result["evaluations"]
     assert json.loads(worker_out)["measured"] > 0, ("the worker took part", worker_out, result["evaluations"])
+
+
+def test_fix_leaving_no_candidate_exits_2_naming_it(tiny_config, capsys):
+    assert main(_args(tiny_config, "--fix", "per_device_train_batch_size=64", "--no-cache")) == 2
+    err = capsys.readouterr().err
+    assert "--fix per_device_train_batch_size=64" in err and "no admissible candidate" in err
+    assert "within 25% of 1729 trained tokens per optimizer step" in err and "change the --fix" in err
