@@ -170,3 +170,10 @@ def test_fix_leaving_no_candidate_exits_2_naming_it(tiny_config, capsys):
     err = capsys.readouterr().err
     assert "--fix per_device_train_batch_size=64" in err and "no admissible candidate" in err
     assert "within 25% of 1729 trained tokens per optimizer step" in err and "change the --fix" in err
+
+
+@pytest.mark.parametrize("storage", ["/proc/x.log", "/nonexistent-dir/j.log"])
+def test_unusable_storage_exits_2_naming_it(tiny_config, capsys, storage):
+    assert main(_args(tiny_config, "--storage", storage, "--study", "s")) == 2
+    err = capsys.readouterr().err
+    assert f"--storage {storage!r}" in err and "choose a writable file path" in err and "Traceback" not in err

@@ -57,6 +57,13 @@ def open_storage(url: str | None) -> BaseStorage:
             raise UsageError(f"--storage {url!r}: cannot open ({exc}); use sqlite:///FILE, postgresql://... "
                              "or a journal file path") from None
     path = Path(url).expanduser()
+    fix = "choose a writable file path, e.g. ./advisor-journal.log, or an RDB URL such as sqlite:///studies.db"
     if not path.parent.exists():
-        raise UsageError(f"--storage {url!r}: directory {path.parent} does not exist")
-    return JournalStorage(JournalFileBackend(str(path)))
+        raise UsageError(f"--storage {url!r}: directory {path.parent} does not exist; create it or {fix}")
+    if path.is_dir():
+        raise UsageError(f"--storage {url!r}: is a directory; {fix}")
+    try:
+        return JournalStorage(JournalFileBackend(str(path)))
+    except OSError as exc:  # /proc, a read-only mount, no permission
+        raise UsageError(f"--storage {url!r}: cannot create or open the journal file "
+                         f"({exc.strerror or exc}); {fix}") from None
