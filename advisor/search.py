@@ -516,8 +516,11 @@ class _Study:
             idle_s: float = 0.0) -> None:
         """Ask, evaluate, tell until `trials` distinct measurements (in the study), the time budget, or no new point."""
         start = time.perf_counter()
+        total = trials
         if exhaustive:
-            self.enqueue(list(self.space.candidates()), "exhaustive")
+            grid = list(self.space.candidates())
+            total = len(grid)  # the progress bar counts toward the grid, not --trials
+            self.enqueue(grid, "exhaustive")
         elif not queue_only:
             self.enqueue(self.reused(SEEDS), "stored")
             self.enqueue(self.seeds(SEEDS), "estimate")
@@ -560,7 +563,7 @@ class _Study:
             misses = misses + 1 if (cached or entry is None or not entry.measured) else 0
             if self.progress is not None:
                 best = self.ledger.best()
-                self.progress(Progress(len(self.ledger.measured), trials, best.measurement.tokens_per_second
+                self.progress(Progress(len(self.ledger.measured), total, best.measurement.tokens_per_second
                                        if best else None, time.perf_counter() - start,
                                        _describe(entry.candidate) if entry else ""))
 
@@ -734,6 +737,8 @@ def suggest(
         raise UsageError(f"--method {method!r}: choose one of full, lora, qlora, auto") from None
     if trials is not None and trials < 1:
         raise UsageError(f"--trials {trials}: must be >= 1")
+    ignored = [f"--trials {trials} is ignored with --exhaustive (every valid candidate is evaluated)"] if (
+        exhaustive and trials is not None) else []
     if time_budget_s is not None and time_budget_s <= 0:
         raise UsageError(f"--time-budget {time_budget_s:g}: must be a positive number of seconds, e.g. 600")
     goals = dict(memory_budget_bytes=memory_budget, headroom=headroom, max_truncation=max_truncation,
@@ -750,7 +755,7 @@ def suggest(
     rows = RowTokens(workload.dataset)
     tps = default_tokens_per_step(workload, rows)
     store = open_storage(storage if storage else (default_storage_url() if cache else None))
-    reasons: list[str] = []
+    reasons: list[str] = list(ignored)
     if not workload.goals.tokens_per_step:
         reasons.append(f"effective batch: {tps} trained tokens per optimizer step (TRL's default 8 rows x mean "
                        "trained tokens per row; set --tokens-per-step to change)")

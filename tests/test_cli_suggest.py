@@ -177,3 +177,12 @@ def test_unusable_storage_exits_2_naming_it(tiny_config, capsys, storage):
     assert main(_args(tiny_config, "--storage", storage, "--study", "s")) == 2
     err = capsys.readouterr().err
     assert f"--storage {storage!r}" in err and "choose a writable file path" in err and "Traceback" not in err
+
+
+def test_worker_refuses_another_backend(tiny_config, tmp_path, capsys):
+    storage = str(tmp_path / "j.log")
+    assert main(_args(tiny_config, "--storage", storage, "--study", "S", "--method", "full", "--trials", "2")) == 0
+    capsys.readouterr()
+    assert main(["worker", "--storage", storage, "--study", "S", "--backend", "simulate", "--idle", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend simulate" in err and "measures with estimate" in err and "--backend estimate" in err

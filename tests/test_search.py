@@ -380,3 +380,11 @@ def test_a_killed_run_leaves_no_candidate_blocked(budget_workload, tmp_path):
     assert not study.get_trials(states=(TrialState.RUNNING,))
     assert len(resumed.calls) - 1 == s.evaluations, "the two finished before the kill are not repeated"
     assert sum(t.cached and t.measurement.status.value != "pruned" for t in s.trials) == 2
+
+
+def test_exhaustive_progress_counts_the_grid_and_ignores_trials(budget_workload):
+    seen = []
+    s = search.suggest(budget_workload, backend="fake", cache=False, exhaustive=True, trials=3, fix=NARROW,
+                       method="full", progress=seen.append)
+    assert seen and all(p.total == len(s.trials) for p in seen) and len(s.trials) > 3
+    assert any("--trials 3 is ignored with --exhaustive" in r for r in s.reasons)
