@@ -160,6 +160,16 @@ def test_oom_bounds_its_neighbours(budget_workload):
     s = search.suggest(budget_workload, backend="fake", cache=False, trials=30)
     pruned = [t for t in s.trials if t.measurement.status.value == "pruned"]
     assert all("cannot fit" in t.reason or "estimate" in t.reason for t in pruned)
+    # the grid, micro-batches in ascending order: a failure at micro-batch b bounds b' > b without a measurement
+    s = search.suggest(budget_workload, backend="fake", cache=False, exhaustive=True, fix=NARROW, method="full")
+    bounded = [t for t in s.trials if t.measurement.status.value == "pruned" and "cannot fit" in t.reason]
+    assert bounded, "at least one candidate was bounded by a measured failure, not measured"
+    assert s.evaluations == len(s.trials) - len([t for t in s.trials if t.measurement.status.value == "pruned"])
+    failed = {t.number: t for t in s.trials if t.measurement.status.value == "oom"
+              or (t.measurement.ok and t.measurement.device_bytes > budget_workload.limit_bytes)}
+    for t in bounded:  # the failure it names is a measured one that t needs at least as much memory as
+        number = int(t.reason.split("#")[1].split(",")[0])
+        assert number in failed and needs_at_least(t.candidate, failed[number].candidate)
 
 
 def test_nothing_fits_raises_with_smallest_peak(budget_workload):
@@ -217,7 +227,7 @@ def test_report_lists_every_trial(budget_workload, tmp_path):
 
     s = search.suggest(budget_workload, backend="fake", cache=False, trials=10)
     text = s.report()
-    assert "chosen" in text and "out of memory" in text or "over the limit" in text
+    assert "chosen" in text and ("out of memory" in text or "over the limit" in text)
     assert text.count("\n") > len(s.trials)
     out = plot(s, tmp_path / "front.png")
     assert out.stat().st_size > 1000
