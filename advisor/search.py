@@ -55,6 +55,8 @@ __all__ = [
 ]
 
 DEFAULT_TRIALS = 40
+# How many of the fastest feasible candidates the neighbour walk expands.
+NEIGHBOUR_PARENTS = 4
 PRUNE_FACTOR = 1.3  # the estimate prunes a candidate over limit x this: "far over budget", allowing its error
 SEEDS = 8
 FIT_CHECK = 4  # before giving up on a method: measure this many of the candidates the estimate says fit
@@ -499,18 +501,23 @@ class _Study:
         return picked, len(fits), unmeasured
 
     def next_neighbour(self) -> Candidate | None:
-        """The unmeasured neighbour of the best candidate so far that the estimate ranks fastest."""
-        best = self.ledger.best()
-        if best is None:
-            return None
-        fresh = [c for c in self.space.neighbours(best.candidate)
-                 if candidate_key(c) not in self.ledger and self.ledger.bound(c) is None]
+        """The unmeasured neighbour, of the NEIGHBOUR_PARENTS fastest feasible candidates so far, that the estimate
+        ranks fastest. Several parents, not only the best: a plateau of ties (e.g. optimizers of equal speed)
+        otherwise keeps the walk from the one-knob move off a slightly slower candidate that leads higher."""
+        ok = [e for e in self.ledger.measured if feasible(e.measurement, self.limit)]
+        parents = sorted(ok, key=lambda e: -(e.measurement.tokens_per_second or 0.0))[:NEIGHBOUR_PARENTS]
+        fresh: dict[str, tuple[int, Candidate]] = {}
+        for rank, parent in enumerate(parents):
+            for c in self.space.neighbours(parent.candidate):
+                key = candidate_key(c)
+                if key not in fresh and key not in self.ledger and self.ledger.bound(c) is None:
+                    fresh[key] = (rank, c)
         if not fresh:
             return None
         if self._estimate_fn is None:
-            return fresh[0]
-        ranked = sorted(fresh, key=lambda c: -self._estimated_tps(c))
-        return ranked[0] if self._estimated_tps(ranked[0]) >= 0 else None
+            return min(fresh.values(), key=lambda rc: rc[0])[1]
+        rank, best = min(fresh.values(), key=lambda rc: (-self._estimated_tps(rc[1]), rc[0]))
+        return best if self._estimated_tps(best) >= 0 else None
 
     def run(self, *, trials: int, time_budget_s: float | None, exhaustive: bool, queue_only: bool = False,
             idle_s: float = 0.0) -> None:
