@@ -39,12 +39,12 @@ from ._search.space import (
     parse_fix,
     with_accumulation,
 )
-from ._search.storage import cache_dir, default_storage_url, fingerprint, library_versions, open_storage
+from ._search.storage import cache_dir, default_storage_url, library_versions, open_storage
 from .errors import ConfigError, NoFitError, UsageError
 from .measurement import Measurement, Source, Status
 from .space import Candidate, SearchSpace
 from .suggestion import Suggestion, Trial
-from .workload import Goals, Method, Workload
+from .workload import Goals, Method, Workload, fingerprint
 
 if TYPE_CHECKING:
     import optuna
@@ -138,14 +138,22 @@ class _Space:
             out[k] = v if v in self.choices(k) else self.choices(k)[0]  # irrelevant knobs canonicalise away
         return out
 
-    def candidates(self) -> Iterator[Candidate]:
+    def _walk(self) -> Iterator[Candidate | str]:
+        """Each distinct canonical grid point, admitted (a Candidate) or refused (the reason)."""
         seen: set[Candidate] = set()
         for cand in self.space.grid(self.base):
-            cand = cand.canonical()
+            try:
+                cand = cand.canonical()
+            except ConfigError as exc:
+                yield str(exc)
+                continue
             if cand in seen:
                 continue
             seen.add(cand)
-            out = self.admit(cand)
+            yield self.admit(cand)
+
+    def candidates(self) -> Iterator[Candidate]:
+        for out in self._walk():
             if isinstance(out, Candidate):
                 yield out
 
@@ -154,17 +162,7 @@ class _Space:
         from collections import Counter
 
         why: Counter[str] = Counter()
-        seen: set[Candidate] = set()
-        for cand in self.space.grid(self.base):
-            try:
-                cand = cand.canonical()
-            except ConfigError as exc:
-                why[str(exc)] += 1
-                continue
-            if cand in seen:
-                continue
-            seen.add(cand)
-            out = self.admit(cand)
+        for out in self._walk():
             if isinstance(out, Candidate):
                 return None
             why[out] += 1

@@ -65,7 +65,7 @@ class ModelSpec:
         return bool(self.text_value("tie_word_embeddings", False))
 
     def fingerprint(self) -> str:
-        return _digest(dict(self.config))
+        return fingerprint(dict(self.config))
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class Workload:
 
     def fingerprint(self) -> str:
         """Identifies model, data, target and goals (not the backend or library versions)."""
-        return _digest(
+        return fingerprint(
             {
                 "model": self.model.fingerprint(),
                 "dataset": self.dataset.fingerprint,
@@ -147,7 +147,8 @@ class Workload:
         )
 
 
-def _digest(obj: Any) -> str:
+def fingerprint(obj: Any) -> str:
+    """A short, stable hash of JSON-able data (keys sorted)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

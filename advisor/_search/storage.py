@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._versions import library_versions as _library_versions
 from ..errors import UsageError
@@ -30,8 +28,6 @@ def library_versions() -> dict[str, str]:
     return _library_versions(_VERSIONED)
 
 
-def fingerprint(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def default_storage_url() -> str:
