@@ -14,26 +14,13 @@ from advisor.measurement import Source, Status
 from advisor.probe import plan_batches, probe
 from advisor.probe import runner as runner_mod
 from advisor.space import Candidate
+from tests.conftest import TINY_QWEN2
 
 pytestmark = pytest.mark.gpu
 
-SMALL_QWEN2 = {
-    "model_type": "qwen2",
-    "architectures": ["Qwen2ForCausalLM"],
-    "hidden_size": 512,
-    "intermediate_size": 1408,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": True,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
+# The tiny test architecture, scaled up so a probe's peak is well above the CUDA context.
+SMALL_QWEN2 = {**TINY_QWEN2, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+               "num_attention_heads": 8, "vocab_size": 32000}
 CAND = Candidate(max_length=512, per_device_train_batch_size=4, optim="adamw_torch_fused", precision="bf16",
                  activation_checkpointing=True, expandable_segments=False)
 STEPS, WARMUP = 2, 1
