@@ -628,11 +628,10 @@ def _describe(c: Candidate) -> str:
 
 # ---- public API ----------------------------------------------------------------------------------------------
 def _goals(base: Goals | None, **given: Any) -> Goals:
-    defaults = Goals()
-    merged = dict((base or defaults).__dict__)
-    for k, v in given.items():
-        if v is not None and (base is None or v != getattr(defaults, k)):
-            merged[k] = v
+    """The Workload's goals (or the defaults) with every goal the caller passed (not None) over them: a value
+    equal to the default still overrides a Workload's own (headroom=0.05 over a Workload's 0.1)."""
+    merged = dict((base or Goals()).__dict__)
+    merged.update({k: v for k, v in given.items() if v is not None})
     return Goals(**merged)
 
 
@@ -710,10 +709,10 @@ def suggest(
     dataset: str | None = None,
     *,
     backend: str | None = None,
-    method: str | Method = "auto",
+    method: str | Method | None = None,
     memory_budget: int | None = None,
-    headroom: float = 0.05,
-    max_truncation: float = 0.01,
+    headroom: float | None = None,
+    max_truncation: float | None = None,
     tokens_per_step: int | None = None,
     trials: int | None = None,
     time_budget_s: float | None = None,
@@ -722,8 +721,8 @@ def suggest(
     study_name: str | None = None,
     cache: bool = True,
     exhaustive: bool = False,
-    allow_low_precision_weights: bool = False,
-    allow_wrapped: bool = False,
+    allow_low_precision_weights: bool | None = None,
+    allow_wrapped: bool | None = None,
     progress: Callable[[Progress], None] | None = None,
     workload_names: Mapping[str, Any] | None = None,
 ) -> Suggestion:
@@ -737,7 +736,7 @@ def suggest(
     workload and join it.
     """
     try:
-        method = Method(method)
+        method = Method(method) if method is not None else None  # None: the Workload's (default auto)
     except ValueError:
         raise UsageError(f"--method {method!r}: choose one of full, lora, qlora, auto") from None
     if trials is not None and trials < 1:
@@ -748,7 +747,7 @@ def suggest(
         raise UsageError(f"--time-budget {time_budget_s:g}: must be a positive number of seconds, e.g. 600")
     goals = dict(memory_budget_bytes=memory_budget, headroom=headroom, max_truncation=max_truncation,
                  tokens_per_step=tokens_per_step, method=method,
-                 allow_low_precision_weights=allow_low_precision_weights or None, allow_wrapped=allow_wrapped or None)
+                 allow_low_precision_weights=allow_low_precision_weights, allow_wrapped=allow_wrapped)
     origin: dict[str, Any] = {"model": model if isinstance(model, str) else None, "gpu": gpu, "dataset": dataset,
                               "tokenizer": None, "sample": None}
     origin.update({k: v for k, v in (workload_names or {}).items() if k in origin and v is not None})
