@@ -127,6 +127,36 @@ def test_padding_free_cu_seqlens_and_flops_per_sequence(workload, h100_target, r
     assert expected_fwd < 0.4 * whole_row
 
 
+def test_selective_checkpointing_saves_the_flash_kernel_as_trl_saves_the_real_one(workload, h100_target, recorder):
+    """TRL's SAC policy keeps ops whose name contains "flash_attn" (the real kernel's custom ops): their forward is not
+    recomputed, where full checkpointing recomputes it."""
+    calls = {}
+    for selective in (False, True):
+        recorder.ops.clear()
+        _simulate(workload, h100_target, attn_implementation=FLASH, padding_free=True, max_length=None,
+                  activation_checkpointing=True, checkpoint_selective=selective)
+        calls[selective] = [n for n, _, _ in recorder.ops].count("advisor._flash_attn_varlen_forward.default")
+    forward_passes = workload.model.num_layers * 2
+    assert calls == {False: 2 * forward_passes, True: forward_passes}
+
+
+@pytest.mark.parametrize("causal, left, right", [(True, -1, -1), (True, 5, -1), (False, -1, -1), (False, 3, 2)])
+def test_attention_flops_count_the_pairs_the_mask_keeps(causal, left, right):
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    from advisor._sim.flash import attention_flops
+
+    def kept(s):  # brute force: key j for query i within the window (causal: right window 0)
+        r = 0 if causal else right
+        return sum(1 for i in range(s) for j in range(s) if (left < 0 or j >= i - left) and (r < 0 or j <= i + r))
+
+    lengths = (1, 7, 30)
+    got = attention_flops(lengths, 4, 2, 16, 16, causal=causal, backward=False, window_left=left, window_right=right)
+    assert got == sum(sdpa_flop_count((1, 4, s, 16), (1, 2, s, 16), (1, 2, s, 16)) * kept(s) // (s * s)
+                      for s in lengths)
+    assert got == sum(4 * 4 * 16 * kept(s) for s in lengths)
+
+
 def _varlen_allowance(cfg, n, t):
     """What a varlen run of n sequences over t tokens may add to the same rows run dense, unpadded: cu_seqlens_q/k,
     seq_idx int32 (1, t) and position_ids int64 (1, t) in the batch (its attention_mask goes), and the backward

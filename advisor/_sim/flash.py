@@ -143,15 +143,16 @@ def _(dout, q, k, v, out, lse, dropout_p, softmax_scale, causal, window_left, wi
 # ---- FLOPs: torch.utils.flop_counter's formula, per sequence, over the causal pairs ---------------------------
 def attention_flops(
     lengths: Sequence[int], heads: int, kv_heads: int, head_dim: int, v_head_dim: int, *, causal: bool,
-    backward: bool,
+    backward: bool, window_left: int = -1, window_right: int = -1,
 ) -> int:
     """FLOPs of FlashAttention over sequences of `lengths` (queries and keys alike).
 
     Per sequence of length s this is `torch.utils.flop_counter.sdpa_flop_count` (forward: QK^T and PV, 4·H·s²·D) or
     `sdpa_backward_flop_count` (backward: 5 matmuls, 10·H·s²·D when D_v = D), the formulas flop_counter applies per
     sequence to aten's varlen `_flash_attention_forward/_backward`. flop_counter counts the full s² square ("we
-    aren't accounting for causal attention here"); a causal kernel computes only the s(s+1)/2 query-key pairs at or
-    below the diagonal, so with `causal` each term is scaled by (s+1)/(2s), exactly.
+    aren't accounting for causal attention here"); the kernel computes only the query-key pairs its mask keeps, so
+    each term is scaled by pairs / s²: s(s+1)/2 when causal, fewer under a sliding window (flash-attn's window_size,
+    which transformers sets to (sliding_window - 1, ...); causal forces the right window to 0).
     """
     total = 0
     for s in lengths:
@@ -159,8 +160,24 @@ def attention_flops(
             continue
         q, kk, vv = (1, heads, s, head_dim), (1, kv_heads, s, head_dim), (1, kv_heads, s, v_head_dim)
         f = sdpa_backward_flop_count((1, heads, s, v_head_dim), q, kk, vv) if backward else sdpa_flop_count(q, kk, vv)
-        total += f // s * (s + 1) // 2 if causal else f
+        total += f // (s * s) * _pairs(s, causal, window_left, window_right)
     return total
+
+
+def _pairs(s: int, causal: bool, left: int, right: int) -> int:
+    """Query-key pairs a flash kernel computes in a sequence of s: key j for query i when i - left <= j <= i + right
+    (a negative bound is unbounded; causal means right = 0)."""
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return s * s
+    if right == 0 and left < 0:
+        return s * (s + 1) // 2
+    if right == 0:  # causal sliding window: min(i, left) + 1 keys for query i
+        w = min(left, s - 1)
+        return w * (w + 1) // 2 + (s - w) * (w + 1)
+    lo, hi = (left if left >= 0 else s), (right if right >= 0 else s)
+    return sum(min(i, lo) + min(s - 1 - i, hi) + 1 for i in range(s))
 
 
 def _lengths(cu: Tensor) -> list[int]:
@@ -169,26 +186,27 @@ def _lengths(cu: Tensor) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def _varlen_fwd_flop(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, *args, out_val=None, **kw) -> int:
+def _varlen_fwd_flop(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, left, right, *a, out_val=None,
+                     **kw) -> int:
     return attention_flops(_lengths(cu_q), q.shape[1], k.shape[1], q.shape[2], v.shape[2], causal=causal,
-                           backward=False)
+                           backward=False, window_left=left, window_right=right)
 
 
-def _varlen_bwd_flop(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, *args,
+def _varlen_bwd_flop(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, left, right, *a,
                      out_val=None, **kw) -> int:
     return attention_flops(_lengths(cu_q), q.shape[1], k.shape[1], q.shape[2], v.shape[2], causal=causal,
-                           backward=True)
+                           backward=True, window_left=left, window_right=right)
 
 
-def _dense_fwd_flop(q, k, v, dropout_p, scale, causal, *args, out_val=None, **kw) -> int:
+def _dense_fwd_flop(q, k, v, dropout_p, scale, causal, left, right, *a, out_val=None, **kw) -> int:
     # (B, S, H, D): every row is one sequence of S (aten's dense formula would read S as heads)
     return attention_flops([q.shape[1]] * q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
-                           causal=causal, backward=False)
+                           causal=causal, backward=False, window_left=left, window_right=right)
 
 
-def _dense_bwd_flop(dout, q, k, v, out, lse, dropout_p, scale, causal, *args, out_val=None, **kw) -> int:
+def _dense_bwd_flop(dout, q, k, v, out, lse, dropout_p, scale, causal, left, right, *a, out_val=None, **kw) -> int:
     return attention_flops([q.shape[1]] * q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
-                           causal=causal, backward=True)
+                           causal=causal, backward=True, window_left=left, window_right=right)
 
 
 for _op, _formula in (
