@@ -25,10 +25,28 @@ def build_model(spec: ModelSpec, candidate: Candidate | None = None, device: str
     """
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils.generic import is_flash_attention_requested
 
     config = spec.hf_config()
     attn = candidate.attn_implementation.value if candidate is not None else "sdpa"
-    # The FlashAttention kernels come from the Hub; a random-weight model for measuring keeps sdpa's memory path.
+    flash = is_flash_attention_requested(requested_attention_implementation=attn)
+    if flash and device == "meta":
+        # Built with eager (transformers would load the FlashAttention kernel from the Hub, and it cannot run here);
+        # then named FlashAttention, so every branch of the fake run takes the flash path and its attention calls
+        # reach advisor/_sim/flash.py (the simulator's stand-in for the kernel).
+        config._attn_implementation = "eager"
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(candidate))
+        if not getattr(model, "_supports_flash_attn", False):
+            from .errors import ConfigError
+
+            raise ConfigError(
+                f"attn_implementation={attn}: {type(model).__name__} does not support FlashAttention (transformers "
+                "raises \"does not support Flash Attention yet\"); use attn_implementation=sdpa or eager"
+            )
+        model.config._attn_implementation = attn
+        return model
+    # A real-weights run loads the Hub kernel through `model_init_kwargs`; the saved random model keeps sdpa.
     config._attn_implementation = attn if not attn.startswith("kernels-community/") else "sdpa"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(candidate))

@@ -33,6 +33,7 @@ from ._search.space import (
     BATCH_TOLERANCE,
     RowTokens,
     apply_pins,
+    attention_refusal,
     default_space,
     default_tokens_per_step,
     method_order,
@@ -122,6 +123,9 @@ class _Space:
         problems = cand.problems(wl.gpu, wl.model)
         if problems:
             return "; ".join(problems)
+        refused = attention_refusal(self.space, cand)
+        if refused:
+            return refused
         lost = self.rows.truncation(cand)
         if lost > wl.goals.max_truncation:
             return f"loses {lost:.2%} of trained tokens to truncation (--max-truncation {wl.goals.max_truncation:.2%})"

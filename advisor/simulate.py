@@ -282,8 +282,11 @@ def _runnable(candidate: Candidate, target: GPUSpec) -> tuple[Candidate, list[st
     if candidate.optim.needs_bitsandbytes:
         changes["optim"] = Optimizer.ADAMW_TORCH
     if candidate.attn_implementation is Attention.FLASH_ATTENTION_2:
-        changes["attn_implementation"] = Attention.SDPA
-        notes.append("FlashAttention kernels cannot run on fake tensors: simulated with sdpa (same O(seq) memory)")
+        notes.append(
+            "FlashAttention: transformers' flash path run as written (no mask; unpad/repad of padded rows; varlen "
+            "cu_seqlens for padding-free rows); the kernel's tensors from aten's _flash_attention_forward/_backward "
+            "meta kernels plus flash-attn 2's backward workspace (softmax_d, dq_accum, GQA dK/dV), FLOPs per sequence"
+        )
     if candidate.activation_offloading:
         changes["activation_offloading"] = False
     if candidate.precision is Precision.FP16:

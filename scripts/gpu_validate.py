@@ -33,6 +33,7 @@ TINY_QWEN2 = {
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
 }
 LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "optuna", "nvidia-ml-py")
+_FLASH = "kernels-community/flash-attn2"
 # name -> Candidate fields on top of the base (bf16 autocast, sdpa, AdamW); every one at each batch size
 MATRIX: dict[str, dict] = {
     "full-ckpt": {},
@@ -40,6 +41,9 @@ MATRIX: dict[str, dict] = {
     "lora-ckpt": {"use_lora": True, "weights_dtype": "bfloat16"},
     "packing-bfd": {"packing": True, "packing_strategy": "bfd"},
     "padding-free": {"packing": True, "packing_strategy": "bfd", "padding_free": True},
+    # FlashAttention's varlen path (the simulator runs transformers' flash path on aten's flash meta kernels)
+    "flash-packing-bfd": {"packing": True, "packing_strategy": "bfd", "attn_implementation": _FLASH},
+    "flash-padding-free": {"padding_free": True, "max_length": None, "attn_implementation": _FLASH},
 }
 
 
@@ -52,8 +56,8 @@ class Case:
     def candidate(self, max_length: int):
         from advisor.space import Candidate
 
-        return Candidate(max_length=max_length, per_device_train_batch_size=self.batch, precision="bf16",
-                         optim="adamw_torch", attn_implementation="sdpa", **self.fields)
+        return Candidate(**{"max_length": max_length, "per_device_train_batch_size": self.batch, "precision": "bf16",
+                            "optim": "adamw_torch", "attn_implementation": "sdpa", **self.fields})
 
 
 def cases(batches: tuple[int, ...], only: tuple[str, ...] | None) -> list[Case]:

@@ -157,6 +157,29 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
     return SearchSpace(values)
 
 
+def attention_refusal(space: SearchSpace, cand: Candidate) -> str | None:
+    """Why `cand` is not admitted for its attention, or None.
+
+    Where the space offers FlashAttention next to other implementations (an FA-capable GPU and attn_implementation
+    not pinned by --fix), a padding-free batch (padding_free, or bfd / bfd_split packing) must use FlashAttention:
+    its varlen kernel attends within each sequence, while sdpa and eager get a block-diagonal mask over the whole
+    flattened row (T x T) and K/V repeated to every head, which TRL warns against. A space that offers one
+    implementation (pinned, or a GPU without FlashAttention) admits every combination TRL accepts.
+    """
+    offered = space.values.get("attn_implementation", (Candidate().attn_implementation,))
+    if (
+        len(offered) > 1
+        and Attention.FLASH_ATTENTION_2 in offered
+        and cand.effective_padding_free
+        and cand.attn_implementation is not Attention.FLASH_ATTENTION_2
+    ):
+        batch = "padding_free=True" if cand.padding_free else f"packing_strategy={cand.packing_strategy.value}"
+        return (f"{batch} with attn_implementation={cand.attn_implementation.value}: padding-free batches take "
+                f"FlashAttention ({Attention.FLASH_ATTENTION_2.value}) on this GPU; pin --fix "
+                f"attn_implementation={cand.attn_implementation.value} to measure it anyway")
+    return None
+
+
 # ---- --fix FIELD=VALUE -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Pins:

@@ -20,6 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..measurement import Category
+from .flash import fake_flash_attention
 from .tracker import PeakSnapshot, StorageTracker
 
 
@@ -31,6 +32,10 @@ class BatchFacts:
     labelled: int  # positions whose next-token label is not -100 (the fused LM head's compact rows)
     tokens: int  # input positions in the batch
     shape: tuple[int, int]
+    # The sequence lengths FlashAttention's varlen kernel gets: per sequence of a padding-free row (TRL's
+    # cu_seq_lens_q, else where position_ids restart), per row of a padded batch (the attention mask's row sums).
+    seq_lengths: tuple[int, ...] = ()
+    packed: bool = False  # a padding-free row holding more than one sequence (transformers' _is_packed_sequence)
 
 
 @dataclass
@@ -51,12 +56,28 @@ def batch_facts(batch: dict[str, torch.Tensor]) -> BatchFacts:
         seq = (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1)
         unpadded = bool((seq[:, -1] == 0).all())
     labels = batch["labels"][:, 1:]
+    lengths = _seq_lengths(batch)
     return BatchFacts(
         unpadded=unpadded,
         labelled=int((labels != -100).sum()),
         tokens=int(ids.numel()),
         shape=(int(ids.shape[0]), int(ids.shape[1])),
+        seq_lengths=lengths,
+        packed=batch.get("attention_mask") is None and len(lengths) > 1,
     )
+
+
+def _seq_lengths(batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    """What transformers' flash path derives: `_get_unpad_data` (mask row sums), TRL's cu_seq_lens_q, or
+    `prepare_fa_kwargs_from_position_ids` (a new sequence wherever position_ids equal their minimum)."""
+    if batch.get("attention_mask") is not None:
+        return tuple(int(n) for n in batch["attention_mask"].sum(-1))
+    cu = batch.get("cu_seq_lens_q")
+    if cu is None:
+        pos = batch["position_ids"].reshape(-1)
+        starts = (pos == pos.min()).nonzero().view(-1)
+        cu = torch.cat([starts, torch.tensor([pos.numel()])])
+    return tuple(int(n) for n in cu.diff())
 
 
 def worst_batch(trainer: Any, batch_size: int) -> dict[str, torch.Tensor]:
@@ -212,7 +233,8 @@ def run_fake_training(
     if record_events:
         tracker.events = []
     model = trainer.model
-    with _frozen_heap(), real_path_patches(cuda), mode, tracker:
+    with _frozen_heap(), real_path_patches(cuda), fake_flash_attention(lambda: tracker.answer_scalar.facts), mode, \
+            tracker:
         _materialise(model)
         tracker.set_category([p for p in model.parameters()], Category.PARAMETERS)
         tracker.set_category([b for b in model.buffers()], Category.PARAMETERS)
