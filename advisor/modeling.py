@@ -27,12 +27,25 @@ def build_model(spec: ModelSpec, candidate: Candidate | None = None, device: str
     from transformers import AutoModelForCausalLM
 
     config = spec.hf_config()
-    attn = candidate.attn_implementation.value if candidate is not None else "sdpa"
+    chosen = candidate.attn_implementation if candidate is not None else None
+    attn = chosen.value if chosen is not None else default_attention(spec).value
     # The FlashAttention kernels come from the Hub; a random-weight model for measuring keeps sdpa's memory path.
     config._attn_implementation = attn if not attn.startswith("kernels-community/") else "sdpa"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(candidate))
     return model
+
+
+def default_attention(spec: ModelSpec):
+    """The attention transformers 5 picks when none is asked for (`PreTrainedModel.get_correct_attn_implementation`
+    with None): sdpa where the model class supports it, else eager (Gemma2: softcapping, no sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    from .space import Attention
+
+    config = spec.hf_config()
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    return Attention.SDPA if getattr(cls, "_supports_sdpa", False) else Attention.EAGER
 
 
 def save_random_model(spec: ModelSpec, directory: str | Path, candidate: Candidate | None = None) -> Path:
