@@ -103,7 +103,7 @@ _NEUTRAL = (
     "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "num_train_epochs", "seed",
     "data_seed", "average_tokens_across_devices", "include_num_input_tokens_seen",
     # outputs, logging, reporting, saving, the hub
-    "output_dir", "logging_dir", "logging_strategy", "logging_steps", "logging_first_step", "logging_nan_inf_filter",
+    "output_dir", "logging_strategy", "logging_steps", "logging_first_step", "logging_nan_inf_filter",
     "log_level", "log_level_replica", "log_on_each_node", "report_to", "run_name", "project", "trackio_space_id",
     "trackio_bucket_id", "trackio_static_space_id", "disable_tqdm", "skip_memory_metrics", "save_strategy",
     "save_steps", "save_total_limit", "save_only_model", "save_on_each_node", "push_to_hub", "hub_model_id",
