@@ -28,7 +28,8 @@ def build_model(spec: ModelSpec, candidate: Candidate | None = None, device: str
     from transformers.utils.generic import is_flash_attention_requested
 
     config = spec.hf_config()
-    attn = candidate.attn_implementation.value if candidate is not None else "sdpa"
+    chosen = candidate.attn_implementation if candidate is not None else None
+    attn = chosen.value if chosen is not None else default_attention(spec).value
     flash = is_flash_attention_requested(requested_attention_implementation=attn)
     if flash and device == "meta":
         # Built with eager (transformers would load the FlashAttention kernel from the Hub, and it cannot run here);
@@ -51,6 +52,18 @@ def build_model(spec: ModelSpec, candidate: Candidate | None = None, device: str
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(candidate))
     return model
+
+
+def default_attention(spec: ModelSpec):
+    """The attention transformers 5 picks when none is asked for (`PreTrainedModel.get_correct_attn_implementation`
+    with None): sdpa where the model class supports it, else eager (Gemma2: softcapping, no sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    from .space import Attention
+
+    config = spec.hf_config()
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    return Attention.SDPA if getattr(cls, "_supports_sdpa", False) else Attention.EAGER
 
 
 def save_random_model(spec: ModelSpec, directory: str | Path, candidate: Candidate | None = None) -> Path:

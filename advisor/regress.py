@@ -252,6 +252,7 @@ class CheckResult:
 def measure(workload: Workload, candidate: Candidate, backend: Backend | str = Backend.SIMULATE) -> Measurement:
     """Measure with the named backend; the candidate is checked against TRL's rules first (exit 2 if broken)."""
     backend = parse_backend(backend)
+    candidate = candidate.for_model(workload.model)  # the run's own defaults for attention and LoRA targets
     candidate.check(workload.gpu, workload.model)
     if backend is Backend.SIMULATE:
         from .simulate import simulate
@@ -425,7 +426,8 @@ def check(
             f"the workload differs from the baseline's (fingerprint {baseline.workload.fingerprint} -> "
             f"{fingerprint}): the model config, the data, the target or the goals changed"
         )
-    changed = knob_changes(baseline.candidate, candidate)
+    # as the run resolves them: no attn_implementation is transformers' pick, no LoRA targets PEFT's default
+    changed = knob_changes(baseline.candidate.for_model(workload.model), candidate.for_model(workload.model))
     if changed:
         notes.append("configuration differs from the baseline's: " + ", ".join(changed))
     m = measure(workload, candidate, baseline.backend)
@@ -448,8 +450,12 @@ def version_changes(was: dict[str, str], now: dict[str, str], backend: Backend) 
 
 
 def knob_changes(before: Candidate, after: Candidate) -> list[str]:
+    """Each knob that differs, then each key of the user's base that differs."""
     a, b = before.to_dict(), after.to_dict()
-    return [f"{k} {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k]]
+    ba, bb = a.pop("base", {}), b.pop("base", {})
+    out = [f"{k} {a[k]!r} -> {b[k]!r}" for k in a if a[k] != b[k]]
+    out += [f"{k} {ba.get(k)!r} -> {bb.get(k)!r}" for k in sorted(set(ba) | set(bb)) if ba.get(k) != bb.get(k)]
+    return out
 
 
 def compare_rows(totals: dict[str, int | None], breakdown: dict[str, int], now: Measurement) -> tuple[Row, ...]:

@@ -46,10 +46,21 @@ def simulate(
     layers: tuple[int, int] | None = (2, 3),
     steps: int = 2,
 ) -> Measurement:
-    """Peak bytes of `steps` real SFT optimizer steps of `candidate` on the target, predicted on fake tensors."""
+    """Peak bytes of `steps` real SFT optimizer steps of `candidate` on the target, predicted on fake tensors.
+
+    The candidate's base (the user's other keys) is part of the run; `max_steps` below `steps` is simulated as
+    written. More steps than 2 change nothing: every simulated step gets the same worst batch, the first step
+    allocates the optimizer state lazily in its optimizer step, and from the second on each step frees and
+    reallocates the same tensors (tests/test_simulate_accuracy.py checks max_steps 1 and 3 against real runs).
+    """
     started = time.perf_counter()
     target = _resolve_target(gpu, workload)
+    candidate = candidate.for_model(workload.model)
     candidate.check(target, workload.model)
+    max_steps = candidate.base.get("max_steps")
+    if isinstance(max_steps, int) and 0 < max_steps < steps:
+        steps = max_steps
+    _check_simulable(candidate, workload.model)
     run_cand, notes = _runnable(candidate, target)
     depth = workload.model.num_layers
     depths, layer_note = _depths(workload.model, layers)
@@ -120,7 +131,7 @@ def simulate_depth(
     rows = _worst_rows(workload, candidate)
     with tempfile.TemporaryDirectory(prefix="advisor-sim-") as tmp, _quiet():
         args = build_sft_config(
-            candidate, workload, use_cpu=True, output_dir=tmp, max_steps=steps, report_to="none",
+            candidate, workload, measured=True, use_cpu=True, output_dir=tmp, max_steps=steps, report_to="none",
             save_strategy="no", logging_strategy="no", disable_tqdm=True, dataset_num_proc=None, seed=0,
             model_init_kwargs=None,
         )
@@ -153,6 +164,19 @@ def simulate_depth(
         batch_shape=result.facts.shape,
         unpadded=result.facts.unpadded,
     )
+
+
+def _check_simulable(candidate: Candidate, model: ModelSpec) -> None:
+    """What fake tensors cannot run, refused by name before a traceback from deep inside torch."""
+    text = model.config.get("text_config") or model.config
+    experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
+    if experts and candidate.weights_dtype is not WeightsDtype.BFLOAT16:
+        raise ConfigError(
+            [f"dtype={candidate.weights_dtype.value} on the mixture-of-experts model {model.name}: transformers runs "
+             "its experts with torch's grouped_mm, whose fake-tensor kernel accepts bfloat16 only, so this run "
+             "cannot be simulated; set dtype: bfloat16, or measure it with `advisor probe`"],
+            context="simulate",
+        )
 
 
 _TOKENIZERS: dict[tuple, object] = {}

@@ -49,23 +49,93 @@ class Quantization(str, Enum):
 
 
 class Optimizer(str, Enum):
-    """Values of TrainingArguments.optim that the search considers."""
+    """Values of TrainingArguments.optim the advisor measures: torch's own optimizers run on fake tensors as they
+    are; the bitsandbytes ones are modelled (simulate._modelled_adjustments). The search considers a subset
+    (_search/space.py). Every other `optim` TrainingArguments accepts is refused by name (`UNSUPPORTED_OPTIMIZERS`).
+    """
 
     ADAMW_TORCH_FUSED = "adamw_torch_fused"
     ADAMW_TORCH = "adamw_torch"
     ADAMW_8BIT = "adamw_bnb_8bit"
     PAGED_ADAMW_8BIT = "paged_adamw_8bit"
     ADAFACTOR = "adafactor"
+    SGD = "sgd"
+    ADAGRAD = "adagrad"
+    RMSPROP = "rmsprop"
 
     @property
     def needs_bitsandbytes(self) -> bool:
         return self in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
 
 
+# The rest of transformers' OptimizerNames, and why each is not measured: they need packages that are not installed
+# or kernels that cannot run on fake tensors, and their state is not the AdamW state the 8-bit model scales.
+UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
+    **{name: "an XLA / NPU device optimizer; the advisor targets CUDA and the CPU"
+       for name in ("adamw_torch_xla", "adamw_torch_npu_fused")},
+    **{name: "needs apex / torchdistx / torchao kernels that cannot run on fake tensors"
+       for name in ("adamw_apex_fused", "adamw_anyprecision", "adamw_torch_4bit", "adamw_torch_8bit", "stable_adamw")},
+    **{name: "a bitsandbytes optimizer whose state is not modelled (only adamw_bnb_8bit and paged_adamw_8bit are)"
+       for name in ("adamw_8bit", "ademamix", "ademamix_8bit", "lion_8bit", "lion_32bit", "paged_adamw_32bit",
+                    "paged_ademamix_32bit", "paged_ademamix_8bit", "paged_lion_32bit", "paged_lion_8bit",
+                    "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit")},
+    **{name: "projects or fuses gradients in its own kernels (GaLore, APOLLO, LOMO); not simulated"
+       for name in ("galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise",
+                    "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise", "lomo", "adalomo", "apollo_adamw",
+                    "apollo_adamw_layerwise")},
+    **{name: "needs a package the advisor does not install (grokadamw, schedulefree); not simulated"
+       for name in ("grokadamw", "schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd")},
+}
+
+
 class Attention(str, Enum):
     SDPA = "sdpa"
     EAGER = "eager"
     FLASH_ATTENTION_2 = "kernels-community/flash-attn2"
+
+
+@dataclass(frozen=True)
+class RunBase:
+    """The keys of a run config that are not knobs, as the user wrote them: what every measured and emitted run
+    keeps (see emit.KEY_USES for which keys reach the measured run). Sorted (key, JSON text) pairs, so a Candidate
+    that carries it stays hashable and comparable; empty for the search's own candidates."""
+
+    items: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, Any] | RunBase | None) -> RunBase:
+        import json
+
+        if isinstance(mapping, RunBase):
+            return mapping
+        problems, items = [], []
+        for k, v in sorted((mapping or {}).items()):
+            try:
+                items.append((str(k), json.dumps(v, sort_keys=True)))
+            except (TypeError, ValueError):
+                problems.append(f"{k}={v!r}: not a YAML/JSON value")
+        if problems:
+            raise ConfigError(problems, context="run config")
+        return cls(tuple(items))
+
+    def as_dict(self) -> dict[str, Any]:
+        import json
+
+        return {k: json.loads(v) for k, v in self.items}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        import json
+
+        for k, v in self.items:
+            if k == key:
+                return json.loads(v)
+        return default
+
+    def __contains__(self, key: object) -> bool:
+        return any(k == key for k, _ in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
 
 
 # Every linear projection of a Llama-style decoder layer; resolved per model by `default_lora_targets`.
@@ -126,13 +196,18 @@ class Candidate:
     precision: Precision = Precision.BF16
     weights_dtype: WeightsDtype = WeightsDtype.FLOAT32
     group_by_length: bool = False
-    attn_implementation: Attention = Attention.SDPA
+    # None: what transformers picks when `attn_implementation` is not given (see modeling.default_attention)
+    attn_implementation: Attention | None = Attention.SDPA
     use_lora: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
-    lora_target_modules: tuple[str, ...] = _LLAMA_LINEARS
+    lora_dropout: float = 0.0
+    # None: PEFT's default for the model type (peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
+    lora_target_modules: tuple[str, ...] | None = _LLAMA_LINEARS
     quantization: Quantization = Quantization.NONE
     expandable_segments: bool = True
+    # the user's other keys (not a knob: the search never changes it)
+    base: RunBase = field(default_factory=RunBase)
 
     def __post_init__(self) -> None:
         # Accept plain strings (YAML, --fix) and lists; store Enums and tuples so candidates hash and compare.
@@ -140,6 +215,8 @@ class Candidate:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             enum = _ENUM_FIELDS.get(f.name)
+            if enum is not None and value is None and f.name in _NULLABLE_ENUMS:
+                continue
             if enum is not None and not isinstance(value, enum):
                 try:
                     object.__setattr__(self, f.name, enum(value))
@@ -149,6 +226,16 @@ class Candidate:
         if isinstance(self.lora_target_modules, (list, str)):
             mods = [self.lora_target_modules] if isinstance(self.lora_target_modules, str) else self.lora_target_modules
             object.__setattr__(self, "lora_target_modules", tuple(mods))
+        if not isinstance(self.base, RunBase):
+            try:
+                object.__setattr__(self, "base", RunBase.of(self.base))
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+        p = self.lora_dropout
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            problems.append(f"lora_dropout={p!r}: must be a number in [0, 1)")
+        elif isinstance(p, int):
+            object.__setattr__(self, "lora_dropout", float(p))
         counts = ("per_device_train_batch_size", "gradient_accumulation_steps", "checkpoint_every_n_layers", "lora_r")
         for name in counts:
             value = getattr(self, name)
@@ -179,7 +266,8 @@ class Candidate:
     def checkpointing_kwargs(self) -> dict[str, Any] | None:
         if not self.activation_checkpointing:
             return None
-        kwargs: dict[str, Any] = {"use_reentrant": False}
+        # TRL sets use_reentrant=False when it is not given (SFTTrainer.__init__); the user's other keys are kept
+        kwargs: dict[str, Any] = {"use_reentrant": False, **(self.base.get(CHECKPOINT_EXTRA) or {})}
         if self.checkpoint_selective:
             kwargs["selective"] = True
         if self.checkpoint_every_n_layers != 1:
@@ -199,18 +287,39 @@ class Candidate:
             changes.update(checkpoint_selective=False, checkpoint_every_n_layers=1)
         if not self.use_lora:
             changes.update(
-                lora_r=d.lora_r, lora_alpha=d.lora_alpha, lora_target_modules=d.lora_target_modules,
+                lora_r=d.lora_r, lora_alpha=d.lora_alpha, lora_dropout=d.lora_dropout,
+                lora_target_modules=d.lora_target_modules,
             )
         if self.packing and self.packing_strategy is not PackingStrategy.WRAPPED:
             changes["padding_free"] = False  # implied by bfd / bfd_split
         return dataclasses.replace(self, **changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
+        """Knobs as plain values; `base` only when the user's config had other keys (so the search's candidates,
+        their study keys and stored baselines keep their form)."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "base":
+                if value:
+                    out["base"] = value.as_dict()
+                continue
             out[f.name] = value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) else value
         return out
+
+    def for_model(self, model: ModelSpec) -> Candidate:
+        """The model-dependent defaults made explicit, as the real run resolves them: transformers' attention
+        selection when `attn_implementation` is None, PEFT's default targets when `lora_target_modules` is None."""
+        changes: dict[str, Any] = {}
+        if self.attn_implementation is None:
+            from .modeling import default_attention
+
+            changes["attn_implementation"] = default_attention(model)
+        if self.use_lora and self.lora_target_modules is None:
+            targets = peft_default_targets(model)
+            if targets is not None:
+                changes["lora_target_modules"] = targets
+        return dataclasses.replace(self, **changes) if changes else self
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Candidate:
@@ -242,13 +351,19 @@ class Candidate:
                 f"quantization={self.quantization.value} without LoRA: transformers raises \"You cannot perform "
                 "fine-tuning on purely quantized models\"; set use_lora=True (QLoRA) or quantization=none"
             )
-        if self.use_lora and "lm_head" in self.lora_target_modules:
+        if self.use_lora and "lm_head" in (self.lora_target_modules or ()):
             out.append(
                 "lora_target_modules contains 'lm_head': TRL raises \"Applying a PEFT adapter to `lm_head` is not "
                 "supported\" (its fused LM head reads lm_head.weight directly); remove 'lm_head'"
             )
-        if self.use_lora and not self.lora_target_modules:
+        if self.use_lora and self.lora_target_modules is not None and not self.lora_target_modules:
             out.append("use_lora=True with no lora_target_modules: name the modules, e.g. q_proj,v_proj")
+        extra_ck = self.base.get(CHECKPOINT_EXTRA) or {}
+        if self.activation_checkpointing and self.checkpoint_selective and extra_ck.get("use_reentrant"):
+            out.append(
+                "activation_checkpointing_kwargs selective=True with use_reentrant=True: TRL raises \"requires "
+                "non-reentrant gradient checkpointing\"; set use_reentrant: false or leave it unset"
+            )
         if self.precision is Precision.FP16 and self.weights_dtype is WeightsDtype.FLOAT16:
             out.append(
                 "precision=fp16 with weights_dtype=float16: the gradient scaler raises \"Attempting to unscale FP16 "
@@ -293,9 +408,15 @@ class Candidate:
 
     def _model_problems(self, model: ModelSpec) -> list[str]:
         out = []
-        if self.use_lora:
+        if self.use_lora and self.lora_target_modules is None and peft_default_targets(model) is None:
+            mt = model.config.get("model_type")
+            out.append(
+                f"use_peft with no lora_target_modules on {model.name} (model_type {mt!r}): PEFT has no default "
+                "targets for it and raises \"Please specify `target_modules`\"; set lora_target_modules"
+            )
+        elif self.use_lora and self.lora_target_modules != ("all-linear",):
             available = set(model_linear_names(model))
-            targets = [m for m in self.lora_target_modules if m != "lm_head"]
+            targets = [m for m in self.lora_target_modules or () if m != "lm_head"]
             if targets and available and not set(targets) & available:
                 # PEFT raises only when no target matches ("Target modules {...} not found in the base model")
                 out.append(
@@ -347,6 +468,11 @@ class Candidate:
         )
 
 
+# The base key that holds the user's activation_checkpointing_kwargs other than the knobs' (selective,
+# every_n_layers): use_reentrant, preserve_rng_state, ...
+CHECKPOINT_EXTRA = "activation_checkpointing_kwargs"
+_NULLABLE_ENUMS = frozenset({"attn_implementation"})
+
 _ENUM_FIELDS: dict[str, type[Enum]] = {
     "packing_strategy": PackingStrategy,
     "optim": Optimizer,
@@ -365,6 +491,17 @@ def model_linear_names(model: ModelSpec) -> tuple[str, ...]:
     return _LLAMA_LINEARS
 
 
+def peft_default_targets(model: ModelSpec) -> tuple[str, ...] | None:
+    """What PEFT targets when LoraConfig.target_modules is None (LoraModel._prepare_adapter_config), or None when
+    PEFT has no default for this model type (it then raises)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+
+    targets = mapping.get(str(model.config.get("model_type", "")))
+    if targets is None:
+        return None
+    return (targets,) if isinstance(targets, str) else tuple(targets)
+
+
 def default_lora_targets(model: ModelSpec) -> tuple[str, ...]:
     """All linear layers of the decoder, written out (never 'all-linear', so the config says what it does)."""
     return model_linear_names(model)
@@ -381,7 +518,7 @@ class SearchSpace:
     values: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        names = {f.name for f in dataclasses.fields(Candidate)}
+        names = {f.name for f in dataclasses.fields(Candidate)} - {"base"}
         unknown = sorted(set(self.values) - names)
         if unknown:
             raise ConfigError([f"unknown knob {k!r}" for k in unknown], context="search space")

@@ -207,10 +207,10 @@ def test_fix_maps_trl_field_names():
 
 def test_fix_reports_every_bad_field_at_once():
     with pytest.raises(ConfigError) as err:
-        parse_fix({"optimizer": "adamw", "optim": "sgd", "packing": "maybe"})
+        parse_fix({"optimizer": "adamw", "optim": "lomo", "packing": "maybe"})
     msg = str(err.value)
     assert "optimizer" in msg and "fixable" in msg
-    assert "optim=sgd" in msg and "adamw_torch_fused" in msg
+    assert "optim=lomo" in msg and "adamw_torch_fused" in msg
     assert "packing=maybe" in msg and "boolean" in msg
     assert err.value.exit_code == 2
 

@@ -148,6 +148,7 @@ def probe(
     `timeout_s` is the longest the child may go without progress
     (a heartbeat per step); then its process group is killed and the status is `timeout`.
     """
+    candidate = candidate.for_model(workload.model)  # transformers' attention, PEFT's targets, as the run resolves
     problems = []
     if backend not in ("cuda", "cpu"):
         problems.append(f"--backend {backend!r}: a real probe runs on 'cuda' or 'cpu'")

@@ -217,8 +217,10 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     tokenizer = placeholder_tokenizer(spec)
     train_dataset = workload.dataset.to_hf()
     total = warmup + steps
+    # measured=True: the base's simulated keys (loss, clipping, LoRA dropout, ...) reach the run, its hub and
+    # reporting options do not; the probe's own steps replace max_steps
     config = build_sft_config(
-        candidate, workload, output_dir=str(jobdir / "out"), use_cpu=not cuda, max_steps=total,
+        candidate, workload, measured=True, output_dir=str(jobdir / "out"), use_cpu=not cuda, max_steps=total,
         report_to="none", save_strategy="no", logging_strategy="steps", logging_steps=total,
         train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True, seed=0,
     )
