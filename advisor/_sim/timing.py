@@ -116,7 +116,7 @@ class TimeConstants:
 
     cuda: bool
     sms: int
-    tile: tuple[int, int]
+    tiles: tuple[tuple[int, int, float], ...]  # (rows, columns, efficiency relative to the largest tile)
     gemm_eff: float
     k_half: float
     split_k_min_k: int
@@ -171,11 +171,11 @@ def time_constants(gpu: GPUSpec) -> TimeConstants:
     mem_eff = float(r["memory"]["efficiency"] if cuda else cpu["memory_efficiency"])
     gemm_eff = float(r["gemm"]["efficiency"] if cuda else cpu["matmul_efficiency"])
     op_us = float(h["op_us"] if cuda else cpu["op_us"])
-    tile = tuple(_by_arch(r["gemm"]["tile"], gpu))
+    tiles = tuple((int(a), int(b), float(e)) for a, b, e in _by_arch(r["gemm"]["tiles"], gpu))
     return TimeConstants(
         cuda=cuda,
         sms=int(r["sms"].get(gpu.name, r["sms"]["default"])) if cuda else 1,
-        tile=(int(tile[0]), int(tile[1])),
+        tiles=tiles,
         gemm_eff=gemm_eff / fit.get(Term.MATMUL.value, 1.0),
         k_half=float(r["gemm"]["k_half"]),
         split_k_min_k=int(r["gemm"]["split_k_min_k"]),
@@ -219,26 +219,29 @@ def fitted_multipliers(gpu_name: str) -> dict[str, float]:
 
 
 def gemm_s(m: int, n: int, k: int, itemsize: int, peak: float, tc: TimeConstants, batch: int = 1) -> float:
-    """One (batched) GEMM C[m,n] = A[m,k] B[k,n]: roofline with wave quantisation (module docstring)."""
+    """One (batched) GEMM C[m,n] = A[m,k] B[k,n]: roofline with wave quantisation (module docstring).
+
+    Like cuBLAS' heuristics, the fastest of the threadblock tiles is taken; a smaller tile reuses less data, so it
+    runs at a lower fraction of the peak (the tile table's relative efficiency)."""
     if m <= 0 or n <= 0 or k <= 0:
         return tc.floor_s
     flops = 2.0 * m * n * k * batch
-    util = 1.0
-    keff = 1.0
-    split = 1
-    if tc.cuda:
-        tm, tn = tc.tile
+    if not tc.cuda:
+        compute = flops / (peak * tc.gemm_eff)
+        return max(compute, (m * k + k * n + m * n) * batch * itemsize / tc.mem_bw)
+    best = math.inf
+    for tm, tn, rel in tc.tiles:
         tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+        split = 1
         if tiles < tc.sms and k >= 2 * tc.split_k_min_k:
             split = max(1, min(tc.sms // tiles, k // tc.split_k_min_k))
-        ctas = tiles * split
-        waves = math.ceil(ctas / tc.sms)
+        waves = math.ceil(tiles * split / tc.sms)
         util = (m * n * batch * split) / (waves * tc.sms * tm * tn)
         kk = k / split
-        keff = kk / (kk + tc.k_half)
-    compute = flops / (peak * tc.gemm_eff * util * keff)
-    nbytes = (m * k + k * n + m * n * (2 * split - 1)) * batch * itemsize
-    return max(compute, nbytes / tc.mem_bw, tc.floor_s)
+        compute = flops / (peak * tc.gemm_eff * rel * util * kk / (kk + tc.k_half))
+        nbytes = (m * k + k * n + m * n * (2 * split - 1)) * batch * itemsize
+        best = min(best, max(compute, nbytes / tc.mem_bw))
+    return max(best, tc.floor_s)
 
 
 def memory_s(nbytes: float, tc: TimeConstants, kernels: int = 1) -> float:
@@ -385,6 +388,7 @@ class StepCost:
     peak_flops: float = 0.0
     worst: BatchPoint = BatchPoint(0.0, 0.0, 0.0)
     attention_kind: AttentionKind = AttentionKind.CAUSAL
+    launches: float = 0.0  # kernels launched per micro-step
 
     def with_(self, **changes: Any) -> StepCost:
         return replace(self, **changes)
@@ -419,6 +423,7 @@ def extrapolate_cost(lo: StepCost | None, hi: StepCost | None, k: float) -> Step
     return hi.with_(
         device=np.maximum(0.0, lo.device + k * (hi.device - lo.device)),
         host_s=lin(lo.host_s, hi.host_s),
+        launches=lin(lo.launches, hi.launches),
         copy_s_per_token=max(0.0, lin(lo.copy_s_per_token, hi.copy_s_per_token)),
         optimizer=opt,
         flops_per_token=lin(lo.flops_per_token, hi.flops_per_token),
@@ -495,6 +500,7 @@ def model_flops(trained_params: float, frozen_params: float, layers: int, q_dim:
 # ---- the fake run's ops ----------------------------------------------------------------------------------------
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addmm_", "addbmm"}
+_GATHERS = {"embedding", "index_select", "gather", "index", "take_along_dim"}
 _NO_KERNEL = {"empty", "new_empty", "empty_like", "empty_strided", "lift_fresh", "_local_scalar_dense", "detach",
               "alias", "_unsafe_view", "set_", "resize_", "new_empty_strided", "lift_fresh_copy"}
 
@@ -593,6 +599,7 @@ class TimingHook:
         self.device = np.zeros((_NT, _NB))
         self.host = 0.0
         self.ops = 0
+        self.launches = 0
         self.kind: AttentionKind | None = None
         self._param_shapes: set[tuple[int, ...]] | None = None
         self._quant_keys: dict[int, int] | None = None
@@ -653,6 +660,7 @@ class TimingHook:
             self.host += tc.view_s
             return
         self.host += tc.op_s
+        self.launches += 1
         if "flash_attention" in name or "scaled_dot_product" in name or "efficient_attention" in name:
             self._attention(name, args, kwargs)
             return
@@ -671,7 +679,11 @@ class TimingHook:
             if extra:
                 self._add(Term.DEQUANT, Basis.FIXED, extra)
             return
-        nbytes = float(sum(x.numel() * x.element_size() for x in tensors))
+        if name in _GATHERS:  # reads only the rows it gathers (or scatters)
+            nbytes = float(sum(2 * x.numel() * x.element_size() for x in outs) + sum(
+                x.numel() * x.element_size() for x in ins if not x.is_floating_point()))
+        else:
+            nbytes = float(sum(x.numel() * x.element_size() for x in tensors))
         t = memory_s(nbytes, tc)
         basis = self._basis(tensors)
         self._add(Term.ATTENTION if basis is Basis.ATTENTION else Term.MEMORY, basis, t)
@@ -689,6 +701,7 @@ class TimingHook:
         if tc.cuda and name == "_to_copy" and outs and outs[0].dtype is torch.float32 and ins and \
                 ins[0].dtype in (torch.bfloat16, torch.float16):
             self.host -= tc.op_s
+            self.launches -= 1
             self._upcast[outs[0].untyped_storage()._cdata] = ins[0].dtype
             return
         if name in _MATMULS:
@@ -795,6 +808,7 @@ class TimingHook:
             device=device, host_s=self.host / n, serial_host_s=serial_host, collate_row_s=tc.collate_row_s,
             optimizer=optimizer, step_host_s=tc.step_s, serial=not tc.cuda, accumulation=accumulation,
             flops_per_token=flops[0], flops_per_sq=flops[1], peak_flops=0.0, worst=worst, attention_kind=kind,
+            launches=self.launches / n,
         )
 
 
