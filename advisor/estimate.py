@@ -350,6 +350,7 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
         trained_tokens_per_step=trained_per_step,
         time_breakdown=dict(timed.terms),
         mfu=timed.mfu,
+        worst_step_time_s=timed.worst_step_s,
         peak_batch=f"{worst.rows}x{worst.seq}",
         notes=tuple(notes),
     )

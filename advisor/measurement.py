@@ -62,6 +62,7 @@ class Measurement:
     # predicted seconds per optimizer step by term (advisor/_sim/timing.py Term values; they sum to step_time_s)
     time_breakdown: dict[str, float] = field(default_factory=dict)
     mfu: float | None = None  # model FLOPs utilisation against the target's dense peak (predicted or measured)
+    worst_step_time_s: float | None = None  # one optimizer step on the worst batch at every micro-step
     message: str = ""
     notes: tuple[str, ...] = ()
     wall_time_s: float | None = None

@@ -111,6 +111,7 @@ def simulate(
         trained_tokens_per_step=int(round(trained)),
         time_breakdown=dict(timed.terms) if timed is not None else {},
         mfu=timed.mfu if timed is not None else None,
+        worst_step_time_s=timed.worst_step_s if timed is not None else None,
         peak_batch=f"{b} x {s} ({'unpadded' if combined.unpadded else 'padded'}; the longest rows)",
         message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes),
