@@ -11,9 +11,8 @@ The peak is the larger of two moments of a training step:
 - the optimizer step (every gradient, the optimizer state and the optimizer's own temporaries).
 Backward lies between the two: activations are freed layer by layer as gradients appear.
 
-Step time is FLOPs (6 x params x tokens for full fine-tuning, 4x for frozen weights, + attention, + the
-recomputed forward under checkpointing) over the profile's dense TFLOP/s x `MFU`, plus the optimizer's
-memory traffic over the profile's bandwidth.
+Step time: the simulator's step-time model (advisor/_sim/timing.py) with its terms in closed form (`_step_time`),
+expected over the same batch distribution, so the two backends rank alike.
 """
 
 from __future__ import annotations
@@ -33,16 +32,8 @@ if TYPE_CHECKING:
     from .workload import GPUSpec, ModelSpec, Workload
 
 MiB = 2**20
-# Model FLOPs utilisation assumed against the profile's dense peak; typical of a single-GPU HF Trainer run.
-MFU_CUDA = 0.40
-# The CPU profile's TFLOP/s are an order of magnitude only; PyTorch CPU kernels reach about half of it.
-MFU_CPU = 0.50
 # Caching allocator: reserved over allocated at the peak (fragmentation), with and without expandable segments.
 RESERVED_FACTOR = {True: 1.02, False: 1.10}
-# Host-device copies of offloaded activations (PCIe 4/5 effective), half hidden behind compute.
-OFFLOAD_GBS = 25.0
-# bitsandbytes dequantises the frozen base weights on every matmul.
-QUANT_SLOWDOWN = {Quantization.NONE: 1.0, Quantization.NF4: 1.25, Quantization.INT8: 1.6}
 
 # trl/kernels/chunked_logprob.py and trl/trainer/utils.py (TRL 1.16)
 TOKEN_CHUNK = 4096
@@ -299,7 +290,6 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     arch = architecture(workload.model)
     p = memory_parts(workload, c)
     worst = p.batch
-    _, typical = _batches(workload.dataset, c)
     act_bytes = 2 if (c.precision is not Precision.FP32 or c.weights_dtype is not WeightsDtype.FLOAT32) else 4
     grad_bytes = 4 if c.use_lora else _DTYPE_BYTES[c.weights_dtype]
     params, optimizer, grads, activations = p.parameters, p.optimizer, p.gradients, p.activations
@@ -340,11 +330,13 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
     device = reserved + _outside_allocator_bytes(gpu) if cuda else peak
 
-    step_time, trained_per_step = _step_time(arch, c, gpu, typical, p.trainable, activations)
+    timed = _step_time(workload, arch, c, worst, activations)
+    step_time, trained_per_step = timed.step_s, int(round(timed.trained_per_step))
     notes = [
         f"LM head: TRL's fused tiled head, {'labelled positions only (CUDA)' if cuda else 'every position (CPU)'}",
         f"peak at the {when}",
-        f"step time from FLOPs at MFU {MFU_CUDA if cuda else MFU_CPU:.2f} of {gpu.name}",
+        f"step time: the step-time model's terms in closed form (advisor/_sim/timing.py) on {gpu.name}, expected "
+        "over the batches the sampler makes",
     ]
     return Measurement(
         status=Status.OK,
@@ -356,6 +348,9 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
         step_time_s=step_time,
         tokens_per_second=trained_per_step / step_time if step_time > 0 else None,
         trained_tokens_per_step=trained_per_step,
+        time_breakdown=dict(timed.terms),
+        mfu=timed.mfu,
+        worst_step_time_s=timed.worst_step_s,
         peak_batch=f"{worst.rows}x{worst.seq}",
         notes=tuple(notes),
     )
@@ -433,32 +428,128 @@ def _lm_head_bytes(
     return int(saved), int(max(fwd, bwd))
 
 
-def _step_time(
-    arch: Architecture, c: Candidate, gpu: GPUSpec, batch: BatchShape, trainable: int, act_bytes: int
-) -> tuple[float, int]:
-    """(seconds per optimizer step, trained tokens per optimizer step) for a typical batch."""
-    tokens = batch.rows * batch.seq
-    body = arch.total - arch.embedding - arch.lm_head
-    passes = 4.0 if c.use_lora else 6.0  # frozen weights: no weight gradients
-    if c.activation_checkpointing:
-        passes += 2.0 / c.checkpoint_every_n_layers * (0.9 if c.checkpoint_selective else 1.0)
-    flops = passes * body * tokens * QUANT_SLOWDOWN[c.quantization if c.use_lora else Quantization.NONE]
-    if c.use_lora:
-        flops += 6.0 * lora_parameters(arch, c) * tokens
-    flops += 3.0 * 2.0 * arch.layers * arch.q_dim * batch.attention_sq  # QK^T and AV, causal half, fwd+bwd
-    scored = batch.trained if gpu.is_cuda else tokens
-    flops += (8.0 if not c.use_lora else 6.0) * arch.vocab * arch.hidden * scored
-    tflops = {Precision.BF16: gpu.bf16_tflops, Precision.FP16: gpu.fp16_tflops}.get(c.precision, 0.0)
-    if c.precision is Precision.FP32 or tflops <= 0:
-        tflops = gpu.fp32_tflops
-    mfu = MFU_CUDA if gpu.is_cuda else MFU_CPU
-    micro = flops / (tflops * 1e12 * mfu)
+def _step_time(workload: Workload, arch: Architecture, c: Candidate, worst: BatchShape, activations: int):
+    """The expected step time from the same terms as the simulator's (advisor/_sim/timing.py), in closed form.
+
+    The micro-step's kernels are the decoder's GEMMs (forward, grad-input, weight gradient when trained, the
+    recomputed forward under checkpointing; LoRA's rank-r products), attention per tile, the memory-bound ops
+    (bytes per token per layer, counted on the fake run: time_constants.json "estimate"), the LM head's tiles and
+    folds, bitsandbytes' dequantisation; host ops per layer from the same counts; the optimizer as the target runs
+    it. Evaluated over the same batch distribution as the simulator's, so the two backends rank alike.
+    """
+    from ._sim import timing as tm
+
+    gpu = workload.gpu
+    tc = tm.time_constants(gpu)
+    cuda = gpu.is_cuda
+    mixed = c.precision is not Precision.FP32
+    act = 2 if (mixed or c.weights_dtype is not WeightsDtype.FLOAT32) else 4
+    peak = tc.peak["fp32"] if act == 4 else tc.peak["fp16" if c.precision is Precision.FP16 else "bf16"]
+    autocast = mixed and c.weights_dtype is WeightsDtype.FLOAT32
+    L = arch.layers
+    T = max(1, worst.rows * worst.seq)
+    n_trained = max(1, worst.trained)
+    f = (1.0 / c.checkpoint_every_n_layers) if c.activation_checkpointing else 0.0
+    quant = c.use_lora and c.quantization is not Quantization.NONE
+    targets = set(c.lora_target_modules) if c.use_lora else set()
+    dev = np.zeros((len(tm.Term), len(tm.Basis)))
+    T_, B_ = list(tm.Term), tm.Basis
+
+    def add(term, basis, seconds):
+        dev[T_.index(term), int(basis)] += seconds
+
+    # GEMMs of the decoder (seconds at the worst batch, per token)
+    gemm = 0.0
+    fixed = 0.0
+    for name, i, o in arch.linears:
+        fwd = tm.gemm_s(T, o, i, act, peak, tc)
+        gemm += (1 + f) * fwd + tm.gemm_s(T, i, o, act, peak, tc)
+        if not c.use_lora:
+            gemm += tm.gemm_s(o, i, T, act, peak, tc)
+        if name in targets:
+            r = c.lora_r
+            gemm += (1 + f) * (tm.gemm_s(T, r, i, act, peak, tc) + tm.gemm_s(T, o, r, act, peak, tc))
+            gemm += tm.gemm_s(T, r, o, act, peak, tc) + tm.gemm_s(T, i, r, act, peak, tc)  # grad-inputs
+            gemm += tm.gemm_s(r, i, T, act, peak, tc) + tm.gemm_s(o, r, T, act, peak, tc)  # grad-weights
+        if quant:
+            uses = 2 + f
+            extra = 0.0
+            if c.quantization is Quantization.INT8:
+                extra = fwd * (float(tc.raw["dequantization"]["int8_matmul_factor"]) - 1.0)
+            fixed += uses * tm.dequant_s(i * o, c.quantization.value, tc) + extra
+    add(tm.Term.MATMUL, B_.TOKENS, L * gemm / T)
+    add(tm.Term.DEQUANT, B_.FIXED, L * fixed)
+    # attention: per tile (CAUSAL/FULL) of one call; eager: per score element of one head
+    if c.attn_implementation is Attention.EAGER:
+        d = arch.q_dim // max(1, arch.heads)
+        per = arch.heads * (12.0 * d / (peak * tc.gemm_eff) + 24.0 / tc.mem_bw)
+        add(tm.Term.ATTENTION, B_.ATTENTION, L * per * (1 + f / 3))
+    else:
+        heads, d = arch.heads, arch.q_dim // max(1, arch.heads)
+        fwd_t = tm.attention_tile_s(heads, d, peak, tc, backward=False)
+        bwd_t = tm.attention_tile_s(heads, d, peak, tc, backward=True)
+        add(tm.Term.ATTENTION, B_.ATTENTION, L * ((1 + f) * fwd_t + bwd_t))
+    # memory-bound ops, host ops (counted on the fake run)
+    cal = tc.raw["estimate"]["per_layer"]
+    key = "lora" if c.use_lora else ("autocast" if autocast else "base")
+    lo, hi = cal[key], cal[key + "_ckpt"]
+
+    def at(field_a, field_b=None):
+        a = lo[field_a] if field_b is None else lo[field_a][field_b]
+        b = hi[field_a] if field_b is None else hi[field_a][field_b]
+        return a + f * (b - a)
+
+    scale = 2.0 if act == 4 else 1.0
+    per_token = scale * (at("bytes_per_token", "hidden") * arch.hidden
+                         + at("bytes_per_token", "intermediate") * arch.intermediate)
+    add(tm.Term.MEMORY, B_.TOKENS, L * per_token / tc.mem_bw)
+    if autocast:
+        casts = arch.decoder_linear * 6.0 * (1 + f)  # fp32 read + bf16 write of every weight, per forward
+        add(tm.Term.MEMORY, B_.FIXED, casts / tc.mem_bw)
+    grad_bytes = 4 if c.use_lora else _DTYPE_BYTES[c.weights_dtype]
+    trainable = lora_parameters(arch, c) if c.use_lora else arch.total
+    ga = c.gradient_accumulation_steps
+    if ga > 1:  # gradient accumulation: grad += new grad on every micro-step but the first
+        add(tm.Term.MEMORY, B_.FIXED, (ga - 1) / ga * trainable * 3 * grad_bytes / tc.mem_bw)
+    if not c.use_lora:  # the embedding's dense gradient
+        add(tm.Term.MEMORY, B_.FIXED, arch.vocab * arch.hidden * grad_bytes / tc.mem_bw)
+    launches = L * at("launches") + float(tc.raw["estimate"]["outside_launches"])
+    host = (L * at("host_ops") + float(tc.raw["estimate"]["outside_launches"])) * tc.op_s
+    # TRL's LM head: tiles of 4096 rows x 32768 vocabulary columns, forward, recompute, grad hidden (+ grad W)
+    n = n_trained if cuda else T
+    chunk_t, chunk_v = min(n, TOKEN_CHUNK), min(arch.vocab, VOCAB_CHUNK)
+    tiles = math.ceil(n / chunk_t) * math.ceil(arch.vocab / chunk_v)
+    per_tile = 3 * tm.gemm_s(chunk_t, chunk_v, arch.hidden, act, peak, tc)
+    if not c.use_lora:
+        per_tile += tm.gemm_s(chunk_v, arch.hidden, chunk_t, act, peak, tc)
+    per_tile += tm.memory_s(3.0 * chunk_t * chunk_v * act, tc)  # folds: 1.5 passes per tile GEMM, two GEMMs
+    add(tm.Term.LM_HEAD, B_.TRAINED if cuda else B_.TOKENS, tiles * per_tile / n)
+    host += tiles * (2 * float(tc.raw["host"]["triton_launch_us"]) * 1e-6 + 6 * tc.op_s)
+    # the optimizer step as the target runs it
+    per_layer_tensors = (2 * len(targets)) if c.use_lora else (len(arch.linears) + 2 + _bias_tensors(arch))
+    tensors = L * per_layer_tensors + (0 if c.use_lora else 2 + (0 if arch.tied else 1))
+    opt = tm.optimizer_cost(tm.optimizer_impl(c.optim, cuda), tensors, trainable, grad_bytes, grad_bytes, tc)
+    dense = arch.decoder_linear + arch.vocab * arch.hidden  # the matmul weights (the LM head included)
+    flops = tm.model_flops(lora_parameters(arch, c) if c.use_lora else dense, dense if c.use_lora else 0, L,
+                           arch.q_dim)
+    kind = tm.attention_kind(c.attn_implementation.value, masked=bool(worst.mask_bytes))
+    cost = tm.StepCost(
+        device=dev, host_s=host, serial_host_s=tc.micro_step_s + 2 * tc.sync_s, collate_row_s=tc.collate_row_s,
+        optimizer=opt, step_host_s=tc.step_s, serial=not cuda, accumulation=ga, flops_per_token=flops[0],
+        flops_per_sq=flops[1], peak_flops=tm.peak_flops(gpu, c.precision.value),
+        worst=tm.BatchPoint(float(T), float(n_trained), 1.0, float(worst.rows)), attention_kind=kind,
+        launches=launches,
+    )
     if c.activation_offloading:
-        micro += 0.5 * act_bytes / (OFFLOAD_GBS * 1e9)
-    state_bytes = trainable * (4 + 4 + 8)  # read/write params, grads, two moments
-    optimizer_s = 2 * state_bytes / (gpu.memory_bandwidth_gbs * 1e9)
-    step = micro * c.gradient_accumulation_steps + optimizer_s
-    return step, int(batch.trained * c.gradient_accumulation_steps)
+        cost = cost.with_(copy_s_per_token=tm.offload_copy_s_per_token(activations, T, tc))
+    return tm.evaluate(cost, tm.batch_distribution(workload.dataset, c, tc.attn_block))
+
+
+def _bias_tensors(arch: Architecture) -> int:
+    """Bias tensors of one decoder layer (Qwen2's q/k/v biases), from the parameter count."""
+    weights = sum(i * o for _, i, o in arch.linears)
+    extra = arch.per_layer - weights - 2 * arch.hidden
+    return 3 if extra >= arch.q_dim + 2 * arch.kv_dim else 0
 
 
 def _outside_allocator_bytes(gpu: GPUSpec) -> int:

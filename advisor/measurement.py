@@ -44,6 +44,9 @@ class Measurement:
     `peak_bytes` follows `torch.cuda.max_memory_allocated`, `reserved_bytes` `max_memory_reserved`,
     `device_bytes` what NVML shows (the budget applies to it). On the CPU all three are the allocator's peak.
     `breakdown` maps a Category value to the bytes live at the peak, where known.
+    `step_time_s` is the expected time of one optimizer step over the batches the sampler makes (the peak is the
+    worst batch's); `time_breakdown` splits it by term (matmul, attention, memory_bound, lm_head, dequantization,
+    optimizer, offload_copies, launch_host) where a model predicted it, and `mfu` is the model FLOPs utilisation.
     """
 
     status: Status
@@ -56,6 +59,10 @@ class Measurement:
     tokens_per_second: float | None = None
     trained_tokens_per_step: int | None = None
     peak_batch: str | None = None
+    # predicted seconds per optimizer step by term (advisor/_sim/timing.py Term values; they sum to step_time_s)
+    time_breakdown: dict[str, float] = field(default_factory=dict)
+    mfu: float | None = None  # model FLOPs utilisation against the target's dense peak (predicted or measured)
+    worst_step_time_s: float | None = None  # one optimizer step on the worst batch at every micro-step
     message: str = ""
     notes: tuple[str, ...] = ()
     wall_time_s: float | None = None
@@ -64,6 +71,7 @@ class Measurement:
         object.__setattr__(self, "status", Status(self.status))
         object.__setattr__(self, "source", Source(self.source))
         object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "time_breakdown", {str(k): float(v) for k, v in dict(self.time_breakdown).items()})
 
     @property
     def ok(self) -> bool:

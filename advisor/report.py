@@ -9,6 +9,7 @@ from ._search.ledger import device_bytes, feasible
 from .errors import UsageError
 
 if TYPE_CHECKING:
+    from .measurement import Measurement
     from .suggestion import Suggestion, Trial
 
 _GiB = 2**30
@@ -41,6 +42,21 @@ def _knobs(t: Trial) -> str:
         extra.append("fa2")
     return (f"{c.per_device_train_batch_size}x{c.gradient_accumulation_steps} L={c.max_length} {pack} "
             f"ckpt={ckpt} {c.optim.value} " + " ".join(extra)).strip()
+
+
+def time_lines(m: Measurement) -> list[str]:
+    """The step time, its parts by term and the MFU, as `advisor simulate` prints them (empty when not timed)."""
+    if not m.step_time_s:
+        return []
+    kind = "measured" if m.source.value.startswith("probe") else "predicted"
+    tps = f"{m.tokens_per_second:,.0f}" if m.tokens_per_second else "-"
+    out = [f"step time     {m.step_time_s:.4f} s  ({tps} trained tokens/s, {kind}; expected over the sampler's "
+           "batches)"]
+    for term, seconds in sorted(m.time_breakdown.items(), key=lambda kv: -kv[1]):
+        out.append(f"  {term:<18}{seconds * 1e3:9.2f} ms  {seconds / m.step_time_s:6.1%}")
+    if m.mfu is not None:
+        out.append(f"MFU           {m.mfu:.1%}  (model FLOPs over the dense peak)")
+    return out
 
 
 def trial_rows(s: Suggestion) -> list[list[str]]:

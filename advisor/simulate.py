@@ -14,11 +14,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
 from .measurement import Category, Measurement, Source, Status
 from .space import Attention, Candidate, Optimizer, Precision, Quantization, WeightsDtype
 from .workload import GPUSpec, ModelSpec, Workload
+
+if TYPE_CHECKING:
+    from ._sim.timing import StepCost
 
 __all__ = ["simulate", "simulate_depth", "DepthRun"]
 
@@ -32,10 +36,11 @@ class DepthRun:
     breakdown: dict[str, int]
     allocated_bytes: int  # CUDA rules applied (== peak_bytes on the CPU)
     reserved_bytes: int
-    time_s: float  # roofline time of one optimizer step
+    time_s: float  # predicted time of one optimizer step on the worst batch (advisor/_sim/timing.py)
     trained_tokens: int  # per micro-batch
     batch_shape: tuple[int, int]
     unpadded: bool
+    cost: StepCost | None = None  # the step-time model's terms at this depth (extrapolated by extrapolate_cost)
 
 
 def simulate(
@@ -66,18 +71,18 @@ def simulate(
     depths, layer_note = _depths(workload.model, layers)
     if layer_note:
         notes.append(layer_note)
-    runs = [simulate_depth(workload, run_cand, target, n, steps=steps) for n in depths]
+    runs = [simulate_depth(workload, run_cand, target, n, steps=steps, original=candidate) for n in depths]
     combined = _extrapolate(runs, depth)
     peak, allocated, reserved = combined.peak_bytes, combined.allocated_bytes, combined.reserved_bytes
     breakdown = dict(combined.breakdown)
     step_time = combined.time_s
 
+    activations_before = breakdown.get(Category.ACTIVATIONS.value, 0)
     adjust = _modelled_adjustments(candidate, workload.model, breakdown, step_time)
     notes.extend(adjust.notes)
     peak += adjust.bytes_delta
     allocated += adjust.bytes_delta
     reserved += adjust.bytes_delta
-    step_time = adjust.step_time_s
     for cat, delta in adjust.breakdown_delta.items():
         breakdown[cat] = breakdown.get(cat, 0) + delta
 
@@ -93,9 +98,16 @@ def simulate(
         )
     else:
         peak_bytes = reserved_bytes = device_bytes = peak
-    ga = candidate.gradient_accumulation_steps
-    trained = combined.trained_tokens * ga
-    step_time *= 1.0  # already one optimizer step (all micro-batches)
+    timed = _expected_time(workload, candidate, target, combined.cost, activations_before)
+    if timed is not None:
+        step_time, trained, tps = timed.step_s, timed.trained_per_step, timed.tokens_per_second
+        notes.append(
+            "time: the step-time model (advisor/_sim/timing.py) over the batches the sampler makes "
+            f"(worst batch {timed.worst_step_s:.4g} s a step); constants unverified until gpu_validate fits them"
+        )
+    else:
+        trained = combined.trained_tokens * candidate.gradient_accumulation_steps
+        tps = trained / step_time if step_time > 0 else None
     status = Status.OK if device_bytes <= workload.budget_bytes else Status.OOM
     b, s = combined.batch_shape
     return Measurement(
@@ -106,8 +118,11 @@ def simulate(
         device_bytes=int(device_bytes),
         breakdown={k: int(v) for k, v in breakdown.items() if v},
         step_time_s=step_time if step_time > 0 else None,
-        tokens_per_second=trained / step_time if step_time > 0 else None,
-        trained_tokens_per_step=int(trained),
+        tokens_per_second=tps if step_time > 0 else None,
+        trained_tokens_per_step=int(round(trained)),
+        time_breakdown=dict(timed.terms) if timed is not None else {},
+        mfu=timed.mfu if timed is not None else None,
+        worst_step_time_s=timed.worst_step_s if timed is not None else None,
         peak_batch=f"{b} x {s} ({'unpadded' if combined.unpadded else 'padded'}; the longest rows)",
         message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes),
@@ -116,13 +131,17 @@ def simulate(
 
 
 def simulate_depth(
-    workload: Workload, candidate: Candidate, target: GPUSpec, layers: int, *, steps: int = 2
+    workload: Workload, candidate: Candidate, target: GPUSpec, layers: int, *, steps: int = 2,
+    original: Candidate | None = None,
 ) -> DepthRun:
-    """One fake run of `candidate` (already runnable on fake tensors) with `layers` decoder layers."""
+    """One fake run of `candidate` (already runnable on fake tensors) with `layers` decoder layers.
+
+    `original` is the candidate as the user runs it (its attention, quantization and optimizer are what the
+    step-time model costs, where the runnable one stands in for kernels fake tensors cannot run)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from ._sim.fake_step import make_trainer_class, run_fake_training, worst_batch
-    from ._sim.flops import Roofline
+    from ._sim.timing import TimingHook, layout_of
     from .emit import build_sft_config, peft_config
     from .modeling import build_model
 
@@ -142,10 +161,15 @@ def simulate_depth(
         for callback in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(callback)
         batch = worst_batch(trainer, candidate.per_device_train_batch_size)
-        roofline = Roofline(target)
+        timed = original or candidate
+        hook = TimingHook(target, layout_of(batch), timed.attn_implementation.value,
+                          quantized=timed.quantization.value if timed.quantization.value != "none" else None,
+                          model=trainer.model)
+        _record_last_step(trainer, hook, steps, candidate.gradient_accumulation_steps)
         result = run_fake_training(
-            trainer, batch, steps=steps, cuda=target.is_cuda, on_op=roofline, record_events=target.is_cuda
+            trainer, batch, steps=steps, cuda=target.is_cuda, on_op=hook, record_events=target.is_cuda
         )
+        cost = _step_cost(trainer, hook, timed, target)
     peak = result.peak
     allocated = reserved = peak.peak_bytes
     if target.is_cuda and result.events is not None:
@@ -159,10 +183,11 @@ def simulate_depth(
         breakdown={c.value: n for c, n in peak.by_category.items()},
         allocated_bytes=allocated,
         reserved_bytes=reserved,
-        time_s=roofline.time_s / steps,
+        time_s=_worst_step_s(cost),
         trained_tokens=result.facts.labelled,
         batch_shape=result.facts.shape,
         unpadded=result.facts.unpadded,
+        cost=cost,
     )
 
 
@@ -177,6 +202,69 @@ def _check_simulable(candidate: Candidate, model: ModelSpec) -> None:
              "cannot be simulated; set dtype: bfloat16, or measure it with `advisor probe`"],
             context="simulate",
         )
+
+
+def _record_last_step(trainer, hook, steps: int, ga: int) -> None:
+    """The timing hook records the micro-steps (forward + backward) of the last optimizer step: the steady state."""
+    inner = trainer.training_step
+    calls = [0]
+
+    def training_step(*args, **kwargs):
+        calls[0] += 1
+        hook.begin_micro(calls[0] > (steps - 1) * ga)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            hook.end_micro()
+
+    trainer.training_step = training_step
+
+
+def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec):
+    """The micro-step's costs from the fake run, the optimizer step's from the trainable tensors as the target
+    runs them, and the model FLOPs for the MFU."""
+    import torch
+
+    from ._sim.timing import model_flops, optimizer_cost, optimizer_impl
+
+    model = trainer.model
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in trainable)
+    size = trainable[0].element_size() if trainable else 4
+    max_norm = getattr(trainer.args, "max_grad_norm", 1.0)
+    opt = optimizer_cost(optimizer_impl(candidate.optim, target.is_cuda), len(trainable), numel, size, size,
+                         hook.tc, clip=bool(max_norm and max_norm > 0))
+    trained = frozen = 0
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            if mod.weight.requires_grad:
+                trained += mod.weight.numel()
+            else:
+                frozen += mod.weight.numel()
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = int(getattr(cfg, "num_attention_heads", 1))
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    flops = model_flops(trained, frozen, int(cfg.num_hidden_layers), heads * head_dim)
+    return hook.cost(accumulation=candidate.gradient_accumulation_steps, optimizer=opt, flops=flops)
+
+
+def _worst_step_s(cost) -> float:
+    from ._sim.timing import BatchDistribution, evaluate
+
+    return evaluate(cost, BatchDistribution.single(cost.worst)).step_s
+
+
+def _expected_time(workload: Workload, candidate: Candidate, target: GPUSpec, cost, activation_bytes: int):
+    """The expected step time over the batches the sampler makes (the worst batch stays the memory case)."""
+    if cost is None:
+        return None
+    from ._sim.timing import batch_distribution, evaluate, offload_copy_s_per_token, peak_flops, time_constants
+
+    tc = time_constants(target)
+    cost = cost.with_(peak_flops=peak_flops(target, candidate.precision.value))
+    if candidate.activation_offloading:
+        cost = cost.with_(copy_s_per_token=offload_copy_s_per_token(activation_bytes, cost.worst.tokens, tc))
+    return evaluate(cost, batch_distribution(workload.dataset, candidate, tc.attn_block))
 
 
 _TOKENIZERS: dict[tuple, object] = {}
@@ -249,7 +337,15 @@ def _extrapolate(runs: list[DepthRun], depth: int) -> DepthRun:
         trained_tokens=hi.trained_tokens,
         batch_shape=hi.batch_shape,
         unpadded=hi.unpadded,
+        cost=_extrapolate_time(lo, hi, k),
     )
+
+
+def _extrapolate_time(lo: DepthRun, hi: DepthRun, k: float):
+    """The step-time model's terms at full depth (each is linear in the number of layers)."""
+    from ._sim.timing import extrapolate_cost
+
+    return extrapolate_cost(lo.cost, hi.cost, k)
 
 
 def _reserved_at_depth(lo: DepthRun, hi: DepthRun, allocated: int, lin) -> int:
@@ -343,8 +439,6 @@ def _modelled_adjustments(
     candidate: Candidate, model: ModelSpec, breakdown: dict[str, int], step_time: float
 ) -> _Adjustment:
     """Closed-form corrections for what fake tensors cannot run (bitsandbytes, activation offloading)."""
-    from ._sim.flops import offload_transfer_s
-
     adj = _Adjustment(step_time_s=step_time)
     params = Category.PARAMETERS.value
     if candidate.quantization is not Quantization.NONE:
@@ -371,11 +465,10 @@ def _modelled_adjustments(
         kept = 2 * acts // layers  # double-buffered: the layer being computed and the one in flight
         adj.bytes_delta -= acts - kept
         adj.breakdown_delta[Category.ACTIVATIONS.value] = kept - acts
-        transfer = offload_transfer_s(acts)
-        adj.step_time_s = step_time + max(0.0, transfer - step_time)
         adj.notes.append(
             "activation offloading's CUDA streams cannot run on fake tensors: saved activations modelled as moved "
-            "to host except two layers in flight; transfer time over PCIe overlapped with compute"
+            "to host except two layers in flight; their PCIe copies run on a side stream, overlapped with compute "
+            "(the step-time model's copy lane)"
         )
     return adj
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import re
 import sys
@@ -104,7 +105,82 @@ def slug(name: str) -> str:
 def _fields(m) -> dict:
     return {"status": m.status.value, "peak_bytes": m.peak_bytes, "reserved_bytes": m.reserved_bytes,
             "device_bytes": m.device_bytes, "step_time_s": m.step_time_s, "tokens_per_second": m.tokens_per_second,
+            "time_breakdown": dict(m.time_breakdown), "mfu": m.mfu, "worst_step_time_s": m.worst_step_time_s,
             "message": m.message, "notes": list(m.notes)}
+
+
+def predicted_probe_step_s(sim, kinds: list[str]) -> float | None:
+    """The simulator's prediction for the steps the probe timed: the worst batch's step time for its
+    `longest` steps, the expected step time over the sampler's batches for its `typical` (random-row) steps."""
+    if not sim.step_time_s or not kinds:
+        return None
+    worst = sim.worst_step_time_s or sim.step_time_s
+    return sum(worst if k == "longest" else sim.step_time_s for k in kinds) / len(kinds)
+
+
+# ---- fitting the step-time model's constants to the measured step times ------------------------------------------
+
+# Each fitted multiplier scales one group of the model's terms (advisor/_sim/timing.py Term values) and is applied to
+# the constants behind it: matmul -> gemm efficiency (the LM head's tile GEMMs included), attention -> attention
+# efficiencies, memory_bound -> achievable bandwidth (memory-bound ops, dequantisation, the optimizer's passes,
+# copies), launch_host -> host time per op.
+FIT_GROUPS = {
+    "matmul": ("matmul", "lm_head"),
+    "attention": ("attention",),
+    "memory_bound": ("memory_bound", "dequantization", "optimizer", "offload_copies"),
+    "launch_host": ("launch_host",),
+}
+
+
+def fit_time_constants(rows: list[dict]) -> dict:
+    """Multipliers per term group that best explain the measured step times: measured_i = sum_g m_g x predicted_ig.
+
+    Non-negative least squares (active set: solve, drop groups with a negative or zero multiplier, solve again) when
+    there are more cases than groups with a predicted share; otherwise, or when the system is rank-deficient, one
+    ratio for every group: the median of measured / predicted. Rows without a measured or predicted time are
+    skipped. Returns {"method", "multipliers", "cases", "rms_relative_error_before", "..._after"}."""
+    import numpy as np
+
+    cases = []
+    for r in rows:
+        probe, sim = r.get("probe") or {}, r.get("simulate") or {}
+        measured, terms = probe.get("step_time_s"), sim.get("time_breakdown") or {}
+        # the breakdown is of the expected step: scaled to the prediction for the steps the probe timed
+        target = r.get("predicted_probe_step_s") or sim.get("step_time_s")
+        total = sum(float(v) for v in terms.values())
+        if probe.get("status") == "ok" and measured and terms and target and total > 0:
+            scale = float(target) / total
+            cases.append((float(measured), [scale * sum(float(terms.get(t, 0.0)) for t in ts)
+                                            for ts in FIT_GROUPS.values()]))
+    if not cases:
+        return {"method": "none", "multipliers": {}, "cases": 0}
+    y = np.array([c[0] for c in cases])
+    x = np.array([c[1] for c in cases])
+    names = list(FIT_GROUPS)
+    active = [j for j in range(len(names)) if x[:, j].sum() > 0]
+    multipliers = dict.fromkeys(names, 1.0)
+    method = "ratio (median of measured / predicted)"
+    if len(cases) > len(active) and np.linalg.matrix_rank(x[:, active]) == len(active):
+        keep = list(active)
+        while keep:
+            sol, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+            if (sol > 0).all():
+                for j, v in zip(keep, sol, strict=True):
+                    multipliers[names[j]] = float(v)
+                method = "non-negative least squares per term group"
+                break
+            keep = [j for j, v in zip(keep, sol, strict=True) if v > 0]
+    if method.startswith("ratio"):
+        ratio = float(np.median(y / x.sum(axis=1)))
+        multipliers = dict.fromkeys(names, ratio)
+    m = np.array([multipliers[n] for n in names])
+
+    def rms(pred):
+        return float(np.sqrt(np.mean(((pred - y) / y) ** 2)))
+
+    return {"method": method, "multipliers": {k: round(v, 4) for k, v in multipliers.items()}, "cases": len(cases),
+            "groups": {k: list(v) for k, v in FIT_GROUPS.items()},
+            "rms_relative_error_before": round(rms(x.sum(axis=1)), 4), "rms_relative_error_after": round(rms(x @ m), 4)}
 
 
 def _ratio(a: int | None, b: int | None) -> float | None:
@@ -114,6 +190,7 @@ def _ratio(a: int | None, b: int | None) -> float | None:
 def run(a: argparse.Namespace) -> int:
     from advisor.data import synthetic
     from advisor.probe import probe
+    from advisor.probe.runner import plan_batches
     from advisor.profiles import detect_gpu, resolve_gpu, resolve_model
     from advisor.simulate import simulate
     from advisor.workload import Goals, ModelSpec, Workload
@@ -152,15 +229,20 @@ def run(a: argparse.Namespace) -> int:
         cand = c.candidate(max_length)
         sim = simulate(wl, cand, gpu)
         real = probe(wl, cand, a.backend, steps=a.steps, warmup=a.warmup, timeout_s=a.timeout)
+        kinds = [k.value for k in plan_batches(wl, cand, a.steps, a.warmup).kinds[a.warmup:]]
         row = {"case": c.name, "batch_size": c.batch, "candidate": cand.to_dict(), "probe": _fields(real),
-               "simulate": _fields(sim),
+               "simulate": _fields(sim), "probe_step_kinds": kinds,
+               "predicted_probe_step_s": predicted_probe_step_s(sim, kinds),
                "simulate_over_probe": {k: _ratio(getattr(sim, k), getattr(real, k))
                                        for k in ("peak_bytes", "reserved_bytes", "device_bytes", "step_time_s")}}
+        # the step time is compared for the batches the probe timed (its longest and typical steps)
+        row["simulate_over_probe"]["step_time_s"] = _ratio(row["predicted_probe_step_s"], real.step_time_s)
         rows.append(row)
         r = row["simulate_over_probe"]
         print(f"{c.name:<14} b{c.batch}  probe {real.status.value:<7} peak {real.peak_bytes or 0:>14,} "
               f"sim {sim.peak_bytes or 0:>14,}  sim/probe peak {r['peak_bytes']} reserved {r['reserved_bytes']} "
-              f"device {r['device_bytes']} step {r['step_time_s']}", flush=True)
+              f"device {r['device_bytes']} step {r['step_time_s']} (measured {real.step_time_s} s, predicted "
+              f"{row['predicted_probe_step_s']} s)", flush=True)
     out = {
         "schema_version": 1,
         "source": "scripts/gpu_validate.sh",
@@ -174,8 +256,20 @@ def run(a: argparse.Namespace) -> int:
         "warmup": a.warmup,
         "max_length": max_length,
         "wall_s": round(time.perf_counter() - started, 1),
+        "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "os": platform.platform()},
+        "dataset_rows": a.rows,
         "rows": rows,
     }
+    if a.backend == "cuda":
+        out["fitted_time_constants"] = {
+            **fit_time_constants(rows),
+            "applies_to": "advisor/_sim/timing.py time_constants() for this GPU profile (multipliers of the "
+                          "profiles/measurements/time_constants.json values)",
+        }
+        f = out["fitted_time_constants"]
+        print(f"fitted time constants ({f['method']}, {f['cases']} cases): {f['multipliers']}; rms relative error "
+              f"{f.get('rms_relative_error_before')} -> {f.get('rms_relative_error_after')}")
     path = Path(a.out) if a.out else ROOT / "profiles" / "measurements" / f"{slug(gpu.name)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")

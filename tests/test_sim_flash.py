@@ -35,7 +35,7 @@ def workload(tiny_model, h100_target):
 
 
 class _Recorder:
-    """Every op of the fake run (the tracker's on_op hook, through the roofline): outputs, args, FLOPs."""
+    """Every op of the fake run (the tracker's on_op hook, through the step-time model): outputs, args, FLOPs."""
 
     def __init__(self):
         self.ops: list[tuple[str, list[tuple[int, ...]], tuple]] = []
@@ -46,11 +46,11 @@ class _Recorder:
 def recorder(monkeypatch):
     from torch.utils.flop_counter import flop_registry
 
-    import advisor._sim.flops as flops
+    import advisor._sim.timing as timing
     from advisor._sim.tracker import tensors_in
 
     rec = _Recorder()
-    original = flops.Roofline.__call__
+    original = timing.TimingHook.__call__
 
     def spy(self, func, args, kwargs, out):
         name = str(func)
@@ -59,7 +59,7 @@ def recorder(monkeypatch):
             rec.flops[name] += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
         return original(self, func, args, kwargs, out)
 
-    monkeypatch.setattr(flops.Roofline, "__call__", spy)
+    monkeypatch.setattr(timing.TimingHook, "__call__", spy)
     return rec
 
 

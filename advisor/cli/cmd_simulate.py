@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..report import time_lines
 from ._common import (
     add_config_arg,
     add_workload_args,
@@ -39,8 +40,8 @@ def run(ns: argparse.Namespace) -> int:
         print(f"device_bytes  {m.device_bytes / gib:.3f} GiB  (budget {workload.budget_bytes / gib:.2f} GiB)")
         for cat, n in sorted(m.breakdown.items(), key=lambda kv: -kv[1]):
             print(f"  {cat:<18}{n / gib:.3f} GiB")
-        if m.step_time_s:
-            print(f"step time     {m.step_time_s:.3f} s  ({m.tokens_per_second:.0f} trained tokens/s, predicted)")
+        for line in time_lines(m):
+            print(line)
         for note in m.notes:
             print(f"note: {note}")
     return 0 if m.ok else 1

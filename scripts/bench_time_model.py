@@ -1,0 +1,200 @@
+"""The step-time model on reference workloads: predicted step time, its terms and MFU; predicted vs measured.
+
+  python scripts/bench_time_model.py                      # the reference table (simulate and estimate), L4 and H100
+  python scripts/bench_time_model.py --json out.json      # also write the rows
+  python scripts/bench_time_model.py --calibrate-estimate # the estimate's per-layer op and byte counts, from fake runs
+
+Reference workloads: Qwen2.5-0.5B and SmolLM2-135M full fine-tuning, Llama-3.1-8B LoRA (r 16, bf16 weights), each
+on the synthetic chat set at max_length 1024 with bf16 autocast, checkpointing and the fused AdamW, micro-batch 4
+(Llama: 2). Wherever profiles/measurements/*.json holds real step times from a GPU (scripts/gpu_validate.sh rows
+with a probe-cuda step time), each is printed next to the simulator's prediction for the same candidate, with the
+ratio; when none exists the script says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+WORKLOADS = (
+    ("Qwen/Qwen2.5-0.5B", "full", {"per_device_train_batch_size": 4}),
+    ("HuggingFaceTB/SmolLM2-135M", "full", {"per_device_train_batch_size": 4}),
+    ("meta-llama/Llama-3.1-8B", "lora", {"per_device_train_batch_size": 2, "use_lora": True,
+                                         "weights_dtype": "bfloat16"}),
+)
+GPUS = ("L4", "H100-80GB")
+BASE = {"max_length": 1024, "precision": "bf16", "activation_checkpointing": True, "optim": "adamw_torch_fused"}
+
+
+def _workload(model: str, gpu: str, rows: int = 256):
+    from advisor.data import synthetic
+    from advisor.profiles import resolve_gpu, resolve_model
+    from advisor.workload import Goals, Workload
+
+    spec = resolve_model(model)
+    data = synthetic(vocab_size=spec.vocab_size, rows=rows, seed=0, median=512, max_len=2048)
+    return Workload(model=spec, gpu=resolve_gpu(gpu), dataset=data, goals=Goals())
+
+
+def reference(rows: list[dict]) -> None:
+    from advisor.estimate import estimate
+    from advisor.simulate import simulate
+    from advisor.space import Candidate
+
+    for model, method, fields in WORKLOADS:
+        for gpu in GPUS:
+            wl = _workload(model, gpu)
+            cand = Candidate(**{**BASE, **fields})
+            started = time.perf_counter()
+            sim = simulate(wl, cand)
+            wall = time.perf_counter() - started
+            est = estimate(wl, cand)
+            for backend, m in (("simulate", sim), ("estimate", est)):
+                rows.append({"model": model, "method": method, "gpu": wl.gpu.name, "backend": backend,
+                             "candidate": f"{cand.per_device_train_batch_size}x{cand.gradient_accumulation_steps} "
+                                          f"L={cand.max_length}", "step_time_s": m.step_time_s,
+                             "tokens_per_second": m.tokens_per_second, "mfu": m.mfu,
+                             "terms": dict(m.time_breakdown), "wall_s": round(wall, 1) if backend == "simulate"
+                             else None})
+    terms = ("matmul", "attention", "memory_bound", "lm_head", "dequantization", "optimizer", "offload_copies",
+             "launch_host")
+    head = f"{'model':<28}{'gpu':<15}{'backend':<9}{'step s':>8}{'tok/s':>9}{'MFU':>7}  " + " ".join(
+        f"{t[:8]:>8}" for t in terms)
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        parts = " ".join(f"{1e3 * r['terms'].get(t, 0.0):8.1f}" for t in terms)
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        print(f"{r['model'] + ' ' + r['method']:<28}{r['gpu']:<15}{r['backend']:<9}{r['step_time_s']:8.3f}"
+              f"{r['tokens_per_second']:9.0f}{mfu:>7}  {parts}")
+    print("(terms in ms per optimizer step; they sum to the step time)")
+
+
+def measured_rows() -> list[dict]:
+    """Rows of profiles/measurements/*.json that carry a real (probe-cuda) step time."""
+    out = []
+    for path in sorted((ROOT / "profiles" / "measurements").glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if not isinstance(data, dict) or data.get("backend") != "cuda":
+            continue
+        for row in data.get("rows", []):
+            probe = row.get("probe") or {}
+            if probe.get("status") == "ok" and probe.get("step_time_s"):
+                out.append({"file": path.name, "gpu": data.get("gpu_profile"), "model": data.get("model"),
+                            "rows": data.get("dataset_rows", 64), "max_length": data.get("max_length"), **row})
+    return out
+
+
+def predicted_probe_step_s(m, kinds: list[str]) -> float:
+    """The prediction for the steps a probe timed: the worst batch for `longest` steps, the expectation else."""
+    worst = m.worst_step_time_s or m.step_time_s
+    return sum(worst if k == "longest" else m.step_time_s for k in kinds) / len(kinds)
+
+
+def compare(rows: list[dict]) -> None:
+    from advisor.simulate import simulate
+    from advisor.space import Candidate
+
+    found = measured_rows()
+    if not found:
+        print("\nno real step times in profiles/measurements/ yet (scripts/gpu_validate.sh writes them on a GPU): "
+              "nothing to compare")
+        return
+    print(f"\n{'file':<24}{'case':<16}{'batch':>6}{'measured s':>12}{'predicted s':>13}{'pred/meas':>10}")
+    for r in found:
+        wl = _workload(r["model"], r["gpu"], rows=int(r.get("rows") or 64))
+        if r.get("max_length"):
+            from advisor.data import synthetic
+
+            ml = int(r["max_length"])
+            data = synthetic(vocab_size=wl.model.vocab_size, rows=int(r.get("rows") or 64), seed=0,
+                             median=ml // 2, max_len=ml)
+            wl = type(wl)(model=wl.model, gpu=wl.gpu, dataset=data, goals=wl.goals)
+        cand = Candidate.from_dict(r["candidate"])
+        m = simulate(wl, cand)
+        meas = float(r["probe"]["step_time_s"])
+        pred = predicted_probe_step_s(m, r.get("probe_step_kinds") or ["typical"])
+        rows.append({"compare": True, "file": r["file"], "case": r["case"], "batch": r["batch_size"],
+                     "measured_s": meas, "predicted_s": pred, "ratio": pred / meas})
+        print(f"{r['file']:<24}{r['case']:<16}{r['batch_size']:>6}{meas:12.4f}{pred:13.4f}{pred / meas:10.3f}")
+
+
+# ---- the estimate's per-layer counts, measured on the fake run ---------------------------------------------------
+
+CALIBRATION = {
+    "base": {"weights_dtype": "bfloat16", "activation_checkpointing": False},
+    "base_ckpt": {"weights_dtype": "bfloat16"},
+    "autocast": {"activation_checkpointing": False},
+    "autocast_ckpt": {},
+    "lora": {"use_lora": True, "weights_dtype": "bfloat16", "activation_checkpointing": False},
+    "lora_ckpt": {"use_lora": True, "weights_dtype": "bfloat16"},
+}
+
+
+def calibrate() -> dict:
+    """Per decoder layer and micro-step: kernel launches, host ops and memory-bound bytes per token, split into
+    forward (what checkpointing recomputes) and backward, in multiples of hidden and intermediate (two models with
+    different ratios solve the 2x2 system)."""
+    import numpy as np
+
+    from advisor._sim.timing import _TERMS, Basis, Term, time_constants
+    from advisor.simulate import _runnable, simulate_depth
+    from advisor.space import Candidate
+
+    per: dict[str, dict[str, tuple]] = {}
+    for model in ("Qwen/Qwen2.5-0.5B", "HuggingFaceTB/SmolLM2-135M"):
+        wl = _workload(model, "H100-80GB", rows=64)
+        tc = time_constants(wl.gpu)
+        h, inter = wl.model.hidden_size, int(wl.model.text_value("intermediate_size"))
+        for name, fields in CALIBRATION.items():
+            c = Candidate(max_length=1024, per_device_train_batch_size=4, **fields)
+            rc, _ = _runnable(c, wl.gpu)
+            lo, hi = (simulate_depth(wl, rc, wl.gpu, n, steps=2, original=c).cost for n in (2, 3))
+            mem = _TERMS.index(Term.MEMORY)
+            dbytes = (hi.device[mem, Basis.TOKENS] - lo.device[mem, Basis.TOKENS]) * tc.mem_bw
+            per.setdefault(name, {})[model] = (h, inter, float(dbytes), hi.launches - lo.launches,
+                                               (hi.host_s - lo.host_s) / tc.op_s, lo.launches - 2 * (hi.launches
+                                                                                                     - lo.launches))
+    out: dict[str, dict] = {}
+    for name, by_model in per.items():
+        (h1, i1, b1, l1, o1, x1), (h2, i2, b2, l2, o2, x2) = by_model.values()
+        coef = np.linalg.solve(np.array([[h1, i1], [h2, i2]], dtype=float), np.array([b1, b2]))
+        out[name] = {"bytes_per_token": {"hidden": round(float(coef[0]), 1), "intermediate": round(float(coef[1]), 1)},
+                     "launches": round((l1 + l2) / 2, 1), "host_ops": round((o1 + o2) / 2, 1),
+                     "outside_launches": round((x1 + x2) / 2, 1)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--calibrate-estimate", action="store_true",
+                   help="print the estimate's per-layer counts measured on the fake run (time_constants.json)")
+    a = p.parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    if a.calibrate_estimate:
+        print(json.dumps(calibrate(), indent=1))
+        return 0
+    started = time.perf_counter()
+    rows: list[dict] = []
+    reference(rows)
+    compare(rows)
+    print(f"\n({time.perf_counter() - started:.0f} s)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
