@@ -10,6 +10,7 @@ estimate prunes candidates far over the limit before a costlier backend sees the
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from ._messages import summarize
 from ._search.backends import (
     FunctionBackend,
     backend_names,
@@ -227,6 +229,7 @@ class _Study:
         self.progress = progress
         self.new_measurements = 0
         self.notes: list[str] = []
+        self.messages: collections.Counter[tuple[str, str]] = collections.Counter()  # (origin, text) -> count
         self.stopped_by_time = False
         self._estimates: dict[str, Measurement | None] = {}
         self._estimate_fn = self._load_estimate()
@@ -292,12 +295,24 @@ class _Study:
             if beat is None and t.datetime_start is not None:
                 beat = t.datetime_start.timestamp()
             if _owner_dead(t.user_attrs.get("owner")) or (beat is not None and now - float(beat) > STALE_S):
-                with contextlib.suppress(Exception):  # its owner may finish it meanwhile: then it is not stale
-                    self.study._storage.set_trial_user_attr(t._trial_id, "stale", True)
-                    self.study.tell(t.number, state=TrialState.FAIL)
+                self._fail_stale(t)
                 continue
             live.append(t)
         return live
+
+    def _fail_stale(self, t: optuna.trial.FrozenTrial) -> None:
+        """Fail a dead process's trial and queue its candidate again (the one process whose FAIL lands does)."""
+        from optuna.trial import TrialState
+
+        try:
+            self.study._storage.set_trial_user_attr(t._trial_id, "stale", True)
+            self.study.tell(t.number, state=TrialState.FAIL)
+        except Exception:  # its owner finished it meanwhile, or another process failed it first
+            return
+        params = t.system_attrs.get("fixed_params") or t.params
+        key = t.user_attrs.get("key")
+        if key and params and key not in self.ledger and set(params) == set(self.space.params):
+            self.study.enqueue_trial(params, user_attrs={"proposed_by": "retry"})
 
     def _claim(self, trial: optuna.Trial, key: str) -> bool:
         """True when this trial is the one to evaluate `key`; False when another live trial has it.
@@ -370,14 +385,21 @@ class _Study:
         return entry, False
 
     def _measure(self, cand: Candidate) -> Measurement:
+        from ._messages import capture
+
         start = time.perf_counter()
+        said = None
         try:
-            m = self.backend.measure(self.workload, cand)
+            with capture() as said:  # what libraries warn per trainer goes to the report once, not to stderr
+                m = self.backend.measure(self.workload, cand)
         except (KeyboardInterrupt, NoFitError):
             raise
         except Exception as exc:  # a crash of one candidate is an outcome, not the end of the search
             return Measurement(Status.ERROR, _source_of(self.backend.name), message=f"{type(exc).__name__}: {exc}",
                                wall_time_s=time.perf_counter() - start)
+        finally:
+            if said is not None:
+                self.messages.update(said)
         if m.wall_time_s is None:
             m = dataclasses.replace(m, wall_time_s=time.perf_counter() - start)
         return m
@@ -450,9 +472,10 @@ class _Study:
         skip_if_exists, a failed trial (an interrupted or killed measurement) does not keep its candidate out."""
         from optuna.trial import TrialState
 
+        running = self._live_running()  # first: failing a stale trial queues its candidate again
         pending = [t.system_attrs.get("fixed_params", t.params)
                    for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
-        pending += [t.system_attrs.get("fixed_params", t.params) for t in self._live_running()]
+        pending += [t.system_attrs.get("fixed_params", t.params) for t in running]
         for c in cands:
             params = self.space.params_of(c)
             if candidate_key(c) not in self.ledger and params not in pending:
@@ -616,14 +639,22 @@ class _Study:
                                        _describe(entry.candidate) if entry else ""))
 
     def wait_for_running(self, timeout_s: float = 600.0) -> None:
-        """Workers may still be measuring queued candidates; their results belong in the answer (a RUNNING trial
-        whose heartbeat stopped is failed instead of waited for)."""
+        """Workers, or other runs sharing the study, may still be measuring; their results belong in the answer.
+        A RUNNING trial whose owner died is failed instead of waited for, and its candidate, queued again, is
+        measured here (with whatever else is still queued then)."""
+        from optuna.trial import TrialState
+
         end = time.perf_counter() + timeout_s
         while time.perf_counter() < end:
             running = [t for t in self._live_running() if "key" in t.user_attrs]
-            if not running:
+            if running:
+                time.sleep(0.2)
+                continue
+            retry = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                     if t.user_attrs.get("proposed_by") == "retry"]
+            if not retry:
                 break
-            time.sleep(0.2)
+            self.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True)
         self.refresh()
 
     # -- confirmation --------------------------------------------------------------------------------------
@@ -1010,6 +1041,14 @@ def _suggestion(workload: Workload, runs: list[_Study], entry: Entry, confirmed:
         trials += own
     drift = abs(confirmed.tokens_per_second or 0) - abs(entry.measurement.tokens_per_second or 0)
     notes = list(reasons) + run.notes
+    said: collections.Counter[tuple[str, str]] = collections.Counter()
+    for r in runs:
+        said.update(r.messages)
+    messages = summarize(said)
+    if messages:
+        shown = "; ".join(m if len(m) <= 240 else m[:239] + "…" for m in map(str, messages[:3]))
+        more = f"; {len(messages) - 3} more" if len(messages) > 3 else ""
+        notes.append(f"libraries said while measuring (each distinct message once, all with --verbose): {shown}{more}")
     if entry.measurement.tokens_per_second and abs(drift) > 0.05 * entry.measurement.tokens_per_second:
         notes.append(f"the confirmation measured {drift / entry.measurement.tokens_per_second:+.1%} tokens/s")
     if run.method is not Method.FULL:
@@ -1017,6 +1056,7 @@ def _suggestion(workload: Workload, runs: list[_Study], entry: Entry, confirmed:
     return Suggestion(
         workload=workload, candidate=entry.candidate, measurement=confirmed, trials=tuple(trials),
         reasons=tuple(notes), backend=backend, evaluations=_evaluations(runs), front=_front(trials, run.limit),
+        messages=messages,
     )
 
 

@@ -146,6 +146,7 @@ def _rdb(url: str, *, read_only: bool = False) -> BaseStorage:
     from optuna.storages import RDBStorage
     from sqlalchemy import exc as sa_exc
 
+    url = _with_driver(url)
     sqlite = url.startswith("sqlite")
     kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}} if sqlite else {}
     if not sqlite:
@@ -161,6 +162,18 @@ def _rdb(url: str, *, read_only: bool = False) -> BaseStorage:
     if sqlite and not read_only:
         _immediate_transactions(storage)
     return storage
+
+
+def _with_driver(url: str) -> str:
+    """postgresql:// (or postgres://) with the driver that is installed: SQLAlchemy's default is psycopg2, the
+    `postgres` extra installs psycopg 3."""
+    import importlib.util
+
+    scheme, sep, rest = url.partition("://")
+    if scheme in ("postgresql", "postgres") and importlib.util.find_spec("psycopg2") is None \
+            and importlib.util.find_spec("psycopg") is not None:
+        return f"postgresql+psycopg{sep}{rest}"
+    return "postgresql" + sep + rest if scheme == "postgres" else url
 
 
 def _immediate_transactions(storage: BaseStorage) -> None:
