@@ -1094,6 +1094,10 @@ def _worker_run(store: optuna.storages.BaseStorage, name: str, storage: str, wor
 
     study = optuna.load_study(study_name=name, storage=store)
     spec = study.user_attrs.get(_SPEC_KEY)
+    end = time.monotonic() + 30.0
+    while spec is None and time.monotonic() < end:  # a leader creates the study, then stores its spec
+        time.sleep(0.2)
+        spec = study.user_attrs.get(_SPEC_KEY)
     if spec is None:
         raise UsageError(f"--study {name!r}: not an advisor study in {storage} (no spec attribute); name a study "
                          "made by `advisor suggest --storage URL --study NAME`")
@@ -1133,6 +1137,7 @@ def run_worker(storage: str, study_name: str, *, workload: Workload | None = Non
         for name in _worker_names(_study_names(store), study_name):
             if name not in runs:
                 runs[name] = _worker_run(store, name, storage, workload, backend, progress)
+                idle_since = time.perf_counter()  # `idle_s` of an empty queue counts from the study's making
         worked = 0
         for run in runs.values():
             before = run.new_measurements

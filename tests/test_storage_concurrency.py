@@ -85,6 +85,8 @@ def check_study(url: str) -> None:
     measured = [t.user_attrs["key"] for t in trials if t.state is TrialState.COMPLETE
                 and t.user_attrs.get("measured") and not t.user_attrs.get("cached")]
     assert measured and len(measured) == len(set(measured)), "a candidate was measured twice"
+    for t in trials:  # what optuna-dashboard shows: plain JSON, no NaN
+        json.dumps(t.user_attrs, allow_nan=False)
 
 
 def assert_agree(results: list[tuple[int, str, str]]) -> dict:
