@@ -10,8 +10,11 @@ estimate prunes candidates far over the limit before a costlier backend sees the
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import os
+import socket
 import threading
 import time
 import warnings
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from ._messages import summarize
 from ._search.backends import (
     FunctionBackend,
     backend_names,
@@ -40,7 +44,7 @@ from ._search.space import (
     parse_fix,
     with_accumulation,
 )
-from ._search.storage import cache_dir, default_storage_url, library_versions, open_storage
+from ._search.storage import cache_dir, library_versions, open_cache, open_storage, prepare_study
 from .errors import ConfigError, NoFitError, UsageError
 from .measurement import Measurement, Source, Status
 from .space import Candidate, SearchSpace
@@ -64,8 +68,10 @@ FIT_CHECK = 4  # before giving up on a method: measure this many of the candidat
 _SPEC_KEY = "advisor"
 # A measuring trial stamps the wall clock into its "heartbeat" user attr every HEARTBEAT_S; a RUNNING trial whose
 # stamp is older than STALE_S belongs to a killed process: it is failed and its candidate can be measured again.
+# A trial also names its "owner" (host, pid, process start): on the same host a dead owner is seen at once.
 HEARTBEAT_S = 10.0
 STALE_S = 120.0
+_CLAIM_POLL_S = 0.05
 _GiB = 2**30
 
 
@@ -78,6 +84,7 @@ class Progress:
     best_tokens_per_second: float | None
     elapsed_s: float
     message: str = ""
+    note: str = ""  # a line the user must see now (e.g. the cache cannot be written), not a trial
 
 
 # ---- the space ---------------------------------------------------------------------------------------------
@@ -226,6 +233,7 @@ class _Study:
         self.progress = progress
         self.new_measurements = 0
         self.notes: list[str] = []
+        self.messages: collections.Counter[tuple[str, str]] = collections.Counter()  # (origin, text) -> count
         self.stopped_by_time = False
         self._estimates: dict[str, Measurement | None] = {}
         self._estimate_fn = self._load_estimate()
@@ -281,7 +289,8 @@ class _Study:
                                   bool(attrs.get("measured")), attrs.get("reason", "")))
 
     def _live_running(self) -> list[optuna.trial.FrozenTrial]:
-        """RUNNING trials with a recent heartbeat; stale ones (a killed run or worker) are failed on the way."""
+        """RUNNING trials whose owner is alive; stale ones (a killed run or worker) are failed on the way: a dead
+        owner process on this host at once, any other when its heartbeat is older than STALE_S."""
         from optuna.trial import TrialState
 
         now, live = time.time(), []
@@ -289,16 +298,46 @@ class _Study:
             beat = t.user_attrs.get("heartbeat")
             if beat is None and t.datetime_start is not None:
                 beat = t.datetime_start.timestamp()
-            if beat is not None and now - float(beat) > STALE_S:
-                with contextlib.suppress(Exception):  # its owner may finish it meanwhile: then it is not stale
-                    self.study._storage.set_trial_user_attr(t._trial_id, "stale", True)
-                    self.study.tell(t.number, state=TrialState.FAIL)
+            if _owner_dead(t.user_attrs.get("owner")) or (beat is not None and now - float(beat) > STALE_S):
+                self._fail_stale(t)
                 continue
             live.append(t)
         return live
 
-    def _running_elsewhere(self, key: str, number: int) -> bool:
-        return any(t.user_attrs.get("key") == key and t.number != number for t in self._live_running())
+    def _fail_stale(self, t: optuna.trial.FrozenTrial) -> None:
+        """Fail a dead process's trial and queue its candidate again (the one process whose FAIL lands does)."""
+        from optuna.trial import TrialState
+
+        try:
+            self.study._storage.set_trial_user_attr(t._trial_id, "stale", True)
+            self.study.tell(t.number, state=TrialState.FAIL)
+        except Exception:  # its owner finished it meanwhile, or another process failed it first
+            return
+        params = t.system_attrs.get("fixed_params") or t.params
+        key = t.user_attrs.get("key")
+        if key and params and key not in self.ledger and set(params) == set(self.space.params):
+            self.study.enqueue_trial(params, user_attrs={"proposed_by": "retry"})
+
+    def _claim(self, trial: optuna.Trial, key: str) -> bool:
+        """True when this trial is the one to evaluate `key`; False when another live trial has it.
+
+        Several processes may pop trials of one candidate at once (two runs enqueue the same seeds). Each trial
+        has written its key before it looks: a trial yields to one of the same key that is measuring or has a
+        lower number, waits while only higher-numbered ones are still deciding (they never wait on it), and
+        otherwise marks itself measuring. So exactly one measures, and none waits in a cycle.
+        """
+        number, deadline = trial.number, time.monotonic() + STALE_S
+        while True:
+            self.refresh()
+            if key in self.ledger:
+                return True  # measured meanwhile: evaluate() answers from the ledger
+            others = [t for t in self._live_running() if t.user_attrs.get("key") == key and t.number != number]
+            if any(t.user_attrs.get("measuring") or t.number < number for t in others):
+                return False
+            if not others or time.monotonic() > deadline:
+                trial.set_user_attr("measuring", True)
+                return True
+            time.sleep(_CLAIM_POLL_S)
 
     @contextlib.contextmanager
     def _heartbeat(self, trial: optuna.Trial) -> Iterator[None]:
@@ -350,14 +389,21 @@ class _Study:
         return entry, False
 
     def _measure(self, cand: Candidate) -> Measurement:
+        from ._messages import capture
+
         start = time.perf_counter()
+        said = None
         try:
-            m = self.backend.measure(self.workload, cand)
+            with capture() as said:  # what libraries warn per trainer goes to the report once, not to stderr
+                m = self.backend.measure(self.workload, cand)
         except (KeyboardInterrupt, NoFitError):
             raise
         except Exception as exc:  # a crash of one candidate is an outcome, not the end of the search
             return Measurement(Status.ERROR, _source_of(self.backend.name), message=f"{type(exc).__name__}: {exc}",
                                wall_time_s=time.perf_counter() - start)
+        finally:
+            if said is not None:
+                self.messages.update(said)
         if m.wall_time_s is None:
             m = dataclasses.replace(m, wall_time_s=time.perf_counter() - start)
         return m
@@ -368,7 +414,7 @@ class _Study:
         if entry is None:  # not admissible: infeasible for TPE, never measured
             trial.set_user_attr("invalid", reason[:500])
             trial.set_constraint("device_bytes", 1.0)
-            self.study.tell(trial, 0.0)
+            self._finish(trial, 0.0)
             return
         m = entry.measurement
         trial.set_user_attr("key", candidate_key(entry.candidate))
@@ -379,10 +425,28 @@ class _Study:
         d = device_bytes(m)
         violation = (d - self.limit) / _GiB if (m.ok and d is not None) else 1.0 + (d or 0) / _GiB
         trial.set_constraint("device_bytes", float(violation))
-        self.study.tell(trial, float(m.tokens_per_second or 0.0) if m.ok else 0.0)
+        self._finish(trial, float(m.tokens_per_second or 0.0) if m.ok else 0.0)
+
+    def _finish(self, trial: optuna.Trial, value: float) -> None:
+        """Tell the study; if another process judged this trial stale and failed it meanwhile (its heartbeat
+        could not be written for STALE_S), the result is stored as a new finished trial, not lost."""
+        import optuna
+
+        try:
+            self.study.tell(trial, value)
+            return
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+            frozen = self.study._storage.get_trial(trial._trial_id)
+            if frozen.state is not optuna.trial.TrialState.FAIL:
+                raise
+        attrs = {k: v for k, v in frozen.user_attrs.items() if k not in ("stale", "measuring")}
+        self.study.add_trial(optuna.trial.create_trial(
+            params=frozen.params, distributions=frozen.distributions, value=value, user_attrs=attrs,
+            system_attrs={k: v for k, v in frozen.system_attrs.items() if k.startswith("constraints")}))
 
     def step(self, trial: optuna.Trial) -> tuple[Entry | None, bool]:
         """Evaluate the candidate of one asked trial and tell the study."""
+        trial.set_user_attr("owner", _owner())
         params = {k: trial.suggest_categorical(k, self.space.choices(k)) for k in self.space.params}
         cand = self.space.decode(params)
         if not isinstance(cand, Candidate):
@@ -390,8 +454,7 @@ class _Study:
             return None, True
         key = candidate_key(cand)
         trial.set_user_attr("key", key)
-        self.refresh()
-        if key not in self.ledger and self._running_elsewhere(key, trial.number):
+        if not self._claim(trial, key):
             from optuna.trial import TrialState
 
             trial.set_user_attr("claimed_elsewhere", True)
@@ -413,9 +476,10 @@ class _Study:
         skip_if_exists, a failed trial (an interrupted or killed measurement) does not keep its candidate out."""
         from optuna.trial import TrialState
 
+        running = self._live_running()  # first: failing a stale trial queues its candidate again
         pending = [t.system_attrs.get("fixed_params", t.params)
                    for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
-        pending += [t.system_attrs.get("fixed_params", t.params) for t in self._live_running()]
+        pending += [t.system_attrs.get("fixed_params", t.params) for t in running]
         for c in cands:
             params = self.space.params_of(c)
             if candidate_key(c) not in self.ledger and params not in pending:
@@ -537,6 +601,8 @@ class _Study:
         miss_limit = 40
         idle_since: float | None = None
         while True:
+            if not queue_only:
+                self.refresh()  # other runs sharing the study count toward `trials` as soon as they finish
             done = len(self.ledger.measured)
             if not exhaustive and not queue_only and done >= trials:
                 break
@@ -577,14 +643,22 @@ class _Study:
                                        _describe(entry.candidate) if entry else ""))
 
     def wait_for_running(self, timeout_s: float = 600.0) -> None:
-        """Workers may still be measuring queued candidates; their results belong in the answer (a RUNNING trial
-        whose heartbeat stopped is failed instead of waited for)."""
+        """Workers, or other runs sharing the study, may still be measuring; their results belong in the answer.
+        A RUNNING trial whose owner died is failed instead of waited for, and its candidate, queued again, is
+        measured here (with whatever else is still queued then)."""
+        from optuna.trial import TrialState
+
         end = time.perf_counter() + timeout_s
         while time.perf_counter() < end:
             running = [t for t in self._live_running() if "key" in t.user_attrs]
-            if not running:
+            if running:
+                time.sleep(0.2)
+                continue
+            retry = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                     if t.user_attrs.get("proposed_by") == "retry"]
+            if not retry:
                 break
-            time.sleep(0.2)
+            self.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True)
         self.refresh()
 
     # -- confirmation --------------------------------------------------------------------------------------
@@ -597,6 +671,44 @@ class _Study:
         m = self._measure(entry.candidate)
         self.study.set_user_attr(attr, _json_safe(m.to_dict()))
         return m
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), so that a reused pid is not taken for it;
+    "zombie" for a process that has exited but is not yet reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return "zombie" if fields[0] in ("Z", "X") else fields[19]
+
+
+_OWNERS: dict[int, list[Any]] = {}
+
+
+def _owner() -> list[Any]:
+    """[host, pid, start] of this process (per pid: a forked worker is its own owner)."""
+    pid = os.getpid()
+    if pid not in _OWNERS:
+        _OWNERS[pid] = [socket.gethostname(), pid, _process_start(pid)]
+    return _OWNERS[pid]
+
+
+def _owner_dead(owner: Any) -> bool:
+    """True when `owner` ([host, pid, start]) was a process on this host that no longer runs."""
+    me = _owner()
+    if not isinstance(owner, list) or len(owner) != 3 or owner[0] != me[0] or owner[1] == me[1]:
+        return False  # another machine (its heartbeat decides), an older advisor, or this very process
+    try:
+        pid = int(owner[1])
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError, TypeError):
+        return False
+    now = _process_start(pid)
+    return now == "zombie" or (owner[2] is not None and now is not None and now != owner[2])
 
 
 def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
@@ -680,10 +792,27 @@ def _spec_differences(stored: Mapping[str, Any], spec: Mapping[str, Any]) -> lis
     return out
 
 
+def _open_store(storage: str | None, cache: bool, reasons: list[str],
+                progress: Callable[[Progress], None] | None) -> optuna.storages.BaseStorage:
+    """--storage as given (errors name it), else the default cache, which never fails: an unusable one is
+    replaced by memory, a read-only one is read; either says so in one line (the report, and the CLI's stderr)."""
+    if storage:
+        return open_storage(storage)
+    if not cache:
+        return open_storage(None)
+    opened = open_cache()
+    if opened.note:
+        reasons.append(opened.note)
+        if progress is not None:
+            progress(Progress(0, 0, None, 0.0, note=opened.note))
+    return opened.storage
+
+
 def _create_study(storage: optuna.storages.BaseStorage, name: str, spec: dict[str, Any],
                   given_name: str | None = None) -> optuna.Study:
     import optuna
 
+    prepare_study(storage, name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         sampler = optuna.samplers.TPESampler(seed=0, multivariate=True, group=True, constant_liar=True,
@@ -762,8 +891,8 @@ def suggest(
     order = method_order(workload.goals.method, pins)
     rows = RowTokens(workload.dataset)
     tps = default_tokens_per_step(workload, rows)
-    store = open_storage(storage if storage else (default_storage_url() if cache else None))
     reasons: list[str] = list(ignored)
+    store = _open_store(storage, cache, reasons, progress)
     if not workload.goals.tokens_per_step:
         reasons.append(f"effective batch: {tps} trained tokens per optimizer step (TRL's default 8 rows x mean "
                        "trained tokens per row; set --tokens-per-step to change)")
@@ -791,8 +920,7 @@ def suggest(
         run = _Study(workload, m, space, be, study, progress)
         runs.append(run)
         run.run(trials=trials or DEFAULT_TRIALS, time_budget_s=time_budget_s, exhaustive=exhaustive)
-        if storage:
-            run.wait_for_running()
+        run.wait_for_running()  # workers, or another run sharing the cache: their results belong in the answer
         best = _confirmed_best(run, reasons)
         unmeasured = 0
         if best is None and not run.stopped_by_time:
@@ -848,8 +976,9 @@ def suggest(
 def _confirmed_best(run: _Study, reasons: list[str]) -> tuple[Entry, Measurement] | None:
     rejected: set[str] = set()
     for _ in range(3):
-        ok = [e for e in run.ledger.measured
-              if feasible(e.measurement, run.limit) and candidate_key(e.candidate) not in rejected]
+        ok = sorted((e for e in run.ledger.measured
+                     if feasible(e.measurement, run.limit) and candidate_key(e.candidate) not in rejected),
+                    key=lambda e: candidate_key(e.candidate))  # ties go the same way in every run sharing a study
         if not ok:
             return None
         # On a tie (e.g. flash-attn2 simulated as sdpa), prefer fewer extra packages, then less memory.
@@ -915,6 +1044,14 @@ def _suggestion(workload: Workload, runs: list[_Study], entry: Entry, confirmed:
         trials += own
     drift = abs(confirmed.tokens_per_second or 0) - abs(entry.measurement.tokens_per_second or 0)
     notes = list(reasons) + run.notes
+    said: collections.Counter[tuple[str, str]] = collections.Counter()
+    for r in runs:
+        said.update(r.messages)
+    messages = summarize(said)
+    if messages:
+        shown = "; ".join(m if len(m) <= 240 else m[:239] + "…" for m in map(str, messages[:3]))
+        more = f"; {len(messages) - 3} more" if len(messages) > 3 else ""
+        notes.append(f"libraries said while measuring (each distinct message once, all with --verbose): {shown}{more}")
     if entry.measurement.tokens_per_second and abs(drift) > 0.05 * entry.measurement.tokens_per_second:
         notes.append(f"the confirmation measured {drift / entry.measurement.tokens_per_second:+.1%} tokens/s")
     if run.method is not Method.FULL:
@@ -922,6 +1059,7 @@ def _suggestion(workload: Workload, runs: list[_Study], entry: Entry, confirmed:
     return Suggestion(
         workload=workload, candidate=entry.candidate, measurement=confirmed, trials=tuple(trials),
         reasons=tuple(notes), backend=backend, evaluations=_evaluations(runs), front=_front(trials, run.limit),
+        messages=messages,
     )
 
 
@@ -959,6 +1097,10 @@ def _worker_run(store: optuna.storages.BaseStorage, name: str, storage: str, wor
 
     study = optuna.load_study(study_name=name, storage=store)
     spec = study.user_attrs.get(_SPEC_KEY)
+    end = time.monotonic() + 30.0
+    while spec is None and time.monotonic() < end:  # a leader creates the study, then stores its spec
+        time.sleep(0.2)
+        spec = study.user_attrs.get(_SPEC_KEY)
     if spec is None:
         raise UsageError(f"--study {name!r}: not an advisor study in {storage} (no spec attribute); name a study "
                          "made by `advisor suggest --storage URL --study NAME`")
@@ -998,6 +1140,7 @@ def run_worker(storage: str, study_name: str, *, workload: Workload | None = Non
         for name in _worker_names(_study_names(store), study_name):
             if name not in runs:
                 runs[name] = _worker_run(store, name, storage, workload, backend, progress)
+                idle_since = time.perf_counter()  # `idle_s` of an empty queue counts from the study's making
         worked = 0
         for run in runs.values():
             before = run.new_measurements

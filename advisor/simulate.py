@@ -487,17 +487,17 @@ def quantized_linear_params(model: ModelSpec) -> int:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """The library never prints: silence datasets' progress bars and transformers' info logs while simulating."""
+    """The library never prints: datasets' progress bars off, and what TRL / transformers warn or log per trainer
+    is collected (advisor._messages.capture: the search lists it once in its report) instead of printed."""
     import datasets
-    import transformers
+
+    from ._messages import capture
 
     bars = datasets.utils.logging.is_progress_bar_enabled()
-    level = transformers.logging.get_verbosity()
     datasets.utils.logging.disable_progress_bar()
-    transformers.logging.set_verbosity_error()
     try:
-        yield
+        with capture():
+            yield
     finally:
         if bars:
             datasets.utils.logging.enable_progress_bar()
-        transformers.logging.set_verbosity(level)

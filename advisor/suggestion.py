@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from peft import LoraConfig
     from trl import SFTConfig
 
+    from ._messages import LibraryMessage
     from .workload import Workload
 
 
@@ -39,6 +40,7 @@ class Suggestion:
     backend: str = "estimate"
     evaluations: int = 0
     front: tuple[Trial, ...] = ()
+    messages: tuple[LibraryMessage, ...] = ()  # what libraries warned or logged while measuring, deduplicated
 
     @property
     def model_name_or_path(self) -> str:

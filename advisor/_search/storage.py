@@ -1,8 +1,23 @@
-"""Where studies live: SQLite under the user's cache by default, any Optuna RDB URL, or a journal file."""
+"""Where studies live: SQLite under the user's cache by default, any Optuna RDB URL, or a journal file.
+
+The one module that knows how Optuna's storages behave under several processes:
+- SQLite: every transaction is `BEGIN IMMEDIATE` (it takes the write lock first and waits up to SQLITE_TIMEOUT_S
+  for it), so Optuna's read-then-update of a trial's state (popping a queued trial, finishing one) is atomic
+  between processes; pysqlite's default begins a transaction only at the first write, so two processes both read
+  a queued trial as WAITING and both run it. PostgreSQL locks the row (SELECT ... FOR UPDATE) by itself.
+- Schema creation: two processes opening a fresh database both create Optuna's tables (`UNIQUE constraint
+  failed: alembic_version`, or PostgreSQL's "already exists"); the loser opens it again, now made.
+- The default cache falls back to answering without storing (an in-memory study, a note says so) when its
+  directory cannot be made or written; one that is read-only but holds studies is read (the studies a run needs
+  are copied into memory, so the answer it already holds comes back without a new measurement).
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +28,9 @@ if TYPE_CHECKING:
     from optuna.storages import BaseStorage
 
 _VERSIONED = ("advisor", "torch", "transformers", "trl", "peft", "accelerate", "optuna")
+SQLITE_TIMEOUT_S = 120  # how long a process waits for another's SQLite transaction before "database is locked"
+_SCHEMA_TRIES = 8
+_DB_NAME = "studies.sqlite3"
 
 
 def cache_dir() -> Path:
@@ -28,18 +46,190 @@ def library_versions() -> dict[str, str]:
     return _library_versions(_VERSIONED)
 
 
+def _cache_origin() -> str:
+    """How the user named the cache directory: the variable they set, else the default path."""
+    if os.environ.get("ADVISOR_CACHE_DIR"):
+        return f"$ADVISOR_CACHE_DIR={os.environ['ADVISOR_CACHE_DIR']}"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return f"the cache {cache_dir()} (from $XDG_CACHE_HOME)"
+    return f"the cache {cache_dir()}"
+
+
+@dataclass(frozen=True)
+class Cache:
+    """The default study cache as opened: `storage` to use, and `note` (one line) when it is not the SQLite
+    file under cache_dir() that stores this run: unwritable (memory) or read-only (read, not written)."""
+
+    storage: BaseStorage
+    note: str | None = None
+    writable: bool = True
 
 
 def default_storage_url() -> str:
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{d / 'studies.sqlite3'}"
+    return f"sqlite:///{d / _DB_NAME}"
+
+
+def open_cache() -> Cache:
+    """The default cache (SQLite in cache_dir()); never an error: an unusable one is replaced by memory."""
+    import optuna
+    from optuna.storages import InMemoryStorage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # "A new study created in RDB..." is not for the user
+    d = cache_dir()
+    db = d / _DB_NAME
+    origin = _cache_origin()
+    fix = "set $ADVISOR_CACHE_DIR to a writable directory, or pass --no-cache"
+
+    def memory(why: str) -> Cache:
+        return Cache(InMemoryStorage(), f"{origin}: {why}; answering without storing this run's measurements "
+                                        f"({fix})", writable=False)
+
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return memory("is a file, not a directory")
+    except NotADirectoryError:
+        return memory("lies under a file, not a directory")
+    except OSError as exc:
+        return memory(f"cannot be created ({exc.strerror or exc})")
+    if not d.is_dir():
+        return memory("is not a directory")
+    problem = _unwritable(d, db)
+    if problem is None:
+        try:
+            return Cache(_rdb(f"sqlite:///{db}"))
+        except Exception as exc:  # e.g. "file is not a database": the run still answers
+            return memory(f"cannot be opened ({_short(exc)})")
+    if db.is_file() and os.access(db, os.R_OK):
+        try:
+            source = _rdb(f"sqlite:///file:{db.resolve()}?mode=ro&uri=true", read_only=True)
+        except Exception as exc:  # an empty or foreign file: nothing to read from it
+            return memory(f"is {problem} and its {_DB_NAME} cannot be read ({_short(exc)})")
+        return Cache(_read_only_copy(source), f"{origin}: is {problem}; answering from the studies stored there "
+                                            f"without storing new measurements ({fix})", writable=False)
+    return memory(f"is {problem}")
+
+
+def _unwritable(d: Path, db: Path) -> str | None:
+    """Why the cache cannot take writes (tried, not guessed from permission bits: root, read-only mounts)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".advisor-write-test-", dir=d)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"read-only ({exc.strerror or exc})"
+    if db.exists():
+        try:
+            with open(db, "r+b"):
+                pass
+        except OSError as exc:
+            return f"read-only ({_DB_NAME}: {exc.strerror or exc})"
+    return None
+
+
+def _short(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+def _is_schema_race(exc: BaseException) -> bool:
+    """Another process is creating Optuna's tables right now (or holds the lock while it does)."""
+    text = str(exc).lower()
+    return any(s in text for s in ("already exists", "unique constraint", "duplicate key", "database is locked",
+                                   "uniqueviolation", "duplicatetable", "duplicateobject"))
+
+
+def _rdb(url: str, *, read_only: bool = False) -> BaseStorage:
+    """An RDBStorage that several processes can share; retries while another process creates the schema."""
+    from optuna.storages import RDBStorage
+    from sqlalchemy import exc as sa_exc
+
+    url = _with_driver(url)
+    sqlite = url.startswith("sqlite")
+    kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}} if sqlite else {}
+    if not sqlite:
+        kwargs["pool_pre_ping"] = True  # a server restart or idle timeout drops pooled connections
+    for attempt in range(_SCHEMA_TRIES):
+        try:
+            storage = RDBStorage(url, engine_kwargs=kwargs, skip_table_creation=read_only)
+            break
+        except (sa_exc.IntegrityError, sa_exc.OperationalError, sa_exc.ProgrammingError) as exc:
+            if attempt + 1 == _SCHEMA_TRIES or not _is_schema_race(exc):
+                raise
+            time.sleep(0.05 * 2**attempt)
+    if sqlite and not read_only:
+        _immediate_transactions(storage)
+    return storage
+
+
+def _with_driver(url: str) -> str:
+    """postgresql:// (or postgres://) with the driver that is installed: SQLAlchemy's default is psycopg2, the
+    `postgres` extra installs psycopg 3."""
+    import importlib.util
+
+    scheme, sep, rest = url.partition("://")
+    if scheme in ("postgresql", "postgres") and importlib.util.find_spec("psycopg2") is None \
+            and importlib.util.find_spec("psycopg") is not None:
+        return f"postgresql+psycopg{sep}{rest}"
+    return "postgresql" + sep + rest if scheme == "postgres" else url
+
+
+def _immediate_transactions(storage: BaseStorage) -> None:
+    """SQLAlchemy's recipe for SQLite transactions that lock at BEGIN (the driver's own BEGIN is turned off)."""
+    from sqlalchemy import event
+
+    engine = storage.engine  # type: ignore[attr-defined]
+
+    @event.listens_for(engine, "connect")
+    def _no_driver_begin(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        dbapi_connection.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection) -> None:  # type: ignore[no-untyped-def]
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections made while Optuna checked the schema predate the listeners
+
+
+_COPY_CLASS: list[type] = []
+
+
+def _read_only_copy(source: BaseStorage) -> BaseStorage:
+    """Memory, plus the studies of the read-only `source`, copied in when a run first names them."""
+    if not _COPY_CLASS:  # made on first use: optuna is imported lazily
+        from optuna.storages import InMemoryStorage
+
+        class ReadOnlyCopy(InMemoryStorage):
+            def __init__(self, source: BaseStorage):
+                super().__init__()
+                self.source = source
+                self.copied: set[str] = set()
+
+        _COPY_CLASS.append(ReadOnlyCopy)
+    return _COPY_CLASS[0](source)
+
+
+def prepare_study(storage: BaseStorage, name: str) -> None:
+    """Before a study is created or loaded in `storage`: copy it in from a read-only cache that holds it."""
+    source = getattr(storage, "source", None)
+    copied = getattr(storage, "copied", None)
+    if source is None or copied is None or name in copied:
+        return
+    copied.add(name)
+    import optuna
+
+    try:
+        optuna.copy_study(from_study_name=name, from_storage=source, to_storage=storage)
+    except KeyError:  # not stored there: the run starts it in memory
+        pass
 
 
 def open_storage(url: str | None) -> BaseStorage:
-    """None -> in memory; 'scheme://...' -> RDB storage; anything else is a journal file path."""
+    """None -> in memory; 'scheme://...' -> RDB storage; anything else is a journal file path (--storage)."""
     import optuna
-    from optuna.storages import InMemoryStorage, JournalStorage, RDBStorage
+    from optuna.storages import InMemoryStorage, JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -47,11 +237,14 @@ def open_storage(url: str | None) -> BaseStorage:
         return InMemoryStorage()
     if "://" in url:
         try:
-            kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
-            return RDBStorage(url, engine_kwargs=kwargs)
+            return _rdb(url)
+        except ImportError as exc:  # the URL's driver is not installed
+            extra = " (pip install 'advisor[postgres]')" if url.startswith("postgres") else ""
+            raise UsageError(f"--storage {url!r}: its database driver is not installed ({exc.__cause__ or exc})"
+                             f"{extra}") from None
         except Exception as exc:  # sqlalchemy raises many kinds for a bad URL or driver
-            raise UsageError(f"--storage {url!r}: cannot open ({exc}); use sqlite:///FILE, postgresql://... "
-                             "or a journal file path") from None
+            raise UsageError(f"--storage {url!r}: cannot open ({_short(exc)}); use sqlite:///FILE, "
+                             "postgresql://USER@HOST/DB or a journal file path") from None
     path = Path(url).expanduser()
     fix = "choose a writable file path, e.g. ./advisor-journal.log, or an RDB URL such as sqlite:///studies.db"
     if not path.parent.exists():

@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--report", action="store_true", help="with --format table: list every trial")
     p.add_argument("--output", default=None, metavar="FILE", help="write the configuration to FILE")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="device peak against throughput")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="list on stderr every message the libraries printed while measuring (default: the report "
+                        "names each distinct one once)")
     p.set_defaults(func=run)
 
 
@@ -84,7 +87,7 @@ def run(ns: argparse.Namespace) -> int:
 
         get_backend(ns.backend)  # an unknown name exits 2 naming --backend before any work
     workload = workload_from_args(ns, goals=goals)
-    bar = _ProgressBar() if sys.stderr.isatty() else None
+    bar = _Stderr(bar=sys.stderr.isatty())
     try:
         s = suggest(workload, backend=ns.backend, trials=ns.trials, time_budget_s=ns.time_budget, fix=fixes,
                     storage=ns.storage, study_name=ns.study, cache=not ns.no_cache, exhaustive=ns.exhaustive,
@@ -95,8 +98,10 @@ def run(ns: argparse.Namespace) -> int:
         print(emit_json({"status": "no_fit", "message": str(exc), **exc.details}))
         return exc.exit_code
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
+    if ns.verbose:
+        for msg in s.messages:
+            print(f"advisor: while measuring: {msg}", file=sys.stderr)
     text = {"yaml": s.to_yaml, "python": s.to_python, "json": lambda: emit_json(s.to_json_dict())}.get(fmt)
     config_text = text() if text else s.to_yaml()
     if ns.output:
@@ -129,17 +134,30 @@ def _workload_names(ns: argparse.Namespace, workload) -> dict[str, object]:
             "sample": ns.sample}
 
 
-class _ProgressBar:
-    """tqdm over measured candidates: count, best tokens/s so far, ETA."""
+class _Stderr:
+    """What suggest puts on stderr besides the assumption lines: the lines the search says the user must see now
+    (e.g. the cache cannot be written), and on a terminal one tqdm bar over measured candidates with the best
+    tokens/s so far."""
 
-    def __init__(self) -> None:
-        from tqdm import tqdm
+    def __init__(self, bar: bool) -> None:
+        self._bar = None
+        if bar:
+            from tqdm import tqdm
 
-        self._bar = tqdm(total=None, unit="cand", file=sys.stderr, leave=False)
+            self._bar = tqdm(total=None, unit="cand", file=sys.stderr, leave=False, dynamic_ncols=True)
         self._n = 0
 
     def __call__(self, p) -> None:
-        if self._bar.total != p.total:
+        if p.note:
+            line = f"advisor: {p.note}"
+            if self._bar is not None:
+                self._bar.write(line, file=sys.stderr)
+            else:
+                print(line, file=sys.stderr)
+            return
+        if self._bar is None:
+            return
+        if p.total and self._bar.total != p.total:
             self._bar.total = p.total
         self._bar.update(max(0, p.evaluations - self._n))
         self._n = p.evaluations
@@ -147,4 +165,5 @@ class _ProgressBar:
             self._bar.set_postfix_str(f"best {p.best_tokens_per_second:,.0f} tok/s")
 
     def close(self) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()
