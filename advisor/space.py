@@ -293,6 +293,12 @@ class Candidate:
 
     def _model_problems(self, model: ModelSpec) -> list[str]:
         out = []
+        ctx = model.max_position_embeddings
+        if ctx is not None and self.max_length is not None and self.max_length > ctx:
+            out.append(
+                f"max_length={self.max_length} is beyond {model.name}'s context (max_position_embeddings {ctx} in "
+                f"its config.json); set max_length <= {ctx} (--fix max_length={ctx}, or max_length in --config)"
+            )
         if self.use_lora:
             available = set(model_linear_names(model))
             targets = [m for m in self.lora_target_modules if m != "lm_head"]
