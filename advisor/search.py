@@ -890,19 +890,20 @@ def _empty_message(workload: Workload, spaces: Mapping[Method, _Space], empty: M
                    rows: RowTokens, tps: int, why: str) -> str:
     """Why no method has an admissible candidate, naming the flag that decides it and a value that works."""
     goals = workload.goals
-    if not any(w and w.startswith(_NO_ACCUMULATION) for w in empty.values()):
+    # Candidates within the truncation allowance that only the effective batch refuses: the batch is the blocker.
+    per_row = []
+    if any(w and (w.startswith(_NO_ACCUMULATION) or "truncation" in w) for w in empty.values()):
+        for space in spaces.values():
+            for cand in space.space.grid(space.base):
+                try:
+                    cand = cand.canonical()
+                except ConfigError:
+                    continue
+                if not cand.problems(workload.gpu, workload.model) and rows.truncation(cand) <= goals.max_truncation:
+                    per_row.append(rows(cand))
+    if not per_row:
         return (f"--max-truncation {goals.max_truncation:g}: no admissible candidate ({why}); allow more "
                 "truncation (e.g. --max-truncation 0.05)")
-    # Candidates refused only for the effective batch: their rows carry more trained tokens than a step holds.
-    per_row = []
-    for space in spaces.values():
-        for cand in space.space.grid(space.base):
-            try:
-                cand = cand.canonical()
-            except ConfigError:
-                continue
-            if not cand.problems(workload.gpu, workload.model) and rows.truncation(cand) <= goals.max_truncation:
-                per_row.append(rows(cand))
     if goals.tokens_per_step:
         given = f"--tokens-per-step {tps} (yours)"
     else:
@@ -910,13 +911,11 @@ def _empty_message(workload: Workload, spaces: Mapping[Method, _Space], empty: M
         given = (f"the effective batch of {tps} trained tokens per optimizer step (you did not set "
                  f"--tokens-per-step: it is TRL's default {DEFAULT_ROWS_PER_STEP} rows x {default:,.0f} trained "
                  f"tokens per row at TRL's default max_length={Candidate.trl_defaults().max_length})")
-    if not per_row:
-        return f"{given}: no admissible candidate ({why}); set --tokens-per-step or allow more truncation"
     need = int(math.ceil(DEFAULT_ROWS_PER_STEP * max(per_row) / 1024.0)) * 1024
-    return (f"{given} is less than one row of this data kept within --max-truncation {goals.max_truncation:g} "
-            f"({min(per_row):,.0f} to {max(per_row):,.0f} trained tokens per row), so no micro-batch x "
-            f"accumulation can carry it; set --tokens-per-step {need} ({DEFAULT_ROWS_PER_STEP} such rows per "
-            "optimizer step)")
+    return (f"{given} does not hold whole rows of this data: kept within --max-truncation "
+            f"{goals.max_truncation:g}, a micro-batch row carries {min(per_row):,.0f} to {max(per_row):,.0f} "
+            f"trained tokens, and no micro-batch x accumulation lands within {BATCH_TOLERANCE:.0%} of {tps}; set "
+            f"--tokens-per-step {need} ({DEFAULT_ROWS_PER_STEP} such rows per optimizer step)")
 
 
 def _confirmed_best(run: _Study, reasons: list[str]) -> tuple[Entry, Measurement] | None:

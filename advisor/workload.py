@@ -132,15 +132,7 @@ class Workload:
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        budget, capacity = self.goals.memory_budget_bytes, self.gpu.memory_bytes
-        if budget is not None and budget > capacity:
-            # Refused, not capped: a budget the card cannot hold is a typo or the wrong --gpu, and capping it
-            # silently would answer a question the user did not ask.
-            what = "this host's memory" if self.gpu.kind == "cpu" else f"{self.gpu.name}'s memory"
-            raise ConfigError(
-                f"--memory-budget {_size(budget)}: more than {what} ({_size(capacity)}); omit --memory-budget to "
-                f"use the whole {self.gpu.name}, give at most {_size(capacity)}, or name a larger --gpu"
-            )
+        check_budget(self.goals, self.gpu)
 
     @property
     def budget_bytes(self) -> int:
@@ -167,6 +159,18 @@ class Workload:
 def fingerprint(obj: Any) -> str:
     """A short, stable hash of JSON-able data (keys sorted)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def check_budget(goals: Goals, gpu: GPUSpec) -> None:
+    """A --memory-budget above the target's memory is refused (ConfigError), not capped: it is a typo or the wrong
+    --gpu, and capping it silently would answer a question the user did not ask."""
+    budget, capacity = goals.memory_budget_bytes, gpu.memory_bytes
+    if budget is not None and budget > capacity:
+        what = "this host's memory" if gpu.kind == "cpu" else f"{gpu.name}'s memory"
+        raise ConfigError(
+            f"--memory-budget {_size(budget)}: more than {what} ({_size(capacity)}); omit --memory-budget to "
+            f"use the whole {gpu.name}, give at most {_size(capacity)}, or name a larger --gpu"
+        )
 
 
 def _size(n: int) -> str:
@@ -204,6 +208,7 @@ def build_workload(
             notes.append(f"no --gpu given: using the local {target.name}")
     else:
         target = resolve_gpu(gpu)
+    check_budget(goals or Goals(), target)  # before the dataset is read and tokenized
     data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
     context = context_note(spec, data)
     if context:
