@@ -16,7 +16,7 @@ _EXPORTS = {
     # errors
     "AdvisorError": "errors", "UsageError": "errors", "ConfigError": "errors", "UnknownModelError": "errors",
     "UnknownGPUError": "errors", "ProfileError": "errors", "DatasetError": "errors", "BaselineError": "errors",
-    "NoFitError": "errors", "RegressionError": "errors",
+    "NoFitError": "errors", "BackendError": "errors", "RegressionError": "errors",
     # data types
     "Measurement": "measurement", "Status": "measurement", "Source": "measurement", "Category": "measurement",
     "Candidate": "space", "SearchSpace": "space", "QualityCost": "space", "PackingStrategy": "space",

@@ -354,13 +354,34 @@ def _read_raw(spec: str) -> _Raw:
             f"--dataset {spec}: unsupported file type {suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}"
         )
     if path.is_dir():
+        if any((path / f).is_file() for f in _SAVED_FILES):
+            return _Raw(_load_from_disk(path, spec), None, str(path), "local")
         return _Raw(_load_hf(str(path), spec), None, str(path), "local")
     if path.suffix.lower() in LOCAL_SUFFIXES or spec.startswith((".", "/", "~")):
         raise DatasetError(f"--dataset {spec}: no such file; check the path")
     return _Raw(_load_hf(spec, spec), None, spec, "hub")
 
 
+def _not_text(path: Path, exc: UnicodeDecodeError) -> DatasetError:
+    head = path.read_bytes()[:4]
+    kind = {b"\x1f\x8b": "gzip-compressed", b"PK": "a zip archive", b"PAR1": "a parquet file",
+            b"\x28\xb5": "zstd-compressed"}
+    what = next((v for k, v in kind.items() if head.startswith(k)), "binary")
+    return DatasetError(
+        f"--dataset {path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}; the file "
+        f"looks {what}); a {path.suffix} dataset must be UTF-8 JSON: decompress it, or give the right suffix "
+        f"({', '.join(LOCAL_SUFFIXES)})"
+    )
+
+
 def _read_jsonl(path: Path) -> tuple[list[Any], list[int]]:
+    try:
+        return _read_jsonl_text(path)
+    except UnicodeDecodeError as exc:
+        raise _not_text(path, exc) from None
+
+
+def _read_jsonl_text(path: Path) -> tuple[list[Any], list[int]]:
     rows, lines, invalid = [], [], []
     with path.open(encoding="utf-8") as fh:
         for number, text in enumerate(fh, start=1):
@@ -382,6 +403,8 @@ def _read_jsonl(path: Path) -> tuple[list[Any], list[int]]:
 def _read_json(path: Path) -> _Raw:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise _not_text(path, exc) from None
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data":  # JSON lines under a .json name
             rows, lines = _read_jsonl(path)
@@ -421,12 +444,43 @@ def _read_arrow(path: Path, suffix: str) -> list[dict[str, Any]]:
     return table.to_pylist()
 
 
+# What `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` write into their directory.
+_SAVED_FILES = ("state.json", "dataset_dict.json")
+
+
+def _load_from_disk(path: Path, spec: str) -> Sequence[dict[str, Any]]:
+    """A directory written by `save_to_disk`: the Dataset, or the `train` split of a DatasetDict."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:  # a truncated or foreign directory
+        raise DatasetError(f"--dataset {spec}: a save_to_disk directory that datasets.load_from_disk cannot read "
+                           f"({_first_line(exc)}); save it again, or pass a .jsonl/.parquet file") from exc
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DatasetError(f"--dataset {spec}: a saved DatasetDict without a 'train' split (it has "
+                               f"{', '.join(ds)}); save the training split as 'train'")
+        ds = ds["train"]
+    if len(ds) == 0:
+        raise DatasetError(f"--dataset {spec}: the saved dataset has no rows")
+    return ds
+
+
 def _load_hf(target: str, spec: str) -> Sequence[dict[str, Any]]:
     import datasets
 
     try:
         ds = datasets.load_dataset(target, split="train")
     except Exception as exc:  # offline, unknown id, no "train" split...
+        from .profiles import hub_offline
+
+        if hub_offline() and not Path(target).exists():
+            raise DatasetError(
+                f"--dataset {spec}: the hub is offline (HF_HUB_OFFLINE=1) and the dataset is not in the local "
+                "datasets cache; download it where the hub is reachable (datasets.load_dataset), pass a local "
+                ".jsonl/.json/.parquet/.csv file or save_to_disk directory, or omit --dataset for the synthetic data"
+            ) from exc
         raise DatasetError(
             f"--dataset {spec}: cannot load it with datasets.load_dataset ({_first_line(exc)}); pass a local "
             f".jsonl/.json/.parquet/.csv file, or omit --dataset to use the built-in synthetic data"

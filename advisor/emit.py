@@ -360,8 +360,19 @@ def run_config_dict(
     return out
 
 
-def to_yaml(candidate: Candidate, **kwargs: Any) -> str:
-    return yaml.safe_dump(run_config_dict(candidate, **kwargs), sort_keys=False)
+def to_yaml(candidate: Candidate, *, header: str | None = None, **kwargs: Any) -> str:
+    """The `trl sft --config` file; `header` becomes leading `#` comment lines, and without a dataset_name a
+    commented placeholder says where `trl sft` takes it from."""
+    body = yaml.safe_dump(run_config_dict(candidate, **kwargs), sort_keys=False)
+    if kwargs.get("dataset_name") is None:
+        placeholder = ("# dataset_name: trl-lib/Capybara   # your dataset: a hub id or a local dataset directory "
+                       "(or pass --dataset_name to trl sft)\n")
+        lines = body.splitlines(keepends=True)
+        at = 1 if lines and lines[0].startswith("model_name_or_path:") else 0
+        body = "".join(lines[:at]) + placeholder + "".join(lines[at:])
+    if header:
+        body = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines()) + body
+    return body
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,17 @@ class NoFitError(AdvisorError):
         self.details: dict = dict(details or {})
 
 
+class BackendError(AdvisorError):
+    """A valid search whose backend failed on every candidate it measured (exit 3): an error of the run, not
+    "nothing fits" (no CUDA device, a missing package, a broken install). `details` keeps the facts as data."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.details: dict = dict(details or {})
+
+
 class RegressionError(AdvisorError):
     """Peak memory grew beyond the tolerance of a baseline (exit 1)."""
 

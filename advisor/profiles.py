@@ -244,6 +244,9 @@ def model_config_problems(data: Any) -> list[str]:
         return [f"expected a JSON object, got {type(data).__name__}"]
     if "model_type" not in data:
         return ["missing key 'model_type'"]
+    refused = causal_lm_problem(data)
+    if refused:
+        return [refused]
     text = data.get("text_config") or data
     out = []
     for key in _MODEL_KEYS_REQUIRED:
@@ -259,6 +262,45 @@ def model_config_problems(data: Any) -> list[str]:
         except Exception as exc:  # transformers raises ValueError/KeyError/TypeError for bad configs
             out.append(f"transformers cannot build a config from it: {exc}")
     return out
+
+
+def causal_lm_problem(data: Mapping[str, Any]) -> str | None:
+    """Why a config is not a causal LM that TRL's SFTTrainer trains (AutoModelForCausalLM), or None.
+
+    Read against transformers' own MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: the model_type must have a causal-LM
+    class, the model must not be an encoder-decoder, and a config's `architectures` (what the checkpoint was
+    saved as) must name a causal-LM class: BERT's model_type has one (BertLMHeadModel), but a BertForMaskedLM
+    checkpoint is a masked LM.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as masked
+
+    model_type = data.get("model_type")
+    fix = ("TRL's SFTTrainer trains decoder-only causal LMs (AutoModelForCausalLM), e.g. Qwen/Qwen2.5-0.5B; "
+           "choose such a model")
+    archs = data.get("architectures") or []
+    shown = f"{model_type!r}" + (f" ({', '.join(map(str, archs))})" if archs else "")
+    if data.get("is_encoder_decoder") or model_type in ("encoder-decoder", "t5", "mt5", "umt5"):
+        return f"model_type {shown} is an encoder-decoder (sequence-to-sequence) model, not a causal LM; {fix}"
+    if model_type not in causal:
+        return f"model_type {shown} has no causal-LM class in transformers {_transformers_version()}; {fix}"
+    if model_type in masked and not data.get("is_decoder"):
+        return (f"model_type {shown} is an encoder (bidirectional attention, trained as a masked LM); its causal "
+                f"class {causal[model_type]} needs is_decoder=true and a decoder's pretraining; {fix}")
+    classes = set(causal.values())
+    if isinstance(archs, list) and archs and not any(
+        isinstance(a, str) and (a in classes or a.endswith(("ForCausalLM", "LMHeadModel"))) for a in archs
+    ):
+        return (f"architectures {archs}: not a causal-LM class (transformers' causal LM for {model_type!r} is "
+                f"{causal[model_type]}; this checkpoint was saved as another head, e.g. a masked LM or a "
+                f"classifier); {fix}")
+    return None
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def load_model_config(path: Path, name: str, source: str, local_dir: Path | None) -> ModelSpec:
@@ -279,8 +321,46 @@ def list_models(root: Path | None = None) -> list[str]:
     return sorted(str(p.parent.relative_to(base)) for p in base.glob("*/*/config.json"))
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE is set (by the user, or by `decide_offline` for this run)."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+_hub_offline = hub_offline
+
+
+def _is_local(name: str | None) -> bool:
+    return name is None or Path(name).expanduser().exists()
+
+
+def decide_offline(*names: str | None) -> str | None:
+    """Decide once, quickly, whether this run can use the hub; returns a note when it cannot.
+
+    When one of `names` (model, dataset, tokenizer) is not a local path and the hub endpoint does not answer a
+    TCP connection within 2 s, HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are set for the rest of the process (also in
+    huggingface_hub's and datasets' already-imported constants), so huggingface_hub, transformers and datasets
+    fail at once from their caches instead of retrying for ~25 s each.
+    """
+    if _hub_offline() or all(_is_local(n) for n in names) or _hub_reachable():
+        return None
+    set_offline()
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    return f"the hub ({endpoint}) is not reachable: working offline for this run (HF_HUB_OFFLINE=1)"
+
+
+def set_offline() -> None:
+    """HF_HUB_OFFLINE=1 for this process, including libraries that read it at import time."""
+    import sys
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True
+    config = sys.modules.get("datasets.config")
+    if config is not None:
+        config.HF_HUB_OFFLINE = True
+        config.HF_DATASETS_OFFLINE = True
 
 
 @lru_cache(maxsize=1)

@@ -77,6 +77,15 @@ def _evaluations(s: Suggestion) -> str:
     return f"{s.evaluations}" + (f" (+{stored} answered from the stored study)" if stored else "")
 
 
+def _measured(s: Suggestion) -> bool:
+    """Real steps on the target (a probe), as opposed to the estimate's or the simulator's prediction."""
+    return s.measured_on_target
+
+
+def _kind(s: Suggestion) -> str:
+    return "measured" if _measured(s) else "predicted"
+
+
 def render_summary(s: Suggestion) -> str:
     """The short table the CLI prints by default: what was chosen, its numbers, and why."""
     from tabulate import tabulate
@@ -95,8 +104,10 @@ def render_summary(s: Suggestion) -> str:
         ["activation offloading", str(c.activation_offloading)],
         ["optim", c.optim.value], ["precision / weights", f"{c.precision.value} / {c.weights_dtype.value}"],
         ["attention", c.attn_implementation.value], ["group_by_length", str(c.group_by_length)],
-        ["device peak (GiB)", _gib(device_bytes(m))], ["tokens/s (trained)", _tps(m.tokens_per_second)],
-        ["source", m.source.value], ["evaluations", _evaluations(s)],
+        [f"device peak (GiB, {_kind(s)})", _gib(device_bytes(m))],
+        [f"tokens/s (trained, {_kind(s)})", _tps(m.tokens_per_second)],
+        ["source", m.source.value + ("" if _measured(s) else f" (a prediction for {wl.gpu.name}, not a run on it)")],
+        ["evaluations", _evaluations(s)],
     ]
     out = tabulate(rows, tablefmt="simple")
     quality = c.quality_cost(s.truncated_fraction).describe()
@@ -112,8 +123,9 @@ def render_report(s: Suggestion) -> str:
     """The summary, then every trial with its peak, tokens/s, status and the reason it lost."""
     from tabulate import tabulate
 
-    table = tabulate(trial_rows(s), headers=["#", "candidate", "device GiB", "tokens/s", "status", "source", "why"],
-                     tablefmt="simple")
+    kind = _kind(s)
+    table = tabulate(trial_rows(s), headers=["#", "candidate", f"device GiB ({kind})", f"tokens/s ({kind})",
+                                             "status", "source", "why"], tablefmt="simple")
     stored = sum(t.cached for t in s.trials)
     note = f"; {stored} answered from the stored study, not measured again" if stored else ""
     return render_summary(s) + f"\n\nTrials (fastest feasible first{note}):\n" + table

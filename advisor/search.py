@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import os
 import socket
 import threading
@@ -35,6 +36,7 @@ from ._search.backends import (
 from ._search.ledger import Entry, Ledger, candidate_key, device_bytes, feasible
 from ._search.space import (
     BATCH_TOLERANCE,
+    DEFAULT_ROWS_PER_STEP,
     RowTokens,
     apply_pins,
     attention_refusal,
@@ -44,8 +46,8 @@ from ._search.space import (
     parse_fix,
     with_accumulation,
 )
-from ._search.storage import cache_dir, library_versions, open_cache, open_storage, prepare_study
-from .errors import ConfigError, NoFitError, UsageError
+from ._search.storage import cache_dir, default_storage_url, library_versions, open_cache, open_storage, prepare_study
+from .errors import BackendError, ConfigError, NoFitError, UsageError
 from .measurement import Measurement, Source, Status
 from .space import Candidate, SearchSpace
 from .suggestion import Suggestion, Trial
@@ -55,7 +57,8 @@ if TYPE_CHECKING:
     import optuna
 
 __all__ = [
-    "suggest", "run_worker", "build_space", "Progress", "register_backend", "unregister_backend", "backend_names",
+    "suggest", "run_worker", "build_space", "Progress", "check_backend", "stored_studies", "stored_suggestion",
+    "StoredStudy", "register_backend", "unregister_backend", "backend_names",
     "default_backend_name", "cache_dir", "parse_fix", "DEFAULT_TRIALS",
 ]
 
@@ -73,6 +76,7 @@ HEARTBEAT_S = 10.0
 STALE_S = 120.0
 _CLAIM_POLL_S = 0.05
 _GiB = 2**30
+_NO_ACCUMULATION = "no accumulation"  # how _Space.admit starts the reason an effective batch cannot be met
 
 
 @dataclass(frozen=True)
@@ -133,12 +137,17 @@ class _Space:
         refused = attention_refusal(self.space, cand)
         if refused:
             return refused
+        ctx = wl.model.max_position_embeddings
+        if cand.max_length is None and ctx is not None and len(wl.dataset.lengths) and \
+                int(wl.dataset.lengths.max()) > ctx:
+            return (f"max_length=None keeps rows of {int(wl.dataset.lengths.max())} tokens, beyond the model's "
+                    f"context (max_position_embeddings {ctx})")
         lost = self.rows.truncation(cand)
         if lost > wl.goals.max_truncation:
             return f"loses {lost:.2%} of trained tokens to truncation (--max-truncation {wl.goals.max_truncation:.2%})"
         out = with_accumulation(cand, self.tokens_per_step, self.rows)
         if out is None:
-            return ("no accumulation keeps this micro-batch within "
+            return (_NO_ACCUMULATION + " keeps this micro-batch within "
                     f"{BATCH_TOLERANCE:.0%} of {self.tokens_per_step} trained tokens per optimizer step")
         return out
 
@@ -884,6 +893,8 @@ def suggest(
     origin: dict[str, Any] = {"model": model if isinstance(model, str) else None, "gpu": gpu, "dataset": dataset,
                               "tokenizer": None, "sample": None}
     origin.update({k: v for k, v in (workload_names or {}).items() if k in origin and v is not None})
+    if backend is not None:
+        check_backend(backend)  # before the workload is built: an unusable backend fails in a second
     workload = _resolve_workload(model, gpu, dataset, goals)
     backend_name = backend or default_backend_name()
     be = get_backend(backend_name)
@@ -905,8 +916,7 @@ def suggest(
         if fix:
             shown = " ".join(f"--fix {k}={v}" for k, v in fix.items())
             raise UsageError(f"{shown}: leaves no admissible candidate ({why}); drop or change the --fix")
-        raise UsageError(f"--max-truncation {workload.goals.max_truncation:g} / --tokens-per-step {tps}: no "
-                         f"admissible candidate ({why}); allow more truncation or a different effective batch")
+        raise UsageError(_empty_message(workload, spaces, empty, rows, tps, why))
     for i, m in enumerate(order):
         space = spaces[m]
         if empty[m]:
@@ -921,6 +931,7 @@ def suggest(
         runs.append(run)
         run.run(trials=trials or DEFAULT_TRIALS, time_budget_s=time_budget_s, exhaustive=exhaustive)
         run.wait_for_running()  # workers, or another run sharing the cache: their results belong in the answer
+        _raise_if_backend_failed(run, backend_name, name)
         best = _confirmed_best(run, reasons)
         unmeasured = 0
         if best is None and not run.stopped_by_time:
@@ -939,6 +950,9 @@ def suggest(
             entry, confirmed = best
             if not any(r.new_measurements for r in runs) and run.ledger.measured:
                 reasons.append(f"answered from the stored study {name!r}: no new measurement")
+            elif storage or cache:
+                reasons.append(f"stored as the study {name!r}: `advisor report --study {name}"
+                               + (f" --storage {storage}" if storage else "") + "` shows it again")
             return _suggestion(workload, runs, entry, confirmed, reasons, backend_name)
         if not run.ledger.measured and time_budget_s is not None and run.stopped_by_time:
             raise NoFitError(
@@ -971,6 +985,68 @@ def suggest(
         "next_knob": _next_knob(order[-1]),
         "notes": reasons,
     })
+
+
+def check_backend(name: str) -> None:
+    """UsageError (exit 2) for an unknown backend, or one that cannot run here (cuda without a CUDA device)."""
+    get_backend(name)
+    if name == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            build = " (this torch is a CPU build)" if torch.version.cuda is None else ""
+            raise UsageError(f"--backend cuda: no CUDA device is visible here{build}; measure with --backend "
+                             "simulate (the default without a GPU) or --backend cpu, or run on a GPU machine")
+
+
+def _raise_if_backend_failed(run: _Study, backend: str, study: str) -> None:
+    """An error outcome for every candidate measured is an error of the run (BackendError), not "nothing fits"."""
+    from collections import Counter
+
+    measured = run.ledger.measured
+    if not measured or any(e.measurement.status is not Status.ERROR for e in measured):
+        return
+    why = Counter(e.measurement.message or "no message" for e in measured)
+    message, count = why.most_common(1)[0]
+    others = f" ({len(why) - 1} other message(s))" if len(why) > 1 else ""
+    raise BackendError(
+        f"--backend {backend}: every one of the {len(measured)} candidates measured failed with an error, so "
+        f"nothing was learnt about memory; {count}x: {message}{others}. Fix that cause (or choose another "
+        f"--backend), then rerun with --no-cache: the failed trials are stored in the study {study!r}",
+        details={"backend": backend, "study": study, "errors": len(measured), "message": message},
+    )
+
+
+def _empty_message(workload: Workload, spaces: Mapping[Method, _Space], empty: Mapping[Method, str | None],
+                   rows: RowTokens, tps: int, why: str) -> str:
+    """Why no method has an admissible candidate, naming the flag that decides it and a value that works."""
+    goals = workload.goals
+    # Candidates within the truncation allowance that only the effective batch refuses: the batch is the blocker.
+    per_row = []
+    if any(w and (w.startswith(_NO_ACCUMULATION) or "truncation" in w) for w in empty.values()):
+        for space in spaces.values():
+            for cand in space.space.grid(space.base):
+                try:
+                    cand = cand.canonical()
+                except ConfigError:
+                    continue
+                if not cand.problems(workload.gpu, workload.model) and rows.truncation(cand) <= goals.max_truncation:
+                    per_row.append(rows(cand))
+    if not per_row:
+        return (f"--max-truncation {goals.max_truncation:g}: no admissible candidate ({why}); allow more "
+                "truncation (e.g. --max-truncation 0.05)")
+    if goals.tokens_per_step:
+        given = f"--tokens-per-step {tps} (yours)"
+    else:
+        default = rows(Candidate.trl_defaults())
+        given = (f"the effective batch of {tps} trained tokens per optimizer step (you did not set "
+                 f"--tokens-per-step: it is TRL's default {DEFAULT_ROWS_PER_STEP} rows x {default:,.0f} trained "
+                 f"tokens per row at TRL's default max_length={Candidate.trl_defaults().max_length})")
+    need = int(math.ceil(DEFAULT_ROWS_PER_STEP * max(per_row) / 1024.0)) * 1024
+    return (f"{given} does not hold whole rows of this data: kept within --max-truncation "
+            f"{goals.max_truncation:g}, a micro-batch row carries {min(per_row):,.0f} to {max(per_row):,.0f} "
+            f"trained tokens, and no micro-batch x accumulation lands within {BATCH_TOLERANCE:.0%} of {tps}; set "
+            f"--tokens-per-step {need} ({DEFAULT_ROWS_PER_STEP} such rows per optimizer step)")
 
 
 def _confirmed_best(run: _Study, reasons: list[str]) -> tuple[Entry, Measurement] | None:
@@ -1042,7 +1118,6 @@ def _suggestion(workload: Workload, runs: list[_Study], entry: Entry, confirmed:
             own.append(Trial(e.candidate, e.measurement, e.number, why, cached=key in r.stored))
         own.sort(key=lambda t: (rank, t.number if t.number is not None else 1 << 30))
         trials += own
-    drift = abs(confirmed.tokens_per_second or 0) - abs(entry.measurement.tokens_per_second or 0)
     notes = list(reasons) + run.notes
     said: collections.Counter[tuple[str, str]] = collections.Counter()
     for r in runs:
@@ -1052,8 +1127,9 @@ def _suggestion(workload: Workload, runs: list[_Study], entry: Entry, confirmed:
         shown = "; ".join(m if len(m) <= 240 else m[:239] + "…" for m in map(str, messages[:3]))
         more = f"; {len(messages) - 3} more" if len(messages) > 3 else ""
         notes.append(f"libraries said while measuring (each distinct message once, all with --verbose): {shown}{more}")
-    if entry.measurement.tokens_per_second and abs(drift) > 0.05 * entry.measurement.tokens_per_second:
-        notes.append(f"the confirmation measured {drift / entry.measurement.tokens_per_second:+.1%} tokens/s")
+    drift = confirmation_note(entry.measurement, confirmed, backend)
+    if drift:
+        notes.append(drift)
     if run.method is not Method.FULL:
         notes.append(f"method: {run.method.value}")
     return Suggestion(
@@ -1061,6 +1137,18 @@ def _suggestion(workload: Workload, runs: list[_Study], entry: Entry, confirmed:
         reasons=tuple(notes), backend=backend, evaluations=_evaluations(runs), front=_front(trials, run.limit),
         messages=messages,
     )
+
+
+def confirmation_note(searched: Measurement, confirmed: Measurement, backend: str, tolerance: float = 0.05) -> str:
+    """What the confirmation compared and what a difference means, when it is over `tolerance`; else ''."""
+    a, b = searched.tokens_per_second or 0.0, confirmed.tokens_per_second or 0.0
+    if not a or abs(b - a) <= tolerance * a:
+        return ""
+    change = (b - a) / a
+    return (f"confirmation: a second {backend} measurement of the chosen configuration gave {b:,.0f} trained "
+            f"tokens/s against {a:,.0f} in the search ({change:+.1%}); the table shows the second. Timings on this "
+            f"machine vary by about that much (other load, clocks), so candidates within {abs(change):.0%} of "
+            "the chosen one are as good as ties")
 
 
 def _front(trials: list[Trial], limit: int) -> tuple[Trial, ...]:
@@ -1073,6 +1161,105 @@ def _front(trials: list[Trial], limit: int) -> tuple[Trial, ...]:
             out.append(t)
             best = t.measurement.tokens_per_second or 0
     return tuple(out)
+
+
+# ---- stored searches, shown again without measuring ------------------------------------------------------------
+@dataclass(frozen=True)
+class StoredStudy:
+    """One stored study (one method of one search): what it was for, and how far it got."""
+
+    name: str
+    model: str | None
+    gpu: str | None
+    dataset: str | None
+    backend: str
+    method: str
+    trials: int  # distinct candidates measured
+    answered: bool  # a confirmation is stored: `suggest` returned an answer from it
+    started: str | None  # ISO date of its first trial
+
+
+def stored_studies(storage: str | None = None) -> list[StoredStudy]:
+    """The advisor studies in `storage` (default: the study cache that `suggest` uses), oldest first."""
+    import optuna
+    from optuna.trial import TrialState
+
+    store = open_storage(storage or default_storage_url())
+    out = []
+    for su in optuna.get_all_study_summaries(store, include_best_trial=False):
+        spec = su.user_attrs.get(_SPEC_KEY)
+        if not spec:
+            continue
+        study = optuna.load_study(study_name=su.study_name, storage=store)
+        measured = {t.user_attrs.get("key") for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                    if t.user_attrs.get("measured")}
+        out.append(StoredStudy(
+            name=su.study_name, model=spec.get("model"), gpu=spec.get("gpu"), dataset=spec.get("dataset"),
+            backend=spec["backend"], method=spec["method"], trials=len(measured),
+            answered=any(k.startswith("confirm:") for k in study.user_attrs),
+            started=su.datetime_start.isoformat(timespec="seconds") if su.datetime_start else None,
+        ))
+    return sorted(out, key=lambda s: (s.started or "", s.name))
+
+
+def stored_suggestion(study_name: str, storage: str | None = None, *, workload: Workload | None = None) -> Suggestion:
+    """The answer of a stored study, rebuilt from its trials and stored confirmation; nothing is measured.
+
+    The workload is rebuilt from the names the study keeps (model, GPU, dataset), unless given.
+    """
+    import optuna
+
+    label = storage or "the study cache"
+    store = open_storage(storage or default_storage_url())
+    names = _study_names(store)
+    if study_name not in names:
+        ours = [n for n in names if n.startswith("advisor-") or study_name in n]
+        listed = f"stored: {', '.join(ours)}" if ours else "none is stored there yet"
+        raise UsageError(f"--study {study_name!r}: no such study in {label} ({listed}); `advisor studies` lists "
+                         "them")
+    study = optuna.load_study(study_name=study_name, storage=store)
+    spec = study.user_attrs.get(_SPEC_KEY)
+    if spec is None:
+        raise UsageError(f"--study {study_name!r}: not an advisor study (no spec attribute)")
+    if workload is None:
+        from .workload import build_workload
+
+        if not spec.get("model"):
+            raise UsageError(f"--study {study_name!r}: made from a Workload object; call "
+                             "advisor.search.stored_suggestion(name, workload=...)")
+        workload = build_workload(spec["model"], gpu=spec.get("gpu"), dataset=spec.get("dataset"),
+                                  tokenizer=spec.get("tokenizer"), sample=spec.get("sample"))
+    workload = dataclasses.replace(workload, goals=Goals(**spec["goals"]))
+    if workload.fingerprint() != spec["workload_fingerprint"]:
+        raise UsageError(f"--study {study_name!r}: the model, GPU profile or dataset it names has changed since "
+                         "the search; rerun `advisor suggest` with the same flags")
+    try:
+        be = get_backend(spec["backend"])
+    except UsageError:  # a backend registered by the process that made the study: never called here
+        be = FunctionBackend(spec["backend"], lambda w, c: Measurement(Status.ERROR, Source.ESTIMATE))
+    space = _Space(workload, _space_from_json(spec["space"]), int(spec["tokens_per_step"]),
+                   RowTokens(workload.dataset))
+    run = _Study(workload, Method(spec["method"]), space, be, study)
+    reasons = [f"shown from the stored study {study_name!r} ({len(run.ledger.measured)} measured trials); "
+               "nothing was measured again"]
+    ok = sorted((e for e in run.ledger.measured if feasible(e.measurement, run.limit)),
+                key=lambda e: (-(e.measurement.tokens_per_second or 0.0), len(e.candidate.requirements()),
+                               device_bytes(e.measurement) or 0))
+    for entry in ok:
+        stored = study.user_attrs.get("confirm:" + fingerprint(candidate_key(entry.candidate)))
+        if stored is None:
+            reasons.append("no confirmation is stored for this candidate (the search was interrupted): its "
+                           "numbers are the search's single measurement")
+            return _suggestion(workload, [run], entry, entry.measurement, reasons, spec["backend"])
+        confirmed = Measurement.from_dict(stored)
+        if feasible(confirmed, run.limit):
+            return _suggestion(workload, [run], entry, confirmed, reasons, spec["backend"])
+        reasons.append(f"{_describe(entry.candidate)} failed its confirmation "
+                       f"({_failure_reason(confirmed, run.limit)})")
+    raise NoFitError(f"--study {study_name!r}: no measured candidate fits the limit "
+                     f"{workload.limit_bytes / _GiB:.2f} GiB ({len(run.ledger.measured)} measured); "
+                     "rerun `advisor suggest` to search further",
+                     details={"limit_bytes": workload.limit_bytes, "notes": reasons})
 
 
 METHOD_SUFFIXES = tuple(f"-{m.value}" for m in (Method.FULL, Method.LORA, Method.QLORA))

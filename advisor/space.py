@@ -408,6 +408,12 @@ class Candidate:
 
     def _model_problems(self, model: ModelSpec) -> list[str]:
         out = []
+        ctx = model.max_position_embeddings
+        if ctx is not None and self.max_length is not None and self.max_length > ctx:
+            out.append(
+                f"max_length={self.max_length} is beyond {model.name}'s context (max_position_embeddings {ctx} in "
+                f"its config.json); set max_length <= {ctx} (--fix max_length={ctx}, or max_length in --config)"
+            )
         if self.use_lora and self.lora_target_modules is None and peft_default_targets(model) is None:
             mt = model.config.get("model_type")
             out.append(

@@ -48,13 +48,25 @@ class Suggestion:
         return str(spec.local_dir) if spec.source == "local" and spec.local_dir else spec.name
 
     def sft_config(self, **overrides: Any) -> SFTConfig:
-        """A trl.SFTConfig; on a machine without a GPU, a bf16 config needs `use_cpu=True`.
+        """A trl.SFTConfig that can be built where it is called.
 
+        On a machine with no accelerator (no CUDA, MPS or XPU device) transformers refuses bf16/fp16 unless
+        `use_cpu=True`; it is then set, with a UserWarning that says so (pass `use_cpu` to decide yourself).
         Its `model_init_kwargs` carry the quantization too, so `SFTTrainer(model=<id>, args=s.sft_config(),
         peft_config=s.peft_config())` loads a QLoRA pick quantized.
         """
         overrides.setdefault("model_init_kwargs", self.model_init_kwargs)
         overrides.setdefault("completion_only_loss", self._completion_only_loss)
+        if "use_cpu" not in overrides and self.candidate.precision.value != "fp32" and not _has_accelerator():
+            import warnings
+
+            overrides["use_cpu"] = True
+            warnings.warn(
+                f"no GPU (or other accelerator) here: sft_config() sets use_cpu=True, so this "
+                f"{self.candidate.precision.value} configuration for {self.workload.gpu.name} can be built and "
+                "would train on the CPU; on the target GPU it is built without use_cpu (or pass use_cpu=False)",
+                UserWarning, stacklevel=2,
+            )
         return emit.build_sft_config(self.candidate, self.workload, **overrides)
 
     def peft_config(self) -> LoraConfig | None:
@@ -88,10 +100,29 @@ class Suggestion:
         )
 
     def to_yaml(self) -> str:
-        """A file for `trl sft --config FILE`."""
-        import yaml
+        """A file for `trl sft --config FILE`, headed by a comment: the target, the predicted peak and how it was
+        obtained, and how to run it."""
+        return emit.to_yaml(
+            self.candidate, header=self.yaml_header(), model_name_or_path=self.model_name_or_path,
+            dataset_name=self.workload.dataset.dataset_name, completion_only_loss=self._completion_only_loss,
+        )
 
-        return yaml.safe_dump(self.run_config(), sort_keys=False)
+    def yaml_header(self) -> str:
+        from . import __version__
+
+        m, wl = self.measurement, self.workload
+        how = _SOURCE_WORDS.get(m.source.value, m.source.value)
+        peak = "-" if m.device_bytes is None else f"{m.device_bytes / 2**30:.2f} GiB"
+        tps = "-" if m.tokens_per_second is None else f"{m.tokens_per_second:,.0f}"
+        kind = "measured" if self.measured_on_target else "predicted"
+        lines = [
+            f"advisor {__version__}: the fastest configuration found for {wl.model.name} on {wl.gpu.name}",
+            f"(limit {wl.limit_bytes / 2**30:.2f} GiB of {wl.budget_bytes / 2**30:.2f} GiB).",
+            f"{kind} device peak {peak}, {tps} trained tokens/s: {how}.",
+            f"data: {wl.dataset.name}" + (" (synthetic lengths)" if wl.dataset.synthetic else ""),
+            "run: trl sft --config THIS_FILE" + ("" if wl.dataset.dataset_name else " --dataset_name YOUR_DATASET"),
+        ]
+        return "\n".join(lines)
 
     def to_python(self) -> str:
         return emit.to_python(
@@ -119,7 +150,19 @@ class Suggestion:
             "limit_bytes": self.workload.limit_bytes,
             "quality": self.candidate.quality_cost(self.truncated_fraction).describe(),
             "notes": notes,
+            "trials": [
+                {"number": t.number, "config": t.candidate.to_dict(), "measurement": t.measurement.to_dict(),
+                 "why": t.reason, "cached": t.cached}
+                for t in self.trials
+            ],
         }
+
+    @property
+    def measured_on_target(self) -> bool:
+        """Real steps on the target's kind of device, as opposed to a prediction (estimate, simulate)."""
+        src = self.measurement.source.value
+        cuda = self.workload.gpu.is_cuda
+        return (src == "probe-cuda" and cuda) or (src == "probe-cpu" and not cuda)
 
     @property
     def requirements_note(self) -> str:
@@ -135,3 +178,23 @@ class Suggestion:
         from .report import render_report
 
         return render_report(self)
+
+
+# How each source obtains its numbers, in the words of the YAML header.
+_SOURCE_WORDS = {
+    "estimate": "the estimate backend (a closed-form prediction)",
+    "simulate": "the simulate backend (the real TRL training step on fake tensors, every storage tracked, "
+                "2 and 3 decoder layers extrapolated to full depth; GPU calibration from profiles/measurements/)",
+    "probe-cuda": "the cuda backend (real SFTTrainer steps on this GPU)",
+    "probe-cpu": "the cpu backend (real SFTTrainer steps on the CPU, peak from the allocator's events)",
+}
+
+
+def _has_accelerator() -> bool:
+    """A device transformers can train on besides the CPU (CUDA, MPS, XPU...)."""
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return bool(torch.cuda.is_available())

@@ -64,6 +64,12 @@ class ModelSpec:
     def tie_word_embeddings(self) -> bool:
         return bool(self.text_value("tie_word_embeddings", False))
 
+    @property
+    def max_position_embeddings(self) -> int | None:
+        """The longest sequence the model was built for (config.json's `max_position_embeddings`), if it says."""
+        v = self.text_value("max_position_embeddings")
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
     def fingerprint(self) -> str:
         return fingerprint(dict(self.config))
 
@@ -125,6 +131,9 @@ class Workload:
     goals: Goals = field(default_factory=Goals)
     notes: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        check_budget(self.goals, self.gpu)
+
     @property
     def budget_bytes(self) -> int:
         """The memory the training may use on the target (the card's capacity unless the user said less)."""
@@ -152,6 +161,23 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def check_budget(goals: Goals, gpu: GPUSpec) -> None:
+    """A --memory-budget above the target's memory is refused (ConfigError), not capped: it is a typo or the wrong
+    --gpu, and capping it silently would answer a question the user did not ask."""
+    budget, capacity = goals.memory_budget_bytes, gpu.memory_bytes
+    if budget is not None and budget > capacity:
+        what = "this host's memory" if gpu.kind == "cpu" else f"{gpu.name}'s memory"
+        raise ConfigError(
+            f"--memory-budget {_size(budget)}: more than {what} ({_size(capacity)}); omit --memory-budget to "
+            f"use the whole {gpu.name}, give at most {_size(capacity)}, or name a larger --gpu"
+        )
+
+
+def _size(n: int) -> str:
+    """Bytes as the user writes them: 24GB (22.49 GiB)."""
+    return f"{n / 1e9:.4g}GB ({n / 2**30:.2f} GiB)"
+
+
 DEFAULT_GPU = "H100-80GB"
 
 
@@ -166,9 +192,12 @@ def build_workload(
 ) -> Workload:
     """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
     from .data import load_dataset
-    from .profiles import detect_gpu, resolve_gpu, resolve_model
+    from .profiles import decide_offline, detect_gpu, resolve_gpu, resolve_model
 
     notes: list[str] = []
+    offline_note = decide_offline(model, dataset, tokenizer)
+    if offline_note:
+        notes.append(offline_note)
     spec = resolve_model(model)
     if gpu is None:
         target = detect_gpu()
@@ -179,5 +208,22 @@ def build_workload(
             notes.append(f"no --gpu given: using the local {target.name}")
     else:
         target = resolve_gpu(gpu)
+    check_budget(goals or Goals(), target)  # before the dataset is read and tokenized
     data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
+    context = context_note(spec, data)
+    if context:
+        notes.append(context)
     return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes))
+
+
+def context_note(model: ModelSpec, data: TokenizedDataset) -> str | None:
+    """Say when rows are longer than the model's context: max_length cannot keep them whole."""
+    ctx = model.max_position_embeddings
+    if ctx is None or not len(data.lengths):
+        return None
+    over = int((data.lengths > ctx).sum())
+    if not over:
+        return None
+    return (f"{over} of {len(data.lengths)} rows are longer than {model.name}'s context (max_position_embeddings "
+            f"{ctx}; the longest has {int(data.lengths.max())} tokens): max_length stays <= {ctx}, so those rows "
+            "are truncated (or split by bfd_split packing)")

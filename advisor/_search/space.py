@@ -117,6 +117,9 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
     gpu, model, goals = workload.gpu, workload.model, workload.goals
     cuda = gpu.is_cuda
     lengths = max_length_values(workload.dataset, goals.max_truncation)
+    ctx = model.max_position_embeddings  # no max_length beyond the model's context (rows longer are truncated)
+    if ctx is not None:
+        lengths = tuple(sorted({min(v, ctx) for v in lengths}))
     precision = (Precision.BF16,) if (not cuda or gpu.supports_bf16) else (Precision.FP16,)
     weights = [WeightsDtype.FLOAT32]
     if goals.allow_low_precision_weights:

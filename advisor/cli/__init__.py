@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The fastest TRL fine-tuning configuration that fits your GPU's memory, measured.",
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the versions and exit")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name.startswith("cmd_"):
@@ -30,12 +31,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Version(argparse.Action):
+    """`advisor --version` on one line (argparse's own action wraps it to the terminal's width)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        print(_version())
+        parser.exit(0)
+
+
+def _version() -> str:
+    """advisor's version and the libraries whose behaviour it models."""
+    from .. import __version__
+    from .._versions import library_versions
+
+    libs = library_versions(("trl", "transformers", "torch", "peft", "optuna"))
+    return f"advisor {__version__} (" + ", ".join(f"{k} {v}" for k, v in libs.items()) + ")"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
+    args.argv = argv  # the command line as given (suggest's next step repeats it)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

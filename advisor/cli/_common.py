@@ -48,7 +48,8 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
     g.add_argument("--gpu", default=None,
                    help="target: a profile in profiles/gpus/ (e.g. H100-80GB, L4) or 'cpu'; default: the local GPU")
     g.add_argument("--dataset", default=None,
-                   help="hub id or local .jsonl/.json/.parquet/.csv; default: the built-in synthetic chat set")
+                   help="hub id, local .jsonl/.json/.parquet/.csv, or a directory saved with datasets' "
+                   "save_to_disk; default: the built-in synthetic chat set")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or id (default: the model's)")
     g.add_argument("--sample", type=int, default=None, help="estimate lengths from a seeded sample of N rows")
 
@@ -70,6 +71,11 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
         dataset = dataset or rc.dataset_name
     if model is None:
         raise UsageError("--model is required (or model_name_or_path in --config)")
+    from ..profiles import decide_offline
+
+    offline = decide_offline(model, dataset, getattr(ns, "tokenizer", None))  # once, before anything waits on it
+    if offline:
+        print(f"advisor: {offline}", file=sys.stderr)
     wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
                         sample=getattr(ns, "sample", None), goals=goals)
     for note in workload_notes(wl):

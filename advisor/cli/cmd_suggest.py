@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..errors import NoFitError, UsageError
+from ..errors import BackendError, NoFitError, UsageError
 from ._common import add_workload_args, check_writable, emit_json, parse_fraction, parse_size, workload_from_args
 
 
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=("table", "yaml", "json", "python"), default="table")
     p.add_argument("--json", action="store_true", help="same as --format json")
     p.add_argument("--report", action="store_true", help="with --format table: list every trial")
-    p.add_argument("--output", default=None, metavar="FILE", help="write the configuration to FILE")
+    p.add_argument("--output", "-o", default=None, metavar="FILE", help="write the configuration to FILE")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="device peak against throughput")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="list on stderr every message the libraries printed while measuring (default: the report "
@@ -83,19 +83,20 @@ def run(ns: argparse.Namespace) -> int:
     check_writable(ns.output, "--output")
     check_writable(ns.plot, "--plot")
     if ns.backend is not None:
-        from ..search import get_backend
+        from ..search import check_backend
 
-        get_backend(ns.backend)  # an unknown name exits 2 naming --backend before any work
+        check_backend(ns.backend)  # an unknown name, or cuda without a GPU, exits 2 naming --backend before any work
     workload = workload_from_args(ns, goals=goals)
     bar = _Stderr(bar=sys.stderr.isatty())
     try:
         s = suggest(workload, backend=ns.backend, trials=ns.trials, time_budget_s=ns.time_budget, fix=fixes,
                     storage=ns.storage, study_name=ns.study, cache=not ns.no_cache, exhaustive=ns.exhaustive,
                     progress=bar, workload_names=_workload_names(ns, workload))
-    except NoFitError as exc:
+    except (NoFitError, BackendError) as exc:
         if fmt != "json":
             raise
-        print(emit_json({"status": "no_fit", "message": str(exc), **exc.details}))
+        status = "no_fit" if isinstance(exc, NoFitError) else "backend_error"
+        print(emit_json({"status": status, "message": str(exc), **exc.details}))
         return exc.exit_code
     finally:
         bar.close()
@@ -116,9 +117,62 @@ def run(ns: argparse.Namespace) -> int:
         print(render_report(s) if ns.report else render_summary(s))
         if ns.output:
             print(f"\nwrote {ns.output}")
+        if ns.plot:
+            print(f"wrote the plot (device peak against tokens/s) to {ns.plot}")
+        print("\n" + next_step(ns, s))
     else:
         print(config_text, end="" if config_text.endswith("\n") else "\n")
+        if ns.output:
+            print(f"advisor: wrote {ns.output}", file=sys.stderr)
+        if ns.plot:
+            print(f"advisor: wrote the plot to {ns.plot}", file=sys.stderr)
     return 0
+
+
+def next_step(ns: argparse.Namespace, s) -> str:
+    """How to get the YAML and train with it: what a TRL user does after reading the table."""
+    import shlex
+
+    ds = s.workload.dataset
+    if ds.dataset_name:
+        data = ""  # the YAML names it
+    elif ds.synthetic:
+        data = " --dataset_name <your dataset, e.g. trl-lib/Capybara>"
+    else:
+        data = f" --dataset_name <a hub id or directory for {ds.name}>"
+    lines = ["Next:"]
+    if ns.output and Path(ns.output).suffix in (".yaml", ".yml") and ns.format != "python":
+        lines.append(f"  trl sft --config {shlex.quote(ns.output)}{data}")
+    else:
+        cache = "" if ns.no_cache else "    # the same search: answered from the stored study"
+        lines.append(f"  {shlex.join(['advisor', 'suggest', *_same_search(ns)])} --format yaml -o run.yaml{cache}")
+        lines.append(f"  trl sft --config run.yaml{data}")
+    if s.measurement.source.value in ("estimate", "simulate"):
+        lines.append(f"  (the numbers above are {s.measurement.source.value} predictions for {s.workload.gpu.name}; "
+                     "`advisor probe --config run.yaml --backend cuda` measures real steps there)")
+    return "\n".join(lines)
+
+
+_OUTPUT_FLAGS = {"--format": 1, "--json": 0, "--output": 1, "-o": 1, "--report": 0, "--plot": 1}
+
+
+def _same_search(ns: argparse.Namespace) -> list[str]:
+    """The user's own suggest arguments without those that only choose the output."""
+    argv = list(getattr(ns, "argv", None) or [])
+    if "suggest" in argv:
+        argv = argv[argv.index("suggest") + 1:]
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=", 1)[0]
+        flag = next((f for f in _OUTPUT_FLAGS if f == name or (len(name) > 3 and f.startswith(name))), None)
+        if flag is not None:
+            skip = _OUTPUT_FLAGS[flag] if "=" not in arg else 0
+            continue
+        out.append(arg)
+    return out
 
 
 def _workload_names(ns: argparse.Namespace, workload) -> dict[str, object]:
@@ -129,9 +183,14 @@ def _workload_names(ns: argparse.Namespace, workload) -> dict[str, object]:
 
         rc = load_run_config(ns.config)
         model, dataset = model or rc.model_name_or_path, dataset or rc.dataset_name
-    # the resolved GPU, so that a worker on another machine measures for the same target
-    return {"model": model, "gpu": ns.gpu or workload.gpu.name, "dataset": dataset, "tokenizer": ns.tokenizer,
-            "sample": ns.sample}
+    # the resolved GPU, so that a worker on another machine measures for the same target; local paths made
+    # absolute, so that `advisor report --study` and workers started elsewhere find the same files
+    return {"model": _absolute(model), "gpu": ns.gpu or workload.gpu.name, "dataset": _absolute(dataset),
+            "tokenizer": _absolute(ns.tokenizer), "sample": ns.sample}
+
+
+def _absolute(name: str | None) -> str | None:
+    return str(Path(name).expanduser().resolve()) if name is not None and Path(name).expanduser().exists() else name
 
 
 class _Stderr:
