@@ -63,7 +63,7 @@ _SIMULATED = (
     # steps: fewer than the simulator's 2 are simulated as written (simulate.simulate), more change nothing
     "max_steps",
     # LoraConfig (trl.get_peft_config)
-    "use_rslora", "lora_modules_to_save", "lora_task_type",
+    "use_rslora", "use_dora", "lora_modules_to_save",
     # BitsAndBytesConfig (trl.get_quantization_config); the 4-bit storage is modelled in simulate
     "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage",
 )
@@ -86,7 +86,7 @@ _REFUSED = {
     "eval_strategy": (lambda v: v in (None, "no"), "evaluation steps are not simulated; measure with "
                                                    "eval_strategy: no (the training steps are what is measured)"),
     "eval_on_start": (lambda v: not v, "evaluation steps are not simulated; remove it to measure"),
-    "use_dora": (lambda v: not v, "DoRA's weight-norm path is not simulated; set use_dora: false"),
+    "lora_task_type": (lambda v: v == "CAUSAL_LM", "SFT trains a causal LM; set lora_task_type: CAUSAL_LM"),
     "lora_target_parameters": (lambda v: not v, "LoRA on parameters (MoE experts) is not simulated; use "
                                                 "lora_target_modules"),
 }
@@ -264,13 +264,14 @@ def peft_config(candidate: Candidate, model: ModelSpec | None = None) -> LoraCon
 
     b = candidate.base
     return LoraConfig(
-        task_type=b.get("lora_task_type", "CAUSAL_LM"),
+        task_type="CAUSAL_LM",
         r=candidate.lora_r,
         target_modules=_peft_targets(candidate),
         lora_alpha=candidate.lora_alpha,
         lora_dropout=candidate.lora_dropout,
         bias="none",
         use_rslora=bool(b.get("use_rslora", False)),
+        use_dora=bool(b.get("use_dora", False)),
         modules_to_save=b.get("lora_modules_to_save"),
     )
 
@@ -613,7 +614,7 @@ def to_python(candidate: Candidate, *, model_name_or_path: str, dataset_name: st
     lines.insert(lines.index("config = SFTConfig("), f"dataset = {load}")
     if c.use_lora:
         lc = peft_config(c)
-        extra = "".join(f", {k}={getattr(lc, k)!r}" for k in ("use_rslora", "modules_to_save")
+        extra = "".join(f", {k}={getattr(lc, k)!r}" for k in ("use_rslora", "use_dora", "modules_to_save")
                         if getattr(lc, k) not in (None, False))
         lines.append(
             f"peft_config = LoraConfig(r={c.lora_r}, lora_alpha={c.lora_alpha}, lora_dropout={c.lora_dropout!r}, "

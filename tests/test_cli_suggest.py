@@ -44,9 +44,9 @@ def test_table_yaml_output_and_plot(tiny_config, tmp_path, capsys):
 
 
 def test_bad_fix_exits_2_naming_the_field(tiny_config, capsys):
-    assert main(_args(tiny_config, "--fix", "optim=sgd", "--no-cache")) == 2
+    assert main(_args(tiny_config, "--fix", "optim=lomo", "--no-cache")) == 2
     err = capsys.readouterr().err
-    assert "optim=sgd" in err and "adamw_torch" in err
+    assert "optim=lomo" in err and "adamw_torch" in err
     assert main(_args(tiny_config, "--fix", "optim")) == 2
 
 
