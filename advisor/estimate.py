@@ -42,8 +42,6 @@ VOCAB_CHUNK = 32768
 LM_HEAD_FP32_VECTORS = 7
 
 _DTYPE_BYTES = {WeightsDtype.FLOAT32: 4, WeightsDtype.BFLOAT16: 2, WeightsDtype.FLOAT16: 2}
-# Bytes per base weight when quantized (nf4: 4-bit codes + an fp32 absmax per block of 64; int8: codes + row scales).
-_QUANT_BYTES = {Quantization.NF4: 0.5 + 4 / 64, Quantization.INT8: 1.0 + 4 / 4096}
 
 
 # ---- the architecture ------------------------------------------------------------------------------------------
@@ -83,6 +81,14 @@ class Architecture:
     def decoder_linear(self) -> int:
         """Weights of all decoder linear projections (what autocast casts and what bitsandbytes quantizes)."""
         return self.layers * sum(i * o for _, i, o in self.linears)
+
+
+def quantized_linear_bytes(arch: Architecture, c: Candidate) -> float:
+    """The decoder's linear weights as bitsandbytes stores them (advisor/_bnb.py)."""
+    from ._bnb import weight_bytes
+
+    double = bool(c.base.get("use_bnb_nested_quant", False))
+    return arch.layers * sum(weight_bytes(i, o, c.quantization.value, double_quant=double) for _, i, o in arch.linears)
 
 
 @lru_cache(maxsize=64)
@@ -237,7 +243,7 @@ def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
     base_linear = arch.decoder_linear
     other = arch.total - base_linear
     if quant:
-        params = int(base_linear * _QUANT_BYTES[c.quantization]) + other * weight_bytes
+        params = int(quantized_linear_bytes(arch, c)) + other * weight_bytes
     else:
         params = arch.total * weight_bytes
     adapters = lora_parameters(arch, c) if c.use_lora else 0

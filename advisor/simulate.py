@@ -442,9 +442,13 @@ def _modelled_adjustments(
     adj = _Adjustment(step_time_s=step_time)
     params = Category.PARAMETERS.value
     if candidate.quantization is not Quantization.NONE:
-        n = quantized_linear_params(model)
-        bits = 4.127 if candidate.quantization is Quantization.NF4 else 8.0 + 32.0 / model.hidden_size
-        saved = int(n * 2 - n * bits / 8)  # simulated in 16-bit
+        from .estimate import architecture, quantized_linear_bytes
+
+        arch = architecture(model)
+        n = arch.decoder_linear
+        stored = quantized_linear_bytes(arch, candidate)
+        bits = 8 * stored / n
+        saved = int(n * 2 - stored)  # simulated in 16-bit
         largest = 2 * model.hidden_size * int(model.text_value("intermediate_size", 4 * model.hidden_size))
         adj.bytes_delta += -saved + largest
         adj.breakdown_delta[params] = adj.breakdown_delta.get(params, 0) - saved
@@ -471,18 +475,6 @@ def _modelled_adjustments(
             "(the step-time model's copy lane)"
         )
     return adj
-
-
-def quantized_linear_params(model: ModelSpec) -> int:
-    """Parameters of the decoder's linear layers (what bitsandbytes quantizes; embeddings and lm_head stay)."""
-    h = model.hidden_size
-    inter = int(model.text_value("intermediate_size", 4 * h))
-    heads = int(model.text_value("num_attention_heads", 1))
-    kv = int(model.text_value("num_key_value_heads", heads))
-    head_dim = int(model.text_value("head_dim", h // heads) or h // heads)
-    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
-    mlp = 3 * h * inter
-    return model.num_layers * (attn + mlp)
 
 
 @contextlib.contextmanager
