@@ -453,8 +453,11 @@ def _step_time(workload: Workload, arch: Architecture, c: Candidate, worst: Batc
     peak = tc.peak["fp32"] if act == 4 else tc.peak["fp16" if c.precision is Precision.FP16 else "bf16"]
     autocast = mixed and c.weights_dtype is WeightsDtype.FLOAT32
     L = arch.layers
-    T = max(1, worst.rows * worst.seq)
-    n_trained = max(1, worst.trained)
+    # the coefficients are taken at the mean micro-batch of the sampler's distribution (a GEMM's efficiency, the
+    # kernel floors and the LM head's tiles depend on the size); the worst batch only scales the worst-case time
+    dist = tm.batch_distribution(workload.dataset, c, tc.attn_block)
+    T = max(1, round(dist.mean(dist.tokens)))
+    n_trained = max(1, round(dist.mean(dist.trained)))
     f = (1.0 / c.checkpoint_every_n_layers) if c.activation_checkpointing else 0.0
     quant = c.use_lora and c.quantization is not Quantization.NONE
     targets = set(c.lora_target_modules) if c.use_lora else set()
@@ -469,16 +472,19 @@ def _step_time(workload: Workload, arch: Architecture, c: Candidate, worst: Batc
     fixed = 0.0
     for name, i, o in arch.linears:
         fwd = tm.gemm_s(T, o, i, act, peak, tc)
-        gemm += (1 + f) * fwd + tm.gemm_s(T, i, o, act, peak, tc)
+        # torch's non-reentrant checkpoint stops recomputing once every saved tensor is rebuilt: the layer's last
+        # projection (down_proj, whose output only joins the residual) is not recomputed
+        redo = 0.0 if name == arch.linears[-1][0] else f
+        gemm += (1 + redo) * fwd + tm.gemm_s(T, i, o, act, peak, tc)
         if not c.use_lora:
             gemm += tm.gemm_s(o, i, T, act, peak, tc)
         if name in targets:
             r = c.lora_r
-            gemm += (1 + f) * (tm.gemm_s(T, r, i, act, peak, tc) + tm.gemm_s(T, o, r, act, peak, tc))
+            gemm += (1 + redo) * (tm.gemm_s(T, r, i, act, peak, tc) + tm.gemm_s(T, o, r, act, peak, tc))
             gemm += tm.gemm_s(T, r, o, act, peak, tc) + tm.gemm_s(T, i, r, act, peak, tc)  # grad-inputs
             gemm += tm.gemm_s(r, i, T, act, peak, tc) + tm.gemm_s(o, r, T, act, peak, tc)  # grad-weights
         if quant:
-            uses = 2 + f
+            uses = 2 + redo
             extra = 0.0
             if c.quantization is Quantization.INT8:
                 extra = fwd * (float(tc.raw["dequantization"]["int8_matmul_factor"]) - 1.0)
@@ -508,7 +514,8 @@ def _step_time(workload: Workload, arch: Architecture, c: Candidate, worst: Batc
     scale = 2.0 if act == 4 else 1.0
     per_token = scale * (at("bytes_per_token", "hidden") * arch.hidden
                          + at("bytes_per_token", "intermediate") * arch.intermediate)
-    add(tm.Term.MEMORY, B_.TOKENS, L * per_token / tc.mem_bw)
+    launches = L * at("launches") + float(tc.raw["estimate"]["outside_launches"])
+    add(tm.Term.MEMORY, B_.TOKENS, tm.memory_s(L * per_token * T, tc, kernels=round(launches)) / T)
     if autocast:
         casts = arch.decoder_linear * 6.0 * (1 + f)  # fp32 read + bf16 write of every weight, per forward
         add(tm.Term.MEMORY, B_.FIXED, casts / tc.mem_bw)
@@ -519,7 +526,6 @@ def _step_time(workload: Workload, arch: Architecture, c: Candidate, worst: Batc
         add(tm.Term.MEMORY, B_.FIXED, (ga - 1) / ga * trainable * 3 * grad_bytes / tc.mem_bw)
     if not c.use_lora:  # the embedding's dense gradient
         add(tm.Term.MEMORY, B_.FIXED, arch.vocab * arch.hidden * grad_bytes / tc.mem_bw)
-    launches = L * at("launches") + float(tc.raw["estimate"]["outside_launches"])
     host = (L * at("host_ops") + float(tc.raw["estimate"]["outside_launches"])) * tc.op_s
     # TRL's LM head: tiles of 4096 rows x 32768 vocabulary columns, forward, recompute, grad hidden (+ grad W)
     n = n_trained if cuda else T
@@ -532,9 +538,7 @@ def _step_time(workload: Workload, arch: Architecture, c: Candidate, worst: Batc
     add(tm.Term.LM_HEAD, B_.TRAINED if cuda else B_.TOKENS, tiles * per_tile / n)
     host += tiles * (2 * float(tc.raw["host"]["triton_launch_us"]) * 1e-6 + 6 * tc.op_s)
     # the optimizer step as the target runs it
-    per_layer_tensors = (2 * len(targets)) if c.use_lora else (len(arch.linears) + 2 + _bias_tensors(arch))
-    tensors = L * per_layer_tensors + (0 if c.use_lora else 2 + (0 if arch.tied else 1))
-    opt = tm.optimizer_cost(tm.optimizer_impl(c.optim, cuda), tensors, trainable, grad_bytes, grad_bytes, tc)
+    opt = tm.optimizer_cost(tm.optimizer_impl(c.optim, cuda), _trainable_sizes(arch, c), grad_bytes, grad_bytes, tc)
     dense = arch.decoder_linear + arch.vocab * arch.hidden  # the matmul weights (the LM head included)
     flops = tm.model_flops(lora_parameters(arch, c) if c.use_lora else dense, dense if c.use_lora else 0, L,
                            arch.q_dim)
@@ -543,19 +547,28 @@ def _step_time(workload: Workload, arch: Architecture, c: Candidate, worst: Batc
         device=dev, host_s=host, serial_host_s=tc.micro_step_s + 2 * tc.sync_s, collate_row_s=tc.collate_row_s,
         optimizer=opt, step_host_s=tc.step_s, serial=not cuda, accumulation=ga, flops_per_token=flops[0],
         flops_per_sq=flops[1], peak_flops=tm.peak_flops(gpu, c.precision.value),
-        worst=tm.BatchPoint(float(T), float(n_trained), 1.0, float(worst.rows)), attention_kind=kind,
+        worst=tm.BatchPoint(float(worst.rows * worst.seq), float(max(1, worst.trained)), float(
+            dist.attention.max()), float(worst.rows)), attention_kind=kind,
         launches=launches,
     )
     if c.activation_offloading:
-        cost = cost.with_(copy_s_per_token=tm.offload_copy_s_per_token(activations, T, tc))
-    return tm.evaluate(cost, tm.batch_distribution(workload.dataset, c, tc.attn_block))
+        cost = cost.with_(copy_s_per_token=tm.offload_copy_s_per_token(activations, worst.rows * worst.seq, tc))
+    return tm.evaluate(cost, dist)
 
 
-def _bias_tensors(arch: Architecture) -> int:
-    """Bias tensors of one decoder layer (Qwen2's q/k/v biases), from the parameter count."""
+def _trainable_sizes(arch: Architecture, c: Candidate) -> list[int]:
+    """Elements of each trainable tensor (what the optimizer loops over): LoRA's A and B per target and layer, or
+    every weight, bias and norm of the model."""
+    if c.use_lora:
+        targets = set(c.lora_target_modules)
+        per_layer = [n for name, i, o in arch.linears if name in targets for n in (c.lora_r * i, o * c.lora_r)]
+        return per_layer * arch.layers
     weights = sum(i * o for _, i, o in arch.linears)
-    extra = arch.per_layer - weights - 2 * arch.hidden
-    return 3 if extra >= arch.q_dim + 2 * arch.kv_dim else 0
+    biases = [o for name, _, o in arch.linears if name in ("q_proj", "k_proj", "v_proj")]
+    per_layer = [i * o for _, i, o in arch.linears] + [arch.hidden, arch.hidden]
+    if arch.per_layer - weights - 2 * arch.hidden >= sum(biases):  # Qwen2's q/k/v biases
+        per_layer += biases
+    return per_layer * arch.layers + [arch.embedding, arch.final_norm] + ([] if arch.tied else [arch.lm_head])
 
 
 def _outside_allocator_bytes(gpu: GPUSpec) -> int:

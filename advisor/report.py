@@ -23,6 +23,16 @@ def _tps(v: float | None) -> str:
     return "-" if v is None else f"{v:,.0f}"
 
 
+def _step(m: Measurement) -> str:
+    """The step time with its largest terms and the MFU, in one cell."""
+    if not m.step_time_s:
+        return "-"
+    top = sorted(m.time_breakdown.items(), key=lambda kv: -kv[1])[:3]
+    parts = ", ".join(f"{k} {v / m.step_time_s:.0%}" for k, v in top)
+    mfu = f"; MFU {m.mfu:.1%}" if m.mfu is not None else ""
+    return f"{m.step_time_s:.4f}" + (f" ({parts}{mfu})" if parts or mfu else "")
+
+
 def _knobs(t: Trial) -> str:
     c = t.candidate
     ckpt = "off"
@@ -106,6 +116,7 @@ def render_summary(s: Suggestion) -> str:
         ["attention", c.attn_implementation.value], ["group_by_length", str(c.group_by_length)],
         [f"device peak (GiB, {_kind(s)})", _gib(device_bytes(m))],
         [f"tokens/s (trained, {_kind(s)})", _tps(m.tokens_per_second)],
+        [f"step time (s, {_kind(s)})", _step(m)],
         ["source", m.source.value + ("" if _measured(s) else f" (a prediction for {wl.gpu.name}, not a run on it)")],
         ["evaluations", _evaluations(s)],
     ]

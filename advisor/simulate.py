@@ -229,10 +229,9 @@ def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec):
 
     model = trainer.model
     trainable = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in trainable)
     size = trainable[0].element_size() if trainable else 4
     max_norm = getattr(trainer.args, "max_grad_norm", 1.0)
-    opt = optimizer_cost(optimizer_impl(candidate.optim, target.is_cuda), len(trainable), numel, size, size,
+    opt = optimizer_cost(optimizer_impl(candidate.optim, target.is_cuda), [p.numel() for p in trainable], size, size,
                          hook.tc, clip=bool(max_norm and max_norm > 0))
     trained = frozen = 0
     for mod in model.modules():

@@ -64,14 +64,15 @@ def reference(rows: list[dict]) -> None:
                              else None})
     terms = ("matmul", "attention", "memory_bound", "lm_head", "dequantization", "optimizer", "offload_copies",
              "launch_host")
-    head = f"{'model':<28}{'gpu':<15}{'backend':<9}{'step s':>8}{'tok/s':>9}{'MFU':>7}  " + " ".join(
+    head = f"{'model':<32}{'gpu':<15}{'backend':<9}{'step s':>8}{'tok/s':>9}{'MFU':>7}  " + " ".join(
         f"{t[:8]:>8}" for t in terms)
     print(head)
     print("-" * len(head))
     for r in rows:
         parts = " ".join(f"{1e3 * r['terms'].get(t, 0.0):8.1f}" for t in terms)
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        print(f"{r['model'] + ' ' + r['method']:<28}{r['gpu']:<15}{r['backend']:<9}{r['step_time_s']:8.3f}"
+        name = r["model"] + " " + r["method"]
+        print(f"{name:<32}{r['gpu']:<15}{r['backend']:<9}{r['step_time_s']:8.3f}"
               f"{r['tokens_per_second']:9.0f}{mfu:>7}  {parts}")
     print("(terms in ms per optimizer step; they sum to the step time)")
 

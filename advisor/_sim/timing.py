@@ -314,45 +314,53 @@ def _foreach_host_s(tensors: int, o: dict) -> float:
 
 
 def optimizer_cost(
-    impl: OptimizerImpl, tensors: int, numel: int, param_bytes: int, grad_bytes: int, tc: TimeConstants,
-    clip: bool = True,
+    impl: OptimizerImpl, sizes: Any, param_bytes: int, grad_bytes: int, tc: TimeConstants, clip: bool = True,
 ) -> OptimizerCost:
-    """One optimizer step (plus gradient clipping) over `tensors` trainable tensors of `numel` elements.
+    """One optimizer step (plus gradient clipping) over trainable tensors of `sizes` elements each.
 
     AdamW's moments are in the parameter's dtype; Adafactor works in fp32; bitsandbytes keeps 8-bit moments.
-    """
+    A per-tensor kernel (the for-loop, Adafactor, bitsandbytes) costs max(its bytes / bandwidth, the kernel floor)
+    each; a foreach or fused call max(all its bytes / bandwidth, its launches x the floor)."""
     o = tc.raw["optimizer"]
     spec = o[impl.value]
+    sizes = np.asarray(sizes, dtype=np.float64)
+    tensors, numel = len(sizes), float(sizes.sum())
     p, g = param_bytes, grad_bytes
-    launches = 0
     host = tensors * float(o["python_tensor_us"]) * 1e-6  # _init_group / the per-parameter Python loop
+    if impl is OptimizerImpl.ADAFACTOR:
+        per_elem = spec["param_passes"] * p + spec["fp32_passes"] * 4 + spec["grad_passes"] * g
+    elif impl is OptimizerImpl.BNB_8BIT:
+        per_elem = spec["param_passes"] * p + spec["state_bytes_per_element"] + spec["grad_passes"] * g
+    else:
+        per_elem = spec["param_passes"] * p + spec["state_passes"] * p + spec["grad_passes"] * g
+    nbytes = numel * per_elem
     if impl in (OptimizerImpl.FOREACH, OptimizerImpl.FUSED):
-        nbytes = numel * (spec["param_passes"] * p + spec["state_passes"] * p + spec["grad_passes"] * g)
-        per_op = _foreach_launches(tensors, numel, int(spec["list_depth"]), tc)
+        per_op = _foreach_launches(tensors, int(numel), int(spec["list_depth"]), tc)
         launches = int(spec["foreach_ops"]) * per_op
+        device = max(nbytes / tc.mem_bw, launches * tc.floor_s)
         host += spec["foreach_ops"] * _foreach_host_s(tensors, o)
     else:
-        if impl is OptimizerImpl.ADAFACTOR:
-            nbytes = numel * (spec["param_passes"] * p + spec["fp32_passes"] * 4 + spec["grad_passes"] * g)
-        elif impl is OptimizerImpl.BNB_8BIT:
-            nbytes = numel * (spec["param_passes"] * p + spec["state_bytes_per_element"] + spec["grad_passes"] * g)
-        else:
-            nbytes = numel * (spec["param_passes"] * p + spec["state_passes"] * p + spec["grad_passes"] * g)
-        launches = int(spec["kernels_per_tensor"]) * tensors
+        k = int(spec["kernels_per_tensor"])
+        launches = k * tensors
+        device = float(np.sum(k * np.maximum(sizes * per_elem / k / tc.mem_bw, tc.floor_s)))
         host += int(spec["host_ops_per_tensor"]) * tensors * tc.op_s
     if clip:
         c = o["clip_grad_norm_foreach" if tc.cuda else "clip_grad_norm_for_loop"]
-        nbytes += numel * c["grad_passes"] * g
+        clip_bytes = numel * c["grad_passes"] * g
+        nbytes += clip_bytes
         if tc.cuda:
-            launches += c["foreach_ops"] * _foreach_launches(tensors, numel, 1, tc) + c["small_ops"]
+            n = c["foreach_ops"] * _foreach_launches(tensors, int(numel), 1, tc) + c["small_ops"]
+            device += max(clip_bytes / tc.mem_bw, n * tc.floor_s)
             host += c["foreach_ops"] * _foreach_host_s(tensors, o)
         else:
-            launches += c["kernels_per_tensor"] * tensors + c["small_ops"]
+            n = c["kernels_per_tensor"] * tensors + c["small_ops"]
+            device += float(np.sum(c["kernels_per_tensor"] * np.maximum(
+                sizes * c["grad_passes"] * g / c["kernels_per_tensor"] / tc.mem_bw, tc.floor_s)))
             host += c["kernels_per_tensor"] * tensors * tc.op_s
+        launches += n
         host += c["small_ops"] * tc.op_s
     host += tensors * float(o["python_tensor_us"]) * 1e-6  # zero_grad(set_to_none=True)
-    device = max(nbytes / tc.mem_bw, launches * tc.floor_s)
-    return OptimizerCost(device_s=device, host_s=host, launches=launches, bytes=float(nbytes))
+    return OptimizerCost(device_s=device, host_s=host, launches=int(launches), bytes=float(nbytes))
 
 
 # ---- the cost of one step, by basis ----------------------------------------------------------------------------
