@@ -738,7 +738,9 @@ def suggest(
 ) -> Suggestion:
     """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
 
-    Raises NoFitError (exit 1) when nothing fits, ConfigError / UsageError (exit 2) for bad input.
+    Raises NoFitError (exit 1) when nothing fits, ConfigError / UsageError (exit 2) for bad input (a `cuda`
+    backend without a CUDA device included, before any work), BackendError (exit 3) when the backend failed with
+    an error on every candidate it measured.
     `evaluations` in the answer counts the distinct candidates this search measured with its backend (every
     method it tried, its workers included); those answered from a stored study are listed in the trials as
     cached but not counted. `workload_names` (model, gpu, dataset, tokenizer, sample: the names a Workload
