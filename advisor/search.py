@@ -870,7 +870,9 @@ def suggest(
 ) -> Suggestion:
     """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
 
-    Raises NoFitError (exit 1) when nothing fits, ConfigError / UsageError (exit 2) for bad input.
+    Raises NoFitError (exit 1) when nothing fits, ConfigError / UsageError (exit 2) for bad input (a `cuda`
+    backend without a CUDA device included, before any work), BackendError (exit 3) when the backend failed with
+    an error on every candidate it measured.
     `evaluations` in the answer counts the distinct candidates this search measured with its backend (every
     method it tried, its workers included); those answered from a stored study are listed in the trials as
     cached but not counted. `workload_names` (model, gpu, dataset, tokenizer, sample: the names a Workload
@@ -926,6 +928,9 @@ def suggest(
             continue
         name = study_name if study_name and len(order) == 1 else (
             f"{study_name}-{m.value}" if study_name else _study_name(workload, backend_name, m, space))
+        if not study_name and _drop_failed_study(store, name):
+            reasons.append(f"{m.value}: the stored study held only error outcomes of an earlier run (a "
+                           "BackendError): measured again")
         study = _create_study(store, name, _spec(workload, backend_name, m, space, origin), study_name)
         run = _Study(workload, m, space, be, study, progress)
         runs.append(run)
@@ -1012,9 +1017,28 @@ def _raise_if_backend_failed(run: _Study, backend: str, study: str) -> None:
     raise BackendError(
         f"--backend {backend}: every one of the {len(measured)} candidates measured failed with an error, so "
         f"nothing was learnt about memory; {count}x: {message}{others}. Fix that cause (or choose another "
-        f"--backend), then rerun with --no-cache: the failed trials are stored in the study {study!r}",
+        f"--backend) and rerun: a study that holds only errors is measured again",
         details={"backend": backend, "study": study, "errors": len(measured), "message": message},
     )
+
+
+def _drop_failed_study(store: optuna.storages.BaseStorage, name: str) -> bool:
+    """Delete a cached study whose every measurement is an error (the run raised BackendError): it says nothing
+    about memory, and keeping it would answer the rerun, after the cause is fixed, with the same errors."""
+    import optuna
+    from optuna.trial import TrialState
+
+    if name not in _study_names(store):
+        return False
+    study = optuna.load_study(study_name=name, storage=store)
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    statuses = [t.user_attrs["measurement"].get("status") for t in done
+                if t.user_attrs.get("measured") and "measurement" in t.user_attrs]
+    if not statuses or any(st != Status.ERROR.value for st in statuses):
+        return False
+    with contextlib.suppress(KeyError):  # another run deleted it first
+        optuna.delete_study(study_name=name, storage=store)
+    return True
 
 
 def _empty_message(workload: Workload, spaces: Mapping[Method, _Space], empty: Mapping[Method, str | None],

@@ -112,6 +112,8 @@ class Suggestion:
 
         m, wl = self.measurement, self.workload
         how = _SOURCE_WORDS.get(m.source.value, m.source.value)
+        if m.source.value == "simulate" and wl.gpu.is_cuda:
+            how += "; CUDA context and cuBLAS workspace from profiles/measurements/cuda_constants.json"
         peak = "-" if m.device_bytes is None else f"{m.device_bytes / 2**30:.2f} GiB"
         tps = "-" if m.tokens_per_second is None else f"{m.tokens_per_second:,.0f}"
         kind = "measured" if self.measured_on_target else "predicted"
@@ -122,7 +124,9 @@ class Suggestion:
             f"data: {wl.dataset.name}" + (" (synthetic lengths)" if wl.dataset.synthetic else ""),
             "run: trl sft --config THIS_FILE" + ("" if wl.dataset.dataset_name else " --dataset_name YOUR_DATASET"),
         ]
-        return "\n".join(lines)
+        import textwrap
+
+        return "\n".join(part for line in lines for part in textwrap.wrap(line, 110, subsequent_indent="  "))
 
     def to_python(self) -> str:
         return emit.to_python(
@@ -184,7 +188,7 @@ class Suggestion:
 _SOURCE_WORDS = {
     "estimate": "the estimate backend (a closed-form prediction)",
     "simulate": "the simulate backend (the real TRL training step on fake tensors, every storage tracked, "
-                "2 and 3 decoder layers extrapolated to full depth; GPU calibration from profiles/measurements/)",
+                "2 and 3 decoder layers extrapolated to full depth)",
     "probe-cuda": "the cuda backend (real SFTTrainer steps on this GPU)",
     "probe-cpu": "the cpu backend (real SFTTrainer steps on the CPU, peak from the allocator's events)",
 }

@@ -121,6 +121,26 @@ def test_an_error_on_every_candidate_is_an_error_of_the_run(tmp_path, cache, cap
     assert info.value.exit_code == 3
 
 
+def test_a_fixed_backend_is_measured_again_not_answered_with_stored_errors(tmp_path, cache, capsys,
+                                                                           broken_backend):
+    from advisor.measurement import Measurement, Source, Status
+    from advisor.search import register_backend
+
+    cfg = _config(tmp_path)
+    args = ["suggest", "--model", cfg, "--gpu", "cpu", "--backend", "broken", "--trials", "3", "--json"]
+    assert main(args) == 3
+    capsys.readouterr()
+
+    def works(workload, candidate):  # the cause was fixed: the same backend now measures
+        return Measurement(Status.OK, Source.SIMULATE, peak_bytes=2**28, reserved_bytes=2**28, device_bytes=2**28,
+                           tokens_per_second=1000.0 * candidate.per_device_train_batch_size)
+
+    register_backend("broken", works, cost=1)
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["evaluations"] == 3 and any("held only error outcomes" in n for n in out["notes"])
+
+
 def _bert(tmp_path: Path) -> str:
     from transformers import BertConfig
 

@@ -147,9 +147,14 @@ def next_step(ns: argparse.Namespace, s) -> str:
         cache = "" if ns.no_cache else "    # the same search: answered from the stored study"
         lines.append(f"  {shlex.join(['advisor', 'suggest', *_same_search(ns)])} --format yaml -o run.yaml{cache}")
         lines.append(f"  trl sft --config run.yaml{data}")
-    if s.measurement.source.value in ("estimate", "simulate"):
-        lines.append(f"  (the numbers above are {s.measurement.source.value} predictions for {s.workload.gpu.name}; "
-                     "`advisor probe --config run.yaml --backend cuda` measures real steps there)")
+    if not s.measured_on_target:
+        wl = s.workload
+        probe = shlex.join(["advisor", "probe", "--model", _absolute(ns.model) or s.model_name_or_path,
+                            "--config", "run.yaml", "--gpu", wl.gpu.name, *(["--dataset", ns.dataset] if ns.dataset
+                                                                           else []),
+                            "--backend", "cuda" if wl.gpu.is_cuda else "cpu"])
+        lines.append(f"  (the numbers above are {s.measurement.source.value} predictions for {wl.gpu.name}; on "
+                     f"{'that GPU' if wl.gpu.is_cuda else 'this machine'}, `{probe}` measures real steps)")
     return "\n".join(lines)
 
 
