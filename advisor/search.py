@@ -43,7 +43,7 @@ from ._search.space import (
     parse_fix,
     with_accumulation,
 )
-from ._search.storage import cache_dir, library_versions, open_cache, open_storage, prepare_study
+from ._search.storage import cache_dir, library_versions, open_cache, open_given, open_storage, prepare_study
 from .errors import ConfigError, NoFitError, UsageError
 from .measurement import Measurement, Source, Status
 from .space import Candidate, SearchSpace
@@ -503,7 +503,7 @@ class _Study:
         from optuna.trial import TrialState
 
         own = self.study.user_attrs.get(_SPEC_KEY) or {}
-        found: dict[str, tuple[float, Candidate]] = {}
+        found: dict[str, tuple[float, Candidate, int]] = {}
         sources: list[str] = []
         for summary in optuna.get_all_study_summaries(self.study._storage, include_best_trial=False):
             spec = summary.user_attrs.get(_SPEC_KEY) or {}
@@ -527,8 +527,10 @@ class _Study:
                     continue
                 key = candidate_key(cand)
                 if key not in self.ledger and m.tokens_per_second > found.get(key, (0.0,))[0]:
-                    found[key] = (m.tokens_per_second, cand)
-        best = [c for _, c in sorted(found.values(), key=lambda v: -v[0])[:n]]
+                    found[key] = (m.tokens_per_second, cand, device_bytes(m) or 0)
+        # the order _confirmed_best picks in: fastest, fewer extra packages, less memory, then the key
+        best = [c for _, c, _ in sorted(found.values(), key=lambda v: (-v[0], len(v[1].requirements()), v[2],
+                                                                        candidate_key(v[1])))[:n]]
         if best:
             self.notes.append(f"seeded with the {len(best)} fastest candidates of stored "
                               f"{'/'.join(sorted(set(sources)))} studies of this workload")
@@ -793,11 +795,9 @@ def _open_store(storage: str | None, cache: bool, reasons: list[str],
                 progress: Callable[[Progress], None] | None) -> optuna.storages.BaseStorage:
     """--storage as given (errors name it), else the default cache, which never fails: an unusable one is
     replaced by memory, a read-only one is read; either says so in one line (the report, and the CLI's stderr)."""
-    if storage:
-        return open_storage(storage)
-    if not cache:
+    if not storage and not cache:
         return open_storage(None)
-    opened = open_cache()
+    opened = open_given(storage) if storage else open_cache()
     if opened.note:
         reasons.append(opened.note)
         if progress is not None:
