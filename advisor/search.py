@@ -46,7 +46,14 @@ from ._search.space import (
     parse_fix,
     with_accumulation,
 )
-from ._search.storage import cache_dir, default_storage_url, library_versions, open_cache, open_storage, prepare_study
+from ._search.storage import (
+    cache_dir,
+    library_versions,
+    open_cache,
+    open_given,
+    open_storage,
+    prepare_study,
+)
 from .errors import BackendError, ConfigError, NoFitError, UsageError
 from .measurement import Measurement, Source, Status
 from .space import Candidate, SearchSpace
@@ -516,7 +523,7 @@ class _Study:
         from optuna.trial import TrialState
 
         own = self.study.user_attrs.get(_SPEC_KEY) or {}
-        found: dict[str, tuple[float, Candidate]] = {}
+        found: dict[str, tuple[float, Candidate, int]] = {}
         sources: list[str] = []
         for summary in optuna.get_all_study_summaries(self.study._storage, include_best_trial=False):
             spec = summary.user_attrs.get(_SPEC_KEY) or {}
@@ -540,8 +547,10 @@ class _Study:
                     continue
                 key = candidate_key(cand)
                 if key not in self.ledger and m.tokens_per_second > found.get(key, (0.0,))[0]:
-                    found[key] = (m.tokens_per_second, cand)
-        best = [c for _, c in sorted(found.values(), key=lambda v: -v[0])[:n]]
+                    found[key] = (m.tokens_per_second, cand, device_bytes(m) or 0)
+        # the order _confirmed_best picks in: fastest, fewer extra packages, less memory, then the key
+        best = [c for _, c, _ in sorted(found.values(), key=lambda v: (-v[0], len(v[1].requirements()), v[2],
+                                                                        candidate_key(v[1])))[:n]]
         if best:
             self.notes.append(f"seeded with the {len(best)} fastest candidates of stored "
                               f"{'/'.join(sorted(set(sources)))} studies of this workload")
@@ -802,19 +811,18 @@ def _spec_differences(stored: Mapping[str, Any], spec: Mapping[str, Any]) -> lis
 
 
 def _open_store(storage: str | None, cache: bool, reasons: list[str],
-                progress: Callable[[Progress], None] | None) -> optuna.storages.BaseStorage:
+                progress: Callable[[Progress], None] | None) -> tuple[optuna.storages.BaseStorage, bool]:
     """--storage as given (errors name it), else the default cache, which never fails: an unusable one is
-    replaced by memory, a read-only one is read; either says so in one line (the report, and the CLI's stderr)."""
-    if storage:
-        return open_storage(storage)
-    if not cache:
-        return open_storage(None)
-    opened = open_cache()
+    replaced by memory, a read-only one is read; either says so in one line (the report, and the CLI's stderr).
+    The flag says whether what this run measures is kept (False: in memory, or a read-only copy)."""
+    if not storage and not cache:
+        return open_storage(None), False
+    opened = open_given(storage) if storage else open_cache()
     if opened.note:
         reasons.append(opened.note)
         if progress is not None:
             progress(Progress(0, 0, None, 0.0, note=opened.note))
-    return opened.storage
+    return opened.storage, not opened.note
 
 
 def _create_study(storage: optuna.storages.BaseStorage, name: str, spec: dict[str, Any],
@@ -905,7 +913,7 @@ def suggest(
     rows = RowTokens(workload.dataset)
     tps = default_tokens_per_step(workload, rows)
     reasons: list[str] = list(ignored)
-    store = _open_store(storage, cache, reasons, progress)
+    store, kept = _open_store(storage, cache, reasons, progress)
     if not workload.goals.tokens_per_step:
         reasons.append(f"effective batch: {tps} trained tokens per optimizer step (TRL's default 8 rows x mean "
                        "trained tokens per row; set --tokens-per-step to change)")
@@ -955,7 +963,7 @@ def suggest(
             entry, confirmed = best
             if not any(r.new_measurements for r in runs) and run.ledger.measured:
                 reasons.append(f"answered from the stored study {name!r}: no new measurement")
-            elif storage or cache:
+            elif kept:
                 reasons.append(f"stored as the study {name!r}: `advisor report --study {name}"
                                + (f" --storage {storage}" if storage else "") + "` shows it again")
             return _suggestion(workload, runs, entry, confirmed, reasons, backend_name)
@@ -1208,7 +1216,7 @@ def stored_studies(storage: str | None = None) -> list[StoredStudy]:
     import optuna
     from optuna.trial import TrialState
 
-    store = open_storage(storage or default_storage_url())
+    store = open_given(storage).storage if storage else open_cache().storage
     out = []
     for su in optuna.get_all_study_summaries(store, include_best_trial=False):
         spec = su.user_attrs.get(_SPEC_KEY)
@@ -1234,7 +1242,7 @@ def stored_suggestion(study_name: str, storage: str | None = None, *, workload: 
     import optuna
 
     label = storage or "the study cache"
-    store = open_storage(storage or default_storage_url())
+    store = open_given(storage).storage if storage else open_cache().storage
     names = _study_names(store)
     if study_name not in names:
         ours = [n for n in names if n.startswith("advisor-") or study_name in n]

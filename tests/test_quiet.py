@@ -3,13 +3,16 @@ the assumption lines and one progress bar, nothing else (all of it with --verbos
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
 import warnings
 
 import pytest
@@ -55,6 +58,7 @@ def test_capture_collects_warnings_logs_and_prints_and_hands_them_outward():
 def _on_a_terminal(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     """Run the CLI with stderr on a pseudo-terminal (so it draws its bar), stdout on a pipe."""
     master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a new pty is 0 columns wide
     proc = subprocess.Popen([sys.executable, "-m", "advisor", *args], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=slave)
     os.close(slave)

@@ -170,11 +170,12 @@ def unprivileged() -> list[str]:
     return ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
 
 
-def assert_one_note(err: str, *, names: str | None, says: str) -> str:
-    """stderr has exactly one line about the cache; it names `names` (what the user set) and never --storage."""
+def assert_one_note(err: str, *, names: str | None, says: str, storage: bool = False) -> str:
+    """stderr has exactly one line about the cache; it names `names` (what the user set) and --storage only
+    when the user passed it."""
     lines = [line for line in err.splitlines() if "answering" in line]
     assert len(lines) == 1, err[-3000:]
-    assert "Traceback" not in err and "--storage" not in err, err[-3000:]
+    assert "Traceback" not in err and ("--storage" in err) == storage, err[-3000:]
     assert says in lines[0], lines[0]
     if names is not None:
         assert names in lines[0], lines[0]
@@ -242,20 +243,25 @@ def test_an_empty_read_only_cache_answers_without_storing(tiny_config, tmp_path,
     assert not any(cache.iterdir())
 
 
-def test_a_read_only_cache_that_holds_the_answer_still_answers(tiny_config, tmp_path, writable_again):
+@pytest.mark.parametrize("given", ["cache", "--storage"])
+def test_a_read_only_cache_that_holds_the_answer_still_answers(tiny_config, tmp_path, writable_again, given):
     prefix = unprivileged()
     cache = tmp_path / "ro"
+    db = cache / "studies.sqlite3"
     args = ["suggest", "--model", str(tiny_config), "--backend", "estimate", *SMALL]
+    if given == "--storage":
+        cache.mkdir()
+        args += ["--storage", f"sqlite:///{db}"]
     rc, out, err = run_cli(args, cli_env(cache))
     assert rc == 0, err
     stored = json.loads(out)
-    db = cache / "studies.sqlite3"
     before = db.read_bytes()
     db.chmod(0o444)
     cache.chmod(0o555)
     rc, out, err = run_cli(args, cli_env(cache), prefix)
     assert rc == 0, err
-    assert_one_note(err, names=f"$ADVISOR_CACHE_DIR={cache}", says="answering from the studies stored there")
+    names = f"$ADVISOR_CACHE_DIR={cache}" if given == "cache" else f"--storage sqlite:///{db}"
+    assert_one_note(err, names=names, says="answering from the studies stored there", storage=given == "--storage")
     again = json.loads(out)
     assert again["config"] == stored["config"] and again["evaluations"] == 0, "read, not measured again"
     assert db.read_bytes() == before

@@ -226,6 +226,33 @@ def prepare_study(storage: BaseStorage, name: str) -> None:
         pass
 
 
+def _sqlite_file(url: str) -> Path | None:
+    """The database file of a sqlite:/// URL (None for memory, URI-mode names or other schemes)."""
+    if not url.startswith("sqlite"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    try:
+        db = make_url(url).database
+    except Exception:
+        return None
+    return Path(db) if db and db != ":memory:" and not db.startswith("file:") else None
+
+
+def open_given(url: str) -> Cache:
+    """`--storage URL` for a search: as open_storage, except that an existing SQLite file this process cannot
+    write is read (its studies copied into memory, a note says so) instead of failing at the first write."""
+    db = _sqlite_file(url) if "://" in url else None
+    if db is not None and db.is_file():
+        problem = _unwritable(db.parent, db)
+        if problem is not None:
+            open_storage(url)  # the same checks and messages as any --storage (e.g. not a database)
+            source = _rdb(f"sqlite:///file:{db.resolve()}?mode=ro&uri=true", read_only=True)
+            return Cache(_read_only_copy(source), f"--storage {url}: is {problem}; answering from the studies "
+                                                  "stored there without storing new measurements", writable=False)
+    return Cache(open_storage(url))
+
+
 def open_storage(url: str | None) -> BaseStorage:
     """None -> in memory; 'scheme://...' -> RDB storage; anything else is a journal file path (--storage)."""
     import optuna
