@@ -128,13 +128,22 @@ def _absorb_isolated_frees(events: Sequence[tuple[int, int]], raw: Sequence[int 
     """A free outside any layer amid one layer's work belongs to that work (the optimizer's loop drops the last
     parameter's temporary when it rebinds the name on the next parameter): frees only, the same layer around."""
     i, n = 0, len(events)
+    earlier: int | None = None  # the layer of the run before the previous one
     while i < n:
         j = i
         while j < n and out[j] == out[i]:
             j += 1
-        if 0 < i and j < n and out[i - 1] == out[j] and all(events[x][1] < 0 and raw[x] is None for x in range(i, j)):
-            for x in range(i, j):
-                out[x] = out[i - 1]
+        before = out[i - 1] if i > 0 else None
+        if before is not None and j < n and all(events[x][1] < 0 and raw[x] is None for x in range(i, j)):
+            here, after = out[i], out[j]
+            # amid one layer's work; or a layer's leftover dropped at the next seam of a pass that goes on past it
+            # (a layer's residual freed between the two layers after it): layer 0, layer 1, [frees of 0], layer 2
+            seam = earlier == here and before is not None and (after - before > 0) == (before - here > 0)
+            if before == after or seam:
+                for x in range(i, j):
+                    out[x] = before
+        if i > 0 and out[i] != out[i - 1]:
+            earlier = out[i - 1]
         i = j
     return out
 
