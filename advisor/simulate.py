@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .measurement import Category, Measurement, Source, Status
@@ -41,6 +42,8 @@ class DepthRun:
     batch_shape: tuple[int, int]
     unpadded: bool
     cost: StepCost | None = None  # the step-time model's terms at this depth (extrapolated by extrapolate_cost)
+    # the run's allocation events by decoder layer (advisor/_sim/layers.py): what a deeper run is built from
+    stream: Any = field(default=None, compare=False, repr=False)
 
 
 def simulate(
@@ -68,11 +71,22 @@ def simulate(
     _check_simulable(candidate, workload.model)
     run_cand, notes = _runnable(candidate, target)
     depth = workload.model.num_layers
-    depths, layer_note = _depths(workload.model, layers)
+    depths, layer_note = _depths(workload.model, layers, run_cand)
+    runs = [simulate_depth(workload, run_cand, target, n, steps=steps, original=candidate) for n in depths]
+    try:
+        combined = _extrapolate(runs, depth, cuda=target.is_cuda, expandable_segments=run_cand.expandable_segments)
+    except _NotSeparable as e:
+        layer_note = f"the {depths[0]}- and {depths[1]}-layer runs do not split into identical layers ({e}): " \
+                     f"simulated at full depth"
+        combined = simulate_depth(workload, run_cand, target, depth, steps=steps, original=candidate)
     if layer_note:
         notes.append(layer_note)
-    runs = [simulate_depth(workload, run_cand, target, n, steps=steps, original=candidate) for n in depths]
-    combined = _extrapolate(runs, depth)
+    if candidate.group_by_length:
+        notes.append(
+            "group_by_length: transformers' LengthGroupedSampler puts the batch with the longest row first in every "
+            "epoch, so from the second epoch on the optimizer state meets it: simulated with the longest rows at "
+            "every step; a run of one epoch or less never puts them together and peaks lower (this is its bound)"
+        )
     peak, allocated, reserved = combined.peak_bytes, combined.allocated_bytes, combined.reserved_bytes
     breakdown = dict(combined.breakdown)
     step_time = combined.time_s
@@ -167,20 +181,21 @@ def simulate_depth(
                           model=trainer.model)
         _record_last_step(trainer, hook, steps, candidate.gradient_accumulation_steps)
         result = run_fake_training(
-            trainer, batch, steps=steps, cuda=target.is_cuda, on_op=hook, record_events=target.is_cuda
+            trainer, batch, steps=steps, cuda=target.is_cuda, on_op=hook, record_events=target.is_cuda,
+            num_layers=layers,
         )
         cost = _step_cost(trainer, hook, timed, target)
-    peak = result.peak
-    allocated = reserved = peak.peak_bytes
-    if target.is_cuda and result.events is not None:
-        from ._sim.cuda_rules import replay
+    from ._sim.layers import LayerStream
 
-        peaks = replay(result.events, expandable_segments=candidate.expandable_segments)
-        allocated, reserved = peaks.allocated, peaks.reserved
+    stream = LayerStream.from_run(layers, result.events, result.event_layers, result.event_categories)
+    peak, allocated, reserved, breakdown = _stream_peaks(
+        list(stream.events), list(stream.categories), cuda=target.is_cuda,
+        expandable_segments=candidate.expandable_segments,
+    )
     return DepthRun(
         layers=layers,
-        peak_bytes=peak.peak_bytes,
-        breakdown={c.value: n for c, n in peak.by_category.items()},
+        peak_bytes=peak,
+        breakdown=breakdown,
         allocated_bytes=allocated,
         reserved_bytes=reserved,
         time_s=_worst_step_s(cost),
@@ -188,6 +203,7 @@ def simulate_depth(
         batch_shape=result.facts.shape,
         unpadded=result.facts.unpadded,
         cost=cost,
+        stream=stream,
     )
 
 
@@ -266,6 +282,21 @@ def _expected_time(workload: Workload, candidate: Candidate, target: GPUSpec, co
     return evaluate(cost, batch_distribution(workload.dataset, candidate, tc.attn_block))
 
 
+def _stream_peaks(events: list, categories: list, *, cuda: bool, expandable_segments: bool):
+    """(peak, allocated, reserved, breakdown at the peak) of one allocation stream; on CUDA the caching allocator's
+    rules replayed on it, on the CPU all three the highest sum of live bytes."""
+    from ._sim.layers import stream_peak
+
+    top = stream_peak(events, categories)
+    allocated = reserved = top.peak_bytes
+    if cuda:
+        from ._sim.cuda_rules import replay
+
+        peaks = replay(events, expandable_segments=expandable_segments)
+        allocated, reserved = peaks.allocated, peaks.reserved
+    return top.peak_bytes, allocated, reserved, top.by_category
+
+
 _TOKENIZERS: dict[tuple, object] = {}
 
 
@@ -299,39 +330,65 @@ def with_depth(model: ModelSpec, layers: int) -> ModelSpec:
     return dataclasses.replace(model, config=config)
 
 
-def _depths(model: ModelSpec, layers: tuple[int, int] | None) -> tuple[list[int], str]:
+def _depths(model: ModelSpec, layers: tuple[int, int] | None, candidate: Candidate | None = None
+            ) -> tuple[list[int], str]:
+    """The two shallow depths whose runs build the full depth's stream: a = 2 + (N - 2) mod p and a + p, where p is
+    the period of the layers (layer types, checkpointing every n layers); [N] where that is no shallower."""
     depth = model.num_layers
-    if layers is None or depth <= layers[1]:
+    if layers is None or depth <= 3:
         return [depth], ""
     types = model.text_value("layer_types")
     period = 1
     if isinstance(types, list) and len(set(types)) > 1:
         period = next((p for p in range(1, len(types)) if all(types[i] == types[i % p] for i in range(len(types)))), 0)
-        if not period or depth % period:
+        if not period:
             return [depth], "layer types do not repeat: simulated at full depth"
-    a = period * max(1, -(-layers[0] // period))
-    b = a + period * max(1, (layers[1] - layers[0]) // period)
+    if candidate is not None and candidate.activation_checkpointing and candidate.checkpoint_every_n_layers > 1:
+        period = math.lcm(period, candidate.checkpoint_every_n_layers)
+    base = max(2, layers[0])
+    a = base + (depth - base) % period
+    b = a + period
     if b >= depth:
         return [depth], ""
-    return [a, b], f"simulated {a} and {b} decoder layers, extrapolated linearly to {depth}"
+    return [a, b], (
+        f"simulated {a} and {b} decoder layers, extrapolated to {depth} layer by layer: the {depth}-layer run's "
+        f"allocation stream built from theirs (checked against the {a}-layer run), its peaks taken on it"
+    )
 
 
-def _extrapolate(runs: list[DepthRun], depth: int) -> DepthRun:
+class _NotSeparable(Exception):
+    pass
+
+
+def _extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expandable_segments: bool = True
+                 ) -> DepthRun:
+    """The full depth from the two shallow runs: peaks exact on the built stream (advisor/_sim/layers.py); the step
+    time linear in depth."""
     if len(runs) == 1:
         return runs[0]
+    from ._sim.layers import NotSeparable, synthesize_checked
+
     lo, hi = runs
     k = (depth - lo.layers) / (hi.layers - lo.layers)
 
     def lin(a: float, b: float) -> float:
         return a + k * (b - a)
 
-    cats = set(lo.breakdown) | set(hi.breakdown)
+    if lo.stream is None or hi.stream is None:
+        raise _NotSeparable("no allocation stream recorded")
+    try:
+        events, cats = synthesize_checked(lo.stream, hi.stream, depth)
+    except NotSeparable as e:
+        raise _NotSeparable(str(e)) from e
+    peak, allocated, reserved, breakdown = _stream_peaks(
+        events, cats, cuda=cuda, expandable_segments=expandable_segments
+    )
     return DepthRun(
         layers=depth,
-        peak_bytes=round(lin(lo.peak_bytes, hi.peak_bytes)),
-        breakdown={c: max(0, round(lin(lo.breakdown.get(c, 0), hi.breakdown.get(c, 0)))) for c in cats},
-        allocated_bytes=round(lin(lo.allocated_bytes, hi.allocated_bytes)),
-        reserved_bytes=_reserved_at_depth(lo, hi, round(lin(lo.allocated_bytes, hi.allocated_bytes)), lin),
+        peak_bytes=peak,
+        breakdown=breakdown,
+        allocated_bytes=allocated,
+        reserved_bytes=reserved,
         time_s=lin(lo.time_s, hi.time_s),
         trained_tokens=hi.trained_tokens,
         batch_shape=hi.batch_shape,
@@ -345,13 +402,6 @@ def _extrapolate_time(lo: DepthRun, hi: DepthRun, k: float):
     from ._sim.timing import extrapolate_cost
 
     return extrapolate_cost(lo.cost, hi.cost, k)
-
-
-def _reserved_at_depth(lo: DepthRun, hi: DepthRun, allocated: int, lin) -> int:
-    """Reserved memory is not linear in depth (segments are reused or split), but it never falls below what is
-    allocated: the full depth keeps at least the slack between reserved and allocated seen at the deeper run."""
-    slack = max(0, hi.reserved_bytes - hi.allocated_bytes)
-    return max(round(lin(lo.reserved_bytes, hi.reserved_bytes)), allocated + slack)
 
 
 def _worst_rows(workload: Workload, candidate: Candidate) -> list[dict]:

@@ -8,6 +8,7 @@ Constants live in profiles/measurements/cuda_constants.json with where they came
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -39,49 +40,82 @@ def round_size(n: int, quantum: int = 512) -> int:
     return max(quantum, (n + quantum - 1) // quantum * quantum)
 
 
-class _Segment:
-    __slots__ = ("blocks",)
+class _Block:
+    __slots__ = ("seg", "offset", "size", "free", "prev", "next")
 
-    def __init__(self, size: int) -> None:
-        self.blocks: list[list[int]] = [[0, size, 1]]  # [offset, size, free]
+    def __init__(self, seg: int, offset: int, size: int) -> None:
+        self.seg, self.offset, self.size, self.free = seg, offset, size, True
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.size, self.seg, self.offset)
 
 
 class _Pool:
+    """Segments of one pool as linked blocks; the free blocks in one list sorted by (size, segment, offset), so
+    best fit (the smallest block that fits, the oldest segment and lowest offset among equals) is one bisect."""
+
     def __init__(self, small: bool, c: dict[str, int]) -> None:
         self.small = small
         self.c = c
-        self.segments: list[_Segment] = []
+        self.segments = 0
         self.reserved = 0
+        self._free: list[tuple[int, int, int]] = []
+        self._blocks: dict[tuple[int, int], _Block] = {}  # (segment, offset) -> free block
 
-    def alloc(self, size: int) -> tuple[_Segment, int]:
-        best: tuple[int, _Segment, int] | None = None
-        for seg in self.segments:
-            for i, (_, bsize, free) in enumerate(seg.blocks):
-                if free and bsize >= size and (best is None or bsize < best[0]):
-                    best = (bsize, seg, i)
-        if best is None:
-            seg = _Segment(self._segment_size(size))
-            self.segments.append(seg)
-            self.reserved += seg.blocks[0][1]
-            best = (seg.blocks[0][1], seg, 0)
-        bsize, seg, i = best
-        offset = seg.blocks[i][0]
+    def _add_free(self, b: _Block) -> None:
+        b.free = True
+        bisect.insort(self._free, b.key())
+        self._blocks[(b.seg, b.offset)] = b
+
+    def _drop_free(self, b: _Block) -> None:
+        k = b.key()
+        del self._free[bisect.bisect_left(self._free, k)]
+        del self._blocks[(b.seg, b.offset)]
+        b.free = False
+
+    def alloc(self, size: int) -> _Block:
+        i = bisect.bisect_left(self._free, (size, -1, -1))
+        if i == len(self._free):
+            seg_size = self._segment_size(size)
+            b = _Block(self.segments, 0, seg_size)
+            self.segments += 1
+            self.reserved += seg_size
+            self._add_free(b)
+            i = bisect.bisect_left(self._free, b.key())
+        bsize, seg, offset = self._free[i]
+        b = self._blocks[(seg, offset)]
+        self._drop_free(b)
         rest = bsize - size
         min_split = self.c["round_bytes"] if self.small else self.c["small_size_bytes"] + 1
         if rest >= min_split:
-            seg.blocks[i] = [offset, size, 0]
-            seg.blocks.insert(i + 1, [offset + size, rest, 1])
-        else:
-            seg.blocks[i][2] = 0
-        return seg, offset
+            tail = _Block(seg, offset + size, rest)
+            tail.prev, tail.next = b, b.next
+            if b.next is not None:
+                b.next.prev = tail
+            b.next = tail
+            b.size = size
+            self._add_free(tail)
+        return b
 
-    def free(self, seg: _Segment, offset: int) -> None:
-        i = next(j for j, b in enumerate(seg.blocks) if b[0] == offset)
-        seg.blocks[i][2] = 1
-        if i + 1 < len(seg.blocks) and seg.blocks[i + 1][2]:
-            seg.blocks[i][1] += seg.blocks.pop(i + 1)[1]
-        if i > 0 and seg.blocks[i - 1][2]:
-            seg.blocks[i - 1][1] += seg.blocks.pop(i)[1]
+    def free(self, b: _Block) -> None:
+        nxt = b.next
+        if nxt is not None and nxt.free:
+            self._drop_free(nxt)
+            b.size += nxt.size
+            b.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = b
+        prv = b.prev
+        if prv is not None and prv.free:
+            self._drop_free(prv)
+            prv.size += b.size
+            prv.next = b.next
+            if b.next is not None:
+                b.next.prev = prv
+            b = prv
+        self._add_free(b)
 
     def _segment_size(self, size: int) -> int:
         c = self.c
@@ -100,7 +134,7 @@ def replay(events: list[tuple[int, int]], *, expandable_segments: bool, base_byt
     """
     c = constants()["allocator"]
     pools = {True: _Pool(True, c), False: _Pool(False, c)}
-    where: dict[int, tuple[bool, _Segment, int, int]] = {}
+    where: dict[int, tuple[bool, _Block | None, int]] = {}
     allocated = peak_alloc = peak_reserved = 0
     in_use = {True: 0, False: 0}
     page = c["round_large_bytes"]
@@ -111,17 +145,16 @@ def replay(events: list[tuple[int, int]], *, expandable_segments: bool, base_byt
             allocated += size
             if expandable_segments and not small:
                 in_use[False] += size
-                where[key] = (small, None, 0, size)  # type: ignore[arg-type]
+                where[key] = (small, None, size)
             else:
-                seg, off = pools[small].alloc(size)
-                where[key] = (small, seg, off, size)
+                where[key] = (small, pools[small].alloc(size), size)
         else:
-            small, seg, off, size = where.pop(key)
+            small, block, size = where.pop(key)
             allocated -= size
-            if seg is None:
+            if block is None:
                 in_use[False] -= size
             else:
-                pools[small].free(seg, off)
+                pools[small].free(block)
         peak_alloc = max(peak_alloc, allocated)
         large = -(-in_use[False] // page) * page if expandable_segments else 0
         peak_reserved = max(peak_reserved, pools[True].reserved + pools[False].reserved + large)

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..measurement import Category
 from .flash import fake_flash_attention
+from .layers import install_layer_hooks
 from .tracker import PeakSnapshot, StorageTracker
 
 
@@ -44,6 +45,8 @@ class FakeRunResult:
     facts: BatchFacts
     allocations: int
     events: list[tuple[int, int]] | None
+    event_layers: list[int | None] | None = None  # per event, the decoder layer it belongs to (advisor/_sim/layers)
+    event_categories: dict[int, Category] | None = None  # per allocation event, its last category
 
 
 def batch_facts(batch: dict[str, torch.Tensor]) -> BatchFacts:
@@ -224,20 +227,22 @@ def run_fake_training(
     cuda: bool,
     on_op: Callable[[Any, tuple, dict, Any], None] | None = None,
     record_events: bool = False,
+    num_layers: int = 0,
 ) -> FakeRunResult:
     """Materialise `trainer.model` as fake tensors and run `trainer.train()` for `steps` optimizer steps."""
     facts = batch_facts(batch)
     ga = trainer.args.gradient_accumulation_steps
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = StorageTracker(answer_scalar=ScalarOracle(facts))
-    if record_events:
-        tracker.events = []
+    tracker.events = []  # always: the stream is what deeper runs are built from (advisor/_sim/layers.py)
     model = trainer.model
     with _frozen_heap(), real_path_patches(cuda), fake_flash_attention(lambda: tracker.answer_scalar.facts), mode, \
             tracker:
         _materialise(model)
         tracker.set_category([p for p in model.parameters()], Category.PARAMETERS)
         tracker.set_category([b for b in model.buffers()], Category.PARAMETERS)
+        hooks = install_layer_hooks(model, tracker, num_layers)
+        _outside_layers_after(trainer, "training_step", tracker)
         batches = deque()
         for _ in range(steps * ga):
             fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -252,12 +257,30 @@ def run_fake_training(
             tracker.on_op = on_op
             _label_training_state(trainer, tracker)
             trainer.train()
+        events = tracker.finish_events()
+        for handle in hooks:
+            handle.remove()
     return FakeRunResult(
         peak=tracker.peak,
         facts=facts,
         allocations=tracker.allocations,
-        events=tracker.events,
+        events=events,
+        event_layers=tracker.event_layers,
+        event_categories=tracker.event_categories,
     )
+
+
+def _outside_layers_after(trainer: Any, name: str, tracker: StorageTracker) -> None:
+    """After a micro-batch's forward and backward, no decoder layer runs (clipping, the optimizer, zero_grad)."""
+    original = getattr(trainer, name)
+
+    def wrapped(*args: Any, **kwargs: Any):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            tracker.layer = None
+
+    setattr(trainer, name, wrapped)
 
 
 @contextlib.contextmanager

@@ -53,6 +53,13 @@ class StorageTracker(TorchDispatchMode):
         self.on_op: Callable[[object, tuple, dict, object], None] | None = None
         # (+bytes | -bytes) in time order, for replaying the CUDA caching allocator; None when not recording
         self.events: list[tuple[int, int]] | None = None
+        # per event: the decoder layer it belongs to (None: unknown), and per allocation its last category; kept
+        # while recording so a deeper run's stream can be built layer by layer (advisor/_sim/layers.py)
+        self.event_layers: list[int | None] = []
+        self.event_categories: dict[int, Category] = {}
+        self.layer: int | None = None  # the decoder layer running now (set by layer hooks), None outside one
+        self._op_layer: int | None = None  # outside a layer: the layer of the running op's first tagged input
+        self._alloc_event: dict[int, int] = {}  # live storage key -> index of its allocation event
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
     def track(self, tensors: Iterable[object], category: Category | None = None) -> None:
@@ -73,7 +80,9 @@ class StorageTracker(TorchDispatchMode):
         self.allocations += 1
         self.current += nbytes
         if self.events is not None:
+            self._alloc_event[key] = len(self.events)
             self.events.append((key, nbytes))
+            self.event_layers.append(self.layer if self.layer is not None else self._op_layer)
         weakref.finalize(storage, self._free, key)
         if self.current > self.peak.peak_bytes:
             self._snapshot()
@@ -84,7 +93,11 @@ class StorageTracker(TorchDispatchMode):
             self.current -= live.nbytes
             self._by_category[live.category] -= live.nbytes
             if self.events is not None:
-                self.events.append((key, -live.nbytes))
+                index = self._alloc_event.pop(key, None)
+                if index is not None:
+                    self.event_categories[index] = live.category
+                    self.events.append((key, -live.nbytes))
+                    self.event_layers.append(self.layer)
 
     def _snapshot(self) -> None:
         self.peak = PeakSnapshot(self.current, {c: n for c, n in self._by_category.items() if n})
@@ -105,6 +118,33 @@ class StorageTracker(TorchDispatchMode):
             else:
                 self.category_of[key] = category
 
+    def set_layer(self, tensors: Iterable[torch.Tensor], layer: int) -> None:
+        """Mark live storages (a decoder layer's parameters) as allocated by `layer`."""
+        if self.events is None:
+            return
+        for t in tensors:
+            index = self._alloc_event.get(_key(t.untyped_storage()))
+            if index is not None:
+                self.event_layers[index] = layer
+
+    def finish_events(self) -> list[tuple[int, int]] | None:
+        """Stop recording: the events so far (later frees, e.g. when the trainer is collected, are not part of it);
+        the category of each allocation still live is its category now."""
+        events = self.events
+        if events is not None:
+            for key, index in self._alloc_event.items():
+                self.event_categories[index] = self._live[key].category
+            self._alloc_event = {}
+        self.events = None
+        return events
+
+    def _input_layer(self, args: object) -> int | None:
+        for t in tensors_in(args):
+            index = self._alloc_event.get(_key(t.untyped_storage())) if type(t) is FakeTensor else None
+            if index is not None and self.event_layers[index] is not None:
+                return self.event_layers[index]
+        return None
+
     def live_by_category(self) -> dict[Category, int]:
         return {c: n for c, n in self._by_category.items() if n}
 
@@ -119,11 +159,14 @@ class StorageTracker(TorchDispatchMode):
         if func is _SCALAR and self.answer_scalar is not None:
             return self.answer_scalar(args[0])
         out = func(*args, **kwargs)
+        if self.events is not None and self.layer is None:
+            self._op_layer = self._input_layer((args, kwargs))
         if self.on_op is not None:
             self.on_op(func, args, kwargs, out)
         for t in tensors_in(out):
             if (t.fake_device if type(t) is FakeTensor else t.device).type != "meta":
                 self._add(t.untyped_storage(), None)
+        self._op_layer = None
         return out
 
 
