@@ -255,7 +255,7 @@ def run_fake_training(
             if cuda:
                 stack.enter_context(CompactIndexing(facts.labelled))
             tracker.on_op = on_op
-            _label_training_state(trainer, tracker)
+            _label_training_state(trainer, tracker, cuda=cuda)
             trainer.train()
         events = tracker.finish_events()
         for handle in hooks:
@@ -322,8 +322,13 @@ class _Sized:
         return self.n
 
 
-def _label_training_state(trainer: Any, tracker: StorageTracker) -> None:
-    """Gradients and optimizer state are labelled when created: wrap the optimizer's step and backward hooks."""
+def _label_training_state(trainer: Any, tracker: StorageTracker, *, cuda: bool = False) -> None:
+    """Gradients and optimizer state are labelled when created: wrap the optimizer's step and backward hooks.
+
+    On a CUDA target the optimizer takes the implementation it takes on the GPU: torch picks `foreach` for
+    `foreach=None` when every parameter is a CUDA tensor (torch/optim/optimizer.py `_default_to_fused_or_foreach`),
+    and the foreach step allocates whole-group temporaries (e.g. AdamW's `_foreach_sqrt` of every exp_avg_sq) that
+    the CPU's per-tensor loop never holds at once. The fake tensors are CPU tensors, so that choice is made here."""
     params = [p for p in trainer.model.parameters() if p.requires_grad]
 
     def _grad_hook(p: torch.Tensor) -> None:
@@ -338,6 +343,10 @@ def _label_training_state(trainer: Any, tracker: StorageTracker) -> None:
     def create_optimizer(*args: Any, **kwargs: Any):
         opt = original(*args, **kwargs)
         inner = getattr(opt, "optimizer", opt)
+        if cuda:
+            for group in inner.param_groups:
+                if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                    group["foreach"] = True
 
         def _before_step(optimizer, *_a, **_k):
             tracker.default_category = Category.TEMPORARIES
