@@ -408,6 +408,9 @@ def _runnable(candidate: Candidate, target: GPUSpec) -> tuple[Candidate, list[st
             "cu_seqlens for padding-free rows); the kernel's tensors from aten's _flash_attention_forward/_backward "
             "meta kernels plus flash-attn 2's backward workspace (softmax_d, dq_accum, GQA dK/dV), FLOPs per sequence"
         )
+    if candidate.attn_implementation.is_flash and candidate.attn_implementation.flash_version != 2:
+        notes.append(f"{candidate.attn_implementation.value}: modelled as FlashAttention 2 (same flash path and "
+                     "tensors); its own kernel's workspace and speed are not simulated")
     if candidate.activation_offloading:
         changes["activation_offloading"] = False
     if candidate.precision is Precision.FP16:

@@ -111,6 +111,8 @@ def test_simulates_the_same_peak_as_the_hub_flash_attn2(name, workload, h100_tar
     assert (got.peak_bytes, got.device_bytes) == (ref.peak_bytes, ref.device_bytes)
     assert got.step_time_s == pytest.approx(ref.step_time_s)
     assert any(n.startswith("FlashAttention:") for n in got.notes)
+    modelled = [n for n in got.notes if "modelled as FlashAttention 2" in n]
+    assert bool(modelled) is (Attention(name).flash_version != 2) and all(name in n for n in modelled)
     assert sdpa.peak_bytes != ref.peak_bytes
 
 
