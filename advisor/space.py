@@ -551,6 +551,7 @@ def _flash_runs_on(attn: Attention, gpu: GPUSpec) -> bool:
         return True  # profiles.py validates the field; a profile that passed says supports_flash_attention
     return cc == 0 or cc >= attn.min_compute_capability
 
+
 _ENUM_FIELDS: dict[str, type[Enum]] = {
     "packing_strategy": PackingStrategy,
     "optim": Optimizer,
