@@ -146,7 +146,7 @@ class BatchShape:
 
 def _batches(dataset: TokenizedDataset, c: Candidate) -> tuple[BatchShape, BatchShape]:
     """The worst micro-batch (the longest rows, truncated) and a typical one (for throughput)."""
-    flash = c.attn_implementation is Attention.FLASH_ATTENTION_2
+    flash = c.attn_implementation is not None and c.attn_implementation.is_flash
     return _batch_shapes(
         dataset, c.per_device_train_batch_size, c.max_length, c.packing, c.packing_strategy,
         c.effective_padding_free, c.padding_free, c.pad_to_multiple_of, c.group_by_length, flash,

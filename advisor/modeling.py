@@ -47,8 +47,9 @@ def build_model(spec: ModelSpec, candidate: Candidate | None = None, device: str
             )
         model.config._attn_implementation = attn
         return model
-    # A real-weights run loads the Hub kernel through `model_init_kwargs`; the saved random model keeps sdpa.
-    config._attn_implementation = attn if not attn.startswith("kernels-community/") else "sdpa"
+    # A real-weights run loads FlashAttention (Hub kernel or flash-attn package) through `model_init_kwargs`; the
+    # saved random model keeps sdpa.
+    config._attn_implementation = "sdpa" if flash else attn
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(candidate))
     return model

@@ -48,8 +48,8 @@ def _knobs(t: Trial) -> str:
         extra.append(f"lora{c.lora_r}" + (f"/{c.quantization.value}" if c.quantization.value != "none" else ""))
     if c.weights_dtype.value != "float32":
         extra.append(c.weights_dtype.value)
-    if c.attn_implementation.value != "sdpa":
-        extra.append("fa2")
+    if c.attn_implementation is not None and c.attn_implementation.value != "sdpa":
+        extra.append(f"fa{c.attn_implementation.flash_version}" if c.attn_implementation.is_flash else "eager")
     return (f"{c.per_device_train_batch_size}x{c.gradient_accumulation_steps} L={c.max_length} {pack} "
             f"ckpt={ckpt} {c.optim.value} " + " ".join(extra)).strip()
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .measurement import Category, Measurement, Source, Status
-from .space import Attention, Candidate, Optimizer, Precision, Quantization, WeightsDtype
+from .space import Candidate, Optimizer, Precision, Quantization, WeightsDtype
 from .workload import GPUSpec, ModelSpec, Workload
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class DepthRun:
     cost: StepCost | None = None  # the step-time model's terms at this depth (extrapolated by extrapolate_cost)
     # the run's allocation events by decoder layer (advisor/_sim/layers.py): what a deeper run is built from
     stream: Any = field(default=None, compare=False, repr=False)
+    padding_free_sequences: int = 0  # the sequences of a padding-free batch (no attention mask); 0: padded rows
 
 
 def simulate(
@@ -137,7 +138,7 @@ def simulate(
         time_breakdown=dict(timed.terms) if timed is not None else {},
         mfu=timed.mfu if timed is not None else None,
         worst_step_time_s=timed.worst_step_s if timed is not None else None,
-        peak_batch=f"{b} x {s} ({'unpadded' if combined.unpadded else 'padded'}; the longest rows)",
+        peak_batch=_batch_label(b, s, combined.unpadded, runs[-1].padding_free_sequences),
         message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes),
         wall_time_s=time.perf_counter() - started,
@@ -204,6 +205,7 @@ def simulate_depth(
         unpadded=result.facts.unpadded,
         cost=cost,
         stream=stream,
+        padding_free_sequences=0 if batch.get("attention_mask") is not None else len(result.facts.seq_lengths),
     )
 
 
@@ -450,12 +452,15 @@ def _runnable(candidate: Candidate, target: GPUSpec) -> tuple[Candidate, list[st
         changes["weights_dtype"] = WeightsDtype.FLOAT16 if fp16 else WeightsDtype.BFLOAT16
     if candidate.optim.needs_bitsandbytes:
         changes["optim"] = Optimizer.ADAMW_TORCH
-    if candidate.attn_implementation is Attention.FLASH_ATTENTION_2:
+    if candidate.attn_implementation.is_flash:
         notes.append(
             "FlashAttention: transformers' flash path run as written (no mask; unpad/repad of padded rows; varlen "
             "cu_seqlens for padding-free rows); the kernel's tensors from aten's _flash_attention_forward/_backward "
             "meta kernels plus flash-attn 2's backward workspace (softmax_d, dq_accum, GQA dK/dV), FLOPs per sequence"
         )
+    if candidate.attn_implementation.is_flash and candidate.attn_implementation.flash_version != 2:
+        notes.append(f"{candidate.attn_implementation.value}: modelled as FlashAttention 2 (same flash path and "
+                     "tensors); its own kernel's workspace and speed are not simulated")
     if candidate.activation_offloading:
         changes["activation_offloading"] = False
     if candidate.precision is Precision.FP16:
@@ -542,3 +547,14 @@ def _quiet() -> Iterator[None]:
     finally:
         if bars:
             datasets.utils.logging.enable_progress_bar()
+
+
+def _batch_label(rows: int, seq: int, unpadded: bool, padding_free_sequences: int) -> str:
+    """`Measurement.peak_batch`: "ROWS x SEQ (KIND; the longest rows)", KIND one of padded, unpadded (an attention
+    mask of all ones) or "padding-free, N sequences" (position_ids, no mask; N over all rows)."""
+    if padding_free_sequences:
+        n = padding_free_sequences
+        kind = f"padding-free, {n} sequence{'s' if n != 1 else ''}"
+    else:
+        kind = "unpadded" if unpadded else "padded"
+    return f"{rows} x {seq} ({kind}; the longest rows)"

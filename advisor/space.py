@@ -89,9 +89,60 @@ UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
 
 
 class Attention(str, Enum):
+    """`attn_implementation` as transformers 5 accepts it (PreTrainedModel._check_and_adjust_attn_implementation).
+
+    The FlashAttention names are every one transformers knows for CUDA (advisor/_sim/flash.py
+    `flash_attention_names()`, which tests/test_attention_names.py keeps equal to these): `flash_attention_N` is
+    the flash-attn package of that version (transformers falls back to the Hub kernel FLASH_ATTN_KERNEL_FALLBACK
+    names when the package is missing and `kernels` is installed); `kernels-community/...` is a Hub kernel loaded
+    through the `kernels` package. Every one runs transformers' same flash path (`_flash_attention_forward`), so
+    memory and time are modelled alike; they differ in what they need (`package`, `min_compute_capability`).
+    """
+
     SDPA = "sdpa"
     EAGER = "eager"
-    FLASH_ATTENTION_2 = "kernels-community/flash-attn2"
+    FLASH_ATTENTION_2 = "kernels-community/flash-attn2"  # the one the search offers
+    FLASH_ATTENTION_2_PACKAGE = "flash_attention_2"
+    FLASH_ATTENTION_3_PACKAGE = "flash_attention_3"
+    FLASH_ATTENTION_4_PACKAGE = "flash_attention_4"
+    FLASH_ATTENTION_3 = "kernels-community/flash-attn3"
+    VLLM_FLASH_ATTENTION_3 = "kernels-community/vllm-flash-attn3"
+    FLASH_ATTENTION_4 = "kernels-community/flash-attn4"
+
+    @property
+    def is_flash(self) -> bool:
+        """Any FlashAttention (transformers' `is_flash_attention_requested`): the flash path, varlen, no mask."""
+        return self not in (Attention.SDPA, Attention.EAGER)
+
+    @property
+    def is_hub_kernel(self) -> bool:
+        """Loaded from the Hugging Face Hub through the `kernels` package (`transformers.integrations.hub_kernels`)."""
+        return self.value.startswith("kernels-community/")
+
+    @property
+    def flash_version(self) -> int | None:
+        """2, 3 or 4 for FlashAttention, None for sdpa / eager."""
+        return int(self.value[-1]) if self.is_flash else None
+
+    @property
+    def package(self) -> str | None:
+        """The pip distribution transformers imports it from: `kernels` for a Hub kernel; for flash_attention_N the
+        distribution transformers' FLASH_ATTENTION_COMPATIBILITY_MATRIX checks (flash-attn, flash-attn-3 providing
+        `flash_attn_interface`, flash-attn-4); None for sdpa / eager (torch)."""
+        if not self.is_flash:
+            return None
+        if self.is_hub_kernel:
+            return "kernels"
+        return {2: "flash-attn", 3: "flash-attn-3", 4: "flash-attn-4"}[self.flash_version]
+
+    @property
+    def min_compute_capability(self) -> float | None:
+        """The lowest CUDA compute capability it runs on: FlashAttention 2 and 3 need Ampere (8.0: flash-attn 2's
+        kernels; transformers' cuda_min_major_version 8 for FA3), FlashAttention 4 Hopper (9.0: transformers'
+        cuda_min_major_version 9). None for sdpa / eager."""
+        if not self.is_flash:
+            return None
+        return 9.0 if self.flash_version == 4 else 8.0
 
 
 @dataclass(frozen=True)
@@ -392,8 +443,11 @@ class Candidate:
                 out.append(f"optim={self.optim.value} on the CPU: bitsandbytes optimizers need CUDA; use adamw_torch")
             if self.precision is Precision.FP16:
                 out.append("precision=fp16 on the CPU: fp16 mixed precision needs a GPU; use bf16 or fp32")
-            if self.attn_implementation is Attention.FLASH_ATTENTION_2:
-                out.append("attn_implementation=flash-attn2 on the CPU: FlashAttention needs CUDA; use sdpa")
+            if self.attn_implementation is not None and self.attn_implementation.is_flash:
+                out.append(
+                    f"attn_implementation={self.attn_implementation.value} on the CPU: FlashAttention needs CUDA; "
+                    "set attn_implementation=sdpa"
+                )
         else:
             if self.precision is Precision.BF16 and not gpu.supports_bf16:
                 out.append(
@@ -402,8 +456,13 @@ class Candidate:
                 )
             if self.weights_dtype is WeightsDtype.BFLOAT16 and not gpu.supports_bf16:
                 out.append(f"weights_dtype=bfloat16 on {gpu.name}: no bf16 support; use float32 or float16")
-            if self.attn_implementation is Attention.FLASH_ATTENTION_2 and not gpu.supports_flash_attention:
-                out.append(f"attn_implementation=flash-attn2 on {gpu.name}: FlashAttention 2 needs Ampere or newer")
+            attn = self.attn_implementation
+            if attn is not None and attn.is_flash and not _flash_runs_on(attn, gpu):
+                need = "Hopper (compute capability 9.0)" if attn.min_compute_capability >= 9 else "Ampere (8.0)"
+                out.append(
+                    f"attn_implementation={attn.value} on {gpu.name} (compute capability {gpu.compute_capability}): "
+                    f"FlashAttention {attn.flash_version} needs {need} or newer; set attn_implementation=sdpa"
+                )
         return out
 
     def _model_problems(self, model: ModelSpec) -> list[str]:
@@ -443,8 +502,10 @@ class Candidate:
         out = []
         if self.quantization is not Quantization.NONE or self.optim.needs_bitsandbytes:
             out.append("bitsandbytes")
-        if self.attn_implementation is Attention.FLASH_ATTENTION_2:
-            out.append("kernels")  # transformers loads kernels-community/* attention through it, from the Hub
+        if self.attn_implementation is not None and self.attn_implementation.is_flash:
+            # kernels-community/*: loaded from the Hub through `kernels`; flash_attention_N: the flash-attn package
+            # (transformers falls back to the Hub kernel only where `kernels` is installed instead)
+            out.append(self.attn_implementation.package)
         return tuple(out)
 
     def quality_cost(self, truncated_fraction: float = 0.0) -> QualityCost:
@@ -478,6 +539,18 @@ class Candidate:
 # every_n_layers): use_reentrant, preserve_rng_state, ...
 CHECKPOINT_EXTRA = "activation_checkpointing_kwargs"
 _NULLABLE_ENUMS = frozenset({"attn_implementation"})
+
+
+def _flash_runs_on(attn: Attention, gpu: GPUSpec) -> bool:
+    """The GPU profile's FlashAttention flag (Ampere+), and for FlashAttention 4 its compute capability (Hopper+)."""
+    if not gpu.supports_flash_attention:
+        return False
+    try:
+        cc = float(gpu.compute_capability or 0)
+    except ValueError:
+        return True  # profiles.py validates the field; a profile that passed says supports_flash_attention
+    return cc == 0 or cc >= attn.min_compute_capability
+
 
 _ENUM_FIELDS: dict[str, type[Enum]] = {
     "packing_strategy": PackingStrategy,

@@ -170,17 +170,23 @@ def attention_refusal(space: SearchSpace, cand: Candidate) -> str | None:
     implementation (pinned, or a GPU without FlashAttention) admits every combination TRL accepts.
     """
     offered = space.values.get("attn_implementation", (Candidate().attn_implementation,))
-    if (
-        len(offered) > 1
-        and Attention.FLASH_ATTENTION_2 in offered
-        and cand.effective_padding_free
-        and cand.attn_implementation is not Attention.FLASH_ATTENTION_2
-    ):
+    flash = [a for a in map(_attention, offered) if a is not None and a.is_flash]
+    attn = _attention(cand.attn_implementation)
+    if len(offered) > 1 and flash and cand.effective_padding_free and not (attn is not None and attn.is_flash):
         batch = "padding_free=True" if cand.padding_free else f"packing_strategy={cand.packing_strategy.value}"
-        return (f"{batch} with attn_implementation={cand.attn_implementation.value}: padding-free batches take "
-                f"FlashAttention ({Attention.FLASH_ATTENTION_2.value}) on this GPU; pin --fix "
-                f"attn_implementation={cand.attn_implementation.value} to measure it anyway")
+        name = attn.value if attn is not None else "None"
+        return (f"{batch} with attn_implementation={name}: padding-free batches take "
+                f"FlashAttention ({flash[0].value}) on this GPU; pin --fix "
+                f"attn_implementation={name} to measure it anyway")
     return None
+
+
+def _attention(value: Any) -> Attention | None:
+    """A space's attn_implementation value as the Enum (None: not written, or not an Attention at all)."""
+    try:
+        return None if value is None else Attention(value)
+    except ValueError:
+        return None
 
 
 # ---- --fix FIELD=VALUE -------------------------------------------------------------------------------------
