@@ -45,6 +45,9 @@ MATRIX: dict[str, dict] = {
     # FlashAttention's varlen path (the simulator runs transformers' flash path on aten's flash meta kernels)
     "flash-packing-bfd": {"packing": True, "packing_strategy": "bfd", "attn_implementation": _FLASH},
     "flash-padding-free": {"padding_free": True, "max_length": None, "attn_implementation": _FLASH},
+    # a long checkpointed run: packed rows of 4096 tokens (the synthetic rows are short; packing makes them long)
+    "flash-long-ckpt": {"packing": True, "packing_strategy": "bfd", "max_length": 4096,
+                        "attn_implementation": _FLASH},
 }
 
 

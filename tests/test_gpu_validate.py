@@ -32,13 +32,14 @@ def test_matrix_covers_the_issue(gv):
     flash = [f for f in fields if f.attn_implementation.value == "kernels-community/flash-attn2"]
     assert any(f.packing and f.effective_padding_free for f in flash)
     assert any(f.padding_free and not f.packing and f.max_length is None for f in flash)
+    assert any(f.activation_checkpointing and f.max_length and f.max_length >= 4096 for f in flash)  # a long run
     assert all(f.attn_implementation.value == "sdpa" for f in fields if f not in flash)
 
 
 def test_dry_run_checks_every_candidate(gv, capsys):
     assert gv.main(["--dry-run", "--gpu", "H100-80GB"]) == 0
     out = capsys.readouterr().out
-    assert "14 cases" in out and "Qwen/Qwen2.5-0.5B (24 layers)" in out and '"trl": "1.16' in out
+    assert "16 cases" in out and "Qwen/Qwen2.5-0.5B (24 layers)" in out and '"trl": "1.16' in out
 
 
 def test_cuda_without_gpu_is_a_usage_error(gv, monkeypatch):

@@ -58,6 +58,7 @@ def test_cpu_peak_replays_the_allocator_events():
 
     from advisor.probe.meters import cpu_peak
 
+    before = torch.ones(4 * 1024 * 1024)  # 16 MiB live before profiling (earlier work): not part of the peak
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         a = torch.ones(1024, 1024)  # 4 MiB
         b = torch.ones(1024, 1024)  # 8 MiB live
@@ -66,6 +67,7 @@ def test_cpu_peak_replays_the_allocator_events():
         del b, c
     found = cpu_peak(prof)
     assert found.peak_bytes == 8 * 2**20
+    del before
     assert found.events >= 5
 
 

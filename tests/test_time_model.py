@@ -224,9 +224,9 @@ def test_qlora_slower_than_lora_with_bf16_weights(qwen_h100):
         assert qlora.time_breakdown["dequantization"] > 0 and "dequantization" not in lora.time_breakdown
         # every 4-bit linear dequantizes on the forward, the backward and the recompute: 3 reads of its codes
         # and 3 writes of its 16-bit weight, at least
-        from advisor.simulate import quantized_linear_params
+        from advisor.estimate import architecture
 
-        n = quantized_linear_params(qwen_h100.model)
+        n = architecture(qwen_h100.model).decoder_linear
         floor = 3 * n * (0.5 + 2) / (qwen_h100.gpu.memory_bandwidth_gbs * 1e9)
         assert qlora.time_breakdown["dequantization"] > floor
 

@@ -159,15 +159,35 @@ class StorageTracker(TorchDispatchMode):
         if func is _SCALAR and self.answer_scalar is not None:
             return self.answer_scalar(args[0])
         out = func(*args, **kwargs)
-        if self.events is not None and self.layer is None:
-            self._op_layer = self._input_layer((args, kwargs))
         if self.on_op is not None:
             self.on_op(func, args, kwargs, out)
+        per_tensor = self.events is not None and self.layer is None and _foreach_lists(func, args, out)
+        if per_tensor:
+            # a foreach op (the GPU's optimizer step): output i is computed from element i of the first list, so
+            # it belongs to that element's layer, not to the first element's
+            for src, t in zip(args[0], out, strict=True):
+                self._op_layer = self._input_layer(src)
+                if (t.fake_device if type(t) is FakeTensor else t.device).type != "meta":
+                    self._add(t.untyped_storage(), None)
+            self._op_layer = None
+            return out
+        if self.events is not None and self.layer is None:
+            self._op_layer = self._input_layer((args, kwargs))
         for t in tensors_in(out):
             if (t.fake_device if type(t) is FakeTensor else t.device).type != "meta":
                 self._add(t.untyped_storage(), None)
         self._op_layer = None
         return out
+
+
+def _foreach_lists(func, args: tuple, out: object) -> bool:
+    """A `_foreach_*` op returning one tensor per element of its first tensor list."""
+    return (
+        func._overloadpacket.__name__.startswith("_foreach_")
+        and isinstance(out, (list, tuple)) and len(out) > 0
+        and bool(args) and isinstance(args[0], (list, tuple)) and len(args[0]) == len(out)
+        and all(isinstance(t, torch.Tensor) for t in out)
+    )
 
 
 def tensors_in(tree: object) -> list[torch.Tensor]:

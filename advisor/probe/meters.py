@@ -74,9 +74,11 @@ def cpu_peak(prof: Any) -> AllocationPeak:
     allocations.sort(key=lambda a: a[0])
     live = peak = 0
     peak_t = allocations[0][0] if allocations else 0
+    # the allocator's running total counts what was live before profiling too: measure it from there
+    before = allocations[0][2] - allocations[0][1] if allocations else 0
     for t, size, total in allocations:
         live += size
-        current = max(live, total)
+        current = max(live, total - before)
         if current > peak:
             peak, peak_t = current, t
     return AllocationPeak(peak_bytes=peak, time_ns=peak_t, events=len(allocations))
