@@ -18,8 +18,26 @@ from advisor.space import Candidate
 from advisor.workload import Goals, Workload
 
 
-def _real_cpu_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> int:
+def _allocator_peak(prof) -> int:
+    """The highest sum of the profiler's Allocation events (frees are negative), in time order."""
     from torch._C._profiler import _EventType
+
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.typed[0] == _EventType.Allocation:
+            events.append((e.start_time_ns, e.typed[1].alloc_size))
+        stack.extend(e.children)
+    events.sort(key=lambda x: x[0])
+    current = peak = 0
+    for _, size in events:
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
+def _real_cpu_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> int:
     from torch.profiler import ProfilerActivity, profile
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
@@ -66,19 +84,7 @@ def _real_cpu_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> 
         gc.collect()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             trainer.train()
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.typed[0] == _EventType.Allocation:
-            events.append((e.start_time_ns, e.typed[1].alloc_size))
-        stack.extend(e.children)
-    events.sort(key=lambda x: x[0])
-    current = peak = 0
-    for _, size in events:
-        current += size
-        peak = max(peak, current)
-    return sum(live.values()) + peak
+    return sum(live.values()) + _allocator_peak(prof)
 
 
 BASE = dict(max_length=128, per_device_train_batch_size=2, precision="fp32", optim="adamw_torch")
@@ -209,7 +215,6 @@ def _parse_like_trl_sft(data: dict, tmp_path):
 
 def _profiled_train_peak(trainer) -> int:
     """Bytes live before train() (parameters, buffers, the fed batches) plus the allocator's peak during it."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     live = {}
@@ -220,19 +225,7 @@ def _profiled_train_peak(trainer) -> int:
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer.train()
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.typed[0] == _EventType.Allocation:
-            events.append((e.start_time_ns, e.typed[1].alloc_size))
-        stack.extend(e.children)
-    events.sort(key=lambda x: x[0])
-    current = peak = 0
-    for _, size in events:
-        current += size
-        peak = max(peak, current)
-    return sum(live.values()) + peak
+    return sum(live.values()) + _allocator_peak(prof)
 
 
 # A Llama whose vocabulary is wide against its width (tests/test_simulate_depth.py): the peak is a later step's
@@ -264,7 +257,6 @@ def test_peak_moment_switch_default_extrapolation_matches_real_train(cpu_target)
 def _real_training_peak(workload: Workload, candidate: Candidate, **overrides) -> int:
     """The peak of a real CPU `train()` through TRL's own dataloader and sampler over the whole dataset (no batch
     handed in), from the allocator's events as in `_real_cpu_peak`."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
@@ -292,19 +284,7 @@ def _real_training_peak(workload: Workload, candidate: Candidate, **overrides) -
         gc.collect()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             trainer.train()
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.typed[0] == _EventType.Allocation:
-            events.append((e.start_time_ns, e.typed[1].alloc_size))
-        stack.extend(e.children)
-    events.sort(key=lambda x: x[0])
-    current = peak = 0
-    for _, size in events:
-        current += size
-        peak = max(peak, current)
-    return sum(live.values()) + peak
+    return sum(live.values()) + _allocator_peak(prof)
 
 
 def _real_peak_as_trl_runs(workload: Workload, data: dict, candidate: Candidate, tmp_path) -> int:
