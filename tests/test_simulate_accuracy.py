@@ -38,7 +38,6 @@ def _allocator_peak(prof) -> int:
 
 
 def _real_cpu_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> int:
-    from torch.profiler import ProfilerActivity, profile
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
@@ -74,17 +73,7 @@ def _real_cpu_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> 
             {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for _ in range(n)
         )
         trainer.train_dataset = list(range(n))
-        live = {}
-        tensors = list(trainer.model.parameters()) + list(trainer.model.buffers())
-        tensors += [v for b in trainer.feed for v in b.values() if isinstance(v, torch.Tensor)]
-        for t in tensors:
-            live[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        # garbage left by earlier tests would be freed by train()'s own gc.collect() inside the profile, and those
-        # frees of memory allocated before it would lower the measured peak: collect it first
-        gc.collect()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            trainer.train()
-    return sum(live.values()) + _allocator_peak(prof)
+        return _profiled_train_peak(trainer)
 
 
 BASE = dict(max_length=128, per_device_train_batch_size=2, precision="fp32", optim="adamw_torch")
@@ -222,6 +211,8 @@ def _profiled_train_peak(trainer) -> int:
     tensors += [v for b in trainer.feed for v in b.values() if isinstance(v, torch.Tensor)]
     for t in tensors:
         live[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    # garbage left by earlier tests would be freed by train()'s own gc.collect() inside the profile, and those
+    # frees of memory allocated before it would lower the measured peak: collect it first
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer.train()
