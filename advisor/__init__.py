@@ -23,7 +23,7 @@ _EXPORTS = {
     "Precision": "space", "WeightsDtype": "space", "Quantization": "space", "Optimizer": "space",
     "Attention": "space",
     "Workload": "workload", "ModelSpec": "workload", "GPUSpec": "workload", "Goals": "workload",
-    "Method": "workload", "build_workload": "workload",
+    "Method": "workload", "build_workload": "inputs", "WorkloadRef": "inputs",
     "TokenizedDataset": "data", "load_dataset": "data",
     "Suggestion": "suggestion", "Trial": "suggestion",
     "RunConfig": "emit", "load_run_config": "emit",
@@ -33,9 +33,10 @@ _EXPORTS = {
     "simulate": "simulate",
     "probe": "probe",
     "suggest": "search",
+    "register_backend": "backends", "backend_names": "backends",
     "length_report": "lengths",
-    "Baseline": "regress", "CheckResult": "regress", "record_baseline": "regress", "load_baseline": "regress",
-    "check": "regress",
+    "Baseline": "baseline", "load_baseline": "baseline",
+    "CheckResult": "regress", "Verdict": "regress", "record_baseline": "regress", "check": "regress",
     "assert_peak_memory": "regress",
 }
 

@@ -23,6 +23,12 @@ class Source(str, Enum):
     SIMULATE = "simulate"
     PROBE_CUDA = "probe-cuda"
     PROBE_CPU = "probe-cpu"
+    EXTERNAL = "external"  # a backend registered at runtime (advisor.backends.register_backend) that named none
+
+    @property
+    def is_run(self) -> bool:
+        """True when the numbers come from really running the training step (not a prediction of it)."""
+        return self in (Source.PROBE_CUDA, Source.PROBE_CPU, Source.EXTERNAL)
 
 
 class Category(str, Enum):
@@ -77,9 +83,23 @@ class Measurement:
     def ok(self) -> bool:
         return self.status is Status.OK
 
+    @property
+    def budget_bytes(self) -> int | None:
+        """The bytes a memory budget applies to: the device's (what NVML shows), else the allocator's reserved,
+        else its allocated peak; None when the backend reported none of them."""
+        for v in (self.device_bytes, self.reserved_bytes, self.peak_bytes):
+            if v is not None:
+                return int(v)
+        return None
+
     def fits(self, limit_bytes: int) -> bool:
-        """True when the run succeeded and its device peak is within `limit_bytes`."""
-        return self.ok and self.device_bytes is not None and self.device_bytes <= limit_bytes
+        """True when the run succeeded and its budget bytes are within `limit_bytes`."""
+        used = self.budget_bytes
+        return self.ok and used is not None and used <= limit_bytes
+
+    def feasible(self, limit_bytes: int) -> bool:
+        """A candidate the search may pick: it fits and trains at a known, positive speed."""
+        return self.fits(limit_bytes) and (self.tokens_per_second or 0) > 0
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

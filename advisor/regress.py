@@ -1,125 +1,47 @@
 """Peak-memory regression checks: record a baseline once, re-measure in CI, fail when memory grew.
 
-A baseline stores the measured peak with its breakdown, how it was measured (the backend), what is needed to
-rebuild the workload (model, GPU, dataset as the user named them), the candidate, and the versions of the
-libraries that decide the peak, since a dependency bump is the usual cause of a moved prediction. The
-simulate backend is the default because it is deterministic on a CPU-only CI runner.
+A baseline (`baseline.py`) is measured through the backend registry (`advisor.backends`), so any backend
+`suggest` can use can be baselined, and `check` always re-measures with the baseline's own backend. The simulate
+backend is the default because it is deterministic on a CPU-only CI runner. The results here are typed values;
+`render.py` turns them into the table, the text and the Markdown summary.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._versions import library_versions as _library_versions
-from .errors import BaselineError, ConfigError, UsageError
+from ._versions import library_versions
+from .baseline import SCHEMA_VERSION, TOTALS, Baseline, load_baseline
+from .errors import ConfigError, UsageError
+from .inputs import WorkloadRef
 from .measurement import Category, Measurement
 from .space import Candidate
-from .workload import Goals, Method
 
 if TYPE_CHECKING:
     from .workload import Workload
 
-SCHEMA_VERSION = 1
-TRACKED_PACKAGES = ("torch", "transformers", "trl", "peft")
-TOTALS = ("peak_bytes", "reserved_bytes", "device_bytes")
+__all__ = [
+    "DEFAULT_BACKEND", "DEFAULT_TOLERANCE", "SCHEMA_VERSION", "TOTALS", "Baseline", "CheckResult", "Row",
+    "Verdict", "VersionChange", "WorkloadRef", "assert_peak_memory", "check", "compare_rows", "knob_changes",
+    "library_versions", "load_baseline", "measure", "parse_tolerance", "record_baseline", "version_changes",
+]
+
 DEFAULT_TOLERANCE = 0.01
+DEFAULT_BACKEND = "simulate"
 
 
-class Backend(str, Enum):
-    """How a baseline is measured; `check` always re-measures with the baseline's own backend."""
+class Verdict(str, Enum):
+    """The outcome of a check."""
 
-    SIMULATE = "simulate"
-    ESTIMATE = "estimate"
-    CPU = "cpu"
-    CUDA = "cuda"
-
-
-@dataclass(frozen=True)
-class WorkloadRef:
-    """What rebuilds the workload: the names as given to `--model`, `--gpu`, `--dataset`, plus the goals."""
-
-    model: str
-    gpu: str
-    dataset: str | None = None
-    tokenizer: str | None = None
-    sample: int | None = None
-    goals: Goals = field(default_factory=Goals)
-    fingerprint: str = ""
-
-    @classmethod
-    def of(cls, workload: Workload, **given: Any) -> WorkloadRef:
-        """From a built workload; `given` (model=, gpu=, dataset=, ...) overrides what is derived."""
-        data = workload.dataset
-        derived: dict[str, Any] = {
-            "model": workload.model.name,  # the id, or the path as the user gave it
-            "gpu": workload.gpu.name,
-            "dataset": None if data.source == "synthetic" else (data.dataset_name or data.name),
-            # a sampled dataset is rebuilt with the same seeded sample
-            "sample": len(data.rows) if getattr(data, "population", None) is not None else None,
-        }
-        derived.update({k: v for k, v in given.items() if v is not None})
-        return cls(goals=workload.goals, fingerprint=workload.fingerprint(), **derived)
-
-    def build(self) -> Workload:
-        from .workload import build_workload
-
-        return build_workload(
-            self.model, gpu=self.gpu, dataset=self.dataset, tokenizer=self.tokenizer, sample=self.sample,
-            goals=self.goals,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["goals"] = {k: (v.value if isinstance(v, Enum) else v) for k, v in data["goals"].items()}
-        return data
-
-
-@dataclass(frozen=True)
-class Baseline:
-    """One recorded measurement of a workload and candidate, comparable across commits."""
-
-    peak_bytes: int
-    reserved_bytes: int | None
-    device_bytes: int | None
-    breakdown: dict[str, int]
-    backend: Backend
-    source: str
-    workload: WorkloadRef
-    candidate: Candidate
-    versions: dict[str, str]
-    created: str
-    config_path: str | None = None
-    schema_version: int = SCHEMA_VERSION
-
-    def totals(self) -> dict[str, int | None]:
-        return {"peak_bytes": self.peak_bytes, "reserved_bytes": self.reserved_bytes,
-                "device_bytes": self.device_bytes}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            **self.totals(),
-            "breakdown": dict(self.breakdown),
-            "backend": self.backend.value,
-            "source": self.source,
-            "workload": self.workload.to_dict(),
-            "candidate": self.candidate.to_dict(),
-            "versions": dict(self.versions),
-            "created": self.created,
-            "config_path": self.config_path,
-        }
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
-        return path
+    FAILED = "failed"  # the run no longer succeeds (OOM, error, timeout): a regression
+    REGRESSED = "regressed"  # a total grew beyond the tolerance
+    IMPROVED = "improved"  # within tolerance, and a total shrank beyond it
+    WITHIN = "within_tolerance"
 
 
 @dataclass(frozen=True)
@@ -190,49 +112,20 @@ class CheckResult:
     def improved(self) -> bool:
         return not self.regressed and any(r.shrank(self.tolerance) for r in self.rows if r.metric in TOTALS)
 
-    def verdict(self) -> str:
+    @property
+    def outcome(self) -> Verdict:
         if not self.measurement.ok:
-            return f"REGRESSION: the run now ends with status {self.measurement.status.value}"
+            return Verdict.FAILED
         if self.regressed:
-            return f"REGRESSION: peak memory grew by more than {self.tolerance:.2%} ({', '.join(self.grown)})"
-        if self.improved:
-            return (f"within tolerance ({self.tolerance:.2%}); memory shrank beyond it: record a new baseline to "
-                    "lock the gain in")
-        return f"within tolerance ({self.tolerance:.2%})"
-
-    def table(self, tablefmt: str = "simple") -> str:
-        return render_table(self.rows, self.tolerance, tablefmt=tablefmt)
-
-    def explanation(self) -> list[str]:
-        """The lines printed under the table: library changes first, since they are the usual cause."""
-        out = []
-        if self.version_changes:
-            out.append("library versions changed since the baseline (the usual cause): "
-                       + ", ".join(str(v) for v in self.version_changes))
-        out.extend(self.notes)
-        if self.measurement.message:
-            out.append(f"measurement: {self.measurement.message}")
-        return out
-
-    def text(self) -> str:
-        lines = [self.verdict(), "", self.table(), ""]
-        lines.extend(self.explanation())
-        return "\n".join(lines).rstrip() + "\n"
-
-    def markdown(self) -> str:
-        title = "Peak-memory check: " + ("regression" if self.regressed else "ok")
-        lines = [f"### {title}", "", f"{self.verdict()}", "",
-                 f"backend `{self.baseline.backend.value}`, model `{self.baseline.workload.model}`, "
-                 f"target `{self.baseline.workload.gpu}`", "", self.table("github"), ""]
-        lines.extend(f"- {line}" for line in self.explanation())
-        return "\n".join(lines).rstrip() + "\n"
+            return Verdict.REGRESSED
+        return Verdict.IMPROVED if self.improved else Verdict.WITHIN
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "regressed": self.regressed,
-            "verdict": self.verdict(),
+            "outcome": self.outcome.value,
             "tolerance": self.tolerance,
-            "backend": self.baseline.backend.value,
+            "backend": self.baseline.backend,
             "source": self.measurement.source.value,
             "status": self.measurement.status.value,
             "grown": list(self.grown),
@@ -249,30 +142,20 @@ class CheckResult:
 
 # ---- measuring -------------------------------------------------------------------------------------------------
 
-def measure(workload: Workload, candidate: Candidate, backend: Backend | str = Backend.SIMULATE) -> Measurement:
-    """Measure with the named backend; the candidate is checked against TRL's rules first (exit 2 if broken)."""
-    backend = parse_backend(backend)
+def measure(workload: Workload, candidate: Candidate, backend: str = DEFAULT_BACKEND) -> Measurement:
+    """Measure with the named backend of the registry (advisor.backends); the candidate is checked against TRL's
+    rules first (exit 2 if broken), and an unknown backend name is a UsageError naming --backend."""
+    from .backends import check_usable
+
+    be = check_usable(_name(backend))
     candidate = candidate.for_model(workload.model)  # the run's own defaults for attention and LoRA targets
     candidate.check(workload.gpu, workload.model)
-    if backend is Backend.SIMULATE:
-        from .simulate import simulate
-
-        return simulate(workload, candidate)
-    if backend is Backend.ESTIMATE:
-        from .estimate import estimate
-
-        return estimate(workload, candidate)
-    from .probe import probe
-
-    return probe(workload, candidate, backend=backend.value)
+    return be.measure(workload, candidate)
 
 
-def parse_backend(value: Backend | str) -> Backend:
-    try:
-        return Backend(value)
-    except ValueError:
-        allowed = ", ".join(b.value for b in Backend)
-        raise UsageError(f"--backend {value!r}: not one of {allowed}; simulate is deterministic on a CPU") from None
+def _name(backend: Any) -> str:
+    """A backend's name; an Enum member (the removed regress.Backend's kind) gives its value."""
+    return str(getattr(backend, "value", backend))
 
 
 def parse_tolerance(value: str | float) -> float:
@@ -287,26 +170,24 @@ def parse_tolerance(value: str | float) -> float:
     return tol
 
 
-def library_versions() -> dict[str, str]:
-    return _library_versions(TRACKED_PACKAGES)
-
-
 # ---- baseline file ---------------------------------------------------------------------------------------------
 
 def record_baseline(
     workload: Workload,
     candidate: Candidate,
-    backend: Backend | str = Backend.SIMULATE,
+    backend: str = DEFAULT_BACKEND,
     config_path: str | Path | None = None,
     *,
     ref: WorkloadRef | None = None,
 ) -> Baseline:
     """Measure once and keep everything `check` needs. `ref` names the workload as the user gave it."""
-    backend = parse_backend(backend)
+    from .backends import check_baselinable
+
+    backend = check_baselinable(_name(backend)).name
     m = measure(workload, candidate, backend)
     if not m.ok or m.peak_bytes is None:
         raise ConfigError(
-            f"the {backend.value} backend ended with status {m.status.value}"
+            f"the {backend} backend ended with status {m.status.value}"
             + (f" ({m.message})" if m.message else "")
             + "; a baseline needs a run that fits: use a configuration that fits the target",
             context="advisor baseline",
@@ -323,87 +204,6 @@ def record_baseline(
         versions=library_versions(),
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         config_path=str(config_path) if config_path is not None else None,
-    )
-
-
-_REQUIRED = ("peak_bytes", "breakdown", "backend", "source", "workload", "candidate", "versions", "created")
-
-
-def load_baseline(path: str | Path) -> Baseline:
-    """Read a baseline file; every problem is reported at once, naming the file and the fix (exit 2)."""
-    path = Path(path)
-    record = f"record it with `advisor baseline --model M --config RUN.yaml --out {path}`"
-    if not path.is_file():
-        raise BaselineError(f"--baseline {path}: no such file; {record}")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BaselineError(
-            f"--baseline {path}: not valid JSON ({exc}); the file is truncated or corrupt: restore it from git "
-            f"or {record}"
-        ) from None
-    if not isinstance(data, dict):
-        raise BaselineError(f"--baseline {path}: expected a JSON object, got {type(data).__name__}; {record}")
-    version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise BaselineError(
-            f"--baseline {path}: schema_version {version!r} is not the supported {SCHEMA_VERSION}; "
-            f"{'upgrade advisor, or ' if isinstance(version, int) and version > SCHEMA_VERSION else ''}{record}"
-        )
-    problems = [f"missing key {k!r}" for k in _REQUIRED if k not in data]
-    for k in ("peak_bytes", "reserved_bytes", "device_bytes"):
-        v = data.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            problems.append(f"{k}={v!r}: must be a non-negative integer")
-    if "breakdown" in data and not (
-        isinstance(data["breakdown"], dict)
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in data["breakdown"].values())
-    ):
-        problems.append("breakdown: must map a category to an integer number of bytes")
-    backend = None
-    if "backend" in data:
-        try:
-            backend = Backend(data["backend"])
-        except ValueError:
-            problems.append(f"backend={data['backend']!r}: not one of {', '.join(b.value for b in Backend)}")
-    candidate = None
-    if isinstance(data.get("candidate"), dict):
-        try:
-            candidate = Candidate.from_dict(data["candidate"])
-        except ConfigError as exc:
-            problems.extend(f"candidate: {p}" for p in exc.problems)
-    elif "candidate" in data:
-        problems.append("candidate: must be an object of knobs")
-    ref = None
-    wl = data.get("workload")
-    if isinstance(wl, dict):
-        try:
-            goals = wl.get("goals") or {}
-            ref = WorkloadRef(
-                model=str(wl["model"]), gpu=str(wl["gpu"]), dataset=wl.get("dataset"),
-                tokenizer=wl.get("tokenizer"), sample=wl.get("sample"),
-                goals=Goals(**{**goals, "method": Method(goals.get("method", Method.AUTO))}),
-                fingerprint=str(wl.get("fingerprint", "")),
-            )
-        except (KeyError, TypeError, ValueError, ConfigError) as exc:
-            problems.append(f"workload: {exc!s}; it needs at least 'model' and 'gpu'")
-    elif "workload" in data:
-        problems.append("workload: must be an object with 'model' and 'gpu'")
-    if problems:
-        raise BaselineError(f"--baseline {path}: {len(problems)} problem(s): " + "; ".join(problems) + f"; {record}")
-    assert backend is not None and candidate is not None and ref is not None
-    return Baseline(
-        peak_bytes=data["peak_bytes"],
-        reserved_bytes=data.get("reserved_bytes"),
-        device_bytes=data.get("device_bytes"),
-        breakdown=dict(data["breakdown"]),
-        backend=backend,
-        source=str(data["source"]),
-        workload=ref,
-        candidate=candidate,
-        versions={str(k): str(v) for k, v in dict(data["versions"]).items()},
-        created=str(data["created"]),
-        config_path=data.get("config_path"),
     )
 
 
@@ -437,16 +237,21 @@ def check(
                        version_changes=changes, notes=tuple(notes))
 
 
-def version_changes(was: dict[str, str], now: dict[str, str], backend: Backend) -> tuple[VersionChange, ...]:
-    """Changed packages. Simulate and estimate never touch a device, so a build label (+cpu, +cu128) is ignored."""
+def version_changes(was: dict[str, str], now: dict[str, str], backend: str) -> tuple[VersionChange, ...]:
+    """Changed packages among those the baseline recorded (a package tracked since is not a change).
+
+    A backend whose source is a prediction (simulate, estimate) never runs a device kernel, so a build label
+    (+cpu, +cu128) is ignored for it."""
+    from .backends import source_of
+
+    predicted = not source_of(_name(backend)).is_run
 
     def same(a: str | None, b: str | None) -> bool:
-        if backend in (Backend.SIMULATE, Backend.ESTIMATE) and a and b:
+        if predicted and a and b:
             return a.split("+")[0] == b.split("+")[0]
         return a == b
 
-    return tuple(VersionChange(p, was.get(p), now.get(p)) for p in sorted(set(was) | set(now))
-                 if not same(was.get(p), now.get(p)))
+    return tuple(VersionChange(p, was.get(p), now.get(p)) for p in sorted(was) if not same(was.get(p), now.get(p)))
 
 
 def knob_changes(before: Candidate, after: Candidate) -> list[str]:
@@ -471,37 +276,6 @@ def compare_rows(totals: dict[str, int | None], breakdown: dict[str, int], now: 
     return tuple(rows)
 
 
-def format_bytes(n: int | None, signed: bool = False) -> str:
-    if n is None:
-        return "-"
-    sign = ("+" if n > 0 else "-" if n < 0 else "") if signed else ("-" if n < 0 else "")
-    v = abs(n)
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if v >= scale:
-            return f"{sign}{v / scale:.2f} {unit}"
-    return f"{sign}{v} B"
-
-
-def render_table(rows: tuple[Row, ...] | list[Row], tolerance: float, *, tablefmt: str = "simple",
-                 reference: str = "baseline") -> str:
-    """The per-metric table shared by `advisor check`, its Markdown summary and `assert_peak_memory`."""
-    from tabulate import tabulate
-
-    body = []
-    for r in rows:
-        if r.grew(tolerance):
-            flag = "over" if r.metric in TOTALS else "grew"
-        elif r.shrank(tolerance):
-            flag = "shrank"
-        else:
-            flag = ""
-        change = "-" if r.change is None else f"{r.change:+.2%}"
-        body.append([r.metric, format_bytes(r.reference), format_bytes(r.now), format_bytes(r.difference, True),
-                     change, flag])
-    headers = ["", reference, "now", "difference", "change", ""]
-    return tabulate(body, headers=headers, tablefmt=tablefmt, disable_numparse=True)
-
-
 # ---- pytest helper ---------------------------------------------------------------------------------------------
 
 def assert_peak_memory(
@@ -511,14 +285,16 @@ def assert_peak_memory(
     max_bytes: int,
     gpu: str = "cpu",
     dataset: str | None = None,
-    backend: Backend | str = Backend.SIMULATE,
+    backend: str = DEFAULT_BACKEND,
 ) -> Measurement:
     """Fail the calling test with the per-category table when the device peak exceeds `max_bytes`.
 
-    `config` is a Candidate or a RUN.yaml path. The device peak (what the budget applies to) is compared;
-    on the CPU it equals the allocator's peak. Returns the measurement for further assertions.
+    `config` is a Candidate or a RUN.yaml path. The bytes the budget applies to (`Measurement.budget_bytes`: the
+    device peak, else reserved, else allocated) are compared; on the CPU all three are the allocator's peak.
+    Returns the measurement for further assertions.
     """
-    from .workload import build_workload
+    from .inputs import build_workload
+    from .render import format_bytes, render_table
 
     if isinstance(config, Candidate):
         candidate = config
@@ -528,13 +304,14 @@ def assert_peak_memory(
         candidate = load_run_config(config).candidate
     workload = build_workload(model, gpu=gpu, dataset=dataset)
     m = measure(workload, candidate, backend)
-    peak = m.device_bytes if m.device_bytes is not None else m.peak_bytes
-    if m.ok and peak is not None and peak <= max_bytes:
+    if m.fits(max_bytes):
         return m
+    peak = m.budget_bytes
     limits = {"peak_bytes": None, "reserved_bytes": None, "device_bytes": max_bytes}
     rows = compare_rows(limits, {}, m)
     head = (f"{m.source.value} run of {model} on {gpu} ended with status {m.status.value}: {m.message}"
-            if not m.ok else
+            if not m.ok else f"the {m.source.value} run of {model} on {gpu} reported no peak memory"
+            if peak is None else
             f"peak memory {format_bytes(peak)} ({peak} B) exceeds max_bytes {format_bytes(max_bytes)} "
             f"({max_bytes} B) by {format_bytes(peak - max_bytes)}")
     raise AssertionError(head + "\n" + render_table(rows, 0.0, reference="limit"))

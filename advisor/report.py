@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._search.ledger import device_bytes, feasible
 from .errors import UsageError
 
 if TYPE_CHECKING:
@@ -72,10 +71,10 @@ def time_lines(m: Measurement) -> list[str]:
 def trial_rows(s: Suggestion) -> list[list[str]]:
     limit = s.workload.limit_bytes
     rows = []
-    for t in sorted(s.trials, key=lambda t: -(t.measurement.tokens_per_second or 0) if feasible(t.measurement, limit)
+    for t in sorted(s.trials, key=lambda t: -(t.measurement.tokens_per_second or 0) if t.measurement.feasible(limit)
                     else float("inf")):
         m = t.measurement
-        rows.append(["" if t.number is None else str(t.number), _knobs(t), _gib(device_bytes(m)),
+        rows.append(["" if t.number is None else str(t.number), _knobs(t), _gib(m.budget_bytes),
                      _tps(m.tokens_per_second), m.status.value,
                      m.source.value + (" (stored)" if t.cached else ""), t.reason])
     return rows
@@ -114,7 +113,7 @@ def render_summary(s: Suggestion) -> str:
         ["activation offloading", str(c.activation_offloading)],
         ["optim", c.optim.value], ["precision / weights", f"{c.precision.value} / {c.weights_dtype.value}"],
         ["attention", c.attn_implementation.value], ["group_by_length", str(c.group_by_length)],
-        [f"device peak (GiB, {_kind(s)})", _gib(device_bytes(m))],
+        [f"device peak (GiB, {_kind(s)})", _gib(m.budget_bytes)],
         [f"tokens/s (trained, {_kind(s)})", _tps(m.tokens_per_second)],
         [f"step time (s, {_kind(s)})", _step(m)],
         ["source", m.source.value + ("" if _measured(s) else f" (a prediction for {wl.gpu.name}, not a run on it)")],
@@ -152,8 +151,8 @@ def plot(s: Suggestion, path: str | Path) -> Path:
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'advisor[plot]'") from None
     limit = s.workload.limit_bytes
-    pts = [(device_bytes(t.measurement), t.measurement.tokens_per_second or 0.0, feasible(t.measurement, limit))
-           for t in s.trials if device_bytes(t.measurement) is not None and t.measurement.status.value != "pruned"]
+    pts = [(t.measurement.budget_bytes, t.measurement.tokens_per_second or 0.0, t.measurement.feasible(limit))
+           for t in s.trials if t.measurement.budget_bytes is not None and t.measurement.status.value != "pruned"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ok = [(d / _GiB, v) for d, v, f in pts if f]
     bad = [(d / _GiB, v) for d, v, f in pts if not f]
@@ -161,12 +160,12 @@ def plot(s: Suggestion, path: str | Path) -> Path:
         ax.scatter(*zip(*ok, strict=True), s=18, c="tab:blue", label="fits")
     if bad:
         ax.scatter(*zip(*bad, strict=True), s=18, c="tab:red", marker="x", label="over the limit / OOM")
-    front = [(device_bytes(t.measurement) / _GiB, t.measurement.tokens_per_second or 0.0) for t in s.front]
+    front = [(t.measurement.budget_bytes / _GiB, t.measurement.tokens_per_second or 0.0) for t in s.front]
     if front:
         ax.plot(*zip(*front, strict=True), c="tab:green", drawstyle="steps-post", label="feasible front")
     ax.axvline(limit / _GiB, c="k", ls="--", lw=1, label=f"limit {limit / _GiB:.1f} GiB")
     ax.axvline(s.workload.budget_bytes / _GiB, c="gray", ls=":", lw=1, label="budget")
-    ax.scatter([device_bytes(s.measurement) / _GiB], [s.measurement.tokens_per_second or 0], s=120,
+    ax.scatter([s.measurement.budget_bytes / _GiB], [s.measurement.tokens_per_second or 0], s=120,
                facecolors="none", edgecolors="tab:orange", lw=2, label="chosen")
     ax.set_xlabel("device peak (GiB)")
     ax.set_ylabel("trained tokens / s")

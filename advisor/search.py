@@ -734,8 +734,9 @@ def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _source_of(backend: str) -> Source:
-    return {"estimate": Source.ESTIMATE, "simulate": Source.SIMULATE, "cuda": Source.PROBE_CUDA}.get(
-        backend, Source.PROBE_CPU if backend == "cpu" else Source.ESTIMATE)
+    from .backends import source_of
+
+    return source_of(backend)  # the registry's declaration: an unknown backend is never labelled estimate
 
 
 def _failure_reason(m: Measurement, limit: int) -> str:
@@ -1002,14 +1003,9 @@ def suggest(
 
 def check_backend(name: str) -> None:
     """UsageError (exit 2) for an unknown backend, or one that cannot run here (cuda without a CUDA device)."""
-    get_backend(name)
-    if name == "cuda":
-        import torch
+    from .backends import check_usable
 
-        if not torch.cuda.is_available():
-            build = " (this torch is a CPU build)" if torch.version.cuda is None else ""
-            raise UsageError(f"--backend cuda: no CUDA device is visible here{build}; measure with --backend "
-                             "simulate (the default without a GPU) or --backend cpu, or run on a GPU machine")
+    check_usable(name)
 
 
 def _raise_if_backend_failed(run: _Study, backend: str, study: str) -> None:

@@ -178,52 +178,11 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.4g}GB ({n / 2**30:.2f} GiB)"
 
 
-DEFAULT_GPU = "H100-80GB"
+def __getattr__(name: str) -> Any:
+    """`build_workload` and `context_note` resolve names, so they live in `advisor.inputs` (above these value
+    types, which no longer import the resolvers); the old import path `advisor.workload.build_workload` stays."""
+    if name in ("build_workload", "context_note", "DEFAULT_GPU"):
+        from . import inputs
 
-
-def build_workload(
-    model: str,
-    gpu: str | None = None,
-    dataset: str | None = None,
-    tokenizer: str | None = None,
-    sample: int | None = None,
-    goals: Goals | None = None,
-    seed: int = 0,
-) -> Workload:
-    """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
-    from .data import load_dataset
-    from .profiles import decide_offline, detect_gpu, resolve_gpu, resolve_model
-
-    notes: list[str] = []
-    offline_note = decide_offline(model, dataset, tokenizer)
-    if offline_note:
-        notes.append(offline_note)
-    spec = resolve_model(model)
-    if gpu is None:
-        target = detect_gpu()
-        if target is None:
-            target = resolve_gpu(DEFAULT_GPU)
-            notes.append(f"no --gpu given and no local GPU found: assuming {target.name}")
-        else:
-            notes.append(f"no --gpu given: using the local {target.name}")
-    else:
-        target = resolve_gpu(gpu)
-    check_budget(goals or Goals(), target)  # before the dataset is read and tokenized
-    data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
-    context = context_note(spec, data)
-    if context:
-        notes.append(context)
-    return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes))
-
-
-def context_note(model: ModelSpec, data: TokenizedDataset) -> str | None:
-    """Say when rows are longer than the model's context: max_length cannot keep them whole."""
-    ctx = model.max_position_embeddings
-    if ctx is None or not len(data.lengths):
-        return None
-    over = int((data.lengths > ctx).sum())
-    if not over:
-        return None
-    return (f"{over} of {len(data.lengths)} rows are longer than {model.name}'s context (max_position_embeddings "
-            f"{ctx}; the longest has {int(data.lengths.max())} tokens): max_length stays <= {ctx}, so those rows "
-            "are truncated (or split by bfd_split packing)")
+        return getattr(inputs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,20 +6,13 @@ import json
 
 import pytest
 
+from advisor.baseline import SCHEMA_VERSION, Baseline, load_baseline
 from advisor.cli import main
 from advisor.errors import BaselineError, UsageError
+from advisor.inputs import WorkloadRef
 from advisor.measurement import Measurement, Source, Status
-from advisor.regress import (
-    SCHEMA_VERSION,
-    Backend,
-    Baseline,
-    CheckResult,
-    WorkloadRef,
-    compare_rows,
-    format_bytes,
-    load_baseline,
-    parse_tolerance,
-)
+from advisor.regress import CheckResult, Verdict, compare_rows, parse_tolerance
+from advisor.render import check_markdown, check_table, check_verdict, format_bytes
 from advisor.space import Candidate
 from advisor.workload import Goals, Method
 
@@ -30,7 +23,7 @@ def _baseline(**changes) -> Baseline:
     fields = dict(
         peak_bytes=100 * MiB, reserved_bytes=110 * MiB, device_bytes=120 * MiB,
         breakdown={"parameters": 40 * MiB, "activations": 50 * MiB, "optimizer_state": 10 * MiB},
-        backend=Backend.ESTIMATE, source="estimate",
+        backend="estimate", source="estimate",
         workload=WorkloadRef(model="some/model", gpu="cpu", goals=Goals(tokens_per_step=2048, method=Method.LORA),
                              fingerprint="abc"),
         candidate=Candidate(max_length=256, per_device_train_batch_size=2),
@@ -121,7 +114,7 @@ def test_same_numbers_are_within_tolerance():
     base = _baseline()
     result = _result(base, _now(50 * MiB))
     assert not result.regressed and result.grown == ()
-    assert "within tolerance" in result.verdict()
+    assert result.outcome is Verdict.WITHIN and "within tolerance" in check_verdict(result)
 
 
 def test_growth_of_activations_regresses_and_the_table_names_it():
@@ -129,10 +122,11 @@ def test_growth_of_activations_regresses_and_the_table_names_it():
     assert result.regressed
     assert "activations" in result.grown and "peak_bytes" in result.grown
     assert "parameters" not in result.grown
-    table = result.table()
+    assert result.outcome is Verdict.REGRESSED
+    table = check_table(result)
     act = next(line for line in table.splitlines() if line.startswith("activations"))
     assert "+30.00 MiB" in act and "+60.00%" in act and "grew" in act
-    md = result.markdown()
+    md = check_markdown(result)
     assert "regression" in md and "| activations" in md
 
 
@@ -145,14 +139,14 @@ def test_growth_within_tolerance_passes():
 def test_shrinking_passes_and_suggests_a_new_baseline():
     result = _result(_baseline(), _now(20 * MiB))
     assert not result.regressed and result.improved
-    assert "record a new baseline" in result.verdict()
+    assert result.outcome is Verdict.IMPROVED and "record a new baseline" in check_verdict(result)
 
 
 def test_a_run_that_now_fails_is_a_regression():
     now = Measurement(status=Status.OOM, source=Source.ESTIMATE, message="over budget")
     result = _result(_baseline(), now)
     assert result.regressed
-    assert "oom" in result.verdict()
+    assert result.outcome is Verdict.FAILED and "oom" in check_verdict(result)
 
 
 def test_format_bytes():
@@ -178,8 +172,8 @@ def test_version_changes_ignore_build_labels_only_where_no_device_is_touched():
 
     was = {"torch": "2.13.0+cpu", "trl": "1.16.0"}
     now = {"torch": "2.13.0", "trl": "1.17.0"}
-    assert [str(v) for v in version_changes(was, now, Backend.SIMULATE)] == ["trl 1.16.0 -> 1.17.0"]
-    assert [v.package for v in version_changes(was, now, Backend.CUDA)] == ["torch", "trl"]
+    assert [str(v) for v in version_changes(was, now, "simulate")] == ["trl 1.16.0 -> 1.17.0"]
+    assert [v.package for v in version_changes(was, now, "cuda")] == ["torch", "trl"]
 
 
 def test_a_category_absent_at_the_new_peak_counts_as_zero():
@@ -202,7 +196,7 @@ def test_shipped_baselines_match_their_run_yaml():
     assert {f.stem for f in files} >= {"qwen2.5-0.5b-h100-trl-defaults", "qwen2.5-0.5b-h100-advisor-pick"}
     for f in files:
         b = load_baseline(f)
-        assert b.backend is Backend.SIMULATE and b.workload.model == "Qwen/Qwen2.5-0.5B"
+        assert b.backend == "simulate" and b.workload.model == "Qwen/Qwen2.5-0.5B"
         assert load_run_config(root / b.config_path).candidate == b.candidate, f
     defaults = load_baseline(root / "profiles/baselines/qwen2.5-0.5b-h100-trl-defaults.json")
     # nothing set: the attention is what transformers picks (sdpa for Qwen2), not written in the file

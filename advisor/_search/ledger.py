@@ -20,16 +20,12 @@ def candidate_key(c: Candidate) -> str:
 
 
 def device_bytes(m: Measurement) -> int | None:
-    """The bytes the budget applies to (device, else reserved, else allocated)."""
-    for v in (m.device_bytes, m.reserved_bytes, m.peak_bytes):
-        if v is not None:
-            return int(v)
-    return None
+    """The bytes the budget applies to (device, else reserved, else allocated): Measurement.budget_bytes."""
+    return m.budget_bytes
 
 
 def feasible(m: Measurement, limit_bytes: int) -> bool:
-    d = device_bytes(m)
-    return m.status is Status.OK and d is not None and d <= limit_bytes and (m.tokens_per_second or 0) > 0
+    return m.feasible(limit_bytes)
 
 
 def _ckpt_le(a: Candidate, b: Candidate) -> bool:

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .._versions import TRACKED as _VERSIONED
 from .._versions import library_versions as _library_versions
 from ..errors import UsageError
 
 if TYPE_CHECKING:
     from optuna.storages import BaseStorage
 
-_VERSIONED = ("advisor", "torch", "transformers", "trl", "peft", "accelerate", "optuna")
 SQLITE_TIMEOUT_S = 120  # how long a process waits for another's SQLite transaction before "database is locked"
 _SCHEMA_TRIES = 8
 _DB_NAME = "studies.sqlite3"

@@ -44,7 +44,7 @@ def _version() -> str:
     from .. import __version__
     from .._versions import library_versions
 
-    libs = library_versions(("trl", "transformers", "torch", "peft", "optuna"))
+    libs = {k: v for k, v in library_versions().items() if k != "advisor"}
     return f"advisor {__version__} (" + ", ".join(f"{k} {v}" for k, v in libs.items()) + ")"
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..inputs import build_workload
 from ..measurement import Measurement
 from ..space import Candidate
-from ..workload import Goals, Workload, build_workload
+from ..workload import Goals, Workload
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

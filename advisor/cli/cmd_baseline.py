@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..regress import Backend, WorkloadRef, format_bytes, record_baseline
+from ..backends import backend_names
+from ..inputs import WorkloadRef
+from ..regress import DEFAULT_BACKEND, record_baseline
+from ..render import baseline_text
 from ._common import (
     add_config_arg,
     add_workload_args,
@@ -24,8 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_workload_args(p, model_required=False)
     add_config_arg(p, required=True)
-    p.add_argument("--backend", default=Backend.SIMULATE.value, choices=[b.value for b in Backend],
-                   help="how to measure (default: simulate, deterministic on a CPU-only runner)")
+    p.add_argument("--backend", default=DEFAULT_BACKEND, metavar="{" + ",".join(backend_names()) + "}",
+                   help="how to measure, a backend of `advisor suggest` (default: simulate, deterministic on a "
+                   "CPU-only runner)")
     p.add_argument("--out", required=True, metavar="FILE.json", help="where to write the baseline")
     p.add_argument("--json", action="store_true", help="print the baseline as one JSON object")
     p.set_defaults(func=run)
@@ -42,11 +46,5 @@ def run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(emit_json({"baseline": str(path), **baseline.to_dict()}))
         return 0
-    print(f"wrote {path}: {baseline.backend.value} backend, {ref.model} on {workload.gpu.name}")
-    print(f"  peak_bytes     {format_bytes(baseline.peak_bytes):>12}  ({baseline.peak_bytes} B)")
-    print(f"  reserved_bytes {format_bytes(baseline.reserved_bytes):>12}")
-    print(f"  device_bytes   {format_bytes(baseline.device_bytes):>12}")
-    for name, n in baseline.breakdown.items():
-        print(f"    {name:<18} {format_bytes(n):>12}")
-    print("  versions: " + ", ".join(f"{k} {v}" for k, v in baseline.versions.items()))
+    print(baseline_text(baseline, path, workload.gpu.name))
     return 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..regress import DEFAULT_TOLERANCE, check, load_baseline, parse_tolerance
+from ..baseline import load_baseline
+from ..regress import DEFAULT_TOLERANCE, check, parse_tolerance
+from ..render import check_markdown, check_text, check_verdict
 from ._common import add_config_arg, emit_json
 
 
@@ -37,9 +39,9 @@ def run(ns: argparse.Namespace) -> int:
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         with open(summary, "a", encoding="utf-8") as fh:
-            fh.write(f"`{ns.baseline}`\n\n" + result.markdown() + "\n")
+            fh.write(f"`{ns.baseline}`\n\n" + check_markdown(result) + "\n")
     if ns.json:
-        print(emit_json({"baseline": ns.baseline, **result.to_dict()}))
+        print(emit_json({"baseline": ns.baseline, "verdict": check_verdict(result), **result.to_dict()}))
     else:
-        print(f"{ns.baseline}: " + result.text(), end="")
+        print(f"{ns.baseline}: " + check_text(result), end="")
     return 1 if result.regressed else 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..backends import PROBE_BACKENDS
+from ..render import probe_text
 from ._common import (
     add_config_arg,
     add_workload_args,
@@ -24,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_workload_args(p)
     add_config_arg(p)
-    p.add_argument("--backend", choices=("cuda", "cpu"), default=None,
+    p.add_argument("--backend", choices=PROBE_BACKENDS, default=None,
                    help="where to run the steps (default: cuda when the target is a GPU, else cpu)")
     p.add_argument("--steps", type=int, default=3, help="measured optimizer steps (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps, not timed (default 1)")
@@ -51,28 +53,5 @@ def run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(emit_json(m.to_dict()))
     else:
-        print(_text(m))
+        print(probe_text(m))
     return 0 if m.ok else 1
-
-
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.3f} GiB ({n} bytes)"
-
-
-def _text(m) -> str:
-    lines = [f"status: {m.status.value}  (source: {m.source.value})"]
-    if m.message:
-        lines.append(f"message: {m.message}")
-    if m.ok:
-        lines += [
-            f"peak allocated: {_gib(m.peak_bytes)}",
-            f"peak reserved:  {_gib(m.reserved_bytes)}",
-            f"device peak:    {_gib(m.device_bytes)}",
-            f"step time:      {m.step_time_s:.3f} s" if m.step_time_s is not None else "step time: -",
-            f"throughput:     {m.tokens_per_second:.1f} trained tokens/s" if m.tokens_per_second else "throughput: -",
-            f"peak set by:    {m.peak_batch}",
-        ]
-        for k, v in m.breakdown.items():
-            lines.append(f"  {k}: {v / 2**20:.1f} MiB")
-    lines += [f"note: {n}" for n in m.notes]
-    return "\n".join(lines)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..report import time_lines
+from ..render import simulate_text
 from ._common import (
     add_config_arg,
     add_workload_args,
@@ -33,15 +33,5 @@ def run(ns: argparse.Namespace) -> int:
     if ns.json:
         print(emit_json(m.to_dict()))
     else:
-        gib = 2**30
-        print(f"status        {m.status.value}  (source: {m.source.value})")
-        print(f"peak_bytes    {m.peak_bytes / gib:.3f} GiB")
-        print(f"reserved      {m.reserved_bytes / gib:.3f} GiB")
-        print(f"device_bytes  {m.device_bytes / gib:.3f} GiB  (budget {workload.budget_bytes / gib:.2f} GiB)")
-        for cat, n in sorted(m.breakdown.items(), key=lambda kv: -kv[1]):
-            print(f"  {cat:<18}{n / gib:.3f} GiB")
-        for line in time_lines(m):
-            print(line)
-        for note in m.notes:
-            print(f"note: {note}")
+        print(simulate_text(m, workload.budget_bytes))
     return 0 if m.ok else 1

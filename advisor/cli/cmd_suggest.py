@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..backends import backend_names
 from ..errors import BackendError, NoFitError, UsageError
 from ._common import add_workload_args, check_writable, emit_json, parse_fraction, parse_size, workload_from_args
 
@@ -16,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_workload_args(p, model_required=False)
     p.add_argument("--config", default=None, metavar="RUN.yaml",
                    help="take model_name_or_path / dataset_name from a trl sft --config file")
-    p.add_argument("--backend", default=None, metavar="{estimate,simulate,cuda,cpu}",
+    p.add_argument("--backend", default=None, metavar="{" + ",".join(backend_names()) + "}",
                    help="how candidates are measured (default: cuda when a GPU is present, else simulate)")
     p.add_argument("--method", choices=("full", "lora", "qlora", "auto"), default="auto",
                    help="auto: full fine-tuning if anything fits, else LoRA, else QLoRA")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,8 +31,6 @@ from ..measurement import Measurement, Source, Status
 if TYPE_CHECKING:
     from ..space import Candidate
     from ..workload import Workload
-
-Backend = Literal["cuda", "cpu"]
 
 # Test hook, read by the worker only: makes the child fail deterministically. Values: `kill` (SIGKILL itself in
 # the first training step), `hang` (stop making progress in the first training step), `raise` (raise in the first
@@ -94,13 +92,14 @@ def _cycle(pool: list[int], n: int) -> list[int]:
 
 
 def job_dict(
-    workload: Workload, candidate: Candidate, backend: Backend, *, steps: int, warmup: int,
+    workload: Workload, candidate: Candidate, backend: str, *, steps: int, warmup: int,
     memory_budget_bytes: int | None, weights: str | None,
 ) -> dict[str, Any]:
     """Everything the child needs, as JSON: it rebuilds the workload from this, never from the parent's objects."""
     plan = plan_batches(workload, candidate, steps, warmup)
     ds = workload.dataset
-    goals = {k: (v.value if isinstance(v, Enum) else v) for k, v in dataclasses.asdict(workload.goals).items()}
+    from ..inputs import WorkloadRef, goals_to_dict
+
     return {
         "backend": backend,
         "steps": steps,
@@ -115,7 +114,9 @@ def job_dict(
             "local_dir": str(workload.model.local_dir) if workload.model.local_dir else None,
         },
         "gpu": dataclasses.asdict(workload.gpu),
-        "goals": goals,
+        "goals": goals_to_dict(workload.goals),
+        # what names the workload (as a baseline or a study does); the child rebuilds from the values above
+        "workload": WorkloadRef.of(workload).to_dict(),
         "dataset": {
             "name": ds.name,
             "source": ds.source,
@@ -131,7 +132,7 @@ def job_dict(
 def probe(
     workload: Workload,
     candidate: Candidate,
-    backend: Backend = "cpu",
+    backend: str = "cpu",
     *,
     steps: int = 3,
     warmup: int = 1,
@@ -150,8 +151,10 @@ def probe(
     """
     candidate = candidate.for_model(workload.model)  # transformers' attention, PEFT's targets, as the run resolves
     problems = []
-    if backend not in ("cuda", "cpu"):
-        problems.append(f"--backend {backend!r}: a real probe runs on 'cuda' or 'cpu'")
+    from ..backends import PROBE_BACKENDS, source_of
+
+    if backend not in PROBE_BACKENDS:
+        problems.append(f"--backend {backend!r}: a real probe runs on {' or '.join(map(repr, PROBE_BACKENDS))}")
     if steps < 1:
         problems.append(f"--steps {steps}: at least 1 measured step")
     if warmup < 0:
@@ -165,7 +168,7 @@ def probe(
         from ..errors import ConfigError
 
         raise ConfigError(problems, context="probe")
-    source = Source.PROBE_CUDA if backend == "cuda" else Source.PROBE_CPU
+    source = source_of(backend)
     job = job_dict(workload, candidate, backend, steps=steps, warmup=warmup,
                    memory_budget_bytes=memory_budget_bytes, weights=weights)
     from ..emit import env_vars

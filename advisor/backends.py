@@ -1,0 +1,153 @@
+"""The one backend layer: every way of measuring a candidate, declared once and looked up by name.
+
+`suggest` (the search), `advisor baseline` / `advisor check` (regress) and the CLI's `--backend` flags all go
+through this registry, so a backend registered here can be searched with and baselined alike. A backend
+declares how it measures (`measure(workload, candidate) -> Measurement`), the `Source` its numbers carry (a
+prediction is never labelled a measurement, nor the other way round), its cost (a cheaper backend may prune
+for a costlier one), whether it needs a CUDA device, and whether its results are deterministic enough to
+baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from .errors import UsageError
+from .measurement import Source
+
+if TYPE_CHECKING:
+    from .measurement import Measurement
+    from .space import Candidate
+    from .workload import Workload
+
+Measure = Callable[["Workload", "Candidate"], "Measurement"]
+
+
+class Backend(Protocol):
+    """What the search and regress need of a backend."""
+
+    name: str
+    cost: int
+    source: Source
+    needs_gpu: bool
+    deterministic: bool
+
+    def measure(self, workload: Workload, candidate: Candidate) -> Measurement: ...
+
+
+@dataclass(frozen=True)
+class FunctionBackend:
+    """A backend made of one function.
+
+    `cost` orders backends (a cheaper one may prune for a costlier one); `source` is what its measurements are
+    labelled with (a runtime backend that declares none is `Source.EXTERNAL`, never an estimate); `needs_gpu`:
+    it runs only where a CUDA device is visible; `deterministic`: the same inputs give the same peak, so a
+    baseline recorded with it can be checked later.
+    """
+
+    name: str
+    fn: Measure
+    cost: int = 1
+    source: Source = Source.EXTERNAL
+    needs_gpu: bool = False
+    deterministic: bool = True
+
+    def measure(self, workload: Workload, candidate: Candidate) -> Measurement:
+        return self.fn(workload, candidate)
+
+
+def _estimate(workload: Workload, candidate: Candidate) -> Measurement:
+    from .estimate import estimate
+
+    return estimate(workload, candidate)
+
+
+def _simulate(workload: Workload, candidate: Candidate) -> Measurement:
+    from .simulate import simulate
+
+    return simulate(workload, candidate)
+
+
+def _probe(kind: str) -> Measure:
+    def run(workload: Workload, candidate: Candidate) -> Measurement:
+        from .probe import probe
+
+        # A real probe enforces the limit as a hard cap, so an over-budget candidate really OOMs.
+        return probe(workload, candidate, backend=kind, memory_budget_bytes=workload.limit_bytes)
+
+    return run
+
+
+BUILTIN: tuple[FunctionBackend, ...] = (
+    FunctionBackend("estimate", _estimate, cost=0, source=Source.ESTIMATE),
+    FunctionBackend("simulate", _simulate, cost=1, source=Source.SIMULATE),
+    FunctionBackend("cpu", _probe("cpu"), cost=2, source=Source.PROBE_CPU),
+    FunctionBackend("cuda", _probe("cuda"), cost=3, source=Source.PROBE_CUDA, needs_gpu=True),
+)
+_REGISTRY: dict[str, FunctionBackend] = {b.name: b for b in BUILTIN}
+# The real probes' backends: `advisor probe --backend` and `advisor.probe(backend=)` take these names.
+PROBE_BACKENDS = ("cuda", "cpu")
+
+
+def register_backend(name: str, fn: Measure, cost: int = 1, *, source: Source | str = Source.EXTERNAL,
+                     needs_gpu: bool = False, deterministic: bool = True) -> FunctionBackend:
+    """Plug in a backend (tests register fakes); replaces one of the same name. It is then usable by `suggest`,
+    `advisor baseline` and `advisor check` alike."""
+    if not name or not isinstance(name, str):
+        raise UsageError(f"register_backend(name={name!r}): give a non-empty name")
+    backend = FunctionBackend(name, fn, cost, Source(source), needs_gpu, deterministic)
+    _REGISTRY[name] = backend
+    return backend
+
+
+def unregister_backend(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def backend_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_backend(name: str) -> FunctionBackend:
+    """The registered backend; an unknown name is a UsageError naming --backend and the known names (exit 2)."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise UsageError(f"--backend {name!r}: unknown; choose one of {', '.join(_REGISTRY)}") from None
+
+
+def source_of(name: str) -> Source:
+    """The Source a registered backend's measurements carry (also for the error outcome of a crashed run)."""
+    return get_backend(name).source
+
+
+def check_usable(name: str) -> FunctionBackend:
+    """The backend, or a UsageError (exit 2) when the name is unknown or it cannot run here (no CUDA device)."""
+    backend = get_backend(name)
+    if backend.needs_gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            build = " (this torch is a CPU build)" if torch.version.cuda is None else ""
+            raise UsageError(f"--backend {name}: no CUDA device is visible here{build}; measure with --backend "
+                             "simulate (the default without a GPU) or --backend cpu, or run on a GPU machine")
+    return backend
+
+
+def check_baselinable(name: str) -> FunctionBackend:
+    """The backend, or a UsageError when its results vary from run to run (a baseline could not be checked)."""
+    backend = get_backend(name)
+    if not backend.deterministic:
+        stable = ", ".join(n for n, b in _REGISTRY.items() if b.deterministic)
+        raise UsageError(f"--backend {name}: its results are not deterministic, so a baseline recorded with it "
+                         f"could not be checked; record with one of {stable} (simulate runs on any CPU)")
+    return backend
+
+
+def default_backend_name() -> str:
+    """cuda when a GPU is present, else simulate."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "simulate"

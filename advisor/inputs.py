@@ -1,0 +1,143 @@
+"""The inputs layer: names resolved to a Workload, and the one reference type that names a workload.
+
+Above the value types (`workload.py`: Workload, ModelSpec, GPUSpec, Goals; `data.py`: TokenizedDataset), which
+import none of the resolvers: `profiles.py` resolves GPU and model names, `data.py` loads and tokenizes a
+dataset, and `build_workload` here puts them together. `WorkloadRef` is what rebuilds a workload later, as the
+user named it: a baseline stores one, a study's spec stores one (flat, `to_spec`/`from_spec`), a worker rebuilds
+the study's workload from it, and a probe job records it next to the values the child rebuilds from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .data import TokenizedDataset, load_dataset
+from .errors import ConfigError
+from .profiles import decide_offline, detect_gpu, resolve_gpu, resolve_model
+from .workload import Goals, Method, ModelSpec, Workload, check_budget
+
+DEFAULT_GPU = "H100-80GB"
+
+
+def build_workload(
+    model: str,
+    gpu: str | None = None,
+    dataset: str | None = None,
+    tokenizer: str | None = None,
+    sample: int | None = None,
+    goals: Goals | None = None,
+    seed: int = 0,
+) -> Workload:
+    """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
+    notes: list[str] = []
+    offline_note = decide_offline(model, dataset, tokenizer)
+    if offline_note:
+        notes.append(offline_note)
+    spec = resolve_model(model)
+    if gpu is None:
+        target = detect_gpu()
+        if target is None:
+            target = resolve_gpu(DEFAULT_GPU)
+            notes.append(f"no --gpu given and no local GPU found: assuming {target.name}")
+        else:
+            notes.append(f"no --gpu given: using the local {target.name}")
+    else:
+        target = resolve_gpu(gpu)
+    check_budget(goals or Goals(), target)  # before the dataset is read and tokenized
+    data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
+    context = context_note(spec, data)
+    if context:
+        notes.append(context)
+    return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes))
+
+
+def context_note(model: ModelSpec, data: TokenizedDataset) -> str | None:
+    """Say when rows are longer than the model's context: max_length cannot keep them whole."""
+    ctx = model.max_position_embeddings
+    if ctx is None or not len(data.lengths):
+        return None
+    over = int((data.lengths > ctx).sum())
+    if not over:
+        return None
+    return (f"{over} of {len(data.lengths)} rows are longer than {model.name}'s context (max_position_embeddings "
+            f"{ctx}; the longest has {int(data.lengths.max())} tokens): max_length stays <= {ctx}, so those rows "
+            "are truncated (or split by bfd_split packing)")
+
+
+def goals_to_dict(goals: Goals) -> dict[str, Any]:
+    """Goals as JSON (enums by value): what a baseline, a study spec and a probe job store."""
+    return {k: (v.value if isinstance(v, Enum) else v) for k, v in dataclasses.asdict(goals).items()}
+
+
+def goals_from_dict(data: Mapping[str, Any] | None) -> Goals:
+    data = dict(data or {})
+    return Goals(**{**data, "method": Method(data.get("method", Method.AUTO))})
+
+
+@dataclass(frozen=True)
+class WorkloadRef:
+    """What rebuilds the workload: the names as given to `--model`, `--gpu`, `--dataset`, plus the goals.
+
+    `model` is None for a study made from a Workload object (nothing to rebuild it from); `gpu` None means the
+    local GPU (or the default target). `fingerprint` is the built workload's, to tell when it has changed.
+    """
+
+    model: str | None
+    gpu: str | None
+    dataset: str | None = None
+    tokenizer: str | None = None
+    sample: int | None = None
+    goals: Goals = field(default_factory=Goals)
+    fingerprint: str = ""
+
+    @classmethod
+    def of(cls, workload: Workload, **given: Any) -> WorkloadRef:
+        """From a built workload; `given` (model=, gpu=, dataset=, ...) overrides what is derived."""
+        data = workload.dataset
+        derived: dict[str, Any] = {
+            "model": workload.model.name,  # the id, or the path as the user gave it
+            "gpu": workload.gpu.name,
+            "dataset": None if data.source == "synthetic" else (data.dataset_name or data.name),
+            # a sampled dataset is rebuilt with the same seeded sample
+            "sample": len(data.rows) if getattr(data, "population", None) is not None else None,
+        }
+        derived.update({k: v for k, v in given.items() if v is not None})
+        return cls(goals=workload.goals, fingerprint=workload.fingerprint(), **derived)
+
+    def build(self, goals: Goals | None = None) -> Workload:
+        """Resolve the names again (the goals are the ref's unless given)."""
+        if not self.model:
+            raise ConfigError("the workload was given as a Workload object, not by name: pass workload=... "
+                              "to rebuild it", context="workload")
+        return build_workload(self.model, gpu=self.gpu, dataset=self.dataset, tokenizer=self.tokenizer,
+                              sample=self.sample, goals=goals or self.goals)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The baseline file's `workload` object."""
+        data = dataclasses.asdict(self)
+        data["goals"] = goals_to_dict(self.goals)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkloadRef:
+        """From `to_dict`'s object; KeyError without a model or gpu key, ValueError/ConfigError on bad goals."""
+        return cls(model=str(data["model"]), gpu=str(data["gpu"]), dataset=data.get("dataset"),
+                   tokenizer=data.get("tokenizer"), sample=data.get("sample"),
+                   goals=goals_from_dict(data.get("goals")), fingerprint=str(data.get("fingerprint", "")))
+
+    def to_spec(self) -> dict[str, Any]:
+        """The flat keys a study's spec stores (model, gpu, dataset, tokenizer, sample, goals,
+        workload_fingerprint)."""
+        return {"model": self.model, "gpu": self.gpu, "dataset": self.dataset, "tokenizer": self.tokenizer,
+                "sample": self.sample, "goals": goals_to_dict(self.goals), "workload_fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> WorkloadRef:
+        """From a study's spec (what `to_spec` wrote, or the same keys written by an earlier version)."""
+        return cls(model=spec.get("model"), gpu=spec.get("gpu"), dataset=spec.get("dataset"),
+                   tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
+                   goals=goals_from_dict(spec.get("goals")), fingerprint=str(spec.get("workload_fingerprint", "")))
