@@ -10,8 +10,8 @@ Which pool a backend gets:
 - `simulate` (and any backend whose function a child can import by name, such as a module-level function a test
   registers) runs in `ProcessPool`: N processes forked from one forkserver that imported torch, transformers, trl
   and advisor.simulate once (a worker is ready in ~0.05 s and a crashed one is replaced as fast; spawn takes 4-5 s
-  a worker, see scripts/bench_frontdoor.py --starts). A workload is pickled once per fingerprint and sent once to
-  each worker, which keeps it by `Workload.fingerprint()`; each candidate sends only the candidate.
+  a worker: scripts/bench_frontdoor.py --sections starts). A workload is pickled once per fingerprint and sent
+  once to each worker, which keeps it by `Workload.fingerprint()`; each candidate sends only the candidate.
 - `estimate` (microseconds: a process round trip costs more than the estimate), `cpu` and `cuda` (a probe runs its
   own child already, and probes run side by side would distort each other: a cpu probe's measured step time and
   host memory are the measurement; there is one GPU), jobs 1, and any backend a child cannot import by name (a
