@@ -116,6 +116,7 @@ def backend():
         unregister_backend(name)
 
 
+@pytest.mark.slow
 def test_pool_measures_what_simulate_measures_in_process_with_the_same_messages(tiny_workload):
     cands = [Candidate(**{**BASE, "per_device_train_batch_size": b}) for b in (2, 4)] + [NOISY]
     before = _descendants(os.getpid())
@@ -136,6 +137,7 @@ def test_pool_measures_what_simulate_measures_in_process_with_the_same_messages(
     assert any("padding-free" in text for (_, text) in said[2]), said[2]
 
 
+@pytest.mark.slow
 def test_a_crash_is_one_failed_candidate_and_the_others_finish(tiny_workload, backend):
     name = backend("pool-misbehaving", misbehaving)
     cands = {b: Candidate(**{**BASE, "per_device_train_batch_size": b}) for b in (1, 2, 3, 4, 5, 6, 7)}
@@ -156,6 +158,7 @@ def test_a_crash_is_one_failed_candidate_and_the_others_finish(tiny_workload, ba
         assert _same(again, futures[2].result()), "the replaced workers measure as before"
 
 
+@pytest.mark.slow
 def test_close_leaves_no_process_behind_even_after_an_exception_in_the_caller(tiny_workload):
     mine = os.getpid()
     before = _descendants(mine)
@@ -175,6 +178,7 @@ def test_close_leaves_no_process_behind_even_after_an_exception_in_the_caller(ti
     assert all(f.done() for f in busy), "no future is left waiting: measured, or cancelled by close()"
 
 
+@pytest.mark.slow
 def test_workers_never_write_to_the_terminal_and_their_messages_come_back(tiny_workload, backend, capfd):
     name = backend("pool-loud", loud)
     with open_pool(name, jobs=2) as pool:

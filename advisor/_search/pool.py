@@ -225,7 +225,7 @@ class _Server:
         with cls.lock:
             if cls.users == 0:
                 fs, rt = forkserver._forkserver, resource_tracker._resource_tracker
-                server_up = fs._forkserver_pid is not None and _pid_running_child(fs._forkserver_pid)
+                server_up = fs._forkserver_pid is not None and _running(fs._forkserver_pid)
                 tracker_up = rt._fd is not None
                 if not server_up:
                     ctx.set_forkserver_preload(list(PRELOAD))
@@ -301,11 +301,17 @@ def _warm_up() -> None:
         torch.set_num_threads(threads)
 
 
-def _pid_running_child(pid: int) -> bool:
+def _running(pid: int) -> bool:
+    """True while `pid` runs (not a zombie); never reaps it (multiprocessing's own waitpid must find it)."""
     try:
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
-    except ChildProcessError:
-        return False
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
 
 
 @contextlib.contextmanager
@@ -367,8 +373,10 @@ def _worker_main(conn: Any, log: str, ref: str, threads: int) -> None:
                 reply = ("result", fn(workloads[fp], candidate))
             except MemoryError as exc:  # the host ran out: answer, then leave for a fresh worker
                 reply, retire = ("memory", f"MemoryError: {exc}"), True
-            except BaseException as exc:
+            except Exception as exc:
                 reply = ("exception", _portable(exc))
+            except BaseException as exc:  # SystemExit and kin must not end the caller: a RemoteError there
+                reply = ("exception", (type(exc).__name__, str(exc)))
         conn.send(("done", task_id, reply, dict(said)))
         if retire:
             return
@@ -463,7 +471,8 @@ class ProcessPool:
                 return
             self._closing = self._closed = True
         self._wake()
-        self._thread.join(timeout=10.0)
+        if threading.current_thread() is not self._thread:  # close() from a future's callback: no self-join
+            self._thread.join(timeout=10.0)
         with self._lock:
             queued, self._queue = list(self._queue), collections.deque()
             workers = list(self._workers)
