@@ -229,8 +229,10 @@ class _Server:
                 tracker_up = rt._fd is not None
                 if not server_up:
                     ctx.set_forkserver_preload(list(PRELOAD))
-                # What the server (and the tracker) say goes to the log; the variable reaches only the server.
-                with _fds_to(log), _env(_WARM_ENV, "1"):
+                # What the server (and the tracker) say goes to the log; the variables reach only the server,
+                # which imports the preload from this process's sys.path (a script may have extended it).
+                path = os.pathsep.join(p for p in sys.path if p)
+                with _fds_to(log), _env(_WARM_ENV, "1"), _env("PYTHONPATH", path):
                     forkserver.ensure_running()
                 cls.own_server, cls.own_tracker = not server_up, not tracker_up
             cls.users += 1
