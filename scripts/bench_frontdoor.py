@@ -367,8 +367,8 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=8, help="pool section: candidates simulated")
     ap.add_argument("--jobs", type=int, default=2, help="pool section and the grid: worker processes")
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    ap.add_argument("--memo", type=Path, default=ROOT / "bench_frontdoor_grid.jsonl",
-                    help="the grid's measurements (JSON lines, kept between runs)")
+    ap.add_argument("--memo", type=Path, default=None, help="the grid's measurements (JSON lines, kept between "
+                    "runs; default: bench_frontdoor_grid.jsonl in the advisor cache directory)")
     ap.add_argument("--grid-budget", type=float, default=120.0, metavar="S",
                     help="quality section: seconds of grid measuring per case and run (0: only what the memo has)")
     ap.add_argument("--_arm", choices=("serial", "pool"), help=argparse.SUPPRESS)
@@ -382,6 +382,11 @@ def main() -> None:
         return
     from tabulate import tabulate
 
+    if ns.memo is None:
+        from advisor._search.storage import cache_dir
+
+        ns.memo = cache_dir() / "bench_frontdoor_grid.jsonl"
+        ns.memo.parent.mkdir(parents=True, exist_ok=True)
     print(f"host: {len(os.sched_getaffinity(0))} usable cores, load {os.getloadavg()[0]:.1f}")
     if "starts" in ns.sections:
         print(tabulate(bench_starts(ns), headers=[f"start method (median of {ns.repeats})",
