@@ -34,6 +34,7 @@ from ._search.backends import (
     unregister_backend,
 )
 from ._search.ledger import Entry, Ledger, candidate_key, device_bytes, feasible
+from ._search.pool import check_jobs as check_jobs  # re-exported for the CLI's --jobs
 from ._search.space import (
     BATCH_TOLERANCE,
     DEFAULT_ROWS_PER_STEP,

@@ -35,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-wrapped", action="store_true", help="allow 'wrapped' packing (mixes examples)")
     p.add_argument("--storage", default=None, help="Optuna RDB URL or journal file to share the study")
     p.add_argument("--study", default=None, help="study name (with --storage; workers join it by this name)")
+    add_jobs_flag(p)
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the study cache")
     p.add_argument("--exhaustive", action="store_true", help="evaluate every valid candidate (benchmarks)")
     p.add_argument("--format", choices=("table", "yaml", "json", "python"), default="table")
@@ -46,6 +47,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="list on stderr every message the libraries printed while measuring (default: the report "
                         "names each distinct one once)")
     p.set_defaults(func=run)
+
+
+def add_jobs_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                   help="simulate N candidates at once in worker processes (default: one per usable core; 1 "
+                        "measures in this process; the estimate and the probes always run one at a time)")
+
+
+def jobs_kwargs(ns: argparse.Namespace) -> dict[str, int]:
+    """--jobs checked before any work (ConfigError naming --jobs, exit 2); {} when not given (the default)."""
+    if ns.jobs is None:
+        return {}
+    from ..search import check_jobs
+
+    return {"jobs": check_jobs(ns.jobs)}
 
 
 def parse_fixes(items: list[str]) -> dict[str, str]:
@@ -83,6 +99,7 @@ def run(ns: argparse.Namespace) -> int:
             raise UsageError("--plot needs matplotlib: pip install 'advisor[plot]'")
     check_writable(ns.output, "--output")
     check_writable(ns.plot, "--plot")
+    jobs = jobs_kwargs(ns)
     if ns.backend is not None:
         from ..search import check_backend
 
@@ -92,7 +109,7 @@ def run(ns: argparse.Namespace) -> int:
     try:
         s = suggest(workload, backend=ns.backend, trials=ns.trials, time_budget_s=ns.time_budget, fix=fixes,
                     storage=ns.storage, study_name=ns.study, cache=not ns.no_cache, exhaustive=ns.exhaustive,
-                    progress=bar, workload_names=_workload_names(ns, workload))
+                    progress=bar, workload_names=_workload_names(ns, workload), **jobs)
     except (NoFitError, BackendError) as exc:
         if fmt != "json":
             raise

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ._common import emit_json
+from .cmd_suggest import add_jobs_flag, jobs_kwargs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,6 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "auto the worker follows NAME-full, NAME-lora, NAME-qlora)")
     p.add_argument("--backend", default=None, help="the study's backend (default); any other is refused")
     p.add_argument("--idle", type=float, default=30.0, metavar="S", help="exit after S seconds with an empty queue")
+    add_jobs_flag(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -23,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(ns: argparse.Namespace) -> int:
     from ..search import run_worker
 
-    n = run_worker(ns.storage, ns.study, backend=ns.backend, idle_s=ns.idle)
+    n = run_worker(ns.storage, ns.study, backend=ns.backend, idle_s=ns.idle, **jobs_kwargs(ns))
     if ns.json:
         print(emit_json({"study": ns.study, "measured": n}))
     else:
