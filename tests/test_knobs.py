@@ -112,6 +112,24 @@ def test_labels_come_from_the_declarations():
     assert {k.label for k in KNOBS if k.summary is not None} <= set(rows)
 
 
+def _values(k: knobs.Knob) -> list:
+    if k.kind in (Kind.ENUM, Kind.OPTIONAL_ENUM):
+        return [v for v in k.enum if v != k.default]
+    return [_other_value(k)]
+
+
+@pytest.mark.parametrize("k", KNOBS, ids=[k.name for k in KNOBS])
+def test_declared_quality_cost_is_what_quality_cost_reports(k):
+    """A knob declared quality-neutral never changes Candidate.quality_cost(); one with a quality cost does for
+    some value (max_length through the data's truncation, which quality_cost takes as an argument)."""
+    if k.name == "max_length":
+        assert k.quality and Candidate().quality_cost(truncated_fraction=0.01).describe()
+        return
+    ctx = _where_active(k, k.default)
+    changed = [ctx.replace(**{k.name: v}).quality_cost() != ctx.quality_cost() for v in _values(k)]
+    assert any(changed) == bool(k.quality), k.name
+
+
 def test_canonical_resets_what_the_declarations_call_inactive():
     c = Candidate(activation_checkpointing=False, checkpoint_offload=True, checkpoint_selective=True,
                   use_lora=False, lora_r=4)
