@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .errors import ConfigError, UsageError
+from .knobs import KNOBS, TRL_DEFAULT, Home, Kind, Knob, knobs_in, yaml_keys
 from .space import CHECKPOINT_EXTRA, UNSUPPORTED_OPTIMIZERS, Candidate, Optimizer, Precision, Quantization
 
 if TYPE_CHECKING:
@@ -45,13 +46,10 @@ class KeyUse(str, Enum):
     REFUSED = "refused"  # changes memory and is not simulated: refused unless at a harmless value (_HARMLESS)
 
 
+# The keys each knob is read from (advisor/knobs.py), the dicts that hold the kwargs knobs, and what RunConfig carries
 _KNOBS = (
-    "max_length", "packing", "packing_strategy", "padding_free", "pad_to_multiple_of", "per_device_train_batch_size",
-    "gradient_accumulation_steps", "activation_checkpointing", "gradient_checkpointing",
-    "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs", "activation_offloading", "optim", "bf16",
-    "fp16", "train_sampling_strategy", "model_init_kwargs", "dtype", "attn_implementation", "use_peft", "lora_r",
-    "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit",
-    # carried by RunConfig, not the base
+    *(key for k in KNOBS for key in yaml_keys(k)),
+    "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs", "model_init_kwargs",
     "model_name_or_path", "dataset_name",
 )
 _SIMULATED = (
@@ -134,10 +132,12 @@ KEY_USES: dict[str, KeyUse] = {
 # back to the candidate it came from.
 _EMITTED_DEFAULTS = {"truncation_mode": "keep_start", "completion_only_loss": None, "output_dir": "advisor-sft",
                      "bnb_4bit_quant_type": "nf4"}
-# model_init_kwargs other than dtype / attn_implementation (knobs) that do not change memory; any other is refused
+# model_init_kwargs other than the knobs' (dtype, attn_implementation, use_kernels) that do not change memory; any
+# other is refused
 _NEUTRAL_INIT_KWARGS = ("revision", "trust_remote_code", "low_cpu_mem_usage", "cache_dir", "token",
                         "local_files_only", "subfolder", "use_safetensors", "force_download")
-# activation_checkpointing_kwargs other than the knobs' (selective, every_n_layers), given to torch's checkpoint
+# activation_checkpointing_kwargs other than the knobs' (selective, every_n_layers, offload), given to torch's
+# checkpoint
 _CHECKPOINT_KWARGS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug")
 
 
@@ -187,29 +187,29 @@ def sft_config_kwargs(candidate: Candidate, workload: Workload | None = None, *,
     (`measured`: only those that reach a measured run, see KeyUse)."""
     c = candidate
     completion_only = workload.dataset.completion_only_loss if workload is not None else None
-    sampling = "group_by_length" if c.group_by_length else c.base.get("train_sampling_strategy", "random")
-    out = {
-        "max_length": c.max_length,
-        "truncation_mode": "keep_start",
-        "packing": c.packing,
-        "packing_strategy": c.packing_strategy.value,
-        "padding_free": c.padding_free,
-        "pad_to_multiple_of": c.pad_to_multiple_of,
-        "per_device_train_batch_size": c.per_device_train_batch_size,
-        "gradient_accumulation_steps": c.gradient_accumulation_steps,
-        "activation_checkpointing": c.activation_checkpointing,
-        "activation_checkpointing_kwargs": c.checkpointing_kwargs,
-        "activation_offloading": c.activation_offloading,
-        "optim": c.optim.value,
-        "bf16": c.precision is Precision.BF16,
-        "fp16": c.precision is Precision.FP16,
-        "train_sampling_strategy": sampling,
-        "use_liger_kernel": False,
-        "completion_only_loss": completion_only,
-        "model_init_kwargs": model_init_kwargs(c, measured=measured),
-    }
+    out: dict[str, Any] = {}
+    for k in knobs_in(Home.SFT_CONFIG):
+        out.update(_write_sft(k, c))
+        if k.name == "max_length":
+            out["truncation_mode"] = "keep_start"
+    out["use_liger_kernel"] = False  # replaced by model_init_kwargs use_kernels (a knob)
+    out["completion_only_loss"] = completion_only
+    out["model_init_kwargs"] = model_init_kwargs(c, measured=measured)
     out.update(_base_keys(c, "sft", measured))
     return out
+
+
+def _write_sft(k: Knob, c: Candidate) -> dict[str, Any]:
+    """One SFTConfig knob as TRL spells it: its key, or the keys of the knobs TRL spells differently."""
+    if k.name == "precision":
+        return {"bf16": c.precision is Precision.BF16, "fp16": c.precision is Precision.FP16}
+    if k.name == "group_by_length":
+        return {"train_sampling_strategy": "group_by_length" if c.group_by_length else
+                c.base.get("train_sampling_strategy", "random")}
+    if k.name == "activation_checkpointing":
+        return {"activation_checkpointing": c.activation_checkpointing,
+                "activation_checkpointing_kwargs": c.checkpointing_kwargs}
+    return {k.key: k.plain(getattr(c, k.name))}
 
 
 def model_init_kwargs(candidate: Candidate, *, measured: bool = False) -> dict[str, Any]:
@@ -217,11 +217,14 @@ def model_init_kwargs(candidate: Candidate, *, measured: bool = False) -> dict[s
 
     Quantization is passed separately, as the trainer's `quantization_config=` argument (see
     `quantization_config`), exactly like trl/scripts/sft.py does. No attn_implementation: transformers picks.
+    The knobs that live in model_init_kwargs (advisor/knobs.py, Home.MODEL_INIT_KWARGS) are written explicitly.
     """
     out: dict[str, Any] = {} if measured else dict(candidate.base.get("model_init_kwargs") or {})
     out["dtype"] = candidate.weights_dtype.value
     if candidate.attn_implementation is not None:
         out["attn_implementation"] = candidate.attn_implementation.value
+    for k in knobs_in(Home.MODEL_INIT_KWARGS):  # use_kernels, written explicitly
+        out[k.key] = k.plain(getattr(candidate, k.name))
     return out
 
 
@@ -302,10 +305,6 @@ def build_sft_config(candidate: Candidate, workload: Workload | None = None, *, 
 
 # ---- YAML for `trl sft --config` -------------------------------------------------------------------------
 
-# ModelConfig fields (trl sft) that carry the candidate's model-side knobs.
-_MODEL_KEYS = ("dtype", "attn_implementation", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
-               "lora_target_modules", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type")
-
 # One target written for `trl sft`: ModelConfig turns a one-element list into a string, which PEFT matches as a
 # regular expression against the full module name, so a bare name would match nothing.
 _ONE_TARGET = re.compile(r"\.\*\\\.([A-Za-z_][A-Za-z0-9_]*)")
@@ -318,6 +317,21 @@ def _yaml_targets(candidate: Candidate) -> list[str] | None:
     if len(t) == 1 and t[0] != "all-linear":
         return [f".*\\.{t[0]}"]
     return list(t)
+
+
+def _write_model(k: Knob, c: Candidate) -> dict[str, Any]:
+    """One ModelConfig / LoraConfig knob as `trl sft` reads it."""
+    if k.name == "attn_implementation":
+        return {} if c.attn_implementation is None else {"attn_implementation": c.attn_implementation.value}
+    if k.name == "lora_target_modules":
+        targets = _yaml_targets(c)
+        return {} if targets is None else {"lora_target_modules": targets}
+    if k.name == "quantization":
+        out = {"load_in_4bit": c.quantization is Quantization.NF4, "load_in_8bit": c.quantization is Quantization.INT8}
+        if c.quantization is Quantization.NF4:
+            out["bnb_4bit_quant_type"] = "nf4"
+        return out
+    return {k.key: k.plain(getattr(c, k.name))}
 
 
 def run_config_dict(
@@ -338,22 +352,14 @@ def run_config_dict(
     out.update(_base_keys(c, "script", measured=False))
     out["output_dir"] = c.base.get("output_dir", output_dir)
     out.update(kw)
+    # model_init_kwargs goes into the YAML whole but for what ModelConfig's dtype / attn_implementation carry
+    # (trl sft updates those with it): the model_init_kwargs knobs and the user's other loading keys
     extra_init = {k: v for k, v in init.items() if k not in ("dtype", "attn_implementation")}
     if extra_init:
         out["model_init_kwargs"] = extra_init
-    out["dtype"] = c.weights_dtype.value
-    if c.attn_implementation is not None:
-        out["attn_implementation"] = c.attn_implementation.value
-    out["use_peft"] = c.use_lora
-    if c.use_lora:
-        out.update(lora_r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout)
-        targets = _yaml_targets(c)
-        if targets is not None:
-            out["lora_target_modules"] = targets
-    out["load_in_4bit"] = c.quantization is Quantization.NF4
-    out["load_in_8bit"] = c.quantization is Quantization.INT8
-    if c.quantization is Quantization.NF4:
-        out["bnb_4bit_quant_type"] = "nf4"
+    for k in KNOBS:
+        if k.home in (Home.MODEL_CONFIG, Home.LORA_CONFIG) and k.is_active(c):
+            out.update(_write_model(k, c))
     out.update(_base_keys(c, "model", measured=False))
     env = env_vars(c)
     if env:
@@ -393,7 +399,6 @@ def candidate_from_run_dict(data: dict[str, Any], *, source: str = "config") -> 
     defaults. A key that changes memory and is not simulated is a ConfigError naming it."""
     d = dict(data)
     problems: list[str] = []
-    defaults = Candidate.trl_defaults()
     base: dict[str, Any] = {}
     fields_ = trl_fields()
     for key, value in d.items():
@@ -416,51 +421,30 @@ def candidate_from_run_dict(data: dict[str, Any], *, source: str = "config") -> 
             continue
         base[key] = value
 
-    ck = d.get("activation_checkpointing", d.get("gradient_checkpointing", defaults.activation_checkpointing))
-    ck_kwargs = d.get("activation_checkpointing_kwargs", d.get("gradient_checkpointing_kwargs")) or {}
-    if isinstance(ck_kwargs, str):
-        try:
-            ck_kwargs = json.loads(ck_kwargs)
-        except ValueError:
-            problems.append(f"activation_checkpointing_kwargs={ck_kwargs!r}: not a JSON object")
-            ck_kwargs = {}
-    if not isinstance(ck_kwargs, dict):
-        problems.append(f"activation_checkpointing_kwargs={ck_kwargs!r}: must be a mapping")
-        ck_kwargs = {}
+    ck_kwargs = _read_mapping(d.get("activation_checkpointing_kwargs", d.get("gradient_checkpointing_kwargs")),
+                              "activation_checkpointing_kwargs", problems)
+    ck_keys = {k.key for k in knobs_in(Home.CHECKPOINT_KWARGS)}
     extra_ck = {}
     for k, v in ck_kwargs.items():
-        if k in ("selective", "every_n_layers"):
-            continue
-        if k == "offload":
-            if v:
-                problems.append("activation_checkpointing_kwargs offload=True: saved activations in pinned host "
-                                "memory are not simulated; remove it, or use activation_offloading")
-        elif k == "use_reentrant" and v is False:
+        if k in ck_keys:
+            continue  # a knob's (selective, every_n_layers, offload)
+        if k == "use_reentrant" and v is False:
             continue  # what TRL sets when it is not given, and what the emitter writes
-        elif k in _CHECKPOINT_KWARGS:
+        if k in _CHECKPOINT_KWARGS:
             extra_ck[k] = v
         else:
             problems.append(f"activation_checkpointing_kwargs {k}={v!r}: not an option the advisor simulates "
-                            f"(known: selective, every_n_layers, {', '.join(_CHECKPOINT_KWARGS)}); remove it")
+                            f"(known: {', '.join([*sorted(ck_keys), *_CHECKPOINT_KWARGS])}); remove it")
     if extra_ck:
         base[CHECKPOINT_EXTRA] = extra_ck
 
-    bf16, fp16 = d.get("bf16"), bool(d.get("fp16", False))
-    precision = Precision.FP16 if fp16 else Precision.BF16 if bf16 in (None, True) else Precision.FP32
-    quant = Quantization.NF4 if d.get("load_in_4bit") else Quantization.INT8 if d.get("load_in_8bit") else \
-        Quantization.NONE
     if d.get("load_in_4bit") and d.get("load_in_8bit"):
         problems.append("load_in_4bit and load_in_8bit both true: choose one")
-    mik = d.get("model_init_kwargs") or {}
-    if isinstance(mik, str):
-        try:
-            mik = json.loads(mik)
-        except ValueError:
-            problems.append(f"model_init_kwargs={mik!r}: not a JSON object")
-            mik = {}
+    mik = _read_mapping(d.get("model_init_kwargs"), "model_init_kwargs", problems)
+    init_keys = {"dtype", "torch_dtype", "attn_implementation", *(k.key for k in knobs_in(Home.MODEL_INIT_KWARGS))}
     extra_init = {}
     for k, v in mik.items():
-        if k in ("dtype", "torch_dtype", "attn_implementation"):
+        if k in init_keys:
             continue
         if k in _NEUTRAL_INIT_KWARGS:
             extra_init[k] = v
@@ -469,17 +453,6 @@ def candidate_from_run_dict(data: dict[str, Any], *, source: str = "config") -> 
                             "remove it (quantization: load_in_4bit / load_in_8bit)")
     if extra_init:
         base["model_init_kwargs"] = extra_init
-    # trl sft: model_init_kwargs update what ModelConfig's dtype / attn_implementation give
-    dtype = mik.get("dtype") or mik.get("torch_dtype") or d.get("dtype") or _trl_default("dtype")
-    if dtype == "auto":
-        problems.append("dtype=auto: the advisor needs an explicit dtype (float32, bfloat16 or float16)")
-        dtype = "float32"
-    attn = mik.get("attn_implementation") or d.get("attn_implementation")  # None: what transformers picks
-    optim = d.get("optim", Optimizer.ADAMW_TORCH_FUSED.value)
-    if optim in UNSUPPORTED_OPTIMIZERS:
-        known = ", ".join(o.value for o in Optimizer)
-        problems.append(f"optim={optim!r}: {UNSUPPORTED_OPTIMIZERS[optim]}; use one of {known}")
-        optim = Optimizer.ADAMW_TORCH.value
     sampling = d.get("train_sampling_strategy")
     if sampling not in (None, "random", "group_by_length"):
         base["train_sampling_strategy"] = sampling
@@ -494,39 +467,78 @@ def candidate_from_run_dict(data: dict[str, Any], *, source: str = "config") -> 
                             "expandable_segments")
     if env:
         base["env"] = {str(k): str(v) for k, v in env.items()}
-    fields: dict[str, Any] = {
-        "max_length": d.get("max_length", defaults.max_length),
-        "packing": bool(d.get("packing", False)),
-        "packing_strategy": d.get("packing_strategy", "bfd"),
-        "padding_free": bool(d.get("padding_free", False)),
-        "pad_to_multiple_of": None if d.get("pad_to_multiple_of") in (None, "auto") else d.get("pad_to_multiple_of"),
-        "per_device_train_batch_size": d.get("per_device_train_batch_size", defaults.per_device_train_batch_size),
-        "gradient_accumulation_steps": d.get("gradient_accumulation_steps", 1),
-        "activation_checkpointing": bool(ck),
-        "checkpoint_selective": bool(ck_kwargs.get("selective", False)),
-        "checkpoint_every_n_layers": int(ck_kwargs.get("every_n_layers", 1)),
-        "activation_offloading": bool(d.get("activation_offloading", False)),
-        "optim": optim,
-        "precision": precision,
-        "weights_dtype": dtype,
-        "group_by_length": sampling == "group_by_length" or bool(d.get("group_by_length")),
-        "attn_implementation": attn,
-        "use_lora": bool(d.get("use_peft", False)),
-        "quantization": quant,
-        "expandable_segments": any("expandable_segments:True" in v.replace(" ", "") for v in alloc.values()),
-        "base": base,
-    }
-    if d.get("use_peft"):
-        fields["lora_r"] = d.get("lora_r", _trl_default("lora_r"))
-        fields["lora_alpha"] = d.get("lora_alpha", _trl_default("lora_alpha"))
-        fields["lora_dropout"] = d.get("lora_dropout", _trl_default("lora_dropout"))
-        fields["lora_target_modules"] = _read_targets(d.get("lora_target_modules"), problems)
+    source_of = {Home.CHECKPOINT_KWARGS: ck_kwargs, Home.MODEL_INIT_KWARGS: mik}
+    fields: dict[str, Any] = {"base": base}
+    for k in KNOBS:
+        if k.home is Home.LORA_CONFIG and not d.get("use_peft"):
+            continue  # inactive: the Candidate's default
+        fields[k.name] = _read_knob(k, d, source_of.get(k.home), alloc, problems)
     if problems:
         raise ConfigError(problems, context=source)
     try:
         return Candidate(**fields)
     except ConfigError as exc:
         raise ConfigError(exc.problems, context=source) from None
+
+
+def _read_mapping(value: Any, name: str, problems: list[str]) -> dict[str, Any]:
+    """A kwargs key of a run config (a mapping, or the JSON text the CLI passes)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            problems.append(f"{name}={value!r}: not a JSON object")
+            return {}
+    if not isinstance(value, dict):
+        problems.append(f"{name}={value!r}: must be a mapping")
+        return {}
+    return value
+
+
+def _read_knob(k: Knob, d: dict[str, Any], kwargs: dict[str, Any] | None, alloc: dict[str, str],
+               problems: list[str]) -> Any:
+    """One knob's value from a run config: its key in its home, else what TRL takes when it is not set."""
+    absent = _trl_default(k.key) if k.absent is TRL_DEFAULT else k.absent
+    if k.name == "precision":
+        bf16, fp16 = d.get("bf16"), bool(d.get("fp16", False))
+        return Precision.FP16 if fp16 else Precision.BF16 if bf16 in (None, True) else Precision.FP32
+    if k.name == "quantization":
+        return Quantization.NF4 if d.get("load_in_4bit") else Quantization.INT8 if d.get("load_in_8bit") else \
+            Quantization.NONE
+    if k.name == "group_by_length":
+        return d.get("train_sampling_strategy") == "group_by_length" or bool(d.get("group_by_length"))
+    if k.name == "expandable_segments":
+        return any("expandable_segments:True" in v.replace(" ", "") for v in alloc.values())
+    if k.name == "lora_target_modules":
+        return _read_targets(d.get("lora_target_modules"), problems)
+    if k.name == "weights_dtype":
+        # trl sft: model_init_kwargs update what ModelConfig's dtype gives
+        mik = _read_mapping(d.get("model_init_kwargs"), "model_init_kwargs", [])
+        dtype = mik.get("dtype") or mik.get("torch_dtype") or d.get("dtype") or _trl_default("dtype")
+        if dtype == "auto":
+            problems.append("dtype=auto: the advisor needs an explicit dtype (float32, bfloat16 or float16)")
+            return "float32"
+        return dtype
+    if k.name == "attn_implementation":
+        mik = _read_mapping(d.get("model_init_kwargs"), "model_init_kwargs", [])
+        return mik.get("attn_implementation") or d.get("attn_implementation")  # None: what transformers picks
+    if kwargs is not None:
+        value = kwargs.get(k.key, absent)
+    else:
+        value = next((d[key] for key in yaml_keys(k) if key in d), absent)
+    if k.name == "optim" and value in UNSUPPORTED_OPTIMIZERS:
+        known = ", ".join(o.value for o in Optimizer)
+        problems.append(f"optim={value!r}: {UNSUPPORTED_OPTIMIZERS[value]}; use one of {known}")
+        return Optimizer.ADAMW_TORCH.value
+    if k.name == "pad_to_multiple_of" and value == "auto":
+        return None
+    if k.kind is Kind.BOOL:
+        return bool(value)
+    if k.name == "checkpoint_every_n_layers":
+        return int(value)
+    return value
 
 
 def _read_targets(targets: Any, problems: list[str]) -> tuple[str, ...] | None:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import UsageError
+from .knobs import summary_rows, trial_label
 
 if TYPE_CHECKING:
     from .measurement import Measurement
@@ -33,24 +34,8 @@ def _step(m: Measurement) -> str:
 
 
 def _knobs(t: Trial) -> str:
-    c = t.candidate
-    ckpt = "off"
-    if c.activation_checkpointing:
-        ckpt = "sel" if c.checkpoint_selective else f"1/{c.checkpoint_every_n_layers}"
-    pack = c.packing_strategy.value if c.packing else ("pf" if c.padding_free else "pad")
-    extra = []
-    if c.activation_offloading:
-        extra.append("offload")
-    if c.group_by_length:
-        extra.append("gbl")
-    if c.use_lora:
-        extra.append(f"lora{c.lora_r}" + (f"/{c.quantization.value}" if c.quantization.value != "none" else ""))
-    if c.weights_dtype.value != "float32":
-        extra.append(c.weights_dtype.value)
-    if c.attn_implementation is not None and c.attn_implementation.value != "sdpa":
-        extra.append(f"fa{c.attn_implementation.flash_version}" if c.attn_implementation.is_flash else "eager")
-    return (f"{c.per_device_train_batch_size}x{c.gradient_accumulation_steps} L={c.max_length} {pack} "
-            f"ckpt={ckpt} {c.optim.value} " + " ".join(extra)).strip()
+    """The candidate cell: each knob's token (advisor/knobs.py `short`)."""
+    return trial_label(t.candidate)
 
 
 def time_lines(m: Measurement) -> list[str]:
@@ -104,15 +89,7 @@ def render_summary(s: Suggestion) -> str:
         ["model", wl.model.name], ["target", f"{wl.gpu.name} (limit {_gib(wl.limit_bytes)} GiB of "
                                             f"{_gib(wl.budget_bytes)} GiB)"],
         ["method", c.method.value],
-        ["micro-batch x accumulation", f"{c.per_device_train_batch_size} x {c.gradient_accumulation_steps}"],
-        ["max_length", str(c.max_length)],
-        ["packing", c.packing_strategy.value if c.packing else "off"],
-        ["padding_free", str(c.effective_padding_free)],
-        ["activation checkpointing", "off" if not c.activation_checkpointing else
-         ("selective" if c.checkpoint_selective else f"every {c.checkpoint_every_n_layers} layer(s)")],
-        ["activation offloading", str(c.activation_offloading)],
-        ["optim", c.optim.value], ["precision / weights", f"{c.precision.value} / {c.weights_dtype.value}"],
-        ["attention", c.attn_implementation.value], ["group_by_length", str(c.group_by_length)],
+        *summary_rows(c),  # each knob's label and value (advisor/knobs.py)
         [f"device peak (GiB, {_kind(s)})", _gib(m.budget_bytes)],
         [f"tokens/s (trained, {_kind(s)})", _tps(m.tokens_per_second)],
         [f"step time (s, {_kind(s)})", _step(m)],

@@ -93,7 +93,8 @@ def simulate(
     step_time = combined.time_s
 
     activations_before = breakdown.get(Category.ACTIVATIONS.value, 0)
-    adjust = _modelled_adjustments(candidate, workload.model, breakdown, step_time)
+    adjust = _modelled_adjustments(candidate, workload.model, breakdown, step_time, batch_shape=combined.batch_shape,
+                                   cuda=target.is_cuda)
     notes.extend(adjust.notes)
     peak += adjust.bytes_delta
     allocated += adjust.bytes_delta
@@ -281,7 +282,15 @@ def _expected_time(workload: Workload, candidate: Candidate, target: GPUSpec, co
     cost = cost.with_(peak_flops=peak_flops(target, candidate.precision.value))
     if candidate.activation_offloading:
         cost = cost.with_(copy_s_per_token=offload_copy_s_per_token(activation_bytes, cost.worst.tokens, tc))
+    cost = _knob_time(cost, workload.model, candidate, target)
     return evaluate(cost, batch_distribution(workload.dataset, candidate, tc.attn_block))
+
+
+def _knob_time(cost, model: ModelSpec, candidate: Candidate, target: GPUSpec):
+    """The modelled knobs' step-time terms (use_kernels, checkpoint_offload): advisor/estimate.py's closed form."""
+    from .estimate import knob_time
+
+    return knob_time(cost, model, candidate, target)
 
 
 def _stream_peaks(events: list, categories: list, *, cuda: bool, expandable_segments: bool):
@@ -461,8 +470,9 @@ def _runnable(candidate: Candidate, target: GPUSpec) -> tuple[Candidate, list[st
     if candidate.attn_implementation.is_flash and candidate.attn_implementation.flash_version != 2:
         notes.append(f"{candidate.attn_implementation.value}: modelled as FlashAttention 2 (same flash path and "
                      "tensors); its own kernel's workspace and speed are not simulated")
-    if candidate.activation_offloading:
-        changes["activation_offloading"] = False
+    from .knobs import stand_ins
+
+    changes.update(stand_ins(candidate))  # activation_offloading, checkpoint_offload (advisor/knobs.py)
     if candidate.precision is Precision.FP16:
         changes["precision"] = Precision.BF16
         notes.append("fp16 autocast simulated as bf16 (same sizes); the gradient scaler's few bytes are ignored")
@@ -490,10 +500,13 @@ class _Adjustment:
 
 
 def _modelled_adjustments(
-    candidate: Candidate, model: ModelSpec, breakdown: dict[str, int], step_time: float
+    candidate: Candidate, model: ModelSpec, breakdown: dict[str, int], step_time: float, *,
+    batch_shape: tuple[int, int] = (0, 0), cuda: bool = True,
 ) -> _Adjustment:
-    """Closed-form corrections for what fake tensors cannot run (bitsandbytes, activation offloading)."""
+    """Closed-form corrections for what fake tensors cannot run (bitsandbytes, activation offloading, Hub kernels,
+    offloaded checkpoints)."""
     adj = _Adjustment(step_time_s=step_time)
+    _modelled_knobs(adj, candidate, model, breakdown, batch_shape[0] * batch_shape[1], cuda)
     params = Category.PARAMETERS.value
     if candidate.quantization is not Quantization.NONE:
         from .estimate import architecture, quantized_linear_bytes
@@ -529,6 +542,37 @@ def _modelled_adjustments(
             "(the step-time model's copy lane)"
         )
     return adj
+
+
+_KNOB_NOTES = {
+    "use_kernels": "use_kernels: Hub kernels cannot run on fake tensors (and need the `kernels` package and CUDA): "
+                   "modelled, Liger's fused RMSNorm saving 4 bytes per normalised element of every layer whose "
+                   "activations stay saved (advisor/estimate.py _kernels_saved_bytes), and moving fewer bytes "
+                   "than torch's elementwise chain (the step-time model's memory-bound term)",
+    "checkpoint_offload": "activation_checkpointing_kwargs offload: transformers' save_on_cpu pins host memory, "
+                          "which fake tensors cannot: modelled, the checkpointed layers' saved inputs in host "
+                          "memory but for the layer being recomputed (advisor/estimate.py "
+                          "_checkpoint_offload_saved_bytes), their copies on the compute stream (the step-time "
+                          "model's offload term); the peak is lowered where it was simulated, and another moment "
+                          "of the step (the optimizer step) is not seen by this model",
+}
+
+
+def _modelled_knobs(adj: _Adjustment, candidate: Candidate, model: ModelSpec, breakdown: dict[str, int],
+                    tokens: int, cuda: bool) -> None:
+    """The knobs fake tensors cannot run, from advisor/estimate.py's closed forms (one model for both backends):
+    what each frees of the activations held at the simulated peak, noted as modelled."""
+    from .estimate import knob_memory_savings
+
+    acts = Category.ACTIVATIONS.value
+    for name in ("use_kernels", "checkpoint_offload"):
+        if getattr(candidate, name):
+            adj.notes.append(_KNOB_NOTES[name] + ("" if cuda else "; no effect on the CPU"))
+    for _name, saved in knob_memory_savings(model, candidate, tokens, cuda).items():
+        held = breakdown.get(acts, 0) + adj.breakdown_delta.get(acts, 0)
+        saved = min(saved, max(0, held))  # no more than the activations held at the peak
+        adj.bytes_delta -= saved
+        adj.breakdown_delta[acts] = adj.breakdown_delta.get(acts, 0) - saved
 
 
 @contextlib.contextmanager

@@ -230,7 +230,12 @@ class QualityCost:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One value for every memory knob. Field names follow SFTConfig / ModelConfig where one exists."""
+    """One value for every memory knob. Field names follow SFTConfig / ModelConfig where one exists.
+
+    Each field is declared in the knob registry (advisor/knobs.py: its home in TRL, validity, `--fix` names, when
+    it is active, memory order, labels); the registry checks this field block against its declarations when it is
+    imported, and validation and `canonical()` derive from it.
+    """
 
     max_length: int | None = 1024
     packing: bool = False
@@ -257,45 +262,24 @@ class Candidate:
     lora_target_modules: tuple[str, ...] | None = _LLAMA_LINEARS
     quantization: Quantization = Quantization.NONE
     expandable_segments: bool = True
+    checkpoint_offload: bool = False
+    use_kernels: bool = False
     # the user's other keys (not a knob: the search never changes it)
     base: RunBase = field(default_factory=RunBase)
 
     def __post_init__(self) -> None:
         # Accept plain strings (YAML, --fix) and lists; store Enums and tuples so candidates hash and compare.
-        problems = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            enum = _ENUM_FIELDS.get(f.name)
-            if enum is not None and value is None and f.name in _NULLABLE_ENUMS:
-                continue
-            if enum is not None and not isinstance(value, enum):
-                try:
-                    object.__setattr__(self, f.name, enum(value))
-                except ValueError:
-                    allowed = ", ".join(e.value for e in enum)
-                    problems.append(f"{f.name}={value!r}: not one of {allowed}")
-        if isinstance(self.lora_target_modules, (list, str)):
-            mods = [self.lora_target_modules] if isinstance(self.lora_target_modules, str) else self.lora_target_modules
-            object.__setattr__(self, "lora_target_modules", tuple(mods))
+        from .knobs import coerce
+
+        values, problems = coerce({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        for name, value in values.items():
+            if value is not getattr(self, name):
+                object.__setattr__(self, name, value)
         if not isinstance(self.base, RunBase):
             try:
                 object.__setattr__(self, "base", RunBase.of(self.base))
             except ConfigError as exc:
                 problems.extend(exc.problems)
-        p = self.lora_dropout
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-            problems.append(f"lora_dropout={p!r}: must be a number in [0, 1)")
-        elif isinstance(p, int):
-            object.__setattr__(self, "lora_dropout", float(p))
-        counts = ("per_device_train_batch_size", "gradient_accumulation_steps", "checkpoint_every_n_layers", "lora_r")
-        for name in counts:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name}={value!r}: must be an integer >= 1")
-        for name in ("max_length", "pad_to_multiple_of"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                problems.append(f"{name}={value!r}: must be an integer >= 1 or None")
         if problems:
             raise ConfigError(problems, context="invalid candidate")
 
@@ -318,36 +302,28 @@ class Candidate:
         if not self.activation_checkpointing:
             return None
         # TRL sets use_reentrant=False when it is not given (SFTTrainer.__init__); the user's other keys are kept
+        from .knobs import checkpoint_kwargs
+
         kwargs: dict[str, Any] = {"use_reentrant": False, **(self.base.get(CHECKPOINT_EXTRA) or {})}
-        if self.checkpoint_selective:
-            kwargs["selective"] = True
-        if self.checkpoint_every_n_layers != 1:
-            kwargs["every_n_layers"] = self.checkpoint_every_n_layers
+        kwargs.update(checkpoint_kwargs(self))  # selective, every_n_layers, offload (advisor/knobs.py)
         return kwargs
 
     def replace(self, **changes: Any) -> Candidate:
         return dataclasses.replace(self, **changes)
 
     def canonical(self) -> Candidate:
-        """Fields that have no effect reset to their defaults, so equivalent candidates compare equal."""
-        d = Candidate()
-        changes: dict[str, Any] = {}
-        if not self.packing:
-            changes["packing_strategy"] = d.packing_strategy
-        if not self.activation_checkpointing:
-            changes.update(checkpoint_selective=False, checkpoint_every_n_layers=1)
-        if not self.use_lora:
-            changes.update(
-                lora_r=d.lora_r, lora_alpha=d.lora_alpha, lora_dropout=d.lora_dropout,
-                lora_target_modules=d.lora_target_modules,
-            )
-        if self.packing and self.packing_strategy is not PackingStrategy.WRAPPED:
-            changes["padding_free"] = False  # implied by bfd / bfd_split
+        """Fields that have no effect reset to their defaults, so equivalent candidates compare equal (each knob's
+        `active` in advisor/knobs.py)."""
+        from .knobs import canonical_changes
+
+        changes = canonical_changes(self)
         return dataclasses.replace(self, **changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
         """Knobs as plain values; `base` only when the user's config had other keys (so the search's candidates,
         their study keys and stored baselines keep their form)."""
+        from .knobs import knob
+
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -355,7 +331,10 @@ class Candidate:
                 if value:
                     out["base"] = value.as_dict()
                 continue
-            out[f.name] = value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) else value
+            k = knob(f.name)
+            if not k.keyed_at_default and value == k.default:
+                continue  # a knob added later: candidates at its default keep the study keys they had
+            out[f.name] = k.plain(value)
         return out
 
     def for_model(self, model: ModelSpec) -> Candidate:
@@ -434,6 +413,12 @@ class Candidate:
                     "activation_offloading=True on the CPU: TRL's offloading needs an accelerator (CUDA streams); "
                     "set activation_offloading=False"
                 )
+            if self.activation_checkpointing and self.checkpoint_offload:
+                out.append(
+                    "activation_checkpointing_kwargs offload=True on the CPU: transformers holds the checkpoints in "
+                    "pinned host memory, and torch raises \"pin_memory=True requires a CUDA or other accelerator "
+                    "backend\" without one; set checkpoint_offload=False"
+                )
             if self.quantization is not Quantization.NONE:
                 out.append(
                     f"quantization={self.quantization.value} on the CPU: bitsandbytes training kernels need CUDA; "
@@ -499,8 +484,10 @@ class Candidate:
 
     def requirements(self) -> tuple[str, ...]:
         """Packages the training run needs beyond torch/transformers/trl/peft (pip names)."""
-        out = []
-        if self.quantization is not Quantization.NONE or self.optim.needs_bitsandbytes:
+        from .knobs import KNOBS
+
+        out = [k.requires for k in KNOBS if k.requires and getattr(self, k.name) != k.default]
+        if self.optim.needs_bitsandbytes and "bitsandbytes" not in out:
             out.append("bitsandbytes")
         if self.attn_implementation is not None and self.attn_implementation.is_flash:
             # kernels-community/*: loaded from the Hub through `kernels`; flash_attention_N: the flash-attn package
@@ -538,7 +525,6 @@ class Candidate:
 # The base key that holds the user's activation_checkpointing_kwargs other than the knobs' (selective,
 # every_n_layers): use_reentrant, preserve_rng_state, ...
 CHECKPOINT_EXTRA = "activation_checkpointing_kwargs"
-_NULLABLE_ENUMS = frozenset({"attn_implementation"})
 
 
 def _flash_runs_on(attn: Attention, gpu: GPUSpec) -> bool:
@@ -550,16 +536,6 @@ def _flash_runs_on(attn: Attention, gpu: GPUSpec) -> bool:
     except ValueError:
         return True  # profiles.py validates the field; a profile that passed says supports_flash_attention
     return cc == 0 or cc >= attn.min_compute_capability
-
-
-_ENUM_FIELDS: dict[str, type[Enum]] = {
-    "packing_strategy": PackingStrategy,
-    "optim": Optimizer,
-    "precision": Precision,
-    "weights_dtype": WeightsDtype,
-    "attn_implementation": Attention,
-    "quantization": Quantization,
-}
 
 
 def model_linear_names(model: ModelSpec) -> tuple[str, ...]:
@@ -638,3 +614,7 @@ class SearchSpace:
         for v in self.values.values():
             n *= len(v)
         return n
+
+
+# The knob registry checks Candidate's field block against its declarations when it is imported (advisor/knobs.py)
+from . import knobs as _knobs  # noqa: E402,F401

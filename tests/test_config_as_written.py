@@ -164,7 +164,8 @@ def test_measured_runs_get_the_base(tiny_workload, tmp_path):
         ({"use_peft": True, "lora_target_parameters": ["mlp.experts.gate_up_proj"]}, "lora_target_parameters"),
         ({"use_peft": True, "lora_task_type": "SEQ_CLS"}, "lora_task_type"),
         ({"model_init_kwargs": {"device_map": "auto"}}, "model_init_kwargs device_map"),
-        ({"activation_checkpointing_kwargs": {"offload": True}}, "offload"),
+        # offload is a knob now (checkpoint_offload, tests/test_knobs.py); torch's context_fn is not simulated
+        ({"activation_checkpointing_kwargs": {"context_fn": "x"}}, "context_fn"),
         ({"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128"}},
          "PYTORCH_CUDA_ALLOC_CONF"),
     ],

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..knobs import memory_le, ordered_names
 from ..measurement import Measurement, Status
 from ..space import Candidate
 
 # Fields that differ between otherwise identical candidates without changing what is trained or how.
 _DERIVED = ("gradient_accumulation_steps",)
-# Knobs along which memory only grows, as far as a failure bounds its neighbours.
-_ORDERED = ("per_device_train_batch_size", "max_length", "activation_checkpointing", "checkpoint_selective",
-            "checkpoint_every_n_layers", "activation_offloading")
 
 
 def candidate_key(c: Candidate) -> str:
@@ -28,30 +26,17 @@ def feasible(m: Measurement, limit_bytes: int) -> bool:
     return m.feasible(limit_bytes)
 
 
-def _ckpt_le(a: Candidate, b: Candidate) -> bool:
-    """a saves no more activations than b (a partial order: full-every-layer <= anything <= none)."""
-    la = (a.activation_checkpointing, a.checkpoint_selective, a.checkpoint_every_n_layers)
-    lb = (b.activation_checkpointing, b.checkpoint_selective, b.checkpoint_every_n_layers)
-    return la == lb or la == (True, False, 1) or not b.activation_checkpointing
-
-
 def needs_at_least(bigger: Candidate, failed: Candidate) -> bool:
-    """True when `bigger` cannot use less memory than `failed`: same knobs, except a micro-batch, max_length,
-    less checkpointing or no offloading that can only add memory."""
+    """True when `bigger` cannot use less memory than `failed`: same knobs, except the ones along which memory
+    only grows (each knob's `memory` in advisor/knobs.py: a micro-batch, max_length, less checkpointing, no
+    offloading), where `bigger` is at least `failed`."""
+    ordered = set(ordered_names())
     for f in Candidate.__dataclass_fields__:
-        if f in _DERIVED or f in _ORDERED:
+        if f in _DERIVED or f in ordered:
             continue
         if getattr(bigger, f) != getattr(failed, f):
             return False
-    if bigger.per_device_train_batch_size < failed.per_device_train_batch_size:
-        return False
-    if bigger.max_length != failed.max_length and (
-        bigger.max_length is None or failed.max_length is None or bigger.max_length < failed.max_length
-    ):
-        return False
-    if bigger.activation_offloading and not failed.activation_offloading:
-        return False
-    return _ckpt_le(failed, bigger)
+    return memory_le(failed, bigger)
 
 
 @dataclass(frozen=True)

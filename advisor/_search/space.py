@@ -33,11 +33,6 @@ DEFAULT_ROWS_PER_STEP = 8
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_LORA_R = 16
 
-_BOOL_TRUE = {"true", "1", "yes", "on"}
-_BOOL_FALSE = {"false", "0", "no", "off"}
-_NONE = {"none", "null", "~"}
-
-
 # ---- effective batch ---------------------------------------------------------------------------------------
 class RowTokens:
     """Trained tokens per micro-batch row for each (max_length, packing, strategy), memoised (it scans the data)."""
@@ -157,6 +152,16 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
         "pad_to_multiple_of": (None,),
         "gradient_accumulation_steps": (1,),
     }
+    # Hub kernels (use_kernels) only where a run can load them: the optional `kernels` package importable
+    # (pip install 'advisor[kernels]') and a CUDA target (transformers' mapping has no CPU training kernels).
+    # Offline without the package the key stays out of the space, so candidates keep use_kernels=False and the
+    # space, its study key and the search's trials are what they were.
+    from ..knobs import kernels_available
+
+    if cuda and kernels_available():
+        values["use_kernels"] = (False, True)
+    # checkpoint_offload is offered through --fix only: its copies run on the compute stream (always slower) and
+    # its saving is modelled at the simulated peak (advisor/simulate.py), so the search does not pick it unasked.
     return SearchSpace(values)
 
 
@@ -198,62 +203,21 @@ class Pins:
     methods: frozenset[Method] | None = None
 
 
-# SFTConfig / ModelConfig / TrainingArguments field name -> Candidate field (identity for Candidate's own names).
-_ALIASES = {
-    "gradient_checkpointing": "activation_checkpointing",
-    "dtype": "weights_dtype",
-    "torch_dtype": "weights_dtype",
-    "use_peft": "use_lora",
-    "selective": "checkpoint_selective",
-    "every_n_layers": "checkpoint_every_n_layers",
-    "attention": "attn_implementation",
-}
-_SPECIAL = ("bf16", "fp16", "load_in_4bit", "load_in_8bit", "train_sampling_strategy")
-
-
 def fixable_fields() -> list[str]:
-    names = [f.name for f in dataclasses.fields(Candidate)]
-    return sorted({*names, *_ALIASES, *_SPECIAL})
+    """Every name `--fix` accepts: each knob's field name, TRL's names and aliases (advisor/knobs.py)."""
+    from ..knobs import fix_names
 
-
-def _parse_bool(text: str) -> bool | None:
-    t = text.strip().lower()
-    return True if t in _BOOL_TRUE else False if t in _BOOL_FALSE else None
-
-
-def _parse_value(field_name: str, text: str) -> tuple[Any, str | None]:
-    """(value, problem) for one Candidate field."""
-    default = getattr(Candidate(), field_name)
-    t = text.strip()
-    if isinstance(default, bool):
-        b = _parse_bool(t)
-        return (b, None) if b is not None else (None, f"--fix {field_name}={text}: not a boolean; use true or false")
-    if field_name in ("max_length", "pad_to_multiple_of") and t.lower() in _NONE:
-        return None, None
-    if isinstance(default, int) or field_name in ("max_length", "pad_to_multiple_of"):
-        try:
-            v = int(t)
-        except ValueError:
-            return None, f"--fix {field_name}={text}: not an integer"
-        return (v, None) if v >= 1 else (None, f"--fix {field_name}={text}: must be >= 1")
-    if isinstance(default, tuple):
-        mods = tuple(m.strip() for m in t.split(",") if m.strip())
-        return (mods, None) if mods else (None, f"--fix {field_name}={text}: name modules, e.g. q_proj,v_proj")
-    enum = type(default)
-    try:
-        return enum(t), None
-    except ValueError:
-        allowed = ", ".join(e.value for e in enum)
-        return None, f"--fix {field_name}={text}: not one of {allowed}"
+    return sorted(fix_names())
 
 
 def parse_fix(fix: Mapping[str, Any] | None) -> Pins:
     """Map SFTConfig / ModelConfig names to Candidate knobs; raise ConfigError naming every bad field at once."""
+    from ..knobs import parse_fix_value
+
     if not fix:
         return Pins({})
-    names = {f.name for f in dataclasses.fields(Candidate)}
     pins: dict[str, tuple[Any, ...]] = {}
-    methods: set[Method] | None = None
+    methods: frozenset[Method] | None = None
     problems: list[str] = []
 
     def pin(knob: str, vals: tuple[Any, ...]) -> None:
@@ -264,47 +228,20 @@ def parse_fix(fix: Mapping[str, Any] | None) -> Pins:
     for raw_key, raw_value in fix.items():
         key = str(raw_key).strip()
         text = str(raw_value).lower() if isinstance(raw_value, bool) else str(raw_value)
-        if key in ("bf16", "fp16"):
-            b = _parse_bool(text)
-            if b is None:
-                problems.append(f"--fix {key}={raw_value}: not a boolean; use true or false")
-            elif b:
-                pin("precision", (Precision(key),))
-            else:
-                pin("precision", tuple(p for p in Precision if p.value != key))
-        elif key in ("load_in_4bit", "load_in_8bit"):
-            b = _parse_bool(text)
-            q = Quantization.NF4 if key == "load_in_4bit" else Quantization.INT8
-            if b is None:
-                problems.append(f"--fix {key}={raw_value}: not a boolean; use true or false")
-            elif b:
-                pin("quantization", (q,))
-                pin("use_lora", (True,))
-                methods = {Method.QLORA}
-            else:
-                pin("quantization", tuple(v for v in Quantization if v is not q))
-        elif key == "train_sampling_strategy":
-            if text not in ("group_by_length", "random", "sequential"):
-                problems.append(f"--fix {key}={raw_value}: not one of group_by_length, random, sequential")
-            else:
-                pin("group_by_length", (text == "group_by_length",))
-        else:
-            knob = _ALIASES.get(key, key)
-            if knob not in names:
-                problems.append(f"--fix {key}: unknown field; fixable: {', '.join(fixable_fields())}")
-                continue
-            value, problem = _parse_value(knob, text)
-            if problem:
-                problems.append(problem)
-                continue
-            pin(knob, (value,))
-            if knob == "use_lora":
-                methods = {Method.LORA, Method.QLORA} if value else {Method.FULL}
-            if knob == "quantization":
-                methods = {Method.FULL, Method.LORA} if value is Quantization.NONE else {Method.QLORA}
+        result = parse_fix_value(key, text)
+        if result is None:
+            problems.append(f"--fix {key}: unknown field; fixable: {', '.join(fixable_fields())}")
+            continue
+        if result.problem:
+            problems.append(result.problem)
+            continue
+        for knob, vals in result.pins.items():
+            pin(knob, vals)
+        if result.methods is not None:
+            methods = result.methods
     if problems:
         raise ConfigError(problems, context="--fix")
-    return Pins(pins, frozenset(methods) if methods is not None else None)
+    return Pins(pins, methods)
 
 
 def apply_pins(space: SearchSpace, pins: Pins) -> SearchSpace:

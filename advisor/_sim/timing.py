@@ -476,7 +476,9 @@ def evaluate(cost: StepCost, dist: BatchDistribution) -> StepTime:
     micro = lanes + serial
     ga = cost.accumulation
     terms = {t.value: ga * dist.mean(per_term[:, i]) for i, t in enumerate(_TERMS)}
-    terms[Term.OFFLOAD.value] = ga * (dist.mean(lanes) - dist.mean(lane))
+    # copies on the compute stream (offloaded checkpoints, in the device terms) plus what the side stream's copies
+    # (activation offloading) add beyond the compute lane
+    terms[Term.OFFLOAD.value] += ga * (dist.mean(lanes) - dist.mean(lane))
     host = dist.mean(lane) - dist.mean(device) + dist.mean(serial)
     opt = cost.optimizer.time_s(cost.serial)
     terms[Term.HOST.value] = ga * host + cost.step_host_s

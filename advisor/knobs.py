@@ -1,0 +1,580 @@
+"""The knob registry: every memory knob declared once.
+
+A `Knob` says what a `Candidate` field is (its kind, default and validity), where it lives in TRL 1.16 (`Home` and
+the key there), its `--fix` names and their parser, when it has an effect (`active`), how memory moves along it
+(`memory`), its report label and its quality cost. The rest derives from `KNOBS`, the way TrlParser derives flags and
+YAML keys from dataclass fields: Candidate's validation and `canonical()` (advisor/space.py), `--fix`
+(advisor/_search/space.py), both directions of emit (advisor/emit.py), the report's labels (advisor/report.py), the
+ledger's memory order (advisor/_search/ledger.py) and the stand-ins of what fake tensors cannot run
+(advisor/simulate.py). `Candidate`'s field block is checked against the registry when this module is imported: a
+field without a declaration, or a declaration without a field, fails loudly with the fix.
+
+Adding a knob: one `Knob(...)` below and one field on `Candidate`, then its memory and time in advisor/estimate.py
+and, where fake tensors cannot run it, advisor/simulate.py (see docs/architecture.md, "Where to add things").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from .errors import ConfigError
+from .space import (
+    Attention,
+    Candidate,
+    Optimizer,
+    PackingStrategy,
+    Precision,
+    Quantization,
+    WeightsDtype,
+)
+from .workload import Method
+
+__all__ = [  # noqa: RUF022
+    "Home", "Kind", "Memory", "Knob", "FixResult", "KNOBS", "knob", "knobs_in", "fix_names", "parse_fix_value",
+    "canonical_changes", "coerce", "stand_ins", "memory_le", "ordered_names", "trial_label", "summary_rows",
+    "TRL_DEFAULT", "kernels_available", "yaml_keys", "checkpoint_kwargs",
+]
+
+
+class Home(str, Enum):
+    """Where a knob lives in what `trl sft` reads."""
+
+    SFT_CONFIG = "SFTConfig"  # a field of trl.SFTConfig
+    MODEL_CONFIG = "ModelConfig"  # a field of trl.ModelConfig (trl sft builds model_init_kwargs / quantization)
+    LORA_CONFIG = "LoraConfig"  # ModelConfig's lora_* fields, which trl.get_peft_config turns into a LoraConfig
+    MODEL_INIT_KWARGS = "model_init_kwargs"  # a key of SFTConfig.model_init_kwargs (from_pretrained's kwargs)
+    CHECKPOINT_KWARGS = "activation_checkpointing_kwargs"  # a key of SFTConfig.activation_checkpointing_kwargs
+    ENV = "env"  # an environment variable (the YAML's `env:` block)
+
+
+class Kind(str, Enum):
+    """The value type of a knob; `Candidate`'s annotation must say the same (checked at import)."""
+
+    BOOL = "bool"
+    INT = "int"
+    OPTIONAL_INT = "int | None"
+    FLOAT = "float"
+    ENUM = "enum"
+    OPTIONAL_ENUM = "enum | None"
+    MODULES = "tuple[str, ...] | None"
+
+
+class Memory(str, Enum):
+    """How peak memory moves along a knob, all else equal (what a failed candidate bounds, see ledger)."""
+
+    UNORDERED = "unordered"  # no order: a failure says nothing about other values
+    GROWS = "grows"  # more memory at larger values; None (no cap) is comparable only with itself
+    SAVES_WHEN_ON = "saves_when_on"  # a bool whose True never needs more memory than False
+    CHECKPOINTING = "checkpointing"  # one of the checkpointing group, ordered jointly (`_checkpointing_le`)
+
+
+# `absent` of a knob whose YAML key, when missing, takes TRL's own default for that field
+TRL_DEFAULT = object()
+_NO_STAND_IN = object()
+
+_BOOL_TRUE = {"true", "1", "yes", "on"}
+_BOOL_FALSE = {"false", "0", "no", "off"}
+_NONE = {"none", "null", "~"}
+
+
+@dataclass(frozen=True)
+class FixResult:
+    """What one `--fix NAME=VALUE` pins: knob -> allowed values, the methods it implies, or the problem."""
+
+    pins: Mapping[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    methods: frozenset[Method] | None = None
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One memory knob, declared once (see the module docstring for what derives from it)."""
+
+    name: str  # the Candidate field
+    kind: Kind
+    default: Any  # Candidate's default
+    home: Home
+    key: str  # its name in its home (the YAML key, the kwargs key, the variable)
+    doc: str  # what it does in TRL / transformers / torch
+    enum: type[Enum] | None = None
+    minimum: int | None = None  # INT / OPTIONAL_INT: validated >= minimum (None: not validated)
+    bounds: tuple[float, float] | None = None  # FLOAT: lo <= value < hi
+    trl_aliases: tuple[str, ...] = ()  # TRL's other keys for it, read from a run config and accepted by --fix
+    aliases: tuple[str, ...] = ()  # other names --fix accepts
+    fix: Callable[[str, str], FixResult] | None = None  # a parser of its own for `--fix NAME=VALUE`
+    extra_fix: Mapping[str, Callable[[str, str], FixResult]] = dataclasses.field(default_factory=dict)
+    active: Callable[[Candidate], bool] | None = None  # None: always has an effect
+    memory: Memory = Memory.UNORDERED
+    label: str = ""  # the report's row name; "" when it is shown in another knob's row
+    summary: Callable[[Candidate], str | None] | None = None  # the report's row value (None: row left out)
+    short: Callable[[Candidate], str | None] | None = None  # its token in the trial table's candidate cell
+    quality: str = ""  # what it gives up against full float32 fine-tuning ("" when quality-neutral)
+    keyed_at_default: bool = True  # False: left out of to_dict() at its default (study keys of older knobs stay)
+    absent: Any = None  # its value when a run config does not set its key (TRL_DEFAULT: TRL's own default)
+    stand_in: Any = _NO_STAND_IN  # the value fake tensors run instead (simulate models the difference)
+    requires: str | None = None  # a pip package the run needs when the knob is on
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.kind in (Kind.ENUM, Kind.OPTIONAL_ENUM) and self.enum is None:
+            problems.append(f"{self.name}: an enum knob needs `enum`")
+        if self.kind is Kind.FLOAT and self.bounds is None:
+            problems.append(f"{self.name}: a float knob needs `bounds`")
+        if self.memory is Memory.SAVES_WHEN_ON and self.kind is not Kind.BOOL:
+            problems.append(f"{self.name}: SAVES_WHEN_ON is for bool knobs")
+        if problems:
+            raise ConfigError(problems, context="knob registry")
+
+    # ---- values ------------------------------------------------------------------------------------------
+    def coerce(self, value: Any) -> tuple[Any, str | None]:
+        """(the stored value, problem): plain strings (YAML, --fix) to Enums, lists to tuples, then the checks."""
+        k = self.kind
+        if k in (Kind.ENUM, Kind.OPTIONAL_ENUM):
+            if value is None and k is Kind.OPTIONAL_ENUM:
+                return None, None
+            if isinstance(value, self.enum):
+                return value, None
+            try:
+                return self.enum(value), None
+            except ValueError:
+                allowed = ", ".join(e.value for e in self.enum)
+                return value, f"{self.name}={value!r}: not one of {allowed}"
+        if k is Kind.MODULES:
+            if isinstance(value, str):
+                return (value,), None
+            if isinstance(value, list):
+                return tuple(value), None
+            return value, None
+        if k is Kind.FLOAT:
+            lo, hi = self.bounds
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value < hi:
+                return value, f"{self.name}={value!r}: must be a number in [{lo:g}, {hi:g})"
+            return float(value), None
+        if k in (Kind.INT, Kind.OPTIONAL_INT) and self.minimum is not None:
+            if value is None and k is Kind.OPTIONAL_INT:
+                return None, None
+            if isinstance(value, bool) or not isinstance(value, int) or value < self.minimum:
+                tail = " or None" if k is Kind.OPTIONAL_INT else ""
+                return value, f"{self.name}={value!r}: must be an integer >= {self.minimum}{tail}"
+        return value, None
+
+    def plain(self, value: Any) -> Any:
+        """The value as JSON / YAML holds it."""
+        return value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) else value
+
+    def parse_text(self, text: str, as_name: str | None = None) -> tuple[Any, str | None]:
+        """(value, problem) of `--fix NAME=TEXT` for this knob's kind."""
+        name = as_name or self.name
+        t = text.strip()
+        k = self.kind
+        if k is Kind.BOOL:
+            b = _parse_bool(t)
+            return (b, None) if b is not None else (None, f"--fix {name}={text}: not a boolean; use true or false")
+        if k is Kind.OPTIONAL_INT and t.lower() in _NONE:
+            return None, None
+        if k in (Kind.INT, Kind.OPTIONAL_INT):
+            try:
+                v = int(t)
+            except ValueError:
+                return None, f"--fix {name}={text}: not an integer"
+            return (v, None) if v >= 1 else (None, f"--fix {name}={text}: must be >= 1")
+        if k is Kind.FLOAT:
+            try:
+                v = float(t)
+            except ValueError:
+                return None, f"--fix {name}={text}: not a number"
+            lo, hi = self.bounds
+            return (v, None) if lo <= v < hi else (None, f"--fix {name}={text}: must be in [{lo:g}, {hi:g})")
+        if k is Kind.MODULES:
+            mods = tuple(m.strip() for m in t.split(",") if m.strip())
+            return (mods, None) if mods else (None, f"--fix {name}={text}: name modules, e.g. q_proj,v_proj")
+        if k is Kind.OPTIONAL_ENUM and t.lower() in _NONE:
+            return None, None
+        try:
+            return self.enum(t), None
+        except ValueError:
+            allowed = ", ".join(e.value for e in self.enum)
+            return None, f"--fix {name}={text}: not one of {allowed}"
+
+    def is_active(self, c: Candidate) -> bool:
+        return self.active is None or bool(self.active(c))
+
+
+def _parse_bool(text: str) -> bool | None:
+    t = text.strip().lower()
+    return True if t in _BOOL_TRUE else False if t in _BOOL_FALSE else None
+
+
+# ---- the --fix parsers of knobs TRL spells differently --------------------------------------------------------
+
+def _fix_precision_flag(key: str, text: str) -> FixResult:
+    """bf16 / fp16 (SFTConfig): true pins that precision, false rules it out."""
+    b = _parse_bool(text)
+    if b is None:
+        return FixResult(problem=f"--fix {key}={text}: not a boolean; use true or false")
+    if b:
+        return FixResult({"precision": (Precision(key),)})
+    return FixResult({"precision": tuple(p for p in Precision if p.value != key)})
+
+
+def _fix_load_in(key: str, text: str) -> FixResult:
+    """load_in_4bit / load_in_8bit (ModelConfig): true is QLoRA with that quantization."""
+    b = _parse_bool(text)
+    q = Quantization.NF4 if key == "load_in_4bit" else Quantization.INT8
+    if b is None:
+        return FixResult(problem=f"--fix {key}={text}: not a boolean; use true or false")
+    if b:
+        return FixResult({"quantization": (q,), "use_lora": (True,)}, frozenset({Method.QLORA}))
+    return FixResult({"quantization": tuple(v for v in Quantization if v is not q)})
+
+
+def _fix_sampling(key: str, text: str) -> FixResult:
+    """train_sampling_strategy (TrainingArguments): group_by_length is the knob, random / sequential are not."""
+    t = text.lower()
+    if t not in ("group_by_length", "random", "sequential"):
+        return FixResult(problem=f"--fix {key}={text}: not one of group_by_length, random, sequential")
+    return FixResult({"group_by_length": (t == "group_by_length",)})
+
+
+def _fix_plain(knob_name: str, methods: Callable[[Any], frozenset[Method] | None] | None = None):
+    def parse(key: str, text: str) -> FixResult:
+        value, problem = knob(knob_name).parse_text(text)
+        if problem:
+            return FixResult(problem=problem)
+        return FixResult({knob_name: (value,)}, methods(value) if methods else None)
+
+    return parse
+
+
+def _lora_methods(value: bool) -> frozenset[Method]:
+    return frozenset({Method.LORA, Method.QLORA} if value else {Method.FULL})
+
+
+def _quant_methods(value: Quantization) -> frozenset[Method]:
+    return frozenset({Method.FULL, Method.LORA} if value is Quantization.NONE else {Method.QLORA})
+
+
+# ---- labels -----------------------------------------------------------------------------------------------------
+
+def _ckpt_summary(c: Candidate) -> str:
+    if not c.activation_checkpointing:
+        return "off"
+    return "selective" if c.checkpoint_selective else f"every {c.checkpoint_every_n_layers} layer(s)"
+
+
+def _ckpt_short(c: Candidate) -> str:
+    ckpt = "off"
+    if c.activation_checkpointing:
+        ckpt = "sel" if c.checkpoint_selective else f"1/{c.checkpoint_every_n_layers}"
+    return f"ckpt={ckpt}"
+
+
+def _pack_short(c: Candidate) -> str:
+    return c.packing_strategy.value if c.packing else ("pf" if c.padding_free else "pad")
+
+
+def _lora_short(c: Candidate) -> str | None:
+    if not c.use_lora:
+        return None
+    return f"lora{c.lora_r}" + (f"/{c.quantization.value}" if c.quantization.value != "none" else "")
+
+
+def _attn_short(c: Candidate) -> str | None:
+    a = c.attn_implementation
+    if a is None or a.value == "sdpa":
+        return None
+    return f"fa{a.flash_version}" if a.is_flash else "eager"
+
+
+def _attn_summary(c: Candidate) -> str:
+    return c.attn_implementation.value if c.attn_implementation is not None else "None"
+
+
+def _on(token: str, field: str) -> Callable[[Candidate], str | None]:
+    return lambda c: token if getattr(c, field) else None
+
+
+def _shown_if_on(field: str) -> Callable[[Candidate], str | None]:
+    return lambda c: "True" if getattr(c, field) else None
+
+
+# ---- the optional `kernels` package ------------------------------------------------------------------------------
+
+def kernels_available() -> bool:
+    """transformers' own check that a compatible `kernels` package is importable (what `use_kernels=True` needs)."""
+    try:
+        from transformers.utils.import_utils import is_kernels_available
+    except ImportError:  # pragma: no cover - transformers 5 has it
+        return False
+    return bool(is_kernels_available())
+
+
+# ---- the registry -------------------------------------------------------------------------------------------------
+# In the order of the report's candidate cell (the trial table) and of the emitted keys within each home.
+
+_CKPT = lambda c: c.activation_checkpointing  # noqa: E731
+_LORA = lambda c: c.use_lora  # noqa: E731
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("per_device_train_batch_size", Kind.INT, 8, Home.SFT_CONFIG, "per_device_train_batch_size",
+         "rows per micro-batch", minimum=1, memory=Memory.GROWS, label="micro-batch x accumulation",
+         summary=lambda c: f"{c.per_device_train_batch_size} x {c.gradient_accumulation_steps}",
+         short=lambda c: f"{c.per_device_train_batch_size}x{c.gradient_accumulation_steps}", absent=8),
+    Knob("gradient_accumulation_steps", Kind.INT, 1, Home.SFT_CONFIG, "gradient_accumulation_steps",
+         "micro-batches per optimizer step (derived: keeps the trained tokens per step fixed)", minimum=1,
+         absent=1),
+    Knob("max_length", Kind.OPTIONAL_INT, 1024, Home.SFT_CONFIG, "max_length",
+         "tokens per row after truncation (None: no truncation)", minimum=1, memory=Memory.GROWS,
+         label="max_length", summary=lambda c: str(c.max_length), short=lambda c: f"L={c.max_length}",
+         quality="rows longer than max_length are truncated", absent=1024),
+    Knob("packing", Kind.BOOL, False, Home.SFT_CONFIG, "packing", "pack rows into max_length sequences",
+         label="packing", summary=lambda c: c.packing_strategy.value if c.packing else "off", short=_pack_short,
+         absent=False),
+    Knob("packing_strategy", Kind.ENUM, PackingStrategy.BFD, Home.SFT_CONFIG, "packing_strategy",
+         "bfd / bfd_split (padding-free) or wrapped", enum=PackingStrategy, active=lambda c: c.packing,
+         quality="'wrapped' mixes examples and cuts them mid-sequence", absent="bfd"),
+    Knob("padding_free", Kind.BOOL, False, Home.SFT_CONFIG, "padding_free",
+         "one flattened row without padding (implied by bfd / bfd_split packing)",
+         active=lambda c: not (c.packing and c.packing_strategy is not PackingStrategy.WRAPPED),
+         label="padding_free", summary=lambda c: str(c.effective_padding_free), absent=False),
+    Knob("pad_to_multiple_of", Kind.OPTIONAL_INT, None, Home.SFT_CONFIG, "pad_to_multiple_of",
+         "pad each batch's length to a multiple", minimum=1, absent=None),
+    Knob("activation_checkpointing", Kind.BOOL, True, Home.SFT_CONFIG, "activation_checkpointing",
+         "recompute each checkpointed layer in the backward instead of keeping its activations",
+         trl_aliases=("gradient_checkpointing",), memory=Memory.CHECKPOINTING, label="activation checkpointing",
+         summary=_ckpt_summary, short=_ckpt_short, absent=True),
+    Knob("checkpoint_selective", Kind.BOOL, False, Home.CHECKPOINT_KWARGS, "selective",
+         "TRL's selective checkpointing: keep the matmul outputs, recompute the rest", aliases=("selective",),
+         active=_CKPT, memory=Memory.CHECKPOINTING, absent=False),
+    Knob("checkpoint_every_n_layers", Kind.INT, 1, Home.CHECKPOINT_KWARGS, "every_n_layers",
+         "transformers checkpoints every n-th decoder layer only", minimum=1, aliases=("every_n_layers",),
+         active=_CKPT, memory=Memory.CHECKPOINTING, absent=1),
+    Knob("checkpoint_offload", Kind.BOOL, False, Home.CHECKPOINT_KWARGS, "offload",
+         "transformers holds the checkpointed layers' saved inputs in pinned host memory "
+         "(torch.autograd.graph.save_on_cpu around torch's checkpoint); the copies run on the compute stream",
+         aliases=("activation_checkpointing_kwargs.offload", "gradient_checkpointing_kwargs.offload"),
+         active=_CKPT, memory=Memory.CHECKPOINTING, label="checkpoint offload",
+         summary=_shown_if_on("checkpoint_offload"), short=_on("ckpt-offload", "checkpoint_offload"),
+         keyed_at_default=False, absent=False, stand_in=False),
+    Knob("optim", Kind.ENUM, Optimizer.ADAMW_TORCH_FUSED, Home.SFT_CONFIG, "optim", "the optimizer",
+         enum=Optimizer, label="optim", summary=lambda c: c.optim.value, short=lambda c: c.optim.value,
+         absent="adamw_torch_fused"),
+    Knob("activation_offloading", Kind.BOOL, False, Home.SFT_CONFIG, "activation_offloading",
+         "TRL moves saved activations to pinned host memory on a side stream", memory=Memory.SAVES_WHEN_ON,
+         label="activation offloading", summary=lambda c: str(c.activation_offloading),
+         short=_on("offload", "activation_offloading"), absent=False, stand_in=False),
+    Knob("group_by_length", Kind.BOOL, False, Home.SFT_CONFIG, "train_sampling_strategy",
+         "TrainingArguments.train_sampling_strategy=group_by_length", label="group_by_length",
+         summary=lambda c: str(c.group_by_length), short=_on("gbl", "group_by_length"),
+         extra_fix={"train_sampling_strategy": _fix_sampling}),
+    Knob("use_lora", Kind.BOOL, False, Home.MODEL_CONFIG, "use_peft", "train LoRA adapters (trl sft --use_peft)",
+         fix=_fix_plain("use_lora", _lora_methods), short=_lora_short,
+         quality="LoRA adapters instead of full weights", absent=False),
+    Knob("lora_r", Kind.INT, 16, Home.LORA_CONFIG, "lora_r", "LoRA rank", minimum=1, active=_LORA,
+         absent=TRL_DEFAULT),
+    Knob("lora_alpha", Kind.INT, 32, Home.LORA_CONFIG, "lora_alpha", "LoRA scaling numerator", active=_LORA,
+         absent=TRL_DEFAULT),
+    Knob("lora_dropout", Kind.FLOAT, 0.0, Home.LORA_CONFIG, "lora_dropout", "dropout on the adapters' input",
+         bounds=(0.0, 1.0), active=_LORA, absent=TRL_DEFAULT),
+    Knob("lora_target_modules", Kind.MODULES, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"),
+         Home.LORA_CONFIG, "lora_target_modules", "the adapted projections (None: PEFT's default for the model)",
+         active=_LORA, absent=None),
+    Knob("quantization", Kind.ENUM, Quantization.NONE, Home.MODEL_CONFIG, "load_in_4bit",
+         "bitsandbytes base weights (load_in_4bit / load_in_8bit)", enum=Quantization, trl_aliases=("load_in_8bit",),
+         fix=_fix_plain("quantization", _quant_methods),
+         extra_fix={"load_in_4bit": _fix_load_in, "load_in_8bit": _fix_load_in},
+         quality="quantized base weights", requires="bitsandbytes"),
+    Knob("weights_dtype", Kind.ENUM, WeightsDtype.FLOAT32, Home.MODEL_CONFIG, "dtype",
+         "the dtype the weights load in (ModelConfig.dtype / model_init_kwargs dtype)", enum=WeightsDtype,
+         aliases=("torch_dtype",), short=lambda c: None if c.weights_dtype.value == "float32" else
+         c.weights_dtype.value, quality="pure low-precision weights (no float32 master copy)"),
+    Knob("attn_implementation", Kind.OPTIONAL_ENUM, Attention.SDPA, Home.MODEL_CONFIG, "attn_implementation",
+         "transformers' attention (None: what transformers picks)", enum=Attention, aliases=("attention",),
+         label="attention", summary=_attn_summary, short=_attn_short, absent=None),
+    Knob("precision", Kind.ENUM, Precision.BF16, Home.SFT_CONFIG, "bf16", "mixed precision (SFTConfig bf16 / fp16)",
+         enum=Precision, trl_aliases=("fp16",), label="precision / weights",
+         summary=lambda c: f"{c.precision.value} / {c.weights_dtype.value}",
+         extra_fix={"bf16": _fix_precision_flag, "fp16": _fix_precision_flag}),
+    Knob("expandable_segments", Kind.BOOL, True, Home.ENV, "PYTORCH_CUDA_ALLOC_CONF",
+         "the caching allocator's expandable segments (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF)"),
+    Knob("use_kernels", Kind.BOOL, False, Home.MODEL_INIT_KWARGS, "use_kernels",
+         "transformers kernelizes the model with Hub kernels (the `kernels` package; TRL 1.16's replacement for "
+         "use_liger_kernel): for training on CUDA its mapping swaps every RMSNorm for Liger's fused RMSNorm "
+         "(kernels-community/liger-kernels); rotary is swapped for inference only, and the SwiGLU / Linear / loss "
+         "kernels only where a KernelConfig asks for them", label="hub kernels",
+         summary=_shown_if_on("use_kernels"), short=_on("kernels", "use_kernels"), keyed_at_default=False,
+         absent=False, requires="kernels"),
+)
+
+_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
+
+
+def knob(name: str) -> Knob:
+    return _BY_NAME[name]
+
+
+def knobs_in(home: Home) -> tuple[Knob, ...]:
+    return tuple(k for k in KNOBS if k.home is home)
+
+
+# ---- derivations ------------------------------------------------------------------------------------------------
+
+def coerce(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Every knob's stored value and every problem at once (Candidate.__post_init__)."""
+    out, problems = {}, []
+    for name, value in values.items():
+        k = _BY_NAME.get(name)
+        if k is None:
+            continue
+        v, problem = k.coerce(value)
+        if problem:
+            problems.append(problem)
+        out[name] = v
+    return out, problems
+
+
+def canonical_changes(c: Candidate) -> dict[str, Any]:
+    """Inactive knobs back to their defaults (judged on `c` as it is), so equivalent candidates compare equal."""
+    return {k.name: k.default for k in KNOBS if not k.is_active(c) and getattr(c, k.name) != k.default}
+
+
+def stand_ins(c: Candidate) -> dict[str, Any]:
+    """The values fake tensors run instead of what they cannot (simulate models the difference)."""
+    return {k.name: k.stand_in for k in KNOBS
+            if k.stand_in is not _NO_STAND_IN and getattr(c, k.name) != k.stand_in}
+
+
+_TRL_HOMES = (Home.SFT_CONFIG, Home.MODEL_CONFIG, Home.LORA_CONFIG)
+
+
+def yaml_keys(k: Knob) -> tuple[str, ...]:
+    """The top-level keys of a `trl sft` run config this knob is read from (none for kwargs / env knobs)."""
+    return (k.key, *k.trl_aliases) if k.home in _TRL_HOMES else ()
+
+
+def _fix_entries(k: Knob) -> dict[str, Callable[[str, str], FixResult]]:
+    parser = k.fix or _plain_parser(k)
+    out = {name: parser for name in (k.name, *yaml_keys(k), *k.aliases)}
+    out.update(k.extra_fix)
+    return out
+
+
+def fix_names() -> dict[str, tuple[Knob, Callable[[str, str], FixResult]]]:
+    """Every name `--fix` accepts -> (its knob, its parser): the field name, TRL's names, the aliases."""
+    return {name: (k, parser) for k in KNOBS for name, parser in _fix_entries(k).items()}
+
+
+def _plain_parser(k: Knob) -> Callable[[str, str], FixResult]:
+    def parse(key: str, text: str) -> FixResult:
+        value, problem = k.parse_text(text, as_name=k.name)
+        return FixResult(problem=problem) if problem else FixResult({k.name: (value,)})
+
+    return parse
+
+
+def parse_fix_value(key: str, text: str) -> FixResult | None:
+    """One `--fix KEY=TEXT`; None when KEY is not a name any knob answers to."""
+    entry = fix_names().get(key)
+    if entry is None:
+        return None
+    return entry[1](key, text)
+
+
+def ordered_names() -> tuple[str, ...]:
+    """Knobs along which memory only moves one way (as far as a failure bounds its neighbours)."""
+    return tuple(k.name for k in KNOBS if k.memory is not Memory.UNORDERED)
+
+
+def memory_le(a: Candidate, b: Candidate) -> bool:
+    """a needs no more memory than b along every ordered knob (the other knobs are the caller's to compare)."""
+    for k in KNOBS:
+        va, vb = getattr(a, k.name), getattr(b, k.name)
+        if k.memory is Memory.GROWS and va != vb and (va is None or vb is None or va > vb):
+            return False
+        if k.memory is Memory.SAVES_WHEN_ON and vb and not va:
+            return False
+    return _checkpointing_le(a, b)
+
+
+def _checkpointing_le(a: Candidate, b: Candidate) -> bool:
+    """a saves no more activations on the device than b. A partial order: no checkpointing is the most; full
+    checkpointing of every layer is the least but for the same with its saved inputs offloaded; offloading the
+    saved inputs never adds device memory (the one brought back for its layer's recompute is the one that would
+    have stayed)."""
+    names = [k.name for k in KNOBS if k.memory is Memory.CHECKPOINTING]
+    la, lb = tuple(getattr(a, n) for n in names), tuple(getattr(b, n) for n in names)
+    if la == lb or not b.activation_checkpointing:
+        return True
+    if not a.activation_checkpointing:
+        return False
+    full = not a.checkpoint_selective and a.checkpoint_every_n_layers == 1
+    if full and (a.checkpoint_offload or not b.checkpoint_offload):
+        return True
+    same_but_offload = (a.checkpoint_selective, a.checkpoint_every_n_layers) == (
+        b.checkpoint_selective, b.checkpoint_every_n_layers)
+    return same_but_offload and a.checkpoint_offload and not b.checkpoint_offload
+
+
+def checkpoint_kwargs(c: Candidate) -> dict[str, Any]:
+    """The activation_checkpointing_kwargs keys of the knobs that live there, where not at their default."""
+    return {k.key: k.plain(getattr(c, k.name)) for k in knobs_in(Home.CHECKPOINT_KWARGS)
+            if getattr(c, k.name) != k.default}
+
+
+def trial_label(c: Candidate) -> str:
+    """The trial table's candidate cell: each knob's token, in registry order."""
+    return " ".join(t for t in (k.short(c) for k in KNOBS if k.short is not None) if t)
+
+
+def summary_rows(c: Candidate) -> list[list[str]]:
+    """The report's (label, value) rows of the knobs, in registry order (a knob whose value is None is left out)."""
+    rows = []
+    for k in KNOBS:
+        if k.summary is None:
+            continue
+        value = k.summary(c)
+        if value is not None:
+            rows.append([k.label, value])
+    return rows
+
+
+# ---- the check of Candidate against the registry -----------------------------------------------------------------
+
+def _expected_annotation(k: Knob) -> str:
+    if k.kind is Kind.ENUM:
+        return k.enum.__name__
+    if k.kind is Kind.OPTIONAL_ENUM:
+        return f"{k.enum.__name__} | None"
+    return k.kind.value
+
+
+def _verify(cls: type) -> None:
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "base"}
+    problems = []
+    for name in sorted(set(fields) - set(_BY_NAME)):
+        problems.append(f"Candidate.{name} has no declaration in advisor/knobs.py KNOBS: declare it there "
+                        "(its home in TRL, --fix names, when it is active, memory order, label)")
+    for name in sorted(set(_BY_NAME) - set(fields)):
+        problems.append(f"KNOBS declares {name!r}, which is not a Candidate field: add the field to "
+                        "advisor/space.py Candidate or remove the declaration")
+    for name in sorted(set(fields) & set(_BY_NAME)):
+        k, f = _BY_NAME[name], fields[name]
+        want = _expected_annotation(k)
+        if str(f.type) != want:
+            problems.append(f"Candidate.{name} is annotated {f.type!r}; its declaration says {want!r}")
+        if f.default is not dataclasses.MISSING and f.default != k.default:
+            problems.append(f"Candidate.{name} defaults to {f.default!r}; its declaration says {k.default!r}")
+    names = [n for k in KNOBS for n in _fix_entries(k)]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        problems.append(f"--fix names declared twice: {dup}")
+    if problems:
+        raise ConfigError(problems, context="Candidate and the knob registry disagree")
+
+
+_verify(Candidate)
