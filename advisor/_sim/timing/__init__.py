@@ -1,0 +1,116 @@
+"""The step-time model: what one optimizer step of a candidate costs on the target, by term.
+
+Kernels (device time). Every aten op of the fake run's micro-step is costed as the kernel a GPU runs for it:
+- matmul (mm/addmm/bmm/baddbmm): a roofline per GEMM with wave quantisation. The output is cut into tiles
+  (128x128, 128x256 on Hopper); the tiles run in waves of one tile per SM; the compute efficiency is the useful
+  area over the provisioned area of all waves times K / (K + k_half), with split-K when the output has fewer
+  tiles than SMs. The time is max(FLOPs / (peak x gemm_efficiency x that), bytes / (bandwidth x memory
+  efficiency)), never under one kernel's floor. So a 64-row GEMM, a rank-16 LoRA product or a skinny weight
+  gradient is slow or memory-bound where a 16k-row one runs near the cuBLAS efficiency.
+- attention: FlashAttention and sdpa cost per 128x128 tile of query x key a sequence really computes:
+  a causal sequence of s tokens n(n+1)/2 tiles (n = ceil(s / 128)); FlashAttention's varlen kernel the sum of
+  those per-sequence terms (`_flash_attention_forward/backward` with `cu_seqlens`, lengths from the batch's
+  `position_ids`); sdpa with a mask (padding, or the block-diagonal mask of a packed row) the whole row squared,
+  n^2 tiles, no causal skip. Eager attention materialises the scores: its ops with a (seq, seq) tensor are
+  costed as the kernels they are (GEMMs, softmax) and scale with rows x seq^2.
+- memory-bound ops (everything else): bytes read and written over the bandwidth, never under the floor.
+- TRL's fused LM head (CUDA): its tile GEMMs as GEMMs; its Triton fold kernels (invisible to the fake run,
+  they allocate nothing) as 1.5 passes over each logits tile (one read forward, a read and a write backward).
+- bitsandbytes dequantisation (QLoRA): every GEMM that reads a frozen quantized weight (forward, backward's
+  grad-input, the checkpointed recompute) first dequantizes it: 4-bit codes + absmax read, 16-bit weight written.
+
+Host and overlap. Eager PyTorch spends CPU time on every op (Python, autograd, dispatcher, launch); the GPU runs
+the queue asynchronously, so a micro-step takes max(host, device): a small model, short rows or a micro-batch
+of 1 is host-bound. The Trainer syncs once per micro-step (its nan/inf check of the loss) and TRL reads its
+metrics, so the queue drains every micro-step: collation and the Trainer's Python per micro-step are serial.
+Activation offloading's copies run on a side stream: a third lane, max(host, compute, copies).
+On the CPU target host and device are one thread: their times add.
+
+Optimizer. What each `optim` really runs on the target (transformers 5 maps adamw_torch to torch's AdamW with
+foreach=None: foreach on CUDA, a per-tensor for-loop on the CPU; adamw_torch_fused to fused=True): launches
+(per tensor, per foreach call in chunks of MultiTensorApply's tensor lists, or one fused call) and the bytes
+every pass reads and writes; gradient clipping likewise. Costed analytically from the trainable tensors, not
+from the fake run (whose CPU fake tensors take the for-loop path whatever the target).
+
+Expectation over batches. The fake run measures the worst batch (the memory case). Its micro-step time is split
+into parts that scale with the padded tokens the device computes, with the trained tokens (the CUDA LM head
+scores only those), with the attention tiles, and fixed per micro-step (weight casts, gradient accumulation,
+dequantisation, host). `batch_distribution` gives the batches the sampler really makes (random padded batches
+exactly from order statistics of the lengths, length-grouped batches in transformers' own order, packed rows
+from TRL's pack_dataset, padding-free batches of a seeded epoch), and the throughput is
+E[trained tokens per step] / E[step time] over them. The coefficients are taken at the worst batch (the GEMM
+efficiency of a smaller typical batch is assumed the same).
+
+Every constant is in profiles/measurements/time_constants.json with its source, unverified until
+scripts/gpu_validate.sh fits it on a GPU.
+
+The package: constants.py (terms, bases, TimeConstants), kernels.py (GEMM, memory, attention, dequantisation),
+optimizer.py, step.py (StepCost, evaluate), hook.py (TimingHook over the fake run's ops), sampler.py
+(batch_distribution). Everything is imported from here: `advisor._sim.timing`.
+"""
+
+from .constants import (
+    _TERMS,
+    AttentionKind,
+    Basis,
+    Term,
+    TimeConstants,
+    fitted_multipliers,
+    raw_constants,
+    time_constants,
+)
+from .hook import BatchLayout, TimingHook, layout_of, tensors_of
+from .kernels import (
+    attention_kind,
+    attention_tile_s,
+    attention_units,
+    causal_tiles,
+    dequant_s,
+    full_tiles,
+    gemm_s,
+    memory_s,
+    offload_copy_s_per_token,
+    peak_flops,
+)
+from .optimizer import OptimizerCost, OptimizerImpl, optimizer_cost, optimizer_impl
+from .sampler import SamplerSpec, batch_distribution, sampler_spec
+from .step import BatchDistribution, BatchPoint, StepCost, StepTime, evaluate, extrapolate_cost, model_flops
+
+__all__ = [
+    "AttentionKind",
+    "Basis",
+    "BatchDistribution",
+    "BatchLayout",
+    "BatchPoint",
+    "OptimizerCost",
+    "OptimizerImpl",
+    "SamplerSpec",
+    "StepCost",
+    "StepTime",
+    "Term",
+    "TimeConstants",
+    "TimingHook",
+    "_TERMS",
+    "attention_kind",
+    "attention_tile_s",
+    "attention_units",
+    "batch_distribution",
+    "causal_tiles",
+    "dequant_s",
+    "evaluate",
+    "extrapolate_cost",
+    "fitted_multipliers",
+    "full_tiles",
+    "gemm_s",
+    "layout_of",
+    "memory_s",
+    "model_flops",
+    "offload_copy_s_per_token",
+    "optimizer_cost",
+    "optimizer_impl",
+    "peak_flops",
+    "raw_constants",
+    "sampler_spec",
+    "tensors_of",
+    "time_constants",
+]

@@ -1,0 +1,327 @@
+"""The fake run's ops costed as the kernels a GPU runs for them: TimingHook on StorageTracker.on_op, the worst
+batch's layout (the package docstring: "Kernels")."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .constants import _NB, _NT, _TERMS, AttentionKind, Basis, Term, time_constants
+from .kernels import attention_tile_s, attention_units, dequant_s, gemm_s, memory_s
+from .optimizer import OptimizerCost
+from .step import BatchPoint, StepCost
+
+if TYPE_CHECKING:
+    from ...workload import GPUSpec
+
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addmm_", "addbmm"}
+_GATHERS = {"embedding", "index_select", "gather", "index", "take_along_dim"}
+_NO_KERNEL = {"empty", "new_empty", "empty_like", "empty_strided", "lift_fresh", "_local_scalar_dense", "detach",
+              "alias", "_unsafe_view", "set_", "resize_", "new_empty_strided", "lift_fresh_copy"}
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in t.shape)
+
+
+def _in_trl_kernels(depth: int = 10) -> bool:
+    """Called from TRL's chunked log-prob head (its frames sit within a few of the dispatch)."""
+    frame = sys._getframe(2)
+    while frame is not None and depth:
+        if frame.f_globals.get("__name__", "").startswith("trl.kernels"):
+            return True
+        frame = frame.f_back
+        depth -= 1
+    return False
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """The worst batch as the kernels see it: rows x seq positions, its sequences and labelled positions."""
+
+    rows: int
+    seq: int
+    sequences: tuple[int, ...]  # lengths of the attention sequences (per row, or per packed document)
+    trained: int
+    flat: bool  # padding-free: one row of concatenated sequences
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.seq
+
+
+def layout_of(batch: dict) -> BatchLayout:
+    """From the collated (real) batch: the sequences come from the attention mask, or from `position_ids` resets
+    (padding-free), as FlashAttention's varlen path derives `cu_seqlens`."""
+    import torch
+
+    ids = batch["input_ids"]
+    rows, seq = int(ids.shape[0]), int(ids.shape[1])
+    labels = batch["labels"][:, 1:]
+    trained = int((labels != -100).sum())
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        seqs = tuple(int(x) for x in mask.sum(-1).tolist())
+        return BatchLayout(rows, seq, seqs, trained, False)
+    pos = batch.get("position_ids")
+    if pos is None:
+        return BatchLayout(rows, seq, (seq,) * rows, trained, False)
+    seqs: list[int] = []
+    for row in pos:
+        starts = torch.nonzero(row == 0).flatten().tolist() or [0]
+        bounds = [*starts, len(row)]
+        seqs.extend(int(b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a)
+    return BatchLayout(rows, seq, tuple(seqs), trained, True)
+
+
+def _is_flash(name: str) -> bool:
+    return ("flash_attention" in name or "flash_attn" in name) and "scaled_dot_product" not in name
+
+
+def _is_attention(name: str) -> bool:
+    return _is_flash(name) or "scaled_dot_product" in name or "efficient_attention" in name
+
+
+class TimingHook:
+    """Costs every op of the recorded micro-steps (hook it into StorageTracker.on_op), by term and basis.
+
+    Only the micro-steps of the last optimizer step are recorded (`begin_micro`); ops outside a micro-step
+    (clipping, the optimizer, zero_grad) are costed analytically (optimizer_cost), because the CPU fake run takes
+    the for-loop path whatever the target.
+    """
+
+    def __init__(self, gpu: GPUSpec, layout: BatchLayout, attn: str, quantized: str | None = None,
+                 model: Any = None) -> None:
+        self.tc = time_constants(gpu)
+        self.gpu = gpu
+        self.layout = layout
+        self.attn = attn
+        self.quantized = quantized
+        self.model = model
+        self.recording = False
+        self.micro_steps = 0
+        self.device = np.zeros((_NT, _NB))
+        self.host = 0.0
+        self.ops = 0
+        self.launches = 0
+        self.kind: AttentionKind | None = None
+        self._param_shapes: set[tuple[int, ...]] | None = None
+        self._quant_keys: dict[int, int] | None = None
+        self._attn_dims = {layout.seq}
+        self._upcast: dict[int, Any] = {}
+        # the head's row counts: every position (CPU), or the labelled ones (CUDA), in chunks of 4096
+        counts = {layout.trained, layout.tokens, layout.tokens - layout.rows}
+        self._head_dims = {d for n in counts if n > 0 for d in (n, min(n, 4096), n % 4096) if d > 0}
+
+    # -- phases --
+    def begin_micro(self, record: bool) -> None:
+        self.recording = record
+        self._upcast.clear()
+        if record:
+            self.micro_steps += 1
+
+    def end_micro(self) -> None:
+        self.recording = False
+
+    # -- classification --
+    def _weights(self) -> set[tuple[int, ...]]:
+        if self._param_shapes is None:
+            shapes: set[tuple[int, ...]] = set()
+            if self.model is not None:
+                for p in self.model.parameters():
+                    s = _shape(p)
+                    shapes.add(s)
+                    shapes.add(s[::-1])
+            self._param_shapes = shapes
+        return self._param_shapes
+
+    def _quant(self) -> dict[int, int]:
+        if self._quant_keys is None:
+            import torch
+
+            keys: dict[int, int] = {}
+            if self.quantized and self.model is not None:
+                for name, mod in self.model.named_modules():
+                    w = getattr(mod, "weight", None)
+                    if (isinstance(mod, torch.nn.Linear) and w is not None and not w.requires_grad
+                            and "lm_head" not in name):
+                        keys[w.untyped_storage()._cdata] = w.numel()
+            self._quant_keys = keys
+        return self._quant_keys
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if not self.recording:
+            return
+        from ..tracker import tensors_in
+
+        tc = self.tc
+        self.ops += 1
+        if getattr(func, "is_view", False):
+            self.host += tc.view_s
+            return
+        name = func._overloadpacket.__name__
+        if name in _NO_KERNEL:
+            self.host += tc.view_s
+            return
+        self.host += tc.op_s
+        self.launches += 1
+        if _is_attention(name):
+            self._attention(name, args, kwargs)
+            return
+        ins = tensors_in(args) + tensors_in(kwargs)
+        outs = tensors_in(out)
+        tensors = ins + outs
+        if not tensors:
+            return
+        if _in_trl_kernels():
+            self._lm_head(name, args, ins, outs)
+            return
+        if name in _MATMULS:
+            t, extra = self._matmul(name, args, ins)
+            basis = self._basis(tensors)
+            self._add(Term.ATTENTION if basis is Basis.ATTENTION else Term.MATMUL, basis, t)
+            if extra:
+                self._add(Term.DEQUANT, Basis.FIXED, extra)
+            return
+        if name in _GATHERS:  # reads only the rows it gathers (or scatters)
+            nbytes = float(sum(2 * x.numel() * x.element_size() for x in outs) + sum(
+                x.numel() * x.element_size() for x in ins if not x.is_floating_point()))
+        else:
+            nbytes = float(sum(x.numel() * x.element_size() for x in tensors))
+        t = memory_s(nbytes, tc)
+        basis = self._basis(tensors)
+        self._add(Term.ATTENTION if basis is Basis.ATTENTION else Term.MEMORY, basis, t)
+
+    def _lm_head(self, name: str, args: tuple, ins: list, outs: list) -> None:
+        """TRL's chunked log-prob head. On CUDA it runs bf16 GEMMs with fp32 accumulation
+        (`torch.addmm(..., out_dtype=float32)`) and Triton folds; the fake run on the CPU takes the torch fallback,
+        whose fp32 upcasts of tiles and weight chunks a GPU never runs: skipped, and their GEMMs costed in 16-bit."""
+        import torch
+
+        tc = self.tc
+        tensors = ins + outs
+        per_token = any(d in self._head_dims for x in tensors for d in _shape(x))
+        basis = (Basis.TRAINED if tc.cuda else Basis.TOKENS) if per_token else Basis.FIXED
+        if tc.cuda and name == "_to_copy" and outs and outs[0].dtype is torch.float32 and ins and \
+                ins[0].dtype in (torch.bfloat16, torch.float16):
+            self.host -= tc.op_s
+            self.launches -= 1
+            self._upcast[outs[0].untyped_storage()._cdata] = ins[0].dtype
+            return
+        if name in _MATMULS:
+            t, _ = self._matmul(name, args, ins, upcast=self._upcast if tc.cuda else None)
+            self._add(Term.LM_HEAD, basis, t)
+            if tc.cuda and name == "mm" and outs:
+                # the Triton fold over this logits tile: one read forward, a read and a write backward
+                tile = outs[0].numel() * outs[0].element_size()
+                self._add(Term.LM_HEAD, basis, memory_s(1.5 * tile, tc))
+                self.host += float(tc.raw["host"]["triton_launch_us"]) * 1e-6
+            return
+        nbytes = float(sum(x.numel() * x.element_size() for x in tensors))
+        self._add(Term.LM_HEAD, basis, memory_s(nbytes, tc))
+
+    def _basis(self, tensors: list) -> Basis:
+        weights = self._weights()
+        weight_only = True
+        for x in tensors:
+            s = _shape(x)
+            if len(s) >= 2 and s[-1] == s[-2] and s[-1] in self._attn_dims and s not in weights:
+                return Basis.ATTENTION
+            if x.numel() > 1 and s not in weights:
+                weight_only = False
+        return Basis.FIXED if weight_only else Basis.TOKENS
+
+    def _matmul(self, name: str, args: tuple, ins: list, upcast: dict | None = None) -> tuple[float, float]:
+        """(GEMM seconds, dequantisation seconds when a quantized weight is read)."""
+        tc = self.tc
+        mats = [x for x in ins if x.dim() >= 2]
+        if name in ("addmm", "addmm_", "baddbmm", "addbmm"):
+            mats = [x for x in tensors_of(args[1:3]) if x.dim() >= 2] or mats
+        if len(mats) < 2:
+            return tc.floor_s, 0.0
+        a, b = mats[0], mats[1]
+        batch = int(np.prod(a.shape[:-2])) if a.dim() > 2 else 1
+        m, k = int(a.shape[-2]), int(a.shape[-1])
+        n = int(b.shape[-1])
+        dtype, size = a.dtype, a.element_size()
+        if upcast:
+            low = upcast.get(a.untyped_storage()._cdata) or upcast.get(b.untyped_storage()._cdata)
+            if low is not None:
+                dtype, size = low, 2
+        peak = tc.peak_for(dtype)
+        t = gemm_s(m, n, k, size, peak, tc, batch)
+        extra = 0.0
+        quant = self._quant()
+        if quant:
+            for x in (a, b):
+                numel = quant.get(x.untyped_storage()._cdata)
+                if numel:
+                    extra += dequant_s(numel, self.quantized, tc) + (t * self._int8_extra())
+                    self.host += tc.op_s
+        return t, extra
+
+    def _int8_extra(self) -> float:
+        if self.quantized == "8bit":
+            return float(self.tc.raw["dequantization"]["int8_matmul_factor"]) - 1.0
+        return 0.0
+
+    def _attention(self, name: str, args: tuple, kwargs: dict) -> None:
+        tc = self.tc
+        backward = "backward" in name
+        q = args[1] if backward else args[0]
+        layout = self.layout
+        if _is_flash(name):
+            # aten._flash_attention_forward/backward, or the simulator's FlashAttention stand-ins
+            # (advisor/_sim/flash.py: advisor::_flash_attn[_varlen]_forward/backward, same argument order):
+            # (T, H, D) varlen with cu_seqlens, or (B, S, H, D)
+            heads, head_dim = int(q.shape[-2]), int(q.shape[-1])
+            kind = AttentionKind.CAUSAL
+            units = attention_units(kind, np.asarray(layout.sequences), layout.rows, layout.seq, tc.attn_block)
+        else:
+            # sdpa: (B, H, S, D); a mask (attn_mask given) means the whole row, is_causal the causal tiles
+            heads, head_dim = int(q.shape[1]), int(q.shape[-1])
+            rows, s = int(q.shape[0]), int(q.shape[2])
+            masked = kwargs.get("attn_mask") is not None or any(
+                getattr(x, "dim", lambda: 0)() == 4 and x is not q and _shape(x)[-1] == _shape(x)[-2]
+                for x in args if hasattr(x, "shape")
+            )
+            kind = AttentionKind.FULL if masked else AttentionKind.CAUSAL
+            units = attention_units(kind, np.full(rows, s), rows, s, tc.attn_block)
+        if self.kind is None:
+            self.kind = kind
+        per_tile = attention_tile_s(heads, head_dim, tc.peak_for(q.dtype), tc, backward)
+        self._add(Term.ATTENTION, Basis.ATTENTION, max(units * per_tile, tc.floor_s))
+
+    def _add(self, term: Term, basis: Basis, seconds: float) -> None:
+        self.device[_TERMS.index(term), int(basis)] += seconds
+
+    # -- result --
+    def cost(self, *, accumulation: int, optimizer: OptimizerCost, flops: tuple[float, float]) -> StepCost:
+        """Per micro-step averages over the recorded micro-steps, divided by the worst batch's bases."""
+        n = max(1, self.micro_steps)
+        lay = self.layout
+        kind = self.kind or (AttentionKind.DENSE if self.attn == "eager" else AttentionKind.CAUSAL)
+        units = attention_units(kind, np.asarray(lay.sequences), lay.rows, lay.seq, self.tc.attn_block)
+        worst = BatchPoint(
+            tokens=float(lay.tokens), trained=float(max(lay.trained, 1)), attention=float(max(units, 1.0)),
+            rows=float(lay.rows), real=float(sum(lay.sequences)), sq=float(sum(s * s for s in lay.sequences)),
+        )
+        scale = np.array([worst.tokens, worst.trained, worst.attention, 1.0])
+        device = self.device / n / scale[None, :]
+        tc = self.tc
+        serial_host = tc.micro_step_s + 2 * tc.sync_s
+        return StepCost(
+            device=device, host_s=self.host / n, serial_host_s=serial_host, collate_row_s=tc.collate_row_s,
+            optimizer=optimizer, step_host_s=tc.step_s, serial=not tc.cuda, accumulation=accumulation,
+            flops_per_token=flops[0], flops_per_sq=flops[1], peak_flops=0.0, worst=worst, attention_kind=kind,
+            launches=self.launches / n,
+        )
+
+
+def tensors_of(tree: Any) -> list:
+    from ..tracker import tensors_in
+
+    return tensors_in(tree)
