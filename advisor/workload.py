@@ -130,9 +130,13 @@ class Workload:
     dataset: TokenizedDataset
     goals: Goals = field(default_factory=Goals)
     notes: tuple[str, ...] = ()
+    # several GPUs (issue 16): N GPUs of the named kind over M machines; the budget applies to each rank
+    num_gpus: int = 1
+    num_machines: int = 1
 
     def __post_init__(self) -> None:
         check_budget(self.goals, self.gpu)
+        check_world(self.num_gpus, self.num_machines)
 
     @property
     def budget_bytes(self) -> int:
@@ -152,6 +156,8 @@ class Workload:
                 "dataset": self.dataset.fingerprint,
                 "gpu": self.gpu.name,
                 "goals": {k: str(v) for k, v in self.goals.__dict__.items()},
+                **({"world": [self.num_gpus, self.num_machines]} if (self.num_gpus, self.num_machines) != (1, 1)
+                   else {}),
             }
         )
 
@@ -173,6 +179,21 @@ def check_budget(goals: Goals, gpu: GPUSpec) -> None:
         )
 
 
+def check_world(num_gpus: object, num_machines: object) -> None:
+    """--num-gpus N (at least 1) over --num-machines M (at least 1, the same number of GPUs on each)."""
+    problems = []
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        problems.append(f"--num-gpus {num_gpus!r} (num_gpus): must be a whole number of GPUs, at least 1; give "
+                        "--num-gpus 1 for one GPU")
+    if isinstance(num_machines, bool) or not isinstance(num_machines, int) or num_machines < 1:
+        problems.append(f"--num-machines {num_machines!r} (num_machines): must be a whole number, at least 1")
+    elif not problems and num_gpus % num_machines:
+        problems.append(f"--num-machines {num_machines} (num_machines): does not divide --num-gpus {num_gpus}; "
+                        "give the same number of GPUs on every machine (N a multiple of M)")
+    if problems:
+        raise ConfigError(problems, context="workload")
+
+
 def _size(n: int) -> str:
     """Bytes as the user writes them: 24GB (22.49 GiB)."""
     return f"{n / 1e9:.4g}GB ({n / 2**30:.2f} GiB)"
@@ -189,6 +210,8 @@ def build_workload(
     sample: int | None = None,
     goals: Goals | None = None,
     seed: int = 0,
+    num_gpus: int = 1,
+    num_machines: int = 1,
 ) -> Workload:
     """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
     from .data import load_dataset
@@ -209,11 +232,13 @@ def build_workload(
     else:
         target = resolve_gpu(gpu)
     check_budget(goals or Goals(), target)  # before the dataset is read and tokenized
+    check_world(num_gpus, num_machines)
     data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
     context = context_note(spec, data)
     if context:
         notes.append(context)
-    return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes))
+    return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
+                    num_gpus=num_gpus, num_machines=num_machines)
 
 
 def context_note(model: ModelSpec, data: TokenizedDataset) -> str | None:

@@ -22,7 +22,6 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from enum import Enum
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,78 +29,9 @@ import torch
 
 from ..errors import ConfigError
 from ..measurement import Category
+from ..parallelism import Parallelism, Strategy
 
-__all__ = [
-    "Strategy", "Parallelism", "fake_process_group", "fsdp2_sharding", "zero_bytes", "ZeroTerms", "comm_time_s",
-    "deepspeed_available",
-]
-
-
-class Strategy(str, Enum):
-    """How the ranks share the model (accelerate's distributed types)."""
-
-    DDP = "ddp"  # every rank holds the whole model; gradients all-reduced
-    FSDP2 = "fsdp2"  # torch's fully_shard through accelerate (fsdp_version: 2)
-    ZERO2 = "zero2"  # DeepSpeed ZeRO stage 2: optimizer state and gradients partitioned
-    ZERO3 = "zero3"  # DeepSpeed ZeRO stage 3: parameters too
-
-    @property
-    def deepspeed(self) -> bool:
-        return self in (Strategy.ZERO2, Strategy.ZERO3)
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    """The multi-GPU knobs of one candidate (held beside the Candidate until the knob registry takes them)."""
-
-    strategy: Strategy = Strategy.FSDP2
-    reshard_after_forward: bool = True  # FSDP2 (ZeRO-3's equivalent is always on)
-    offload_params: bool = False  # FSDP2's CPUOffloadPolicy / ZeRO-3's offload_param
-    offload_optimizer: bool = False  # ZeRO's offload_optimizer; FSDP2 offloads both or neither
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.strategy, Strategy):
-            try:
-                object.__setattr__(self, "strategy", Strategy(self.strategy))
-            except ValueError:
-                raise ConfigError(
-                    f"parallelism={self.strategy!r} (--parallelism): not a strategy; use one of "
-                    f"{', '.join(s.value for s in Strategy)}"
-                ) from None
-
-    def problems(self, num_gpus: int) -> list[str]:
-        """What cannot run as written, each naming the knob and the fix."""
-        out: list[str] = []
-        if self.strategy.deepspeed and not deepspeed_available():
-            out.append(
-                f"parallelism={self.strategy.value} (--parallelism): DeepSpeed ZeRO needs the `deepspeed` package, "
-                "which is not installed; `pip install advisor[deepspeed]`, or use fsdp2"
-            )
-        if self.strategy is Strategy.DDP and (self.offload_params or self.offload_optimizer):
-            out.append("offload_params / offload_optimizer (--offload-params / --offload-optimizer): DDP offloads "
-                       "nothing; use fsdp2 or zero3 to offload")
-        if self.strategy is Strategy.FSDP2 and self.offload_params != self.offload_optimizer:
-            out.append("offload_params / offload_optimizer: FSDP2's CPUOffloadPolicy moves parameters, gradients "
-                       "and optimizer state together; set both (or use zero2/zero3 for optimizer-only offload)")
-        if self.strategy is Strategy.ZERO2 and self.offload_params:
-            out.append("offload_params (--offload-params): ZeRO-2 does not partition parameters, so it cannot "
-                       "offload them; use zero3, or offload the optimizer only")
-        if self.strategy is not Strategy.FSDP2 and not self.reshard_after_forward:
-            out.append("reshard_after_forward=False (--no-reshard-after-forward) is an FSDP2 setting; use fsdp2")
-        if num_gpus < 1:
-            out.append(f"num_gpus={num_gpus} (--num-gpus): at least 1")
-        return out
-
-    def check(self, num_gpus: int) -> None:
-        problems = self.problems(num_gpus)
-        if problems:
-            raise ConfigError(problems, context="parallelism")
-
-
-def deepspeed_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("deepspeed") is not None
+__all__ = ["fake_process_group", "fsdp2_sharding", "zero_bytes", "ZeroTerms", "comm_time_s", "simulate_per_rank"]
 
 
 # ---- the fake process group -------------------------------------------------------------------------------------
@@ -396,10 +326,11 @@ def comm_time_s(*, strategy: Strategy, param_bytes: int, grad_bytes: int, num_gp
 
 # ---- one rank's Measurement ----------------------------------------------------------------------------------------
 
-def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int, parallelism: Parallelism | None = None, *,
-                      num_machines: int = 1, gpu: Any = None, layers: tuple[int, int] | None = (2, 3),
-                      steps: int = 2) -> Any:
-    """One rank's Measurement of `candidate` trained on `num_gpus` GPUs (of `num_machines` machines).
+def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None,
+                      parallelism: Parallelism | None = None, *, num_machines: int | None = None, gpu: Any = None,
+                      layers: tuple[int, int] | None = (2, 3), steps: int = 2) -> Any:
+    """One rank's Measurement of `candidate` trained on `num_gpus` GPUs (of `num_machines` machines; both default to
+    the workload's).
 
     FSDP2 is simulated on fake tensors (the fake process group, accelerate's sharding, TRL's train()); DDP is the
     single-GPU simulation plus DDP's gradient buckets; ZeRO-2/3 replace the single-GPU run's model states with their
@@ -410,15 +341,12 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int, parallelism:
 
     from ..measurement import Status
     from ..simulate import _resolve_target, simulate
+    from ..workload import check_world
 
     parallelism = parallelism or Parallelism()
-    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
-        raise ConfigError(f"num_gpus={num_gpus!r} (--num-gpus): must be a whole number of GPUs, at least 1; "
-                          "give --num-gpus 1 or more", context="simulate")
-    if isinstance(num_machines, bool) or not isinstance(num_machines, int) or num_machines < 1 \
-            or num_gpus % num_machines:
-        raise ConfigError(f"num_machines={num_machines!r} (--num-machines): must be at least 1 and divide "
-                          f"--num-gpus {num_gpus} (the same GPUs on every machine)", context="simulate")
+    num_gpus = workload.num_gpus if num_gpus is None else num_gpus
+    num_machines = workload.num_machines if num_machines is None else num_machines
+    check_world(num_gpus, num_machines)
     parallelism.check(num_gpus)
     target = _resolve_target(gpu, workload)
     notes: list[str] = []
