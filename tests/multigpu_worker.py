@@ -2,7 +2,8 @@
 model; each rank's peak measured from the CPU allocator's own events (torch.profiler, profile_memory=True), plus the
 bytes live when train() starts. Run as a script: `python tests/multigpu_worker.py '<json>'`; prints JSON.
 
-The json: {"world": N, "candidate": {...Candidate kwargs}, "parallelism": {...}, "steps": 2}.
+The json: {"world": N, "candidate": {...Candidate kwargs}, "parallelism": {...}, "config": {...model config keys},
+"steps": 2}.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _allocator_peak(prof) -> int:
     return peak
 
 
-def workload():
+def workload(config: dict | None = None):
     sys.path.insert(0, HERE)
     from conftest import TINY_QWEN2
 
@@ -47,7 +48,8 @@ def workload():
         name="cpu", kind="cpu", memory_bytes=16 * 2**30, bf16_tflops=0.5, fp16_tflops=0.5, fp32_tflops=0.5,
         memory_bandwidth_gbs=20.0, supports_bf16=True, supports_flash_attention=False,
     )
-    return Workload(model=ModelSpec(name="tiny-qwen2", config=dict(TINY_QWEN2), source="local"), gpu=cpu,
+    model = ModelSpec(name="tiny-qwen2", config={**TINY_QWEN2, **(config or {})}, source="local")
+    return Workload(model=model, gpu=cpu,
                     dataset=synthetic(vocab_size=1024, rows=64, seed=0, median=64, max_len=256), goals=Goals())
 
 
@@ -69,7 +71,7 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    wl = workload()
+    wl = workload(spec.get("config"))
     cand = Candidate(**spec["candidate"])
     par = Parallelism(**spec.get("parallelism", {}))
     steps = spec.get("steps", 2)

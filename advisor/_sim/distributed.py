@@ -19,6 +19,7 @@ PyTorch's allocator) is not counted here; it is part of the device bytes' contex
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -107,7 +108,7 @@ def fsdp2_sharding(mesh: Any, parallelism: Parallelism, precision: str) -> Itera
     passing = tracker_module.PASS_THROUGH
     tracker_module.PASS_THROUGH = (DTensor,)
     try:
-        with _tracked_storage_resizes(), _untracked_sharding_propagation():
+        with _tracked_storage_resizes(), _untracked_sharding_propagation(), _communication_categories():
             yield
     finally:
         fake_step._materialise = materialise
@@ -133,6 +134,39 @@ def _restart_stream(tracker: Any) -> None:
         tracker.events.append((key, live.nbytes))
         tracker.event_layers.append(old_layers[index])
     tracker.peak = PeakSnapshot(tracker.current, tracker.live_by_category())
+
+
+@contextlib.contextmanager
+def _communication_categories() -> Iterator[None]:
+    """What FSDP2 allocates to communicate (the all-gather's copy-in and flat output, the reduce-scatter's input and
+    output) is labelled temporaries; the sharded gradients it assigns after the reduce-scatter (no gradient hook sees
+    them: autograd accumulates into the unsharded parameters) gradients."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    unshard, post_backward = FSDPParamGroup.unshard, FSDPParamGroup.post_backward
+
+    def as_temporaries(method):
+        def wrapped(self, *args: Any, **kwargs: Any):
+            tracker = _active_tracker()
+            if tracker is None:
+                return method(self, *args, **kwargs)
+            before = tracker.default_category
+            tracker.default_category = Category.TEMPORARIES
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                tracker.default_category = before
+                if method is post_backward:
+                    tracker.set_category([p.sharded_param.grad for p in self.fsdp_params
+                                          if p.sharded_param.grad is not None], Category.GRADIENTS)
+        return wrapped
+
+    FSDPParamGroup.unshard = as_temporaries(unshard)
+    FSDPParamGroup.post_backward = as_temporaries(post_backward)
+    try:
+        yield
+    finally:
+        FSDPParamGroup.unshard, FSDPParamGroup.post_backward = unshard, post_backward
 
 
 @contextlib.contextmanager
@@ -353,13 +387,15 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     if num_gpus == 1:
         return simulate(workload, candidate, target, layers=layers, steps=steps)
     if parallelism.strategy is Strategy.FSDP2:
+        # at full depth: FSDP2's prefetch pairs each layer's gathered parameters with the next layer's work, which
+        # the layer-by-layer extrapolation (advisor/_sim/layers.py) does not split (NotSeparable)
         with fake_process_group(num_gpus) as mesh, fsdp2_sharding(mesh, parallelism, candidate.precision.value):
-            m = simulate(workload, candidate, target, layers=layers, steps=steps)
+            m = simulate(workload, candidate, target, layers=None, steps=steps)
         notes.append(
             f"FSDP2 on {num_gpus} ranks run on fake tensors: the fake process group and accelerate's "
             f"fsdp2_prepare_model (reshard_after_forward={parallelism.reshard_after_forward}, cpu offload="
-            f"{parallelism.offload_params}); all-gather and reduce-scatter buffers counted; NCCL's internal buffers "
-            "are not"
+            f"{parallelism.offload_params}) at full depth; all-gather and reduce-scatter buffers counted (as "
+            "temporaries, the gathered parameters as parameters); NCCL's internal buffers are not"
         )
         if parallelism.offload_params:
             notes.append("CPU offload: the sharded parameters, gradients and optimizer state live in host memory; "
@@ -447,13 +483,15 @@ def _comm(workload: Any, candidate: Any, parallelism: Parallelism, target: Any, 
     low = candidate.precision.value in ("bf16", "fp16")
     param_bytes = params * (2 if low else 4)
     grad_bytes = trainable * (2 if low else 4)
-    return comm_time_s(
+    out = comm_time_s(
         strategy=parallelism.strategy, param_bytes=param_bytes, grad_bytes=grad_bytes, num_gpus=num_gpus,
         num_machines=num_machines, intra_gbs=link.intra_gbs, inter_gbs=link.inter_gbs,
         compute_s=m.step_time_s or 0.0, accumulation=candidate.gradient_accumulation_steps,
         reshard_after_forward=parallelism.reshard_after_forward, offload_params=parallelism.offload_params,
         pcie_gbs=link.pcie_gbs,
     )
+    named = {"intra": link.intra_kind, "inter": "InfiniBand (between machines)"}.get(out.link, out.link)
+    return dataclasses.replace(out, link=named)
 
 
 @dataclass(frozen=True)
