@@ -129,3 +129,26 @@ def test_llama8b_full_finetune_fits_per_rank_on_8_h100():
     assert rank.breakdown["optimizer_state"] == pytest.approx(2 * 4 * params / 8, rel=0.001)
     launch = accelerate_config(cand, Parallelism(), 8)
     assert launch.config["fsdp_config"]["fsdp_version"] == 2 and "FSDP2" in launch.chosen
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_zero_replaces_the_model_states_with_the_closed_form(strategy, monkeypatch):
+    """ZeRO (modelled, as if deepspeed were installed): the single-GPU run's activations, ZeRO's model states."""
+    import advisor.parallelism as par_mod
+    from advisor._sim.distributed import zero_bytes
+    from advisor.estimate import architecture
+    from advisor.measurement import Category
+    from advisor.parallelism import Parallelism, simulate_per_rank
+    from advisor.simulate import simulate
+
+    monkeypatch.setattr(par_mod, "deepspeed_available", lambda: True)
+    wl = _workload()
+    cand = Candidate(**SMALL_BATCH)
+    one = simulate(wl, cand, "cpu", layers=None)
+    rank = simulate_per_rank(wl, cand, 4, Parallelism(strategy=strategy), gpu="cpu", layers=None)
+    p = architecture(wl.model).total
+    terms = zero_bytes(2 if strategy == "zero2" else 3, p, p, 4, param_bytes=4, mixed=False)  # fp32: no master copy
+    assert rank.breakdown[Category.OPTIMIZER.value] == terms.optimizer_state
+    states = sum(one.breakdown.get(c.value, 0) for c in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER))
+    assert rank.peak_bytes - one.peak_bytes == terms.total - states
+    assert any("ZeRO" in n and "closed form" in n for n in rank.notes)

@@ -454,7 +454,9 @@ def _modelled_rank(m: Any, workload: Any, candidate: Any, parallelism: Paralleli
     else:
         stage = 2 if parallelism.strategy is Strategy.ZERO2 else 3
         params, trainable = _model_counts(workload, candidate)
-        terms = zero_bytes(stage, params, trainable, num_gpus, param_bytes=_weight_bytes(candidate),
+        # DeepSpeed casts the module to bf16/fp16 when mixed precision is on (fp32 master weights in the optimizer)
+        mixed = candidate.precision.value in ("bf16", "fp16")
+        terms = zero_bytes(stage, params, trainable, num_gpus, param_bytes=2 if mixed else 4, mixed=mixed,
                            offload_params=parallelism.offload_params, offload_optimizer=parallelism.offload_optimizer)
         old = sum(br.get(c.value, 0) for c in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER))
         br[Category.PARAMETERS.value] = terms.parameters + terms.buffers
