@@ -18,8 +18,11 @@ from collections import deque
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _allocator_peak(prof) -> int:
-    """The highest running sum of the profiler's Allocation events (frees are negative), in time order."""
+def _allocator_peaks(prof) -> tuple[int, int]:
+    """(all threads, the main thread) highest running sum of the profiler's Allocation events in time order (frees
+    are negative). The main thread runs the model, FSDP2 and the optimizer; gloo's worker threads (two by default)
+    allocate its own staging buffers, in an order that varies from run to run, and NCCL's equivalents live outside
+    PyTorch's allocator: the main thread's peak drops every allocation made on another thread and its free."""
     from torch._C._profiler import _EventType
 
     events = []
@@ -27,14 +30,33 @@ def _allocator_peak(prof) -> int:
     while stack:
         e = stack.pop()
         if e.typed[0] == _EventType.Allocation:
-            events.append((e.start_time_ns, e.typed[1].alloc_size))
+            events.append((e.start_time_ns, e.typed[1].alloc_size, e.typed[1].ptr, e.start_tid))
         stack.extend(e.children)
     events.sort(key=lambda x: x[0])
-    current = peak = 0
-    for _, size in events:
+    main = _main_tid(events)
+    current = peak = mine = mine_peak = 0
+    owner: dict[int, int] = {}
+    for _, size, ptr, tid in events:
         current += size
         peak = max(peak, current)
-    return peak
+        if size > 0:
+            owner[ptr] = tid
+        keep = (owner.get(ptr, main) if size < 0 else tid) == main
+        if size < 0:
+            owner.pop(ptr, None)
+        if keep:
+            mine += size
+            mine_peak = max(mine_peak, mine)
+    return peak, mine_peak
+
+
+def _main_tid(events) -> int:
+    """The thread that allocated the most bytes: the one running train()."""
+    total: dict[int, int] = {}
+    for _, size, _, tid in events:
+        if size > 0:
+            total[tid] = total.get(tid, 0) + size
+    return max(total, key=total.get)
 
 
 def workload(config: dict | None = None):
@@ -113,9 +135,10 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             trainer.train()
-        peak = sum(live.values()) + _allocator_peak(prof)
+        peak, main = _allocator_peaks(prof)
     with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"rank": rank, "peak": peak, "before": sum(live.values())}, f)
+        json.dump({"rank": rank, "peak": sum(live.values()) + main, "all_threads": sum(live.values()) + peak,
+                   "before": sum(live.values())}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -38,26 +38,27 @@ def _check(candidate: dict, parallelism: dict, config: dict | None = None) -> No
     real = _real_per_rank(candidate, parallelism, config)
     sim = simulate_per_rank(_workload(config), Candidate(**candidate), 2, Parallelism(**parallelism), gpu="cpu")
     print(f"per-rank peak: simulated {sim.peak_bytes} B, real {real} B")
-    # The simulation follows the program order; on gloo a rank has once been seen holding one more unit's gathered
-    # parameters at its peak (a collective finishing late: 6815024 vs 7225904 B, the embedding unit + one layer),
-    # so the closest rank is the one in program order and every rank stays within that one unit.
-    assert min(abs(sim.peak_bytes - r) for r in real) <= 0.02 * sim.peak_bytes, (sim.peak_bytes, real)
+    # The simulation follows the program order. On gloo a rank now and then peaks higher by exactly one or two FSDP
+    # units' unsharded bytes (a decoder layer, the embedding unit): 9 of 34 rank-runs of these cases, on either rank,
+    # varying from run to run with the same batch and the same shards on both ranks (the cause is not pinned down;
+    # gloo's worker threads run every collective). So the lowest rank is the one in program order, and every rank
+    # stays within the embedding unit plus one layer above it.
+    assert min(real) == pytest.approx(sim.peak_bytes, rel=0.02), (sim.peak_bytes, real)
     unit = _largest_unit_bytes(candidate, config)
-    assert all(r <= sim.peak_bytes * 1.02 + unit for r in real), (sim.peak_bytes, real, unit)
+    assert max(real) <= 1.02 * sim.peak_bytes + unit, (sim.peak_bytes, real, unit)
     assert any("FSDP2 on 2 ranks" in n for n in sim.notes)
 
 
-# model states large against activations (one row of 32 tokens), so the sharding is what the peak measures
-SMALL_BATCH = dict(BASE, per_device_train_batch_size=1, max_length=32, activation_checkpointing=False)
-
-
 def _largest_unit_bytes(candidate: dict, config: dict | None) -> int:
-    """The embedding unit plus one decoder layer, unsharded (advisor/estimate.py's shapes)."""
+    """The embedding unit plus one decoder layer, unsharded, in the dtype FSDP2 gathers (advisor/estimate.py)."""
     from advisor.estimate import architecture
 
     arch = architecture(_workload(config).model)
-    size = 4 if candidate.get("precision", "fp32") == "fp32" else 2
-    return (arch.embedding + arch.per_layer) * size
+    return (arch.embedding + arch.per_layer) * (4 if candidate.get("precision", "fp32") == "fp32" else 2)
+
+
+# one row of 32 tokens: the sharded model states are a visible share of the peak (2 ranks: 6% under one GPU)
+SMALL_BATCH = dict(BASE, per_device_train_batch_size=1, max_length=32, activation_checkpointing=False)
 
 
 @pytest.mark.slow  # a 2-process gloo run and the simulation: about 30 s on an idle 2-core host
@@ -94,6 +95,20 @@ def test_sharding_halves_the_model_states():
     assert two.breakdown[opt] == pytest.approx(one.breakdown[opt] / 2, rel=0.01)
     assert two.peak_bytes < one.peak_bytes
     assert two.trained_tokens_per_step == 2 * one.trained_tokens_per_step
+
+
+def test_cpu_offload_keeps_the_model_states_on_the_host():
+    """FSDP2's CPUOffloadPolicy: the sharded parameters, gradients, optimizer state and step leave the device."""
+    from advisor.measurement import Category
+    from advisor.parallelism import Parallelism, simulate_per_rank
+
+    wl = _workload()
+    cand = Candidate(**SMALL_BATCH)
+    on_device = simulate_per_rank(wl, cand, 2, gpu="cpu")
+    offloaded = simulate_per_rank(wl, cand, 2, Parallelism(offload_params=True, offload_optimizer=True), gpu="cpu")
+    assert Category.OPTIMIZER.value not in offloaded.breakdown
+    assert on_device.peak_bytes - offloaded.peak_bytes >= on_device.breakdown[Category.OPTIMIZER.value]
+    assert any(n.startswith("CPU offload") for n in offloaded.notes)
 
 
 def test_ddp_adds_the_reducers_buckets():

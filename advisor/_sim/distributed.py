@@ -13,7 +13,7 @@ own allocation, so the tracker sees them as on the real NCCL path: the all-gathe
 (`foreach_all_gather`: torch.empty), the per-parameter unsharded outputs (`alloc_storage` / `free_storage`: storage
 resizes, which no dispatch mode sees, so they are reported to the tracker here), the reduce-scatter's flat input
 and output (`foreach_reduce`: torch.empty). What NCCL allocates inside itself (its channel buffers, outside
-PyTorch's allocator) is not counted here; it is part of the device bytes' context term.
+PyTorch's allocator) is not counted: the device bytes are low by them (the notes say so).
 """
 
 from __future__ import annotations
@@ -72,12 +72,20 @@ def fsdp2_plugin(parallelism: Parallelism, precision: str):
     return plugin
 
 
-def prepare_fsdp2(model: torch.nn.Module, mesh: Any, parallelism: Parallelism, precision: str) -> torch.nn.Module:
-    """Shard `model` with accelerate's own `fsdp2_prepare_model` (per decoder layer, embedding, tail, root)."""
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+def prepare_fsdp2(model: torch.nn.Module, mesh: Any, parallelism: Parallelism, precision: str, *,
+                  fake: bool = False) -> torch.nn.Module:
+    """Shard `model` with accelerate's own `fsdp2_prepare_model` (per decoder layer, embedding, tail, root).
 
+    `fake`: on fake tensors the offload policy does not pin host memory (aten._pin_memory has no fake kernel;
+    pinning changes no size)."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = fsdp2_plugin(parallelism, precision)
+    if fake and isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
     accelerator = SimpleNamespace(
-        state=SimpleNamespace(fsdp_plugin=fsdp2_plugin(parallelism, precision)),
+        state=SimpleNamespace(fsdp_plugin=plugin),
         torch_device_mesh=mesh, parallelism_config=SimpleNamespace(fsdp_dim_names=("dp_shard",)),
         mixed_precision=precision if precision in ("bf16", "fp16") else "no", is_main_process=True,
         device=torch.device("cpu"),
@@ -96,19 +104,30 @@ def fsdp2_sharding(mesh: Any, parallelism: Parallelism, precision: str) -> Itera
     from torch.distributed.tensor import DTensor
 
     from . import tracker as tracker_module
+    from .tracker import _key
+
+    offload = parallelism.offload_params
 
     def sharded(model: torch.nn.Module) -> None:
         materialise(model)
-        prepare_fsdp2(model, mesh, parallelism, precision)
+        prepare_fsdp2(model, mesh, parallelism, precision, fake=True)
         tracker = _active_tracker()
         if tracker is not None:
+            if offload:  # the sharded parameters live in host memory
+                for p in model.parameters():
+                    tracker._free(_key(getattr(p, "_local_tensor", p).untyped_storage()))
             _restart_stream(tracker)
 
     fake_step._materialise = sharded
     passing = tracker_module.PASS_THROUGH
     tracker_module.PASS_THROUGH = (DTensor,)
     try:
-        with _tracked_storage_resizes(), _untracked_sharding_propagation(), _communication_categories():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_tracked_storage_resizes())
+            stack.enter_context(_untracked_sharding_propagation())
+            stack.enter_context(_communication_categories(offload))
+            if offload:
+                stack.enter_context(_optimizer_on_host())
             yield
     finally:
         fake_step._materialise = materialise
@@ -137,11 +156,38 @@ def _restart_stream(tracker: Any) -> None:
 
 
 @contextlib.contextmanager
-def _communication_categories() -> Iterator[None]:
+def _optimizer_on_host() -> Iterator[None]:
+    """With CPU offload the optimizer steps on the host: nothing it allocates (its state, its temporaries) is device
+    memory, so the tracker records nothing while it runs."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def pre(optimizer: Any, *_: Any) -> None:
+        tracker = _active_tracker()
+        if tracker is not None:
+            tracker._add = lambda storage, category: None
+
+    def post(optimizer: Any, *_: Any) -> None:
+        tracker = _active_tracker()
+        if tracker is not None and "_add" in vars(tracker):
+            del tracker._add
+
+    handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _communication_categories(offload: bool = False) -> Iterator[None]:
     """What FSDP2 allocates to communicate (the all-gather's copy-in and flat output, the reduce-scatter's input and
     output) is labelled temporaries; the sharded gradients it assigns after the reduce-scatter (no gradient hook sees
-    them: autograd accumulates into the unsharded parameters) gradients."""
+    them: autograd accumulates into the unsharded parameters) gradients, or, offloaded, host memory: FSDP2 copies
+    them to the host and the device's reduce-scatter output dies with the post-backward."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from .tracker import _key
 
     unshard, post_backward = FSDPParamGroup.unshard, FSDPParamGroup.post_backward
 
@@ -157,8 +203,12 @@ def _communication_categories() -> Iterator[None]:
             finally:
                 tracker.default_category = before
                 if method is post_backward:
-                    tracker.set_category([p.sharded_param.grad for p in self.fsdp_params
-                                          if p.sharded_param.grad is not None], Category.GRADIENTS)
+                    grads = [p.sharded_param.grad for p in self.fsdp_params if p.sharded_param.grad is not None]
+                    if offload:
+                        for g in grads:
+                            tracker._free(_key(getattr(g, "_local_tensor", g).untyped_storage()))
+                    else:
+                        tracker.set_category(grads, Category.GRADIENTS)
         return wrapped
 
     FSDPParamGroup.unshard = as_temporaries(unshard)
@@ -397,9 +447,14 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
             f"{parallelism.offload_params}) at full depth; all-gather and reduce-scatter buffers counted (as "
             "temporaries, the gathered parameters as parameters); NCCL's internal buffers are not"
         )
+        if target.is_cuda:
+            notes.append("FSDP2 all-gathers and reduce-scatters on its own CUDA streams, whose blocks the caching "
+                         "allocator keeps in per-stream pools; the replay keeps one pool, so reserved bytes may be "
+                         "somewhat higher on the GPU")
         if parallelism.offload_params:
-            notes.append("CPU offload: the sharded parameters, gradients and optimizer state live in host memory; "
-                         "the simulated device peak counts them as on the device (an upper bound)")
+            notes.append("CPU offload: the sharded parameters, gradients, optimizer state and the optimizer step live "
+                         "in host memory and are not counted; the host-to-device copies of one unit's shards before "
+                         "its all-gather (a no-op on fake CPU tensors) are not counted either")
     else:
         m = simulate(workload, candidate, target, layers=layers, steps=steps)
         m, more = _modelled_rank(m, workload, candidate, parallelism, num_gpus)
