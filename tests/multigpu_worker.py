@@ -21,8 +21,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _allocator_peaks(prof) -> tuple[int, int]:
     """(all threads, the main thread) highest running sum of the profiler's Allocation events in time order (frees
     are negative). The main thread runs the model, FSDP2 and the optimizer; gloo's worker threads (two by default)
-    allocate its own staging buffers, in an order that varies from run to run, and NCCL's equivalents live outside
-    PyTorch's allocator: the main thread's peak drops every allocation made on another thread and its free."""
+    allocate a little of their own, whose NCCL equivalents live outside PyTorch's allocator: the main thread's peak
+    drops every allocation made on another thread and its free (so far it has equalled the all-threads peak)."""
     from torch._C._profiler import _EventType
 
     events = []

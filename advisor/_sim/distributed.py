@@ -447,6 +447,10 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
             f"{parallelism.offload_params}) at full depth; all-gather and reduce-scatter buffers counted (as "
             "temporaries, the gathered parameters as parameters); NCCL's internal buffers are not"
         )
+        notes.append("checked against real 2-process gloo runs on the CPU (tests/test_multigpu.py): the same peak "
+                     "within 0.15%, but about 1 in 3 real rank-runs peaked higher by one FSDP unit's gathered bytes "
+                     "(a decoder layer or the embedding unit), not reproducibly and not yet explained; allow for "
+                     "one unit until GPU runs settle it")
         if target.is_cuda:
             notes.append("FSDP2 all-gathers and reduce-scatters on its own CUDA streams, whose blocks the caching "
                          "allocator keeps in per-stream pools; the replay keeps one pool, so reserved bytes may be "
