@@ -18,7 +18,7 @@ from typing import Any
 from .data import TokenizedDataset, load_dataset
 from .errors import ConfigError
 from .profiles import decide_offline, detect_gpu, resolve_gpu, resolve_model
-from .workload import Goals, Method, ModelSpec, Workload, check_budget
+from .workload import Goals, Method, ModelSpec, Workload, check_budget, check_world
 
 DEFAULT_GPU = "H100-80GB"
 
@@ -31,6 +31,8 @@ def build_workload(
     sample: int | None = None,
     goals: Goals | None = None,
     seed: int = 0,
+    num_gpus: int = 1,
+    num_machines: int = 1,
 ) -> Workload:
     """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
     notes: list[str] = []
@@ -48,11 +50,13 @@ def build_workload(
     else:
         target = resolve_gpu(gpu)
     check_budget(goals or Goals(), target)  # before the dataset is read and tokenized
+    check_world(num_gpus, num_machines)
     data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
     context = context_note(spec, data)
     if context:
         notes.append(context)
-    return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes))
+    return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
+                    num_gpus=num_gpus, num_machines=num_machines)
 
 
 def context_note(model: ModelSpec, data: TokenizedDataset) -> str | None:

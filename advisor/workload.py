@@ -130,9 +130,13 @@ class Workload:
     dataset: TokenizedDataset
     goals: Goals = field(default_factory=Goals)
     notes: tuple[str, ...] = ()
+    # several GPUs (issue 16): N GPUs of the named kind over M machines; the budget applies to each rank
+    num_gpus: int = 1
+    num_machines: int = 1
 
     def __post_init__(self) -> None:
         check_budget(self.goals, self.gpu)
+        check_world(self.num_gpus, self.num_machines)
 
     @property
     def budget_bytes(self) -> int:
@@ -152,6 +156,8 @@ class Workload:
                 "dataset": self.dataset.fingerprint,
                 "gpu": self.gpu.name,
                 "goals": {k: str(v) for k, v in self.goals.__dict__.items()},
+                **({"world": [self.num_gpus, self.num_machines]} if (self.num_gpus, self.num_machines) != (1, 1)
+                   else {}),
             }
         )
 
@@ -171,6 +177,21 @@ def check_budget(goals: Goals, gpu: GPUSpec) -> None:
             f"--memory-budget {_size(budget)}: more than {what} ({_size(capacity)}); omit --memory-budget to "
             f"use the whole {gpu.name}, give at most {_size(capacity)}, or name a larger --gpu"
         )
+
+
+def check_world(num_gpus: object, num_machines: object) -> None:
+    """--num-gpus N (at least 1) over --num-machines M (at least 1, the same number of GPUs on each)."""
+    problems = []
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        problems.append(f"--num-gpus {num_gpus!r} (num_gpus): must be a whole number of GPUs, at least 1; give "
+                        "--num-gpus 1 for one GPU")
+    if isinstance(num_machines, bool) or not isinstance(num_machines, int) or num_machines < 1:
+        problems.append(f"--num-machines {num_machines!r} (num_machines): must be a whole number, at least 1")
+    elif not problems and num_gpus % num_machines:
+        problems.append(f"--num-machines {num_machines} (num_machines): does not divide --num-gpus {num_gpus}; "
+                        "give the same number of GPUs on every machine (N a multiple of M)")
+    if problems:
+        raise ConfigError(problems, context="workload")
 
 
 def _size(n: int) -> str:

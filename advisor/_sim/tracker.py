@@ -37,6 +37,16 @@ def _key(storage: torch.UntypedStorage) -> int:
     return storage._cdata
 
 
+# Tensor subclasses whose ops the tracker lets through to their own __torch_dispatch__ (returning NotImplemented),
+# so it sees the ops on their local tensors instead: DTensor while a rank is simulated (advisor/_sim/distributed.py).
+PASS_THROUGH: tuple[type, ...] = ()
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage that holds `t`'s bytes (a DTensor's: its local shard's)."""
+    return getattr(t, "_local_tensor", t).untyped_storage()
+
+
 class StorageTracker(TorchDispatchMode):
     """Enter it inside a FakeTensorMode. `classify` maps a storage key to a Category (default: activations)."""
 
@@ -65,7 +75,7 @@ class StorageTracker(TorchDispatchMode):
     def track(self, tensors: Iterable[object], category: Category | None = None) -> None:
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage(), category)
+                self._add(_storage(t), category)
 
     def _add(self, storage: torch.UntypedStorage, category: Category | None) -> None:
         key = _key(storage)
@@ -74,6 +84,8 @@ class StorageTracker(TorchDispatchMode):
                 self._relabel(self._live[key], category)
             return
         nbytes = storage.nbytes()
+        if nbytes == 0:  # nothing allocated (FSDP2's freed unsharded storages; empty tensors): no event
+            return
         cat = category or self.category_of.get(key) or self.default_category
         self._live[key] = _Live(nbytes, cat)
         self._by_category[cat] = self._by_category.get(cat, 0) + nbytes
@@ -112,7 +124,7 @@ class StorageTracker(TorchDispatchMode):
         for t in tensors:
             if t is None:
                 continue
-            key = _key(t.untyped_storage())
+            key = _key(_storage(t))
             if key in self._live:
                 self._relabel(self._live[key], category)
             else:
@@ -123,7 +135,7 @@ class StorageTracker(TorchDispatchMode):
         if self.events is None:
             return
         for t in tensors:
-            index = self._alloc_event.get(_key(t.untyped_storage()))
+            index = self._alloc_event.get(_key(_storage(t)))
             if index is not None:
                 self.event_layers[index] = layer
 
@@ -155,6 +167,8 @@ class StorageTracker(TorchDispatchMode):
         handler = _DISPATCH_META_HANDLERS.get(func)
         if handler is not None and len(args) == 1 and type(args[0]) is FakeTensor:
             return handler(args)
+        if PASS_THROUGH and any(issubclass(t, PASS_THROUGH) for t in types):
+            return NotImplemented
         kwargs = kwargs or {}
         if func is _SCALAR and self.answer_scalar is not None:
             return self.answer_scalar(args[0])

@@ -1,0 +1,110 @@
+"""Several GPUs (issue 16): the parallelism knobs, one rank's simulation, and the split of the effective batch.
+
+`Parallelism` holds the multi-GPU knobs beside a `Candidate` (kept apart from it until the knob registry of
+advisor/space.py takes them): the strategy accelerate launches (DDP, FSDP2, DeepSpeed ZeRO-2 / ZeRO-3), FSDP2's
+resharding after forward, and CPU offload of parameters / optimizer state. `simulate_per_rank` predicts one rank's
+memory and the global throughput (advisor/_sim/distributed.py); `advisor.accelerate_config` emits the launch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .measurement import Measurement
+    from .space import Candidate
+    from .workload import Workload
+
+__all__ = ["Strategy", "Parallelism", "deepspeed_available", "simulate_per_rank", "accumulation_for"]
+
+
+class Strategy(str, Enum):
+    """How the ranks share the model (accelerate's distributed types)."""
+
+    DDP = "ddp"  # every rank holds the whole model; gradients all-reduced
+    FSDP2 = "fsdp2"  # torch's fully_shard through accelerate (fsdp_version: 2)
+    ZERO2 = "zero2"  # DeepSpeed ZeRO stage 2: optimizer state and gradients partitioned
+    ZERO3 = "zero3"  # DeepSpeed ZeRO stage 3: parameters too
+
+    @property
+    def deepspeed(self) -> bool:
+        return self in (Strategy.ZERO2, Strategy.ZERO3)
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """The multi-GPU knobs of one candidate (held beside the Candidate until the knob registry takes them)."""
+
+    strategy: Strategy = Strategy.FSDP2
+    reshard_after_forward: bool = True  # FSDP2 (ZeRO-3's equivalent is always on)
+    offload_params: bool = False  # FSDP2's CPUOffloadPolicy / ZeRO-3's offload_param
+    offload_optimizer: bool = False  # ZeRO's offload_optimizer; FSDP2 offloads both or neither
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategy, Strategy):
+            try:
+                object.__setattr__(self, "strategy", Strategy(self.strategy))
+            except ValueError:
+                raise ConfigError(
+                    f"parallelism={self.strategy!r} (--parallelism): not a strategy; use one of "
+                    f"{', '.join(s.value for s in Strategy)}"
+                ) from None
+
+    def problems(self, num_gpus: int = 1) -> list[str]:
+        """What cannot run as written, each naming the knob and the fix (the world size: workload.check_world)."""
+        out: list[str] = []
+        if self.strategy.deepspeed and not deepspeed_available():
+            out.append(
+                f"parallelism={self.strategy.value} (--parallelism): DeepSpeed ZeRO needs the `deepspeed` package, "
+                "which is not installed; `pip install advisor[deepspeed]`, or use fsdp2"
+            )
+        if self.strategy is Strategy.DDP and (self.offload_params or self.offload_optimizer):
+            out.append("offload_params / offload_optimizer (--offload-params / --offload-optimizer): DDP offloads "
+                       "nothing; use fsdp2 or zero3 to offload")
+        if self.strategy is Strategy.FSDP2 and self.offload_params != self.offload_optimizer:
+            out.append("offload_params / offload_optimizer: FSDP2's CPUOffloadPolicy moves parameters, gradients "
+                       "and optimizer state together; set both (or use zero2/zero3 for optimizer-only offload)")
+        if self.strategy is Strategy.ZERO2 and self.offload_params:
+            out.append("offload_params (--offload-params): ZeRO-2 does not partition parameters, so it cannot "
+                       "offload them; use zero3, or offload the optimizer only")
+        if self.strategy is not Strategy.FSDP2 and not self.reshard_after_forward:
+            out.append("reshard_after_forward=False (--no-reshard-after-forward) is an FSDP2 setting; use fsdp2")
+        return out
+
+    def check(self, num_gpus: int = 1) -> None:
+        problems = self.problems(num_gpus)
+        if problems:
+            raise ConfigError(problems, context="parallelism")
+
+
+def deepspeed_available() -> bool:
+    """DeepSpeed is an optional extra (`pip install advisor[deepspeed]`)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def simulate_per_rank(workload: Workload, candidate: Candidate, num_gpus: int | None = None,
+                      parallelism: Parallelism | None = None, **kwargs) -> Measurement:
+    """One rank's peak / reserved / device bytes and the global trained tokens per second of `candidate` on
+    `num_gpus` GPUs (default: the workload's); see advisor/_sim/distributed.simulate_per_rank for the keywords."""
+    from ._sim.distributed import simulate_per_rank as run
+
+    return run(workload, candidate, num_gpus, parallelism, **kwargs)
+
+
+def accumulation_for(global_rows: int, per_device_rows: int, num_gpus: int) -> int:
+    """The gradient accumulation that makes `global_rows` rows a step from `per_device_rows` on each of `num_gpus`
+    ranks; ConfigError naming the flags when the effective batch cannot be split over the ranks."""
+    share = per_device_rows * num_gpus
+    if share <= 0 or global_rows % share:
+        raise ConfigError(
+            f"an effective batch of {global_rows} rows cannot be split over --num-gpus {num_gpus} with "
+            f"per_device_train_batch_size={per_device_rows}: it must be a multiple of {share}; change the "
+            "effective batch (--tokens-per-step), the micro-batch or --num-gpus",
+            context="parallelism",
+        )
+    return global_rows // share
