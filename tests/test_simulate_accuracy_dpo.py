@@ -186,3 +186,74 @@ def test_an_sft_only_key_in_a_dpo_config_is_refused_by_name():
     assert any(p.startswith("packing=True: `packing` is an SFT-only key") for p in problems)
     assert dpo.problems(Candidate(padding_free=True)) == []  # SFT's padding-free rule is not DPO's
 
+
+# ---- Reward models -----------------------------------------------------------------------------------------------
+# The real run is built from the emitted YAML as `trl reward --config` builds it: TRL's own parser, the model an
+# AutoModelForSequenceClassification with one label in the YAML's dtype, trl.get_peft_config's LoraConfig.
+
+REWARD = {
+    "reward-full-ckpt-pad64": Candidate(max_length=256, pad_to_multiple_of=64, per_device_train_batch_size=2,
+                                        precision="fp32", optim="adamw_torch"),
+    "reward-lora-no-ckpt-batch4": Candidate(max_length=128, per_device_train_batch_size=4, precision="fp32",
+                                            optim="adamw_torch", use_lora=True, lora_r=8,
+                                            activation_checkpointing=False),
+}
+
+
+def _real_reward_peak(workload: Workload, candidate: Candidate, tmp_path, steps: int = 2) -> int:
+    import yaml
+    from transformers import AutoModelForSequenceClassification
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import RewardTrainer, get_peft_config
+
+    from advisor._sim.fake_step import _BatchFeed
+    from advisor.modeling import placeholder_tokenizer
+
+    reward = get_trainer("reward")
+    path = tmp_path / "reward.yaml"
+    path.write_text(yaml.safe_dump(reward.run_config_dict(candidate, model_name_or_path="m", dataset_name="d")))
+    parsed = reward.make_parser().parse_args_and_config(
+        ["--config", str(path), "--use_cpu", "True"], return_remaining_strings=True, separate_remaining_strings=True)
+    assert parsed[4] == [] and parsed[5] == [], parsed[4:]
+    training, model_args = parsed[1], parsed[2]
+    training.max_steps, training.output_dir = steps, str(tmp_path / "out")
+    training.report_to, training.save_strategy, training.logging_strategy = [], "no", "no"
+    training.disable_tqdm = True
+
+    class RealTrainer(RewardTrainer):
+        feed: deque = deque()
+
+        def get_train_dataloader(self):
+            return _BatchFeed(self.feed)
+
+    torch.manual_seed(0)
+    config = workload.model.hf_config()
+    config.num_labels = 1
+    model = AutoModelForSequenceClassification.from_config(config, dtype=getattr(torch, model_args.dtype))
+    trainer = RealTrainer(model=model, args=training,
+                          train_dataset=reward.train_dataset(workload, reward.worst_rows(workload, candidate)),
+                          processing_class=placeholder_tokenizer(workload.model),
+                          peft_config=get_peft_config(model_args))
+    for cb in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(cb)
+    batch = reward.worst_batch(trainer, candidate.per_device_train_batch_size)
+    trainer.feed = deque(
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for _ in range(steps)
+    )
+    trainer.train_dataset = list(range(steps))
+    tensors = [*trainer.model.parameters(), *trainer.model.buffers()]
+    tensors += [v for b in trainer.feed for v in b.values() if isinstance(v, torch.Tensor)]
+    before = _live(tensors)
+    _, peak = _profiled(trainer.train)
+    return sum(before.values()) + peak
+
+
+@pytest.mark.parametrize("name", sorted(REWARD))
+def test_simulated_reward_peak_matches_real_train(name, dpo_workload, tmp_path):
+    from advisor.simulate import simulate
+
+    cand = REWARD[name]
+    real = _real_reward_peak(dpo_workload, cand, tmp_path)
+    sim = simulate(dpo_workload, cand, "cpu", layers=None, trainer="reward")
+    print(f"accuracy {name}: simulated {sim.peak_bytes} real {real} ratio {sim.peak_bytes / real:.5f}")
+    assert sim.peak_bytes == pytest.approx(real, rel=0.01), (name, sim.peak_bytes, real)

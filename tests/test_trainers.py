@@ -16,7 +16,7 @@ from advisor.trainers.dpo import DPOKnobs, Reference
 
 
 def test_every_trainer_implements_the_protocol_and_names_its_trl_classes():
-    assert set(names()) >= {"sft", "dpo"}
+    assert set(names()) >= {"sft", "dpo", "reward"}
     for name in names():
         t = get_trainer(name)
         assert isinstance(t, Trainer) and t.name == name
@@ -70,6 +70,18 @@ def test_dpo_rules_are_trl_s(tiny_model):
     assert any("together with precompute_ref_log_probs" in p for p in dpo.problems(both))
     with pytest.raises(ConfigError, match=r"precompute_ref_batch_size=0: must be an integer >= 1"):
         dpo.candidate_from_run_dict({"precompute_ref_log_probs": True, "precompute_ref_batch_size": 0})
+
+
+def test_reward_yaml_goes_through_trl_reward(tmp_path):
+    reward = get_trainer("reward")
+    cand = Candidate(use_lora=True, lora_r=8, max_length=512, pad_to_multiple_of=64)
+    text = yaml.safe_dump(reward.run_config_dict(cand, model_name_or_path="m"), sort_keys=False)
+    _, training, model_args, _ = _parse(reward, text, tmp_path)[:4]
+    assert type(training).__name__ == "RewardConfig" and training.pad_to_multiple_of == 64
+    assert model_args.lora_task_type == "SEQ_CLS"  # PEFT keeps the score head trainable
+    assert any("padding_free=True: RewardConfig has no" in p for p in reward.problems(Candidate(padding_free=True)))
+    with pytest.raises(ConfigError, match=r"packing=False: an SFT-only key"):
+        reward.check_run_keys({"packing": False})
 
 
 @pytest.mark.parametrize("conversational", [False, True])
@@ -142,7 +154,7 @@ def test_dpo_default_depths_are_extrapolated_layer_by_layer(tiny_model, cpu_targ
 def test_the_offline_default_is_the_synthetic_preference_set(tiny_model):
     import numpy as np
 
-    for name in ("dpo",):
+    for name in ("dpo", "reward"):
         data = get_trainer(name).load_dataset(None, tiny_model)
         assert data.synthetic and len(data.rows) == 2048
         assert 250 <= float(np.median(data.chosen_lengths)) <= 350  # the documented median of prompt + chosen

@@ -118,7 +118,7 @@ def get_trainer(name: str | Trainer = "sft") -> Trainer:
                           context="trainer") from None
 
 
-_BUILTIN = ("sft", "dpo")
+_BUILTIN = ("sft", "dpo", "reward")
 
 
 def _load_builtin() -> None:
