@@ -121,7 +121,7 @@ def test_a_preference_file_is_tokenized_as_dpotrainer_does(conversational, tmp_p
             assert row[column] == real[i][column], (i, column)
 
 
-def _six_layer_dpo(tiny_model, cpu_target):
+def _six_layer_dpo(tiny_model, cpu_target, cand):
     from advisor.simulate import simulate
     from advisor.trainers.preference import synthetic_preferences
     from advisor.workload import Goals, Workload
@@ -129,26 +129,22 @@ def _six_layer_dpo(tiny_model, cpu_target):
     spec = dataclasses.replace(tiny_model, name="tiny-qwen2-6", config={**tiny_model.config, "num_hidden_layers": 6})
     wl = Workload(model=spec, gpu=cpu_target, goals=Goals(),
                   dataset=synthetic_preferences(vocab_size=1024, rows=16, seed=0, median=64, max_len=256))
-    cand = Candidate(max_length=128, per_device_train_batch_size=2, precision="fp32", optim="adamw_torch")
     return simulate(wl, cand, "cpu", trainer="dpo"), simulate(wl, cand, "cpu", layers=None, trainer="dpo")
 
 
-@pytest.mark.slow
-def test_dpo_default_depths_give_the_full_depth_peak(tiny_model, cpu_target):
-    """The default simulation (2 and 3 layers) of a 6-layer model peaks where the full-depth run does."""
-    default, full = _six_layer_dpo(tiny_model, cpu_target)
-    assert default.peak_bytes == pytest.approx(full.peak_bytes, rel=0.001), (default.peak_bytes, full.peak_bytes)
-    if not any("layer by layer" in n for n in default.notes):
-        assert any("simulated at full depth" in n for n in default.notes), default.notes
+DEPTH_BASE = dict(max_length=128, per_device_train_batch_size=2, precision="fp32", optim="adamw_torch")
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known: DPO's two forward passes per micro-batch (policy, then the "
-                   "reference) do not split into identical layers in advisor/_sim/layers.py yet (a free in the "
-                   "second pass is paired with the wrong block), so the simulator falls back to the full depth")
-def test_dpo_default_depths_are_extrapolated_layer_by_layer(tiny_model, cpu_target):
-    default, _ = _six_layer_dpo(tiny_model, cpu_target)
+@pytest.mark.parametrize("fields", [{}, {"use_lora": True, "activation_checkpointing": False}],
+                         ids=["separate-copy-ckpt", "adapters-disabled-no-ckpt"])
+def test_dpo_default_depths_are_extrapolated_to_the_full_depth_peak(fields, tiny_model, cpu_target):
+    """The default simulation builds the 6-layer stream from the 2- and 3-layer runs: the reference's no-grad
+    forward (which frees each layer's output in the next layer, and the embedding only at the pass's end) splits
+    into identical layers too, and the peak equals the full-depth run's."""
+    default, full = _six_layer_dpo(tiny_model, cpu_target, Candidate(**{**DEPTH_BASE, **fields}))
     assert any("layer by layer" in n for n in default.notes), default.notes
+    assert default.peak_bytes == pytest.approx(full.peak_bytes, rel=0.001), (default.peak_bytes, full.peak_bytes)
 
 
 def test_the_offline_default_is_the_synthetic_preference_set(tiny_model):
