@@ -158,3 +158,30 @@ def test_the_offline_default_is_the_synthetic_preference_set(tiny_model):
         assert max(max(r["chosen_ids"]) for r in data.rows) < tiny_model.vocab_size
     sft = get_trainer("sft").load_dataset(None, tiny_model)
     assert sft.synthetic and "input_ids" in sft.rows[0]
+
+
+def test_a_cpu_probe_of_dpo_trains_for_real(tiny_model, cpu_target, tmp_path):
+    """The probe's child (advisor/probe/worker.py) runs the real DPOTrainer on preference rows: the policy and
+    its reference loaded by TRL from the saved random model, two optimizer steps, each micro-batch 2B sequences."""
+    import dataclasses as dc
+
+    from advisor.probe.worker import Heartbeat, run_job
+    from advisor.trainers.preference import synthetic_preferences
+
+    data = synthetic_preferences(vocab_size=1024, rows=8, seed=0, median=48, max_len=96)
+    cand = Candidate(max_length=64, per_device_train_batch_size=2, precision="fp32", optim="adamw_torch")
+    job = {
+        "backend": "cpu", "steps": 2, "warmup": 0, "memory_budget_bytes": None, "weights": None, "trainer": "dpo",
+        "candidate": cand.to_dict(),
+        "model": {"name": tiny_model.name, "config": dict(tiny_model.config), "source": "local", "local_dir": None},
+        "gpu": dc.asdict(cpu_target), "goals": {},
+        "dataset": {"kind": "preference", "name": data.name, "source": data.source, "dataset_name": None,
+                    "rows": [dict(r) for r in data.rows[:4]]},
+        "kinds": ["longest", "typical"], "rows_per_step": 2,
+    }
+    result = run_job(job, tmp_path, Heartbeat(tmp_path / "heartbeat"), "", {})
+    assert result["status"] == "ok" and result["peak_bytes"] > 0
+    assert len(result["steps"]) == 2
+    for step in result["steps"]:
+        assert step["shapes"] and step["shapes"][0][0] == 4  # 2 pairs: chosen and rejected
+        assert step["trained_tokens"] > 0

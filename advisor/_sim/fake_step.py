@@ -209,6 +209,7 @@ def make_trainer_class(spec: Any = None):
         "_fake_batches": deque(),
         "_move_model_to_device": _move_model_to_device,
         "get_train_dataloader": get_train_dataloader,
+        **spec.real_overrides(),
         **spec.fake_overrides(),
     }
     return type(f"Fake{base.__name__}", (base,), namespace)

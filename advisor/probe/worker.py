@@ -59,8 +59,14 @@ def _rebuild(job: dict[str, Any]):
     gpu_fields = dict(job["gpu"])
     gpu_fields["aliases"] = tuple(gpu_fields.get("aliases") or ())
     d = job["dataset"]
-    dataset = TokenizedDataset(name=d["name"], source=d["source"], rows=tuple(d["rows"]),
-                               completion_only_loss=d["completion_only_loss"], dataset_name=d.get("dataset_name"))
+    if d.get("kind") == "preference":  # prompt_ids / chosen_ids / rejected_ids rows (DPO, Reward)
+        from ..trainers.preference import PreferenceDataset
+
+        dataset = PreferenceDataset(name=d["name"], source=d["source"], rows=tuple(d["rows"]),
+                                    dataset_name=d.get("dataset_name"))
+    else:
+        dataset = TokenizedDataset(name=d["name"], source=d["source"], rows=tuple(d["rows"]),
+                                   completion_only_loss=d["completion_only_loss"], dataset_name=d.get("dataset_name"))
     workload = Workload(model=spec, gpu=GPUSpec(**gpu_fields), dataset=dataset, goals=Goals(**job["goals"]))
     return workload, Candidate.from_dict(job["candidate"])
 
@@ -147,7 +153,7 @@ def _trainer_class(meter: StepMeter, kind=None):
         return super(cls, self).training_step(model, inputs, num_items_in_batch)
 
     base = kind.trainer_class()
-    cls = type(f"Probe{base.__name__}", (base,), {"training_step": training_step})
+    cls = type(f"Probe{base.__name__}", (base,), {**kind.real_overrides(), "training_step": training_step})
     return cls
 
 
@@ -188,7 +194,7 @@ def _describe(index: int, kinds: list[str], warmup: int, record: dict[str, Any],
 def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str, state: dict[str, Any]) -> dict:
     import torch
 
-    from ..emit import peft_config, quantization_config
+    from ..emit import quantization_config
     from ..modeling import placeholder_tokenizer, save_random_model
     from ..trainers import get_trainer
     from . import meters
@@ -236,7 +242,7 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         prof.__enter__()
     trainer = _trainer_class(meter, kind)(
         model=model_path, args=config, train_dataset=train_dataset, processing_class=tokenizer,
-        peft_config=peft_config(candidate, spec), quantization_config=quantization_config(candidate),
+        peft_config=kind.peft_config(candidate, spec), quantization_config=quantization_config(candidate),
         callbacks=[_callback(meter)],
     )
     state["meter"] = meter

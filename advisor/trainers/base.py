@@ -75,6 +75,9 @@ class Trainer(Protocol):
     def labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...  # per position, -100 where untrained
 
     # ---- the fake step's hooks (advisor/_sim/fake_step.py applies them) ---------------------------------------
+    def real_overrides(self) -> dict[str, Callable]: ...  # methods every advisor-built trainer class replaces
+    # (the probe's and the fake run's: e.g. DPO's dataset preparation of rows it prepared already)
+
     def fake_overrides(self) -> dict[str, Callable]: ...  # methods the fake trainer class replaces
 
     def construction(self, spec: ModelSpec, candidate: Candidate) -> contextlib.AbstractContextManager: ...

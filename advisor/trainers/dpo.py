@@ -317,6 +317,9 @@ class DPO:
         return batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
 
     # ---- the fake step's hooks -------------------------------------------------------------------------------------
+    def real_overrides(self) -> dict[str, Callable]:
+        return {"_prepare_dataset": prepared_as_is}
+
     def fake_overrides(self) -> dict[str, Callable]:
         def create_accelerator_and_postprocess(self):
             type(self).__mro__[1].create_accelerator_and_postprocess(self)
@@ -331,7 +334,6 @@ class DPO:
             return dataset.add_column("ref_chosen_logps", [0.0] * n).add_column("ref_rejected_logps", [0.0] * n)
 
         return {
-            "_prepare_dataset": prepared_as_is,
             "create_accelerator_and_postprocess": create_accelerator_and_postprocess,
             "_precompute_ref_logps": _precompute_ref_logps,
         }

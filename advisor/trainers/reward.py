@@ -220,6 +220,9 @@ class Reward:
         return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
 
     # ---- the fake step's hooks -------------------------------------------------------------------------------------
+    def real_overrides(self) -> dict[str, Callable]:
+        return {}
+
     def fake_overrides(self) -> dict[str, Callable]:
         return {}
 

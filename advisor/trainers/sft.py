@@ -141,6 +141,9 @@ class SFT:
         return batch["labels"]
 
     # ---- the fake step's hooks -------------------------------------------------------------------------------------
+    def real_overrides(self) -> dict[str, Callable]:
+        return {}
+
     def fake_overrides(self) -> dict[str, Callable]:
         return {}
 
