@@ -619,9 +619,11 @@ def _prepare_with_trl(
     import warnings
 
     import datasets
-    from trl import SFTConfig
-    from trl.trainer.sft_trainer import SFTTrainer
 
+    from .trainers import get_trainer
+
+    sft = get_trainer("sft")
+    SFTConfig, SFTTrainer = sft.config_class(), sft.trainer_class()  # noqa: N806
     columns = sorted({k for r in rows for k in r})
     try:
         hf = datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in columns})

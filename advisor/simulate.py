@@ -24,6 +24,7 @@ from .workload import GPUSpec, ModelSpec, Workload
 
 if TYPE_CHECKING:
     from ._sim.timing import StepCost
+    from .trainers import Trainer
 
 __all__ = ["simulate", "simulate_depth", "DepthRun"]
 
@@ -54,18 +55,27 @@ def simulate(
     *,
     layers: tuple[int, int] | None = (2, 3),
     steps: int = 2,
+    trainer: str | Trainer = "sft",
 ) -> Measurement:
-    """Peak bytes of `steps` real SFT optimizer steps of `candidate` on the target, predicted on fake tensors.
+    """Peak bytes of `steps` real optimizer steps of `candidate` on the target, predicted on fake tensors.
+
+    `trainer`: the TRL trainer that runs ("sft", "dpo", "reward"; advisor.trainers.get_trainer).
 
     The candidate's base (the user's other keys) is part of the run; `max_steps` below `steps` is simulated as
     written. More steps than 2 change nothing: every simulated step gets the same worst batch, the first step
     allocates the optimizer state lazily in its optimizer step, and from the second on each step frees and
     reallocates the same tensors (tests/test_simulate_accuracy.py checks max_steps 1 and 3 against real runs).
     """
+    from .trainers import get_trainer
+
     started = time.perf_counter()
+    spec = get_trainer(trainer)
     target = _resolve_target(gpu, workload)
     candidate = candidate.for_model(workload.model)
-    candidate.check(target, workload.model)
+    problems = spec.problems(candidate, target, workload.model)
+    if problems:
+        raise ConfigError(problems, context="configuration rejected")
+    spec.check_dataset(workload)
     max_steps = candidate.base.get("max_steps")
     if isinstance(max_steps, int) and 0 < max_steps < steps:
         steps = max_steps
@@ -73,15 +83,17 @@ def simulate(
     run_cand, notes = _runnable(candidate, target)
     depth = workload.model.num_layers
     depths, layer_note = _depths(workload.model, layers, run_cand)
-    runs = [simulate_depth(workload, run_cand, target, n, steps=steps, original=candidate) for n in depths]
+    runs = [simulate_depth(workload, run_cand, target, n, steps=steps, original=candidate, trainer=spec)
+            for n in depths]
     try:
         combined = _extrapolate(runs, depth, cuda=target.is_cuda, expandable_segments=run_cand.expandable_segments)
     except _NotSeparable as e:
         layer_note = f"the {depths[0]}- and {depths[1]}-layer runs do not split into identical layers ({e}): " \
                      f"simulated at full depth"
-        combined = simulate_depth(workload, run_cand, target, depth, steps=steps, original=candidate)
+        combined = simulate_depth(workload, run_cand, target, depth, steps=steps, original=candidate, trainer=spec)
     if layer_note:
         notes.append(layer_note)
+    notes.extend(spec.notes(candidate))
     if candidate.group_by_length:
         notes.append(
             "group_by_length: transformers' LengthGroupedSampler puts the batch with the longest row first in every "
@@ -114,7 +126,8 @@ def simulate(
         )
     else:
         peak_bytes = reserved_bytes = device_bytes = peak
-    timed = _expected_time(workload, candidate, target, combined.cost, activations_before)
+    timed = _expected_time(workload, candidate, target, combined.cost, activations_before) if spec.name == "sft" \
+        else None
     if timed is not None:
         step_time, trained, tps = timed.step_s, timed.trained_per_step, timed.tokens_per_second
         notes.append(
@@ -148,7 +161,7 @@ def simulate(
 
 def simulate_depth(
     workload: Workload, candidate: Candidate, target: GPUSpec, layers: int, *, steps: int = 2,
-    original: Candidate | None = None,
+    original: Candidate | None = None, trainer: str | Trainer = "sft",
 ) -> DepthRun:
     """One fake run of `candidate` (already runnable on fake tensors) with `layers` decoder layers.
 
@@ -156,35 +169,36 @@ def simulate_depth(
     step-time model costs, where the runnable one stands in for kernels fake tensors cannot run)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from ._sim.fake_step import make_trainer_class, run_fake_training, worst_batch
+    from ._sim.fake_step import make_trainer_class, run_fake_training
     from ._sim.timing import TimingHook, layout_of
-    from .emit import build_sft_config, peft_config
-    from .modeling import build_model
+    from .trainers import get_trainer
 
+    kind = get_trainer(trainer)
     spec = with_depth(workload.model, layers)
-    model = build_model(spec, candidate, device="meta")
-    rows = _worst_rows(workload, candidate)
+    model = kind.build_model(spec, candidate, device="meta")
+    rows = kind.worst_rows(workload, candidate)
     with tempfile.TemporaryDirectory(prefix="advisor-sim-") as tmp, _quiet():
-        args = build_sft_config(
+        args = kind.build_config(
             candidate, workload, measured=True, use_cpu=True, output_dir=tmp, max_steps=steps, report_to="none",
             save_strategy="no", logging_strategy="no", disable_tqdm=True, dataset_num_proc=None, seed=0,
             model_init_kwargs=None,
         )
-        trainer = make_trainer_class()(
-            model=model, args=args, train_dataset=workload.dataset.to_hf(rows),
-            processing_class=_tokenizer(spec), peft_config=peft_config(candidate, spec),
-        )
+        with kind.construction(spec, candidate):
+            trainer = make_trainer_class(kind)(
+                model=model, args=args, train_dataset=kind.train_dataset(workload, rows),
+                processing_class=_tokenizer(spec), peft_config=kind.peft_config(candidate, spec),
+            )
         for callback in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(callback)
-        batch = worst_batch(trainer, candidate.per_device_train_batch_size)
+        batch = kind.worst_batch(trainer, candidate.per_device_train_batch_size)
         timed = original or candidate
-        hook = TimingHook(target, layout_of(batch), timed.attn_implementation.value,
+        hook = TimingHook(target, layout_of({**batch, "labels": kind.labels(batch)}), timed.attn_implementation.value,
                           quantized=timed.quantization.value if timed.quantization.value != "none" else None,
                           model=trainer.model)
         _record_last_step(trainer, hook, steps, candidate.gradient_accumulation_steps)
         result = run_fake_training(
             trainer, batch, steps=steps, cuda=target.is_cuda, on_op=hook, record_events=target.is_cuda,
-            num_layers=layers,
+            num_layers=layers, spec=kind,
         )
         cost = _step_cost(trainer, hook, timed, target)
     from ._sim.layers import LayerStream
@@ -416,29 +430,10 @@ def _extrapolate_time(lo: DepthRun, hi: DepthRun, k: float):
 
 
 def _worst_rows(workload: Workload, candidate: Candidate) -> list[dict]:
-    """Enough of the longest rows to fill one micro-batch (packed rows when packing).
+    """SFT's rows of the longest micro-batch (advisor.trainers.sft.SFT.worst_rows)."""
+    from .trainers import get_trainer
 
-    Rows whose trained tokens all fall past `max_length` are skipped: TRL drops them as fully masked.
-    """
-    import numpy as np
-
-    b = candidate.per_device_train_batch_size
-    data = workload.dataset
-    cap = candidate.max_length
-    kept = np.flatnonzero(data.trained_after_truncation(cap) > 0) if data.completion_only_loss else np.arange(
-        len(data.rows))
-    lengths = np.minimum(data.lengths[kept], cap) if cap else data.lengths[kept]
-    order = [int(kept[i]) for i in np.argsort(-lengths, kind="stable")]
-    if not candidate.packing or not cap:
-        return [data.rows[i] for i in order[:b]]
-    need = b * cap
-    rows, total = [], 0
-    for i in order:
-        rows.append(data.rows[i])
-        total += min(len(data.rows[i]["input_ids"]), cap)
-        if total >= need + cap:
-            break
-    return rows
+    return get_trainer("sft").worst_rows(workload, candidate)
 
 
 def _resolve_target(gpu: str | GPUSpec | None, workload: Workload) -> GPUSpec:

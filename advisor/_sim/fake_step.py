@@ -1,4 +1,8 @@
-"""Runs TRL's own `SFTTrainer.train()` for a few optimizer steps on fake tensors, with every storage tracked.
+"""Runs a TRL trainer's own `train()` for a few optimizer steps on fake tensors, with every storage tracked.
+
+What differs between trainers (SFT, DPO, Reward) comes from their `advisor.trainers.Trainer`: the class, the
+methods the fake class replaces, the models besides the policy (DPO's reference), the passes before training
+(DPO's precomputed reference log-probs) and the labels of a batch.
 
 The trainer is built outside the fake mode on a `meta` model (its `__init__` cannot swap fake parameters);
 inside the mode the model is materialised with `to_empty`, the worst-case batches are lifted with
@@ -22,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..measurement import Category
 from .flash import fake_flash_attention
 from .layers import install_layer_hooks
+from .shadow import IntegerShadow
 from .tracker import PeakSnapshot, StorageTracker
 
 
@@ -49,7 +54,8 @@ class FakeRunResult:
     event_categories: dict[int, Category] | None = None  # per allocation event, its last category
 
 
-def batch_facts(batch: dict[str, torch.Tensor]) -> BatchFacts:
+def batch_facts(batch: dict[str, torch.Tensor], labels: torch.Tensor | None = None) -> BatchFacts:
+    """`labels`: per position, -100 where not trained (the batch's own `labels` when not given)."""
     ids = batch["input_ids"]
     if "attention_mask" in batch and batch["attention_mask"] is not None:
         unpadded = bool(batch["attention_mask"].all())
@@ -58,7 +64,7 @@ def batch_facts(batch: dict[str, torch.Tensor]) -> BatchFacts:
         first = pos[:, :1] - 1
         seq = (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1)
         unpadded = bool((seq[:, -1] == 0).all())
-    labels = batch["labels"][:, 1:]
+    labels = (batch["labels"] if labels is None else labels)[:, 1:]
     lengths = _seq_lengths(batch)
     return BatchFacts(
         unpadded=unpadded,
@@ -83,15 +89,12 @@ def _seq_lengths(batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
     return tuple(int(n) for n in cu.diff())
 
 
-def worst_batch(trainer: Any, batch_size: int) -> dict[str, torch.Tensor]:
-    """The batch that needs the most memory: the longest prepared (packed, truncated) rows, TRL's own collator."""
-    ds = trainer.train_dataset
-    lengths = [len(x) for x in ds["input_ids"]]
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:batch_size]
-    rows = [ds[i] for i in order]
-    keep = set(getattr(trainer, "_signature_columns", None) or ()) | {"input_ids", "completion_mask", "seq_lengths"}
-    rows = [{k: v for k, v in r.items() if k in keep} for r in rows]
-    return trainer.data_collator(rows)
+def worst_batch(trainer: Any, batch_size: int, spec: Any = None) -> dict[str, torch.Tensor]:
+    """The batch that needs the most memory, as the trainer's collator builds it (`spec`: its
+    advisor.trainers.Trainer; SFT when not given)."""
+    from ..trainers import get_trainer
+
+    return get_trainer(spec or "sft").worst_batch(trainer, batch_size)
 
 
 def _in_module(prefix: str) -> bool:
@@ -187,21 +190,29 @@ def _bool_index(indices: Any) -> bool:
     )
 
 
-def make_trainer_class():
-    from trl import SFTTrainer
+def make_trainer_class(spec: Any = None):
+    """The trainer class of `spec` (an advisor.trainers.Trainer or its name; SFT when not given) that leaves
+    placement alone, trains on batches handed to it, and takes the trainer's own fake-run overrides."""
+    from ..trainers import get_trainer
 
-    class FakeSFTTrainer(SFTTrainer):
-        """SFTTrainer that leaves placement alone and trains on batches handed to it."""
+    spec = get_trainer(spec or "sft")
+    base = spec.trainer_class()
 
-        _fake_batches: deque = deque()
+    def _move_model_to_device(self, model, device):
+        return None
 
-        def _move_model_to_device(self, model, device):
-            return None
+    def get_train_dataloader(self):
+        return _BatchFeed(self._fake_batches)
 
-        def get_train_dataloader(self):
-            return _BatchFeed(self._fake_batches)
-
-    return FakeSFTTrainer
+    namespace = {
+        "__doc__": f"{base.__name__} that leaves placement alone and trains on batches handed to it.",
+        "_fake_batches": deque(),
+        "_move_model_to_device": _move_model_to_device,
+        "get_train_dataloader": get_train_dataloader,
+        **spec.real_overrides(),
+        **spec.fake_overrides(),
+    }
+    return type(f"Fake{base.__name__}", (base,), namespace)
 
 
 class _BatchFeed:
@@ -228,33 +239,53 @@ def run_fake_training(
     on_op: Callable[[Any, tuple, dict, Any], None] | None = None,
     record_events: bool = False,
     num_layers: int = 0,
+    spec: Any = None,
 ) -> FakeRunResult:
-    """Materialise `trainer.model` as fake tensors and run `trainer.train()` for `steps` optimizer steps."""
-    facts = batch_facts(batch)
+    """Materialise `trainer.model` (and the trainer's other models) as fake tensors, run the trainer's passes before
+    training, then `trainer.train()` for `steps` optimizer steps. `spec`: the advisor.trainers.Trainer (SFT)."""
+    from ..trainers import get_trainer
+
+    spec = get_trainer(spec or "sft")
+    facts = batch_facts(batch, spec.labels(batch))
     ga = trainer.args.gradient_accumulation_steps
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = StorageTracker(answer_scalar=ScalarOracle(facts))
     tracker.events = []  # always: the stream is what deeper runs are built from (advisor/_sim/layers.py)
+    shadow = IntegerShadow() if spec.shadows_integers() else None
     model = trainer.model
+    models = [model, *spec.extra_models(trainer)]
+    passes = spec.before_train(trainer)  # their real batches built here, outside the fake mode
+
+    def lift(real: dict) -> dict:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in real.items()}
+        tracker.track(fake.values(), Category.OTHER)
+        if shadow is not None:
+            for k, v in fake.items():
+                if isinstance(v, torch.Tensor):
+                    shadow.know(v, real[k])
+        return fake
+
     with _frozen_heap(), real_path_patches(cuda), fake_flash_attention(lambda: tracker.answer_scalar.facts), mode, \
             tracker:
-        _materialise(model)
-        tracker.set_category([p for p in model.parameters()], Category.PARAMETERS)
-        tracker.set_category([b for b in model.buffers()], Category.PARAMETERS)
-        hooks = install_layer_hooks(model, tracker, num_layers)
+        hooks = []
+        for m in models:
+            _materialise(m)
+            tracker.set_category([p for p in m.parameters()], Category.PARAMETERS)
+            tracker.set_category([b for b in m.buffers()], Category.PARAMETERS)
+            hooks += install_layer_hooks(m, tracker, num_layers)
         _outside_layers_after(trainer, "training_step", tracker)
-        batches = deque()
-        for _ in range(steps * ga):
-            fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            tracker.track(fake.values(), Category.OTHER)
-            batches.append(fake)
-        trainer._fake_batches = batches
-        trainer.train_dataset = _Sized(steps * ga)
         trainer.accelerator.device_placement = False  # model.to() cannot swap fake parameters; it is a no-op anyway
         with contextlib.ExitStack() as stack:
             if cuda:
                 stack.enter_context(CompactIndexing(facts.labelled))
+            if shadow is not None:
+                stack.enter_context(shadow)
+            for real, run in passes:
+                run(lift(real))
+            batches = deque(lift(batch) for _ in range(steps * ga))
             tracker.on_op = on_op
+            trainer._fake_batches = batches
+            trainer.train_dataset = _Sized(steps * ga)
             _label_training_state(trainer, tracker, cuda=cuda)
             trainer.train()
         events = tracker.finish_events()

@@ -209,13 +209,24 @@ def synthesize(deep: LayerStream, period: int, layers: int
         return (r - 1 if before else r + 1), before
 
     def in_neighbour(r: int, want: int, u: int) -> int:
-        """Index of the event of layer 0 / the tail that corresponds to offset u of block run r."""
+        """Index of the event of layer 0 / the tail that corresponds to offset u of block run r: the same offset
+        from the seam; where that is not an allocation of the same size (a pass without saved activations frees
+        the layer before's output at the seam, and layer 0's input, the embedding, lives to the pass's end), the
+        allocation of the same rank among the allocations counted from the seam."""
         q, before = neighbour(r, want)
         run, m = runs[q], runs[r].end - runs[r].start
         i = run.end - m + u if before else run.start + u
-        if not run.start <= i < run.end:
-            raise NotSeparable(f"event {runs[r].start + u} has no counterpart in the run at {run.start}")
-        return i
+        j = runs[r].start + u
+        if run.start <= i < run.end and ev[i][1] == ev[j][1]:
+            return i
+        if ev[j][1] > 0:
+            block = [x for x in range(runs[r].start, runs[r].end) if ev[x][1] > 0]
+            other = [x for x in range(run.start, run.end) if ev[x][1] > 0]
+            rank = len(block) - block.index(j) if before else block.index(j)
+            k = len(other) - rank if before else rank
+            if 0 <= k < len(other) and ev[other[k]][1] == ev[j][1]:
+                return other[k]
+        raise NotSeparable(f"event {j} has no counterpart in the run at {run.start}")
 
     def in_block(j: int, r_hint: int | None) -> int:
         """Index of the block event that corresponds to event j of layer 0 / the tail."""
@@ -231,6 +242,13 @@ def synthesize(deep: LayerStream, period: int, layers: int
                 u = j - (runs[q].end - m) if before else j - runs[q].start
                 if 0 <= u < m and ev[runs[r].start + u][1] == ev[j][1]:
                     found.append((r, runs[r].start + u))
+                elif ev[j][1] > 0:  # by rank among the allocations from the seam (see in_neighbour)
+                    block = [x for x in range(runs[r].start, runs[r].end) if ev[x][1] > 0]
+                    other = [x for x in range(runs[q].start, runs[q].end) if ev[x][1] > 0]
+                    rank = len(other) - other.index(j) if before else other.index(j)
+                    k = len(block) - rank if before else rank
+                    if 0 <= k < len(block) and ev[block[k]][1] == ev[j][1]:
+                        found.append((r, block[k]))
         if not found or (len(found) > 1 and found[0][0] != r_hint):
             raise NotSeparable(f"event {j} has {'no' if not found else 'more than one'} counterpart in the block")
         return found[0][1]

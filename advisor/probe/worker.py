@@ -59,8 +59,14 @@ def _rebuild(job: dict[str, Any]):
     gpu_fields = dict(job["gpu"])
     gpu_fields["aliases"] = tuple(gpu_fields.get("aliases") or ())
     d = job["dataset"]
-    dataset = TokenizedDataset(name=d["name"], source=d["source"], rows=tuple(d["rows"]),
-                               completion_only_loss=d["completion_only_loss"], dataset_name=d.get("dataset_name"))
+    if d.get("kind") == "preference":  # prompt_ids / chosen_ids / rejected_ids rows (DPO, Reward)
+        from ..trainers.preference import PreferenceDataset
+
+        dataset = PreferenceDataset(name=d["name"], source=d["source"], rows=tuple(d["rows"]),
+                                    dataset_name=d.get("dataset_name"))
+    else:
+        dataset = TokenizedDataset(name=d["name"], source=d["source"], rows=tuple(d["rows"]),
+                                   completion_only_loss=d["completion_only_loss"], dataset_name=d.get("dataset_name"))
     workload = Workload(model=spec, gpu=GPUSpec(**gpu_fields), dataset=dataset, goals=Goals(**job["goals"]))
     return workload, Candidate.from_dict(job["candidate"])
 
@@ -135,17 +141,20 @@ def _callback(meter: StepMeter):
     return _Callback()
 
 
-def _trainer_class(meter: StepMeter):
-    from trl import SFTTrainer
+def _trainer_class(meter: StepMeter, kind=None):
+    """The trainer's TRL class (`kind`: an advisor.trainers.Trainer, SFT when not given) that shows the meter each
+    micro-batch (shape and trained tokens) before training on it."""
+    from ..trainers import get_trainer
 
-    class ProbeTrainer(SFTTrainer):
-        """SFTTrainer that shows the meter each micro-batch (shape and trained tokens) before training on it."""
+    kind = get_trainer(kind or "sft")
 
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            meter.micro_batch(inputs)
-            return super().training_step(model, inputs, num_items_in_batch)
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        meter.micro_batch({**inputs, "labels": kind.labels(inputs)})
+        return super(cls, self).training_step(model, inputs, num_items_in_batch)
 
-    return ProbeTrainer
+    base = kind.trainer_class()
+    cls = type(f"Probe{base.__name__}", (base,), {**kind.real_overrides(), "training_step": training_step})
+    return cls
 
 
 def _tensor_bytes(tensors) -> int:
@@ -185,8 +194,9 @@ def _describe(index: int, kinds: list[str], warmup: int, record: dict[str, Any],
 def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str, state: dict[str, Any]) -> dict:
     import torch
 
-    from ..emit import build_sft_config, peft_config, quantization_config
+    from ..emit import quantization_config
     from ..modeling import placeholder_tokenizer, save_random_model
+    from ..trainers import get_trainer
     from . import meters
 
     heartbeat.beat()
@@ -194,6 +204,7 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     cuda = backend == "cuda"
     steps, warmup, budget = int(job["steps"]), int(job["warmup"]), job.get("memory_budget_bytes")
     workload, candidate = _rebuild(job)
+    kind = get_trainer(job.get("trainer", "sft"))
     spec = workload.model
     notes: list[str] = []
     sampler = ctx = None
@@ -215,11 +226,11 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     model_path = job.get("weights") or str(save_random_model(spec, jobdir / "model", candidate))
     heartbeat.beat()
     tokenizer = placeholder_tokenizer(spec)
-    train_dataset = workload.dataset.to_hf()
+    train_dataset = kind.train_dataset(workload)
     total = warmup + steps
     # measured=True: the base's simulated keys (loss, clipping, LoRA dropout, ...) reach the run, its hub and
     # reporting options do not; the probe's own steps replace max_steps
-    config = build_sft_config(
+    config = kind.build_config(
         candidate, workload, measured=True, output_dir=str(jobdir / "out"), use_cpu=not cuda, max_steps=total,
         report_to="none", save_strategy="no", logging_strategy="steps", logging_steps=total,
         train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True, seed=0,
@@ -229,9 +240,9 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     if not cuda:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         prof.__enter__()
-    trainer = _trainer_class(meter)(
+    trainer = _trainer_class(meter, kind)(
         model=model_path, args=config, train_dataset=train_dataset, processing_class=tokenizer,
-        peft_config=peft_config(candidate, spec), quantization_config=quantization_config(candidate),
+        peft_config=kind.peft_config(candidate, spec), quantization_config=quantization_config(candidate),
         callbacks=[_callback(meter)],
     )
     state["meter"] = meter

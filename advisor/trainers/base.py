@@ -1,0 +1,136 @@
+"""The trainer seam: what one TRL trainer declares, and the registry by name.
+
+A trainer is one module (`sft.py`, `dpo.py`, `reward.py`), the way TRL pairs `<name>_config.py` /
+`<name>_trainer.py` with `trl/scripts/<name>.py`. Everything the rest of the advisor does differently per trainer
+goes through the `Trainer` protocol: which TRL classes run, how a Candidate becomes their config, which rows make
+the worst batch and how the collator builds it, what the fake step must change on the trainer class (the hooks
+`advisor/_sim/fake_step.py` applies), which models besides the policy the step runs, and which `trl <command>`
+parses the emitted YAML. The private packages (`_sim`, `_search`) import this; this never imports them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    import datasets
+    import torch
+
+    from ..space import Candidate
+    from ..workload import GPUSpec, ModelSpec, Workload
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """One TRL trainer as the advisor measures and emits it."""
+
+    name: str  # the registry name: "sft", "dpo", "reward"
+    command: str  # `trl <command> --config FILE` parses what `run_config_dict` emits
+
+    # ---- TRL's classes --------------------------------------------------------------------------------------
+    def config_class(self) -> type: ...  # trl.SFTConfig, trl.DPOConfig, ...
+
+    def trainer_class(self) -> type: ...  # trl.SFTTrainer, trl.DPOTrainer, ...
+
+    def make_parser(self) -> Any: ...  # the TrlParser `trl <command>` builds (trl/scripts/<command>.py)
+
+    # ---- knobs, rules, config --------------------------------------------------------------------------------
+    def defaults(self) -> Candidate: ...  # what `<Config>()` gives with TRL 1.16
+
+    def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
+                 ) -> list[str]: ...  # every rule of this trainer the candidate breaks, with the fix
+
+    def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
+                      measured: bool = False) -> dict[str, Any]: ...  # every memory-relevant field, explicitly
+
+    def build_config(self, candidate: Candidate, workload: Workload | None = None, *, measured: bool = False,
+                     **overrides: Any) -> Any: ...
+
+    def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
+                        dataset_name: str | None = None) -> dict[str, Any]: ...  # the `trl <command>` YAML's keys
+
+    def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None: ...  # keys of others
+
+    # ---- the model --------------------------------------------------------------------------------------------
+    def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any: ...  # random weights
+
+    def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any: ...  # LoraConfig or None
+
+    # ---- data ------------------------------------------------------------------------------------------------
+    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> Any: ...
+    # None: the built-in synthetic set; else a local file / directory / hub id, prepared as this trainer does
+
+    def check_dataset(self, workload: Workload) -> None: ...  # the workload's data is what this trainer reads
+
+    def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]: ...  # the longest micro-batch
+
+    def train_dataset(self, workload: Workload, rows: list[dict] | None = None) -> datasets.Dataset: ...
+
+    def worst_batch(self, trainer: Any, batch_size: int) -> dict[str, torch.Tensor]: ...  # TRL's own collator
+
+    def labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...  # per position, -100 where untrained
+
+    # ---- the fake step's hooks (advisor/_sim/fake_step.py applies them) ---------------------------------------
+    def real_overrides(self) -> dict[str, Callable]: ...  # methods every advisor-built trainer class replaces
+    # (the probe's and the fake run's: e.g. DPO's dataset preparation of rows it prepared already)
+
+    def fake_overrides(self) -> dict[str, Callable]: ...  # methods the fake trainer class replaces
+
+    def construction(self, spec: ModelSpec, candidate: Candidate) -> contextlib.AbstractContextManager: ...
+
+    def extra_models(self, trainer: Any) -> list[torch.nn.Module]: ...  # run besides trainer.model (reference)
+
+    def before_train(self, trainer: Any) -> list[tuple[dict, Callable[[dict], None]]]: ...
+    # passes the real run makes before train() (DPO's precompute): each a real batch, built outside the fake mode,
+    # and what runs on it once it is lifted to fake tensors
+
+    def shadows_integers(self) -> bool: ...  # the step indexes by data-dependent masks (_sim/shadow.py)
+
+    def notes(self, candidate: Candidate) -> list[str]: ...  # what the Measurement's notes say of this trainer
+
+
+_REGISTRY: dict[str, Trainer] = {}
+
+
+def register(trainer: Trainer) -> Trainer:
+    """Add a trainer under its `name` (a module registers its own at import)."""
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"{trainer!r} does not implement advisor.trainers.Trainer")
+    _REGISTRY[trainer.name] = trainer
+    return trainer
+
+
+def names() -> tuple[str, ...]:
+    _load_builtin()
+    return tuple(_REGISTRY)
+
+
+def get_trainer(name: str | Trainer = "sft") -> Trainer:
+    """The registered trainer `name` ("sft", "dpo", "reward"); a Trainer is returned as is."""
+    if not isinstance(name, str):
+        return name
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError([f"trainer={name!r}: not a trainer the advisor knows; use one of {', '.join(_REGISTRY)}"],
+                          context="trainer") from None
+
+
+_BUILTIN = ("sft", "dpo", "reward")
+
+
+def _load_builtin() -> None:
+    import importlib
+
+    for name in _BUILTIN:  # each module registers its trainer at import
+        importlib.import_module(f"{__package__}.{name}")
+
+
+@contextlib.contextmanager
+def nothing() -> Iterator[None]:
+    yield

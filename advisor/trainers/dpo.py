@@ -1,0 +1,424 @@
+"""DPO: `trl.DPOTrainer` / `trl.DPOConfig`, parsed by `trl dpo`.
+
+DPO's memory is not SFT's: each micro-batch of B pairs runs 2B sequences (prompt + chosen and prompt + rejected,
+concatenated, padded to the longest, each truncated to `max_length`) through the policy, and through the
+reference under `no_grad`: a second copy of the weights (full fine-tuning), the policy itself with its adapters
+disabled (LoRA), or nothing during training with `precompute_ref_log_probs` (a no-grad pass over the data before
+training, `precompute_ref_batch_size` pairs at a time). The simulator runs DPOTrainer's own `_compute_loss`, the
+reference forward and the precompute pass included, on fake tensors. `padding_free` is accepted and, as TRL 1.16
+does, falls back to padding (DPOTrainer warns "temporarily unavailable").
+
+The DPO-only knobs live on `DPOKnobs`, carried in the Candidate's base under their DPOConfig names (so a
+Candidate carries them without a field of its own and a YAML reads back to the same candidate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+from .base import register
+from .preference import TOKEN_COLUMNS, PreferenceDataset, check_preference_rows
+
+if TYPE_CHECKING:
+    import datasets
+    import torch
+
+    from ..space import Candidate
+    from ..workload import GPUSpec, ModelSpec, Workload
+
+
+class Reference(str, Enum):
+    """How the reference model is held during training."""
+
+    SEPARATE_COPY = "separate_copy"  # full fine-tuning: a second model, loaded like the policy
+    ADAPTERS_DISABLED = "adapters_disabled"  # LoRA: the policy with its adapters disabled
+    PRECOMPUTED = "precomputed"  # precompute_ref_log_probs: log-probs computed before training, no model kept
+
+
+@dataclass(frozen=True)
+class DPOKnobs:
+    """DPOConfig's memory knobs that SFT has no name for."""
+
+    precompute_ref_log_probs: bool = False
+    precompute_ref_batch_size: int | None = None  # None: per_device_train_batch_size
+    sync_ref_model: bool = False  # TR-DPO: the separate copy is updated every ref_model_sync_steps
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("precompute_ref_log_probs", "sync_ref_model"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r}: must be true or false")
+        b = self.precompute_ref_batch_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            problems.append(f"precompute_ref_batch_size={b!r}: must be an integer >= 1 or None")
+        if problems:
+            raise ConfigError(problems, context="dpo")
+
+    @classmethod
+    def of(cls, candidate: Candidate) -> DPOKnobs:
+        b = candidate.base
+        return cls(**{f.name: b.get(f.name, f.default) for f in dataclasses.fields(cls)})
+
+    def apply(self, candidate: Candidate) -> Candidate:
+        """The candidate with these knobs in its base (defaults left out, so a plain candidate stays plain)."""
+        base = candidate.base.as_dict()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                base.pop(f.name, None)
+            else:
+                base[f.name] = value
+        return candidate.replace(base=base)
+
+    def reference(self, candidate: Candidate) -> Reference:
+        if candidate.use_lora:
+            return Reference.ADAPTERS_DISABLED
+        return Reference.PRECOMPUTED if self.precompute_ref_log_probs else Reference.SEPARATE_COPY
+
+    def precompute_batch(self, candidate: Candidate) -> int:
+        return self.precompute_ref_batch_size or candidate.per_device_train_batch_size
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def sft_only_keys() -> set[str]:
+    from trl import DPOConfig, SFTConfig
+
+    return _field_names(SFTConfig) - _field_names(DPOConfig)
+
+
+def dpo_only_keys() -> set[str]:
+    from trl import DPOConfig, SFTConfig
+
+    return _field_names(DPOConfig) - _field_names(SFTConfig)
+
+
+_KNOB_KEYS = {f.name for f in dataclasses.fields(DPOKnobs)}
+
+
+def prepared_as_is(self, dataset, processing_class, args, dataset_name):
+    """DPOTrainer._prepare_dataset for rows already prepared by it (advisor.trainers.preference): only its last
+    step, dropping pairs whose prompt alone fills `max_length` under `keep_start` truncation."""
+    if args.max_length is not None and args.truncation_mode == "keep_start":
+        return dataset.filter(lambda example: len(example["prompt_ids"]) < args.max_length)
+    return dataset
+
+
+class DPO:
+    """Direct preference optimisation on prompt / chosen / rejected pairs (preference.PreferenceDataset)."""
+
+    name = "dpo"
+    command = "dpo"
+
+    def config_class(self) -> type:
+        from trl import DPOConfig
+
+        return DPOConfig
+
+    def trainer_class(self) -> type:
+        from trl import DPOTrainer
+
+        return DPOTrainer
+
+    def make_parser(self) -> Any:
+        from trl.scripts.dpo import make_parser
+
+        return make_parser()
+
+    # ---- knobs, rules, config ------------------------------------------------------------------------------------
+    def defaults(self) -> Candidate:
+        from ..space import Candidate
+
+        return Candidate.trl_defaults()  # DPOConfig's memory defaults equal SFTConfig's (max_length 1024, bf16, ...)
+
+    def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
+                 ) -> list[str]:
+        """The shared rules (with SFT's packing / padding-free rules left out: DPO has neither rule), then DPO's."""
+        c = candidate
+        out = c.replace(packing=False, padding_free=False).problems(gpu, model)
+        if c.packing:
+            out.append("packing=True: `packing` is an SFT-only key (DPOConfig has no packing; DPOTrainer pads each "
+                       "batch of pairs); remove it")
+        try:
+            k = DPOKnobs.of(c)
+        except ConfigError as exc:
+            return out + exc.problems
+        if k.sync_ref_model and c.use_lora:
+            out.append("sync_ref_model=True with LoRA: DPOTrainer raises \"sync_ref_model=True while using a PEFT "
+                       "model ... not supported\"; set sync_ref_model: false")
+        if k.sync_ref_model and k.precompute_ref_log_probs:
+            out.append("sync_ref_model=True with precompute_ref_log_probs=True: DPOTrainer raises \"You cannot use "
+                       "sync_ref_model=True together with precompute_ref_log_probs=True\"; choose one")
+        return out
+
+    def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
+                      measured: bool = False) -> dict[str, Any]:
+        """Every memory-relevant DPOConfig field, explicitly; then the base's DPOConfig keys (`measured`: only those
+        that reach a measured run: TRL's simulated keys and DPO's loss keys, which the simulator runs as written)."""
+        from ..emit import KEY_USES, KeyUse, model_init_kwargs
+        from ..space import CHECKPOINT_EXTRA, Precision
+
+        c = candidate
+        k = DPOKnobs.of(c)
+        sampling = "group_by_length" if c.group_by_length else c.base.get("train_sampling_strategy", "random")
+        out: dict[str, Any] = {
+            "max_length": c.max_length,
+            "truncation_mode": "keep_start",
+            "padding_free": c.padding_free,
+            "pad_to_multiple_of": c.pad_to_multiple_of,
+            "per_device_train_batch_size": c.per_device_train_batch_size,
+            "gradient_accumulation_steps": c.gradient_accumulation_steps,
+            "activation_checkpointing": c.activation_checkpointing,
+            "activation_checkpointing_kwargs": c.checkpointing_kwargs,
+            "activation_offloading": c.activation_offloading,
+            "optim": c.optim.value,
+            "bf16": c.precision is Precision.BF16,
+            "fp16": c.precision is Precision.FP16,
+            "train_sampling_strategy": sampling,
+            "use_liger_kernel": False,
+            "precompute_ref_log_probs": k.precompute_ref_log_probs,
+            "precompute_ref_batch_size": k.precompute_ref_batch_size,
+            "sync_ref_model": k.sync_ref_model,
+            "model_init_kwargs": model_init_kwargs(c, measured=measured),
+        }
+        fields = _field_names(self.config_class())
+        dpo_only = dpo_only_keys()
+        for key, value in c.base.as_dict().items():
+            if key in _KNOB_KEYS or key in ("env", CHECKPOINT_EXTRA, "model_init_kwargs") or key not in fields:
+                continue
+            if measured and not (key in dpo_only or KEY_USES.get(key) is KeyUse.SIMULATED):
+                continue
+            out[key] = value
+        return out
+
+    def build_config(self, candidate: Candidate, workload: Workload | None = None, *, measured: bool = False,
+                     **overrides: Any) -> Any:
+        from trl import DPOConfig
+
+        kwargs = self.config_kwargs(candidate, workload, measured=measured)
+        kwargs["output_dir"] = overrides.pop("output_dir", kwargs.get("output_dir", "advisor-dpo"))
+        kwargs.update(overrides)
+        return DPOConfig(**kwargs)
+
+    def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
+                        dataset_name: str | None = None) -> dict[str, Any]:
+        """The keys `trl dpo --config FILE` accepts: ScriptArguments, DPOConfig and ModelConfig, and `env:`."""
+        from trl import DPOConfig
+
+        from ..emit import run_config_dict, trl_fields
+
+        shared = run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name)
+        owners = trl_fields()
+        config_fields = _field_names(DPOConfig)
+        head = {k: v for k, v in shared.items() if k in ("model_name_or_path", "dataset_name")}
+        script = {k: v for k, v in shared.items() if k not in head and k in owners and k not in config_fields
+                  and owners[k][0].__name__ in ("ScriptArguments", "DatasetMixtureConfig")}
+        model = {k: v for k, v in shared.items() if k in owners and owners[k][0].__name__ == "ModelConfig"}
+        kw = self.config_kwargs(candidate)
+        init = kw.pop("model_init_kwargs")  # trl dpo builds it from ModelConfig's dtype / attn_implementation
+        out = {**head, **script, "output_dir": candidate.base.get("output_dir", "advisor-dpo"), **kw}
+        extra_init = {k: v for k, v in init.items() if k not in ("dtype", "attn_implementation")}
+        if extra_init:
+            out["model_init_kwargs"] = extra_init
+        out.update(model)
+        if "env" in shared:
+            out["env"] = shared["env"]
+        return out
+
+    def to_yaml(self, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None
+                ) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.run_config_dict(candidate, model_name_or_path=model_name_or_path,
+                                                   dataset_name=dataset_name), sort_keys=False)
+
+    def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
+        """An SFT-only key in a DPO config is refused by name (`trl dpo` would pass it on silently)."""
+        bad = sorted(k for k in data if k in sft_only_keys())
+        if bad:
+            raise ConfigError([f"{k}={data[k]!r}: an SFT-only key (DPOConfig has no {k!r}); remove it from the DPO "
+                               "config" for k in bad], context=source)
+
+    def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
+        """A `trl dpo` config read into a Candidate: the shared keys as advisor.emit reads them, DPO's own keys
+        in the base (DPOKnobs among them)."""
+        from ..emit import candidate_from_run_dict
+
+        self.check_run_keys(data, source=source)
+        dpo_only = dpo_only_keys()
+        shared = {k: v for k, v in data.items() if k not in dpo_only}
+        own = {k: v for k, v in data.items() if k in dpo_only}
+        cand = candidate_from_run_dict(shared, source=source)
+        if cand.base.get("output_dir") == "advisor-dpo":
+            base = cand.base.as_dict()
+            base.pop("output_dir")
+            cand = cand.replace(base=base)
+        cand = cand.replace(base={**cand.base.as_dict(), **own})
+        try:
+            knobs = DPOKnobs.of(cand)
+        except ConfigError as exc:
+            raise ConfigError(exc.problems, context=source) from None
+        return knobs.apply(cand)
+
+    # ---- the model -------------------------------------------------------------------------------------------------
+    def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
+        from ..modeling import build_model
+
+        return build_model(spec, candidate, device=device)
+
+    def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any:
+        from ..emit import peft_config
+
+        return peft_config(candidate, spec)
+
+    # ---- data ----------------------------------------------------------------------------------------------------
+    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> PreferenceDataset:
+        from .preference import load_preferences
+
+        return load_preferences(spec, model, tokenizer, trainer="dpo")
+
+    def check_dataset(self, workload: Workload) -> None:
+        data = workload.dataset
+        if not isinstance(data, PreferenceDataset):
+            check_preference_rows(list(data.rows[:1]), data.name, self.name)
+
+    def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]:
+        """The pairs of the longest micro-batch (enough for the precompute pass's batch too): the longest of
+        prompt + chosen and prompt + rejected after truncation, among the pairs TRL keeps."""
+        import numpy as np
+
+        data: PreferenceDataset = workload.dataset
+        cap = candidate.max_length
+        n = max(candidate.per_device_train_batch_size, DPOKnobs.of(candidate).precompute_batch(candidate))
+        kept = data.kept(cap)
+        longest = data.lengths[kept]
+        if cap:
+            longest = np.minimum(longest, cap)
+        order = [int(kept[i]) for i in np.argsort(-longest, kind="stable")[:n]]
+        return [data.rows[i] for i in order]
+
+    def train_dataset(self, workload: Workload, rows: list[dict] | None = None) -> datasets.Dataset:
+        return workload.dataset.to_hf(rows)
+
+    def worst_batch(self, trainer: Any, batch_size: int) -> dict[str, torch.Tensor]:
+        """The B pairs that pad longest (their longer sequence, truncated), through TRL's own collator."""
+        return trainer.data_collator(_longest_pairs(trainer.train_dataset, batch_size, trainer.args.max_length))
+
+    def labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """As DPOTrainer._compute_loss builds them: the completion tokens of chosen and rejected."""
+        return batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+
+    # ---- the fake step's hooks -------------------------------------------------------------------------------------
+    def real_overrides(self) -> dict[str, Callable]:
+        return {"_prepare_dataset": prepared_as_is}
+
+    def fake_overrides(self) -> dict[str, Callable]:
+        def create_accelerator_and_postprocess(self):
+            type(self).__mro__[1].create_accelerator_and_postprocess(self)
+            # the reference is prepared in __init__ (accelerator.prepare_model): its meta weights cannot be moved
+            self.accelerator.device_placement = False
+
+        def _precompute_ref_logps(self, dataset, name, batch_size):
+            # Deferred to the fake run (DPO.before_train): the weights are meta here. The columns TRL adds are added
+            # with the values' type, so the collator builds the same batch.
+            self._advisor_precompute = (dataset, batch_size)
+            n = len(dataset)
+            return dataset.add_column("ref_chosen_logps", [0.0] * n).add_column("ref_rejected_logps", [0.0] * n)
+
+        return {
+            "create_accelerator_and_postprocess": create_accelerator_and_postprocess,
+            "_precompute_ref_logps": _precompute_ref_logps,
+        }
+
+    def construction(self, spec: ModelSpec, candidate: Candidate) -> contextlib.AbstractContextManager:
+        return _meta_construction(spec, candidate)
+
+    def extra_models(self, trainer: Any) -> list:
+        return [trainer.ref_model] if getattr(trainer, "ref_model", None) is not None else []
+
+    def before_train(self, trainer: Any) -> list[tuple[dict, Callable[[dict], None]]]:
+        """DPOTrainer's precompute pass (`_precompute_ref_logps`, run by its __init__ before training): the no-grad
+        reference forward of its longest batch of `precompute_ref_batch_size` pairs, the log-probs moved to the
+        host and concatenated. Its other batches are no longer and are freed in turn (the notes say so)."""
+        pending = getattr(trainer, "_advisor_precompute", None)
+        if pending is None:
+            return []
+        trainer._advisor_precompute = None
+        dataset, batch_size = pending
+        real = trainer.data_collator(_longest_pairs(dataset, batch_size, trainer.args.max_length))
+
+        def run(batch: dict) -> None:
+            import torch
+
+            model = trainer.ref_model or trainer.model
+            chosen, rejected = trainer.compute_ref_log_probs(model, batch)
+            kept = [(chosen.cpu(), rejected.cpu())]
+            torch.cat([c for c, _ in kept]), torch.cat([r for _, r in kept])
+
+        return [(real, run)]
+
+    def shadows_integers(self) -> bool:
+        return True
+
+    def notes(self, candidate: Candidate) -> list[str]:
+        k = DPOKnobs.of(candidate)
+        ref = k.reference(candidate)
+        out = [f"dpo: DPOTrainer's own step on fake tensors (2B sequences a micro-batch of B pairs); the reference: "
+               f"{ref.value.replace('_', ' ')}; time: the worst batch's step (the batch distribution is modelled "
+               "for SFT)"]
+        if ref is Reference.PRECOMPUTED:
+            out.append(f"precompute_ref_log_probs: TRL's precompute pass simulated on its longest batch of "
+                       f"{k.precompute_batch(candidate)} pairs (the others are no longer and are freed in turn)")
+        if candidate.padding_free:
+            out.append("padding_free=True: DPOTrainer 1.16 warns and falls back to padding; simulated as it runs")
+        return out
+
+
+def _longest_pairs(dataset: Any, n: int, max_length: int | None) -> list[dict]:
+    lengths = [max(len(p) + len(c), len(p) + len(r)) for p, c, r in
+               zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"], strict=True)]
+    if max_length:
+        lengths = [min(x, max_length) for x in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:n]
+    keep = (*TOKEN_COLUMNS, "ref_chosen_logps", "ref_rejected_logps")
+    return [{k: v for k, v in dataset[i].items() if k in keep} for i in order]
+
+
+@contextlib.contextmanager
+def _meta_construction(spec: ModelSpec, candidate: Candidate) -> Iterator[None]:
+    """DPOTrainer.__init__ on a meta policy: its reference is built as TRL builds it (`create_model_from_path`
+    with the policy's dtype and attention implementation), on meta; `hash_module` (the precompute cache's key)
+    cannot read meta weights."""
+    import torch
+    import trl.trainer.dpo_trainer as dt
+
+    from ..modeling import build_model
+    from ..space import WeightsDtype
+
+    def reference(model_id: str, architecture: Any = None, **kwargs: Any):
+        dtype = kwargs.get("dtype", "float32")
+        name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype)
+        changes: dict[str, Any] = {"weights_dtype": WeightsDtype(name)}
+        attn = kwargs.get("attn_implementation")
+        if attn is not None:
+            changes["attn_implementation"] = attn
+        return build_model(spec, candidate.replace(**changes), device="meta")
+
+    saved = (dt.create_model_from_path, dt.hash_module)
+    dt.create_model_from_path = reference
+    dt.hash_module = lambda module: "advisor-meta"
+    try:
+        yield
+    finally:
+        dt.create_model_from_path, dt.hash_module = saved
+
+
+DPO_TRAINER = register(DPO())

@@ -1,0 +1,218 @@
+"""Preference data (prompt / chosen / rejected) as DPOTrainer and RewardTrainer prepare it, and the built-in
+synthetic preference set.
+
+`load_preferences` reads a local .jsonl / .json / .parquet file (or a datasets directory / hub id, through
+advisor.data's readers) and tokenizes it with TRL's own `DPOTrainer._prepare_dataset` (`max_length=None`): plain
+or conversational, explicit or implicit prompt, exactly as TRL reads them. An SFT dataset (messages, prompt /
+completion, text) is refused naming the missing columns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from ..errors import ConfigError, DatasetError
+
+if TYPE_CHECKING:
+    import datasets
+
+    from ..workload import ModelSpec
+
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
+TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+# The synthetic preference set: prompt + chosen log-normal in length (median ~300 tokens, as the synthetic chat
+# set), the prompt 20-60% of it, the rejected completion the chosen one's length times a log-normal factor
+# (sigma 0.35), every sequence clipped to [16, 8192]. Documented in README.md.
+SYNTHETIC_PAIRS = 2048
+SYNTHETIC_SEED = 0
+SYNTHETIC_MEDIAN = 300
+SYNTHETIC_SIGMA = 0.75
+SYNTHETIC_REJECTED_SIGMA = 0.35
+SYNTHETIC_MIN, SYNTHETIC_MAX = 16, 8192
+
+
+@dataclass(frozen=True, eq=False)
+class PreferenceDataset:
+    """Pairs as DPOTrainer's prepared dataset holds them: `prompt_ids`, `chosen_ids`, `rejected_ids` per row."""
+
+    name: str
+    source: Literal["synthetic", "local", "hub"]
+    rows: tuple[dict[str, list[int]], ...]
+    dataset_name: str | None = None
+    notes: tuple[str, ...] = ()
+    conversational: bool | None = None
+    prompt_lengths: np.ndarray = field(init=False, repr=False)
+    chosen_lengths: np.ndarray = field(init=False, repr=False)  # prompt + chosen
+    rejected_lengths: np.ndarray = field(init=False, repr=False)  # prompt + rejected
+
+    def __post_init__(self) -> None:
+        p = np.array([len(r["prompt_ids"]) for r in self.rows], dtype=np.int64)
+        object.__setattr__(self, "prompt_lengths", p)
+        object.__setattr__(self, "chosen_lengths", p + np.array([len(r["chosen_ids"]) for r in self.rows],
+                                                                dtype=np.int64))
+        object.__setattr__(self, "rejected_lengths", p + np.array([len(r["rejected_ids"]) for r in self.rows],
+                                                                  dtype=np.int64))
+
+    # what a Workload reads of its dataset
+    completion_only_loss = True
+    population = None
+    bad_rows: tuple = ()
+
+    @property
+    def synthetic(self) -> bool:
+        return self.source == "synthetic"
+
+    @property
+    def sampled(self) -> bool:
+        return False
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """The longer sequence of each pair (prompt + chosen or prompt + rejected): what the collator pads to."""
+        return np.maximum(self.chosen_lengths, self.rejected_lengths)
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        h.update(b"preference:" + self.name.encode())
+        for a in (self.prompt_lengths, self.chosen_lengths, self.rejected_lengths):
+            h.update(a.tobytes())
+        return h.hexdigest()[:16]
+
+    def kept(self, max_length: int | None) -> np.ndarray:
+        """Indices of the pairs TRL keeps: with `keep_start` truncation, a prompt that fills `max_length` is dropped
+        (DPOTrainer._prepare_dataset)."""
+        if max_length is None:
+            return np.arange(len(self.rows))
+        return np.flatnonzero(self.prompt_lengths < max_length)
+
+    def truncated_fraction(self, max_length: int | None) -> tuple[float, float]:
+        """Shares of the chosen and of the rejected completion tokens that `max_length` cuts off (kept pairs)."""
+        if max_length is None:
+            return 0.0, 0.0
+        keep = self.kept(max_length)
+        p = self.prompt_lengths[keep]
+        out = []
+        for full in (self.chosen_lengths[keep], self.rejected_lengths[keep]):
+            total = float((full - p).sum())
+            lost = float((full - np.minimum(full, max_length)).sum())
+            out.append(lost / total if total else 0.0)
+        return out[0], out[1]
+
+    def to_hf(self, rows: Sequence[dict[str, Any]] | None = None) -> datasets.Dataset:
+        import datasets
+
+        rows = list(self.rows if rows is None else rows)
+        return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in TOKEN_COLUMNS})
+
+
+def synthetic_preferences(vocab_size: int, rows: int = SYNTHETIC_PAIRS, seed: int = SYNTHETIC_SEED,
+                          median: int = SYNTHETIC_MEDIAN, max_len: int = SYNTHETIC_MAX) -> PreferenceDataset:
+    """The built-in preference set: seeded token ids, a shared prompt, two completions of different lengths."""
+    rng = np.random.default_rng(seed)
+    chosen = np.clip(np.rint(rng.lognormal(math.log(median), SYNTHETIC_SIGMA, size=rows)), SYNTHETIC_MIN,
+                     max_len).astype(np.int64)
+    share = rng.uniform(0.2, 0.6, size=rows)
+    factor = rng.lognormal(0.0, SYNTHETIC_REJECTED_SIGMA, size=rows)
+    low = min(10, vocab_size - 1)
+    out = []
+    for n, s, f in zip(chosen, share, factor, strict=True):
+        n_prompt = max(1, int(n * s))
+        n_chosen = max(1, int(n) - n_prompt)
+        n_rejected = int(np.clip(round(n_chosen * f), 1, max(1, max_len - n_prompt)))
+        out.append({
+            "prompt_ids": rng.integers(low, vocab_size, size=n_prompt).tolist(),
+            "chosen_ids": rng.integers(low, vocab_size, size=n_chosen).tolist(),
+            "rejected_ids": rng.integers(low, vocab_size, size=n_rejected).tolist(),
+        })
+    return PreferenceDataset(
+        name=f"synthetic-preferences(pairs={rows},seed={seed},median={median})",
+        source="synthetic",
+        rows=tuple(out),
+        notes=("synthetic preference data: no dataset was given; lengths are log-normal, see README",),
+    )
+
+
+def missing_columns(row: Any) -> list[str]:
+    """The preference columns a row lacks (an implicit prompt inside chosen/rejected is TRL's too)."""
+    if not isinstance(row, dict):
+        return list(PREFERENCE_COLUMNS)
+    if all(row.get(c) is not None for c in TOKEN_COLUMNS):
+        return []
+    return [c for c in ("chosen", "rejected") if row.get(c) is None]
+
+
+def check_preference_rows(rows: Sequence[Any], label: str, trainer: str = "dpo") -> None:
+    """ConfigError naming the missing columns when the data is not preference data (e.g. an SFT dataset)."""
+    first = rows[0] if len(rows) else {}
+    missing = missing_columns(first)
+    if missing:
+        have = sorted(first) if isinstance(first, dict) else type(first).__name__
+        raise ConfigError(
+            [f"dataset={label}: the {trainer} trainer reads preference data, and the rows lack the column(s) "
+             f"{', '.join(repr(c) for c in missing)} (row 0 has {have}); give prompt/chosen/rejected rows "
+             "(plain or conversational), or use trainer='sft' for this dataset"],
+            context=f"trainer={trainer}",
+        )
+
+
+def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None = None,
+                     trainer: str = "dpo") -> PreferenceDataset:
+    """None: the synthetic set. Else the file / directory / hub id, tokenized by DPOTrainer's own preparation."""
+    if spec is None:
+        return synthetic_preferences(model.vocab_size)
+    from ..data import _read_raw, load_tokenizer
+
+    raw = _read_raw(spec)
+    rows = [raw.rows[i] for i in range(len(raw.rows))]
+    check_preference_rows(rows, raw.label, trainer)
+    if all(rows[0].get(c) is not None for c in TOKEN_COLUMNS):
+        prepared = [{c: list(r[c]) for c in TOKEN_COLUMNS} for r in rows]
+        return PreferenceDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
+                                 dataset_name=spec if raw.source == "hub" else None)
+    tok = load_tokenizer(tokenizer, model)
+    prepared, conversational = prepare_with_trl(rows, tok, spec)
+    return PreferenceDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
+                             dataset_name=spec if raw.source == "hub" else None, conversational=conversational)
+
+
+def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[list[dict[str, list[int]]], bool]:
+    """DPOTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`."""
+    import tempfile
+    import types
+    import warnings
+
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+    from trl.data_utils import is_conversational
+
+    keep = [c for c in (*PREFERENCE_COLUMNS, "tools", "chat_template_kwargs") if any(c in r for r in rows)]
+    try:
+        hf = datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in keep})
+    except Exception as exc:  # pyarrow cannot unify the rows' types
+        raise DatasetError(f"--dataset {spec}: rows of mixed types in one field ({exc})") from exc
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        args = DPOConfig(output_dir=tempfile.gettempdir(), max_length=None, use_cpu=True, report_to="none")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    trainer_like = types.SimpleNamespace(_tokenizer=tok)
+    from ..data import progress_bars
+
+    try:
+        with progress_bars(False):
+            prepared = DPOTrainer._prepare_dataset(trainer_like, hf, tok, args, "train")
+    except Exception as exc:  # TRL/transformers raise ValueError, TemplateError, KeyError...
+        raise DatasetError(
+            f"--dataset {spec}: TRL could not tokenize it ({str(exc).strip().splitlines()[0] if str(exc) else exc}); "
+            "a conversational dataset needs a tokenizer with a chat template (--tokenizer PATH)"
+        ) from exc
+    out = [{c: list(prepared[i][c]) for c in TOKEN_COLUMNS} for i in range(len(prepared))]
+    return out, bool(is_conversational(hf[0]))

@@ -1,0 +1,166 @@
+"""SFT: `trl.SFTTrainer` / `trl.SFTConfig`, parsed by `trl sft`. The first implementation of the trainer seam.
+
+The SFT-specific parts of the simulator, the probe and the data loader live here: the rows that make the worst
+batch (packed rows when packing), the pre-tokenized dataset SFTTrainer takes as is, TRL's own collator on the
+longest prepared rows. The config itself is `advisor.emit`'s (SFTConfig kwargs, the `trl sft` YAML).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .base import register
+
+if TYPE_CHECKING:
+    import datasets
+    import torch
+
+    from ..space import Candidate
+    from ..workload import GPUSpec, ModelSpec, Workload
+
+
+class SFT:
+    """Supervised fine-tuning on prompt/completion, conversational or text data (advisor.data.TokenizedDataset)."""
+
+    name = "sft"
+    command = "sft"
+
+    def config_class(self) -> type:
+        from trl import SFTConfig
+
+        return SFTConfig
+
+    def trainer_class(self) -> type:
+        from trl import SFTTrainer
+
+        return SFTTrainer
+
+    def make_parser(self) -> Any:
+        from trl.scripts.sft import make_parser
+
+        return make_parser()
+
+    # ---- knobs, rules, config ------------------------------------------------------------------------------------
+    def defaults(self) -> Candidate:
+        from ..space import Candidate
+
+        return Candidate.trl_defaults()
+
+    def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
+                 ) -> list[str]:
+        return candidate.problems(gpu, model)
+
+    def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
+                      measured: bool = False) -> dict[str, Any]:
+        from ..emit import sft_config_kwargs
+
+        return sft_config_kwargs(candidate, workload, measured=measured)
+
+    def build_config(self, candidate: Candidate, workload: Workload | None = None, *, measured: bool = False,
+                     **overrides: Any) -> Any:
+        from ..emit import build_sft_config
+
+        return build_sft_config(candidate, workload, measured=measured, **overrides)
+
+    def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
+                        dataset_name: str | None = None) -> dict[str, Any]:
+        from ..emit import run_config_dict
+
+        return run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name)
+
+    def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
+        return None  # advisor.emit.candidate_from_run_dict checks every SFT key itself
+
+    # ---- the model -------------------------------------------------------------------------------------------------
+    def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
+        from ..modeling import build_model
+
+        return build_model(spec, candidate, device=device)
+
+    def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any:
+        from ..emit import peft_config
+
+        return peft_config(candidate, spec)
+
+    # ---- data ----------------------------------------------------------------------------------------------------
+    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> Any:
+        from ..data import load_dataset
+
+        return load_dataset(spec, model, tokenizer=tokenizer)
+
+    def check_dataset(self, workload: Workload) -> None:
+        from ..data import TokenizedDataset
+        from ..errors import ConfigError
+
+        if not isinstance(workload.dataset, TokenizedDataset):
+            raise ConfigError([f"dataset={workload.dataset.name}: preference data (prompt/chosen/rejected) given to "
+                               "the SFT trainer; use trainer='dpo' or 'reward', or give SFT data"], context="sft")
+
+    def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]:
+        """Enough of the longest rows to fill one micro-batch (packed rows when packing).
+
+        Rows whose trained tokens all fall past `max_length` are skipped: TRL drops them as fully masked.
+        """
+        import numpy as np
+
+        b = candidate.per_device_train_batch_size
+        data = workload.dataset
+        cap = candidate.max_length
+        kept = np.flatnonzero(data.trained_after_truncation(cap) > 0) if data.completion_only_loss else np.arange(
+            len(data.rows))
+        lengths = np.minimum(data.lengths[kept], cap) if cap else data.lengths[kept]
+        order = [int(kept[i]) for i in np.argsort(-lengths, kind="stable")]
+        if not candidate.packing or not cap:
+            return [data.rows[i] for i in order[:b]]
+        need = b * cap
+        rows, total = [], 0
+        for i in order:
+            rows.append(data.rows[i])
+            total += min(len(data.rows[i]["input_ids"]), cap)
+            if total >= need + cap:
+                break
+        return rows
+
+    def train_dataset(self, workload: Workload, rows: list[dict] | None = None) -> datasets.Dataset:
+        return workload.dataset.to_hf(rows)
+
+    def worst_batch(self, trainer: Any, batch_size: int) -> dict[str, torch.Tensor]:
+        """The batch that needs the most memory: the longest prepared (packed, truncated) rows, TRL's own collator."""
+        ds = trainer.train_dataset
+        lengths = [len(x) for x in ds["input_ids"]]
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:batch_size]
+        rows = [ds[i] for i in order]
+        keep = set(getattr(trainer, "_signature_columns", None) or ()) | {"input_ids", "completion_mask",
+                                                                          "seq_lengths"}
+        rows = [{k: v for k, v in r.items() if k in keep} for r in rows]
+        return trainer.data_collator(rows)
+
+    def labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["labels"]
+
+    # ---- the fake step's hooks -------------------------------------------------------------------------------------
+    def real_overrides(self) -> dict[str, Callable]:
+        return {}
+
+    def fake_overrides(self) -> dict[str, Callable]:
+        return {}
+
+    def construction(self, spec: ModelSpec, candidate: Candidate) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def extra_models(self, trainer: Any) -> list:
+        return []
+
+    def before_train(self, trainer: Any) -> list:
+        return []
+
+    def shadows_integers(self) -> bool:
+        return False
+
+    def notes(self, candidate: Candidate) -> list[str]:
+        return []
+
+
+SFT_TRAINER = register(SFT())
