@@ -496,7 +496,7 @@ def _modelled_adjustments(
     adj = _Adjustment(step_time_s=step_time)
     params = Category.PARAMETERS.value
     if candidate.quantization is not Quantization.NONE:
-        from .estimate import architecture, quantized_linear_bytes
+        from .estimator import architecture, quantized_linear_bytes
 
         arch = architecture(model)
         n = arch.decoder_linear
