@@ -5,8 +5,6 @@ Heavy modules (torch, transformers, trl, optuna) load only when a function that 
 
 from __future__ import annotations
 
-import sys
-import types
 from importlib import import_module
 from typing import Any
 
@@ -29,9 +27,11 @@ _EXPORTS = {
     "RunConfig": "emit", "load_run_config": "emit",
     # functions
     "resolve_model": "profiles", "resolve_gpu": "profiles",
-    "estimate": "estimate",
-    "simulate": "simulate",
-    "probe": "probe",
+    # the modules are named apart from their functions (estimator.py holds estimate, simulator.py simulate,
+    # probing/ probe): a submodule import binds the module on the package and would shadow a function of its name
+    "estimate": "estimator",
+    "simulate": "simulator",
+    "probe": "probing",
     "suggest": "search",
     "register_backend": "backends", "backend_names": "backends",
     "length_report": "lengths",
@@ -54,19 +54,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
-
-
-class _Package(types.ModuleType):
-    """`advisor.simulate`, `advisor.estimate` and `advisor.probe` are functions that share their module's name.
-
-    Importing a submodule binds it on the package (`advisor.simulate = <module>`), which would shadow the
-    public function; the public name wins, and the module stays reachable through `sys.modules`.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name, "").split(".")[0] == name:
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -59,20 +59,20 @@ class FunctionBackend:
 
 
 def _estimate(workload: Workload, candidate: Candidate) -> Measurement:
-    from .estimate import estimate
+    from .estimator import estimate
 
     return estimate(workload, candidate)
 
 
 def _simulate(workload: Workload, candidate: Candidate) -> Measurement:
-    from .simulate import simulate
+    from .simulator import simulate
 
     return simulate(workload, candidate)
 
 
 def _probe(kind: str) -> Measure:
     def run(workload: Workload, candidate: Candidate) -> Measurement:
-        from .probe import probe
+        from .probing import probe
 
         # A real probe enforces the limit as a hard cap, so an over-budget candidate really OOMs.
         return probe(workload, candidate, backend=kind, memory_budget_bytes=workload.limit_bytes)

@@ -37,9 +37,6 @@ class Baseline:
     config_path: str | None = None
     schema_version: int = SCHEMA_VERSION
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "backend", str(getattr(self.backend, "value", self.backend)))
-
     def totals(self) -> dict[str, int | None]:
         return {"peak_bytes": self.peak_bytes, "reserved_bytes": self.reserved_bytes,
                 "device_bytes": self.device_bytes}

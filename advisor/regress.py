@@ -147,15 +147,10 @@ def measure(workload: Workload, candidate: Candidate, backend: str = DEFAULT_BAC
     rules first (exit 2 if broken), and an unknown backend name is a UsageError naming --backend."""
     from .backends import check_usable
 
-    be = check_usable(_name(backend))
+    be = check_usable(backend)
     candidate = candidate.for_model(workload.model)  # the run's own defaults for attention and LoRA targets
     candidate.check(workload.gpu, workload.model)
     return be.measure(workload, candidate)
-
-
-def _name(backend: Any) -> str:
-    """A backend's name; an Enum member (the removed regress.Backend's kind) gives its value."""
-    return str(getattr(backend, "value", backend))
 
 
 def parse_tolerance(value: str | float) -> float:
@@ -183,7 +178,7 @@ def record_baseline(
     """Measure once and keep everything `check` needs. `ref` names the workload as the user gave it."""
     from .backends import check_baselinable
 
-    backend = check_baselinable(_name(backend)).name
+    backend = check_baselinable(backend).name
     m = measure(workload, candidate, backend)
     if not m.ok or m.peak_bytes is None:
         raise ConfigError(
@@ -244,7 +239,7 @@ def version_changes(was: dict[str, str], now: dict[str, str], backend: str) -> t
     (+cpu, +cu128) is ignored for it."""
     from .backends import source_of
 
-    predicted = not source_of(_name(backend)).is_run
+    predicted = not source_of(backend).is_run
 
     def same(a: str | None, b: str | None) -> bool:
         if predicted and a and b:

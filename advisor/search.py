@@ -264,7 +264,7 @@ class _Study:
         if self.backend.name == "estimate":
             return self.backend.measure  # the backend itself: its numbers seed and order the queue
         try:
-            from .estimate import estimate
+            from .estimator import estimate
         except ImportError:
             return None
         return estimate

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from advisor.data import synthetic
     from advisor.profiles import resolve_gpu, resolve_model
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
     from advisor.space import Candidate
     from advisor.workload import Workload
 

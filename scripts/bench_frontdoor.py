@@ -151,7 +151,7 @@ def _warm_child(conn) -> None:
     import transformers  # noqa: F401
     import trl  # noqa: F401
 
-    import advisor.simulate  # noqa: F401
+    import advisor.simulator  # noqa: F401
 
     conn.send("ready")
     conn.close()
@@ -164,7 +164,7 @@ def starts(method: str, n: int) -> None:
 
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "transformers", "trl", "advisor.simulate"])
+        ctx.set_forkserver_preload(["torch", "transformers", "trl", "advisor.simulator"])
 
     def start_ready(k: int) -> float:
         t0, pairs = time.perf_counter(), []
@@ -300,7 +300,7 @@ def grid_best(model: str, gpu: str, method, memo_path: Path, budget_s: float, jo
     from advisor._search.ledger import candidate_key, device_bytes, feasible
     from advisor._search.pool import open_pool
     from advisor._search.space import RowTokens, default_tokens_per_step
-    from advisor.estimate import estimate
+    from advisor.estimator import estimate
     from advisor.workload import Goals, build_workload
 
     wl = build_workload(model, gpu=gpu, goals=Goals())

@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 
 from advisor import search
-from advisor._search.ledger import candidate_key, feasible
+from advisor._search.ledger import candidate_key
 from advisor._search.space import RowTokens, default_tokens_per_step, with_accumulation
 from advisor.errors import NoFitError
+from advisor.inputs import build_workload
 from advisor.measurement import Measurement
 from advisor.space import Candidate
-from advisor.workload import Goals, build_workload
+from advisor.workload import Goals
 
 # Free: micro-batch, max_length, packing and its strategy, padding-free, checkpointing (full/selective), the
 # four optimizers of a CUDA target. On the synthetic set with the 1% truncation limit that is 216 valid
@@ -84,7 +85,7 @@ def finder(memo: Memo, wl, sizes, asked) -> tuple[Candidate | None, float | None
         if c is None:
             continue
         m = memo.measure(wl, c, asked)
-        if feasible(m, wl.limit_bytes):
+        if m.feasible(wl.limit_bytes):
             best = (c, m.tokens_per_second)
             if sizes[0] > sizes[-1]:
                 break  # x0.9 from the top: the first that fits
@@ -117,7 +118,7 @@ def bench(gpu: str, backend: str, share: float, memo_path: Path | None) -> list[
         row("search", None, budget, 0.0, grid_tps, grid_n)
     asked: dict[str, float] = {}
     m = memo.measure(wl, Candidate.trl_defaults(), asked)
-    row("TRL defaults (8x1, len 1024)", m.tokens_per_second if feasible(m, wl.limit_bytes) else None, 1,
+    row("TRL defaults (8x1, len 1024)", m.tokens_per_second if m.feasible(wl.limit_bytes) else None, 1,
         sum(asked.values()), grid_tps, grid_n)
     for name, sizes in (("x0.9-on-OOM finder", _x09(64)), ("power-of-two finder", [1, 2, 4, 8, 16, 32, 64])):
         asked = {}

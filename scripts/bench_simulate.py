@@ -40,7 +40,7 @@ def _workload(a: argparse.Namespace):
 
 
 def _time_simulations(a: argparse.Namespace) -> dict:
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     spec, rows, wl, cand = _workload(a)
     simulate(wl, cand, layers=(2, 3))  # warm imports and caches once

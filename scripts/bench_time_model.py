@@ -43,8 +43,8 @@ def _workload(model: str, gpu: str, rows: int = 256):
 
 
 def reference(rows: list[dict]) -> None:
-    from advisor.estimate import estimate
-    from advisor.simulate import simulate
+    from advisor.estimator import estimate
+    from advisor.simulator import simulate
     from advisor.space import Candidate
 
     for model, method, fields in WORKLOADS:
@@ -102,7 +102,7 @@ def predicted_probe_step_s(m, kinds: list[str]) -> float:
 
 
 def compare(rows: list[dict]) -> None:
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
     from advisor.space import Candidate
 
     found = measured_rows()
@@ -148,7 +148,7 @@ def calibrate() -> dict:
     import numpy as np
 
     from advisor._sim.timing import _TERMS, Basis, Term, time_constants
-    from advisor.simulate import _runnable, simulate_depth
+    from advisor.simulator import _runnable, simulate_depth
     from advisor.space import Candidate
 
     per: dict[str, dict[str, tuple]] = {}

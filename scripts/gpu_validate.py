@@ -192,10 +192,10 @@ def _ratio(a: int | None, b: int | None) -> float | None:
 
 def run(a: argparse.Namespace) -> int:
     from advisor.data import synthetic
-    from advisor.probe import probe
-    from advisor.probe.runner import plan_batches
+    from advisor.probing import probe
+    from advisor.probing.runner import plan_batches
     from advisor.profiles import detect_gpu, resolve_gpu, resolve_model
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
     from advisor.workload import Goals, ModelSpec, Workload
 
     matrix = cases(tuple(a.batch), tuple(a.only) if a.only else None)

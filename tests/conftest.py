@@ -110,7 +110,7 @@ def tiny_tokenizer(tmp_path_factory):
 @pytest.fixture
 def children(monkeypatch):
     """Records every probe child the runner starts (its ChildExit), to check afterwards that its group is gone."""
-    from advisor.probe import runner
+    from advisor.probing import runner
 
     seen = []
     original = runner._spawn_and_wait

@@ -87,7 +87,7 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
     from advisor._sim.fake_step import _BatchFeed, worst_batch
     from advisor.emit import build_sft_config, peft_config
     from advisor.modeling import build_model, placeholder_tokenizer
-    from advisor.simulate import _worst_rows
+    from advisor.simulator import _worst_rows
     from advisor.space import Candidate
 
     torch.set_num_threads(1)

@@ -101,7 +101,7 @@ def test_the_default_space_offers_one_flash_name(workload):
 def test_simulates_the_same_peak_as_the_hub_flash_attn2(name, workload, h100_target):
     """Every name takes transformers' one flash path (`_flash_attention_forward`) to the same stand-in; sdpa on
     the same batch is the control that the comparison can fail."""
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     def sim(attn):
         return simulate(workload, Candidate(**BASE, attn_implementation=attn, max_length=256), h100_target)
@@ -118,7 +118,7 @@ def test_simulates_the_same_peak_as_the_hub_flash_attn2(name, workload, h100_tar
 
 @pytest.mark.parametrize("name", FLASH_NAMES)
 def test_estimate_treats_every_name_as_flash(name, workload):
-    from advisor.estimate import estimate
+    from advisor.estimator import estimate
 
     def est(attn):
         return estimate(workload, Candidate(**BASE, attn_implementation=attn, padding_free=True, max_length=None))
@@ -161,7 +161,7 @@ def test_fix_of_a_flash_name_on_the_cpu_exits_2_naming_it(tmp_path, monkeypatch,
 def test_peak_batch_names_padding_free_rows(workload, h100_target):
     """4 sequences of the 6 (the longest: 240+180+130+90 = 640 tokens) flattened into one padding-free row, against
     the same micro-batch padded to 4 x 240."""
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     free = simulate(workload, Candidate(**BASE, attn_implementation=HUB_FA2, padding_free=True, max_length=None),
                     h100_target)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from advisor._bnb import bits_per_weight, weight_bytes
-from advisor.estimate import architecture, memory_parts
+from advisor.estimator import architecture, memory_parts
 from advisor.space import Candidate, RunBase
 
 
@@ -22,7 +22,7 @@ def test_storage_formulas():
 def test_estimate_and_simulate_share_the_nested_quantization(tiny_workload, h100_target):
     import dataclasses
 
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     wl = dataclasses.replace(tiny_workload, gpu=h100_target)
     qlora = Candidate(max_length=128, per_device_train_batch_size=2, use_lora=True, quantization="4bit",

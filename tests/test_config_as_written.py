@@ -139,8 +139,8 @@ def test_sft_config_and_snippet_carry_the_base(tiny_model):
 
 def test_measured_runs_get_the_base(tiny_workload, tmp_path):
     """The probe's child rebuilds the candidate, base included, from its job file; a baseline stores it."""
-    from advisor.probe.runner import job_dict
-    from advisor.probe.worker import _rebuild
+    from advisor.probing.runner import job_dict
+    from advisor.probing.worker import _rebuild
     from advisor.regress import load_baseline, record_baseline
 
     cand = candidate_from_run_dict({**RUN, "max_length": 128, "bf16": False, "dtype": "float32"})
@@ -200,7 +200,7 @@ def test_default_attention_is_what_transformers_picks():
 
     from advisor.modeling import default_attention
     from advisor.profiles import resolve_model
-    from advisor.simulate import with_depth
+    from advisor.simulator import with_depth
 
     picks = {}
     for name in ("Qwen/Qwen2.5-0.5B", "google/gemma-2-2b", "meta-llama/Llama-3.1-8B", "mistralai/Mistral-7B-v0.3",
@@ -239,8 +239,8 @@ def test_cli_refuses_with_exit_2_naming_the_key(tmp_path, model_dir, capsys):
 
 def test_cli_simulates_the_config_as_written(tmp_path, model_dir, capsys):
     """max_steps: 1 and lora_dropout reach `advisor simulate`: its peak is the library's on the same base."""
-    from advisor.simulate import simulate
-    from advisor.workload import build_workload
+    from advisor.inputs import build_workload
+    from advisor.simulator import simulate
 
     data = {"max_length": 128, "per_device_train_batch_size": 2, "bf16": False, "use_peft": True, "max_steps": 1,
             "logging_steps": 5}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from advisor.data import TokenizedDataset, synthetic
-from advisor.estimate import architecture, estimate, memory_parts
+from advisor.estimator import architecture, estimate, memory_parts
 from advisor.measurement import Category, Source, Status
 from advisor.profiles import list_models, resolve_model
 from advisor.space import Candidate, Optimizer, Precision, WeightsDtype
@@ -66,7 +66,7 @@ def test_cuda_adds_context_and_fragmentation(tiny_model, h100_target, tiny_data)
     m = estimate(Workload(model=tiny_model, gpu=h100_target, dataset=tiny_data), Candidate())
     assert m.reserved_bytes > m.peak_bytes
     # the CUDA context and cuBLAS workspace come from the same calibration file as the simulator's
-    from advisor._sim.cuda_rules import constants
+    from advisor.costs import cuda_constants as constants
 
     c = constants()
     assert m.device_bytes == m.reserved_bytes + c["cuda_context_bytes"]["default"] + c["cublas_workspace_bytes"]["sm90"]

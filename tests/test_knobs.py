@@ -262,7 +262,7 @@ def _layer_inputs(model_spec: ModelSpec, rows: int, seq: int, every_n: int) -> l
 
 
 def test_offloaded_checkpoints_lower_the_peak_by_the_checkpointed_inputs(long_workload):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     plain = simulate(long_workload, Candidate(**BASE))
     off = simulate(long_workload, Candidate(**BASE, checkpoint_offload=True))
@@ -279,7 +279,7 @@ def test_offloaded_checkpoints_lower_the_peak_by_the_checkpointed_inputs(long_wo
 
 
 def test_offload_with_every_n_layers_counts_the_checkpointed_layers(long_workload):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     plain = simulate(long_workload, Candidate(**BASE, checkpoint_every_n_layers=2))
     off = simulate(long_workload, Candidate(**BASE, checkpoint_every_n_layers=2, checkpoint_offload=True))
@@ -313,7 +313,7 @@ def _rmsnorm_extra_saved_per_element(hidden: int, dtype) -> float:
 def test_hub_kernels_lower_the_peak_by_torchs_extra_rmsnorm_tensors(long_workload, cpu_target):
     import torch
 
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     nockpt = dict(BASE, activation_checkpointing=False, weights_dtype="bfloat16")
     plain = simulate(long_workload, Candidate(**nockpt))
@@ -338,7 +338,7 @@ def test_hub_kernels_lower_the_peak_by_torchs_extra_rmsnorm_tensors(long_workloa
 def test_estimate_moves_the_same_way(h100_target):
     """On a real architecture (Qwen2.5-0.5B's config) the step is device-bound: the times move too."""
     from advisor.data import synthetic
-    from advisor.estimate import estimate, memory_parts
+    from advisor.estimator import estimate, memory_parts
     from advisor.profiles import resolve_model
 
     spec = resolve_model("Qwen/Qwen2.5-0.5B")

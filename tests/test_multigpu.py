@@ -51,7 +51,7 @@ def _check(candidate: dict, parallelism: dict, config: dict | None = None) -> No
 
 def _largest_unit_bytes(candidate: dict, config: dict | None) -> int:
     """The embedding unit plus one decoder layer, unsharded, in the dtype FSDP2 gathers (advisor/estimate.py)."""
-    from advisor.estimate import architecture
+    from advisor.estimator import architecture
 
     arch = architecture(_workload(config).model)
     return (arch.embedding + arch.per_layer) * (4 if candidate.get("precision", "fp32") == "fp32" else 2)
@@ -85,7 +85,7 @@ def test_sharding_halves_the_model_states():
     """Against the single-GPU simulation: optimizer state 1/2 per rank; the peak is never higher than one GPU's."""
     from advisor.measurement import Category
     from advisor.parallelism import simulate_per_rank
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     wl = _workload()
     cand = Candidate(**BASE)
@@ -113,9 +113,9 @@ def test_cpu_offload_keeps_the_model_states_on_the_host():
 
 def test_ddp_adds_the_reducers_buckets():
     """DDP (modelled): the single-GPU run plus one more copy of the trainable gradients, named in the notes."""
-    from advisor.estimate import architecture
+    from advisor.estimator import architecture
     from advisor.parallelism import Parallelism, simulate_per_rank
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     wl = _workload()
     cand = Candidate(**SMALL_BATCH)
@@ -130,9 +130,9 @@ def test_llama8b_full_finetune_fits_per_rank_on_8_h100():
     """The issue's case through the Python API: AdamW full fine-tuning of an 8B model does not fit one 80 GB card but
     fits each of 8 with FSDP2; the accelerate config names what was chosen."""
     from advisor.accelerate_config import accelerate_config
+    from advisor.inputs import build_workload
     from advisor.measurement import Status
     from advisor.parallelism import Parallelism, simulate_per_rank
-    from advisor.inputs import build_workload
 
     wl = build_workload("meta-llama/Llama-3.1-8B", gpu="H100-80GB", num_gpus=8)
     cand = Candidate(max_length=2048, per_device_train_batch_size=1, precision="bf16", optim="adamw_torch",
@@ -151,10 +151,10 @@ def test_zero_replaces_the_model_states_with_the_closed_form(strategy, monkeypat
     """ZeRO (modelled, as if deepspeed were installed): the single-GPU run's activations, ZeRO's model states."""
     import advisor.parallelism as par_mod
     from advisor._sim.distributed import zero_bytes
-    from advisor.estimate import architecture
+    from advisor.estimator import architecture
     from advisor.measurement import Category
     from advisor.parallelism import Parallelism, simulate_per_rank
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     monkeypatch.setattr(par_mod, "deepspeed_available", lambda: True)
     wl = _workload()

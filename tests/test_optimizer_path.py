@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from test_simulate_accuracy import BASE, _real_cpu_peak
 
-from advisor.simulate import simulate
+from advisor.simulator import simulate
 from advisor.space import Candidate
 
 

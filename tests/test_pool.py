@@ -74,7 +74,7 @@ def _same(a, b) -> bool:
 # Backends a worker imports by name (module-level functions of this module). What they do depends on the
 # candidate's micro-batch, so one space holds well-behaved and misbehaving candidates.
 def misbehaving(workload, candidate):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     b = candidate.per_device_train_batch_size
     if b == 3:
@@ -97,7 +97,7 @@ def loud(workload, candidate):
     print("a print from the worker")
     os.write(1, b"C-level stdout from the worker\n")
     os.write(2, b"C-level stderr from the worker\n")
-    from advisor.estimate import estimate
+    from advisor.estimator import estimate
 
     return estimate(workload, candidate)
 

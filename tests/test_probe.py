@@ -1,6 +1,6 @@
 """Real probes on the CPU: ok with a peak, oom under a cap, a killed child, a hung child; nothing survives.
 
-The faults come from the worker's test hook ADVISOR_PROBE_FAULT (advisor.probe.runner.FAULT_ENV).
+The faults come from the worker's test hook ADVISOR_PROBE_FAULT (advisor.probing.runner.FAULT_ENV).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import signal
 import pytest
 
 from advisor.measurement import Source, Status
-from advisor.probe import FAULT_ENV, BatchKind, plan_batches, probe
-from advisor.probe import runner as runner_mod
-from advisor.probe.meters import is_oom, oom_request_bytes
+from advisor.probing import FAULT_ENV, BatchKind, plan_batches, probe
+from advisor.probing import runner as runner_mod
+from advisor.probing.meters import is_oom, oom_request_bytes
 from advisor.space import Candidate
 
 SMALL = Candidate(max_length=256, per_device_train_batch_size=4, optim="adamw_torch", precision="fp32")
@@ -56,7 +56,7 @@ def test_oom_messages_are_parsed():
 def test_cpu_peak_replays_the_allocator_events():
     import torch
 
-    from advisor.probe.meters import cpu_peak
+    from advisor.probing.meters import cpu_peak
 
     before = torch.ones(4 * 1024 * 1024)  # 16 MiB live before profiling (earlier work): not part of the peak
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:

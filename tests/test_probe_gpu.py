@@ -11,8 +11,8 @@ import gc
 import pytest
 
 from advisor.measurement import Source, Status
-from advisor.probe import plan_batches, probe
-from advisor.probe import runner as runner_mod
+from advisor.probing import plan_batches, probe
+from advisor.probing import runner as runner_mod
 from advisor.space import Candidate
 from tests.conftest import TINY_QWEN2
 

@@ -289,7 +289,7 @@ def test_cpu_probe_backend(tiny_workload):
 
 
 def _estimate_fake(w, c):
-    from advisor.estimate import estimate
+    from advisor.estimator import estimate
 
     return estimate(w, c)
 

@@ -46,7 +46,7 @@ class _Recorder:
 def recorder(monkeypatch):
     from torch.utils.flop_counter import flop_registry
 
-    import advisor._sim.timing as timing
+    import advisor.costs as timing
     from advisor._sim.tracker import tensors_in
 
     rec = _Recorder()
@@ -64,7 +64,7 @@ def recorder(monkeypatch):
 
 
 def _simulate(workload, target, **knobs):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     return simulate(workload, Candidate(**{**BASE, **knobs}), target)
 

@@ -19,7 +19,7 @@ def deep_workload(tiny_model, cpu_target, tiny_data):
 
 
 def test_extrapolation_equals_full_depth(deep_workload):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     cand = Candidate(**BASE)
     fast = simulate(deep_workload, cand, "cpu")
@@ -31,8 +31,8 @@ def test_extrapolation_equals_full_depth(deep_workload):
 
 
 def test_cuda_path_rounds_and_adds_context(deep_workload, h100_target):
-    from advisor._sim.cuda_rules import context_bytes
-    from advisor.simulate import simulate
+    from advisor.costs import context_bytes
+    from advisor.simulator import simulate
 
     m = simulate(deep_workload, Candidate(**{**BASE, "precision": "bf16"}), h100_target)
     assert m.peak_bytes % 512 == 0
@@ -42,7 +42,7 @@ def test_cuda_path_rounds_and_adds_context(deep_workload, h100_target):
 
 
 def test_allocator_replay_segments():
-    from advisor._sim.cuda_rules import replay, round_size
+    from advisor.costs import replay, round_size
 
     assert round_size(1) == 512 and round_size(513) == 1024
     small = replay([(1, 100), (2, 100), (1, -100)], expandable_segments=False)
@@ -55,7 +55,7 @@ def test_allocator_replay_segments():
 
 
 def test_modelled_kernels_are_noted_and_shrink_memory(deep_workload, h100_target):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     lora = Candidate(**{**BASE, "precision": "bf16", "use_lora": True, "weights_dtype": "bfloat16"})
     qlora = lora.replace(quantization="4bit")
@@ -93,7 +93,7 @@ def test_reserved_never_below_allocated_after_extrapolation(h100_target):
     """Qwen2.5-0.5B shape at TRL's defaults: linear extrapolation of reserved alone gave 8.57 GB < 9.03 GB."""
     from advisor.data import synthetic
     from advisor.profiles import resolve_model
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
     from advisor.space import Candidate
     from advisor.workload import Workload
 

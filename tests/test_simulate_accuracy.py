@@ -44,7 +44,7 @@ def _real_cpu_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> 
     from advisor._sim.fake_step import _BatchFeed, worst_batch
     from advisor.emit import build_sft_config, peft_config
     from advisor.modeling import build_model, placeholder_tokenizer
-    from advisor.simulate import _worst_rows
+    from advisor.simulator import _worst_rows
 
     class RealTrainer(SFTTrainer):
         feed: deque = deque()
@@ -100,7 +100,7 @@ def small_workload(tiny_model, cpu_target, tiny_data):
 
 @pytest.mark.parametrize("name", sorted(MATRIX))
 def test_simulated_cpu_peak_matches_real_train(name, small_workload):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     cand = Candidate(**{**BASE, **MATRIX[name]})
     real = _real_cpu_peak(small_workload, cand)
@@ -111,7 +111,7 @@ def test_simulated_cpu_peak_matches_real_train(name, small_workload):
 def test_unpadded_batch_takes_the_real_path(small_workload):
     """A batch of one row has no padding: the real run skips the attention mask; the fake run must too."""
     from advisor._sim import fake_step
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     cand = Candidate(**{**BASE, "per_device_train_batch_size": 1, "activation_checkpointing": False})
     patched = simulate(small_workload, cand, "cpu", layers=None)
@@ -232,7 +232,7 @@ WIDE_LLAMA = {
 
 def test_peak_moment_switch_default_extrapolation_matches_real_train(cpu_target):
     from advisor.data import synthetic
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
     from advisor.workload import ModelSpec
 
     spec = ModelSpec(name="wide-llama-12", config=dict(WIDE_LLAMA), source="local")
@@ -285,7 +285,7 @@ def _real_peak_as_trl_runs(workload: Workload, data: dict, candidate: Candidate,
 
     from advisor._sim.fake_step import _BatchFeed, worst_batch
     from advisor.modeling import placeholder_tokenizer
-    from advisor.simulate import _worst_rows
+    from advisor.simulator import _worst_rows
 
     class RealTrainer(SFTTrainer):
         feed: deque = deque()
@@ -322,7 +322,7 @@ def _real_peak_as_trl_runs(workload: Workload, data: dict, candidate: Candidate,
 @pytest.mark.parametrize("name", sorted(AS_WRITTEN))
 def test_config_as_written_matches_real_trl_run(name, tiny_model, cpu_target, tiny_data, tmp_path):
     from advisor.emit import load_run_config
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     kind, keys = AS_WRITTEN[name]
     workload = Workload(model=_model_spec(kind, tiny_model), gpu=cpu_target, dataset=tiny_data, goals=Goals())
@@ -337,7 +337,7 @@ def test_config_as_written_matches_real_trl_run(name, tiny_model, cpu_target, ti
 def test_the_base_changes_the_prediction(tiny_model, cpu_target, tiny_data):
     """The keys the base carries are not ignored: each moves the simulated peak the way the real run moves."""
     from advisor.emit import candidate_from_run_dict
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     workload = Workload(model=tiny_model, gpu=cpu_target, dataset=tiny_data, goals=Goals())
     lora = {**YAML_BASE, "use_peft": True, "activation_checkpointing": False}
@@ -356,7 +356,7 @@ def test_the_base_changes_the_prediction(tiny_model, cpu_target, tiny_data):
 def test_moe_in_float32_is_refused_by_name(tiny_model, cpu_target, tiny_data):
     from advisor.emit import candidate_from_run_dict
     from advisor.errors import ConfigError
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     workload = Workload(model=_model_spec("qwen2_moe", tiny_model), gpu=cpu_target, dataset=tiny_data,
                         goals=Goals())
@@ -371,7 +371,7 @@ def test_group_by_length_matches_a_real_training_on_varied_lengths(tiny_model, c
     rows at every step) does; a run shorter than one epoch never puts them together and stays under it (the bound
     the notes state)."""
     from advisor.data import synthetic
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     data = synthetic(vocab_size=1024, rows=12, seed=0, median=64, max_len=256)
     assert max(data.lengths) > 2 * min(data.lengths)

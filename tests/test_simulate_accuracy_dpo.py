@@ -135,7 +135,7 @@ def _candidate(name: str) -> Candidate:
 
 @pytest.mark.parametrize("name", sorted(MATRIX))
 def test_simulated_dpo_peak_matches_real_train(name, dpo_workload):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     cand = _candidate(name)
     real = _real_dpo_peak(dpo_workload, cand)
@@ -146,7 +146,7 @@ def test_simulated_dpo_peak_matches_real_train(name, dpo_workload):
 
 def test_the_reference_is_what_dpo_adds(dpo_workload):
     """Physics of the prediction: a separate reference copy costs its weights; precomputing drops them."""
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     full = simulate(dpo_workload, _candidate("full-ckpt"), "cpu", layers=None, trainer="dpo")
     pre = simulate(dpo_workload, _candidate("precompute"), "cpu", layers=None, trainer="dpo")
@@ -160,7 +160,7 @@ def test_the_reference_is_what_dpo_adds(dpo_workload):
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 def test_an_sft_dataset_is_refused_naming_the_missing_columns(tiny_model, cpu_target, tiny_data):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     wl = Workload(model=tiny_model, gpu=cpu_target, dataset=tiny_data, goals=Goals())
     with pytest.raises(ConfigError, match=r"lack the column\(s\) 'chosen', 'rejected'"):
@@ -250,7 +250,7 @@ def _real_reward_peak(workload: Workload, candidate: Candidate, tmp_path, steps:
 
 @pytest.mark.parametrize("name", sorted(REWARD))
 def test_simulated_reward_peak_matches_real_train(name, dpo_workload, tmp_path):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     cand = REWARD[name]
     real = _real_reward_peak(dpo_workload, cand, tmp_path)

@@ -15,7 +15,7 @@ import pytest
 from advisor.space import Candidate
 from advisor.workload import Goals, ModelSpec, Workload
 
-sim = importlib.import_module("advisor.simulate")
+sim = importlib.import_module("advisor.simulator")
 
 BASE = dict(max_length=128, per_device_train_batch_size=2, precision="fp32", optim="adamw_torch")
 

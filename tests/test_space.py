@@ -112,10 +112,10 @@ def test_search_space_yields_valid_distinct(cpu_target, tiny_model):
 
 def test_public_functions_are_not_shadowed_by_their_modules():
     import advisor
-    import advisor.estimate
-    import advisor.probe
+    import advisor.estimator
+    import advisor.probing
     import advisor.regress
-    import advisor.simulate  # noqa: F401  (binding submodules must not replace the functions)
+    import advisor.simulator  # noqa: F401  (binding submodules must not replace the functions)
 
     for name in ("estimate", "simulate", "probe", "suggest", "check"):
         assert callable(getattr(advisor, name)) and not isinstance(getattr(advisor, name), type(advisor)), name

@@ -43,9 +43,9 @@ def _terms_sum(m) -> float:
 def test_padding_in_the_ratio_the_lengths_report_gives(qwen_h100):
     """Same rows, same micro-batch: random order pads more than length-grouped, packing (bfd, padding-free) not at
     all. The parts of the step that scale with padded tokens scale exactly as the lengths report's padding says."""
-    from advisor._sim.timing import batch_distribution
+    from advisor.costs import batch_distribution
     from advisor.lengths import length_report
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     wl, b, ml = qwen_h100, 8, 1024
     pad = length_report(wl.dataset, [ml], micro_batches=[b]).max_lengths[0].padding[0]
@@ -71,7 +71,7 @@ def test_padding_in_the_ratio_the_lengths_report_gives(qwen_h100):
 
 def test_the_worst_batch_is_no_longer_the_throughput(qwen_h100):
     """The longest rows carry no padding; the expected rate over random batches is well under theirs."""
-    from advisor.estimate import estimate
+    from advisor.estimator import estimate
 
     m = estimate(qwen_h100, Candidate(max_length=1024, per_device_train_batch_size=8))
     assert m.worst_step_time_s is not None and m.step_time_s < m.worst_step_time_s
@@ -83,8 +83,8 @@ def test_the_worst_batch_is_no_longer_the_throughput(qwen_h100):
 
 
 def test_for_loop_slower_than_foreach_slower_than_fused():
-    from advisor._sim.timing import OptimizerImpl, optimizer_cost, optimizer_impl, time_constants
-    from advisor.estimate import architecture
+    from advisor.costs import OptimizerImpl, optimizer_cost, optimizer_impl, time_constants
+    from advisor.estimator import architecture
     from advisor.profiles import resolve_gpu, resolve_model
 
     arch = architecture(resolve_model("HuggingFaceTB/SmolLM2-135M"))
@@ -104,7 +104,7 @@ def test_for_loop_slower_than_foreach_slower_than_fused():
 
 def test_optimizer_ties_are_gone(tiny_model, h100_target, tiny_data):
     """The four optimizers no longer tie: each optimizer term differs, fused fastest among the AdamWs."""
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     wl = Workload(model=tiny_model, gpu=h100_target, dataset=tiny_data, goals=Goals())
     base = dict(max_length=128, per_device_train_batch_size=2)
@@ -118,7 +118,7 @@ def test_optimizer_ties_are_gone(tiny_model, h100_target, tiny_data):
 
 
 def test_micro_batch_1_slower_per_token_than_8_at_short_rows(qwen_h100):
-    from advisor.estimate import estimate
+    from advisor.estimator import estimate
 
     short = dict(max_length=256, attn_implementation=FLASH)
     one = estimate(qwen_h100, Candidate(**short, per_device_train_batch_size=1, gradient_accumulation_steps=8))
@@ -132,7 +132,7 @@ def test_micro_batch_1_slower_per_token_than_8_at_short_rows(qwen_h100):
 
 @pytest.mark.slow
 def test_micro_batch_1_slower_per_token_than_8_simulated(qwen_h100):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     short = dict(max_length=256, attn_implementation=FLASH)
     one = simulate(qwen_h100, Candidate(**short, per_device_train_batch_size=1, gradient_accumulation_steps=8))
@@ -178,7 +178,7 @@ def test_flash_varlen_costs_the_per_sequence_causal_terms(h100_target):
 
 
 def test_flash_padding_free_faster_than_padded(qwen_h100):
-    from advisor.estimate import estimate
+    from advisor.estimator import estimate
 
     base = dict(max_length=None, per_device_train_batch_size=8, attn_implementation=FLASH)
     padded = estimate(qwen_h100, Candidate(**base))
@@ -193,8 +193,8 @@ def test_flash_padding_free_faster_than_padded(qwen_h100):
 
 
 def test_full_checkpointing_costs_about_one_more_forward(qwen_h100):
-    from advisor.estimate import architecture, estimate
-    from advisor.simulate import simulate
+    from advisor.estimator import architecture, estimate
+    from advisor.simulator import simulate
 
     base = dict(max_length=1024, per_device_train_batch_size=4)
     for backend in (estimate, simulate):
@@ -213,8 +213,8 @@ def test_full_checkpointing_costs_about_one_more_forward(qwen_h100):
 
 
 def test_qlora_slower_than_lora_with_bf16_weights(qwen_h100):
-    from advisor.estimate import estimate
-    from advisor.simulate import simulate
+    from advisor.estimator import estimate
+    from advisor.simulator import simulate
 
     base = dict(max_length=1024, per_device_train_batch_size=4, use_lora=True, weights_dtype="bfloat16")
     for backend in (estimate, simulate):
@@ -224,7 +224,7 @@ def test_qlora_slower_than_lora_with_bf16_weights(qwen_h100):
         assert qlora.time_breakdown["dequantization"] > 0 and "dequantization" not in lora.time_breakdown
         # every 4-bit linear dequantizes on the forward, the backward and the recompute: 3 reads of its codes
         # and 3 writes of its 16-bit weight, at least
-        from advisor.estimate import architecture
+        from advisor.estimator import architecture
 
         n = architecture(qwen_h100.model).decoder_linear
         floor = 3 * n * (0.5 + 2) / (qwen_h100.gpu.memory_bandwidth_gbs * 1e9)
@@ -235,7 +235,7 @@ def test_qlora_slower_than_lora_with_bf16_weights(qwen_h100):
 
 
 def test_gemm_efficiency_depends_on_the_shape(h100_target):
-    from advisor._sim.timing import gemm_s, time_constants
+    from advisor.costs import gemm_s, time_constants
 
     tc = time_constants(h100_target)
     peak = tc.peak["bf16"]
@@ -255,7 +255,7 @@ def test_gemm_efficiency_depends_on_the_shape(h100_target):
 
 def test_terms_sum_to_the_step_and_survive_json(tiny_model, h100_target, tiny_data):
     from advisor.measurement import Measurement
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     wl = Workload(model=tiny_model, gpu=h100_target, dataset=tiny_data, goals=Goals())
     m = simulate(wl, Candidate(max_length=128, per_device_train_batch_size=2))
@@ -267,7 +267,7 @@ def test_terms_sum_to_the_step_and_survive_json(tiny_model, h100_target, tiny_da
 
 
 def test_extrapolated_time_equals_full_depth(tiny_model, h100_target, tiny_data):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
 
     spec = ModelSpec(name="tiny6", config={**tiny_model.config, "num_hidden_layers": 6}, source="local")
     wl = Workload(model=spec, gpu=h100_target, dataset=tiny_data, goals=Goals())
@@ -279,7 +279,7 @@ def test_extrapolated_time_equals_full_depth(tiny_model, h100_target, tiny_data)
 
 
 def test_offloading_copies_overlap_compute(qwen_h100):
-    from advisor.estimate import estimate
+    from advisor.estimator import estimate
 
     base = dict(max_length=1024, per_device_train_batch_size=4)
     off = estimate(qwen_h100, Candidate(**base))
@@ -356,7 +356,7 @@ def test_fit_with_few_cases_is_one_ratio(gv):
 def test_fitted_multipliers_change_the_constants(tmp_path, monkeypatch, h100_target):
     """A measurement file with fitted multipliers for the GPU is what time_constants() then uses."""
     import advisor.profiles
-    from advisor._sim import timing
+    from advisor import costs as timing
 
     (tmp_path / "measurements").mkdir()
     (tmp_path / "measurements" / "h100-80gb-sxm.json").write_text(json.dumps(

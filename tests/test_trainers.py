@@ -122,7 +122,7 @@ def test_a_preference_file_is_tokenized_as_dpotrainer_does(conversational, tmp_p
 
 
 def _six_layer_dpo(tiny_model, cpu_target, cand):
-    from advisor.simulate import simulate
+    from advisor.simulator import simulate
     from advisor.trainers.preference import synthetic_preferences
     from advisor.workload import Goals, Workload
 
@@ -165,7 +165,7 @@ def test_a_cpu_probe_of_dpo_trains_for_real(tiny_model, cpu_target, tmp_path):
     its reference loaded by TRL from the saved random model, two optimizer steps, each micro-batch 2B sequences."""
     import dataclasses as dc
 
-    from advisor.probe.worker import Heartbeat, run_job
+    from advisor.probing.worker import Heartbeat, run_job
     from advisor.trainers.preference import synthetic_preferences
 
     data = synthetic_preferences(vocab_size=1024, rows=8, seed=0, median=48, max_len=96)

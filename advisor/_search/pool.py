@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 # (this module, with _WARM_ENV set in the forkserver's environment only) also simulates two tiny candidates there:
 # a first simulation imports and initialises about 2,000 more modules (TRL's trainer, accelerate, datasets, sympy
 # for the fake tensors' shapes, peft; ~6 s here), which every fork then starts with.
-PRELOAD = ("torch", "transformers", "trl", "advisor.simulate", __name__)
+PRELOAD = ("torch", "transformers", "trl", "advisor.simulator", __name__)
 _WARM_ENV = "ADVISOR_POOL_WARM_FORKSERVER"
 # Backends never run in worker processes (see the module's docstring for why).
 SERIAL_BACKENDS = frozenset({"estimate", "cpu", "cuda"})
@@ -281,7 +281,7 @@ def _warm_up() -> None:
         from .._messages import capture
         from ..data import synthetic
         from ..profiles import resolve_gpu
-        from ..simulate import simulate
+        from ..simulator import simulate
         from ..space import Candidate
         from ..workload import Goals, ModelSpec, Workload
 

@@ -424,7 +424,7 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     import dataclasses
 
     from ..measurement import Status
-    from ..simulate import _resolve_target, simulate
+    from ..simulator import _resolve_target, simulate
     from ..workload import check_world
 
     parallelism = parallelism or Parallelism()
@@ -485,7 +485,7 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
 
 def _model_counts(workload: Any, candidate: Any) -> tuple[int, int]:
     """(parameters, trainable parameters) of the model as the candidate trains it (advisor/estimate.py's shapes)."""
-    from ..estimate import architecture, lora_parameters
+    from ..estimator import architecture, lora_parameters
 
     arch = architecture(workload.model)
     if candidate.use_lora:

@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..probe import probe
+    from ..probing import probe
 
     budget = parse_size(ns.memory_budget) if ns.memory_budget is not None else None
     workload = workload_from_args(ns)

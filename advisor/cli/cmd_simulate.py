@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..simulate import simulate
+    from ..simulator import simulate
 
     workload = workload_from_args(ns)
     candidate = candidate_from_args(ns, workload)

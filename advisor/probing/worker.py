@@ -1,4 +1,4 @@
-"""The child side of a real probe: `python -m advisor.probe.worker JOBDIR`.
+"""The child side of a real probe: `python -m advisor.probing.worker JOBDIR`.
 
 Reads JOBDIR/job.json (written by runner.job_dict), trains `warmup + steps` optimizer steps with the real
 SFTTrainer on the planned rows, and writes JOBDIR/result.json (a Measurement's fields, plus per-step records).

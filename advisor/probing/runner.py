@@ -1,6 +1,6 @@
 """The parent side of a real probe: plan the batches, start the child, watch it, read its result.
 
-The child (advisor.probe.worker) runs in a new session so that a timeout kills its whole process group
+The child (advisor.probing.worker) runs in a new session so that a timeout kills its whole process group
 without touching the caller; it holds every device resource, so nothing survives it. Whatever the child
 does (OOM, crash, hang, exception), `probe` returns a Measurement and leaves no process behind.
 """
@@ -218,7 +218,7 @@ def _spawn_and_wait(
     start = time.monotonic()
     with open(jobdir / LOG_FILE, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "advisor.probe.worker", str(jobdir)],
+            [sys.executable, "-m", "advisor.probing.worker", str(jobdir)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             env=_child_env(env), start_new_session=True, cwd=jobdir,
         )

@@ -444,7 +444,7 @@ def _step_time(workload: Workload, arch: Architecture, c: Candidate, worst: Batc
     folds, bitsandbytes' dequantisation; host ops per layer from the same counts; the optimizer as the target runs
     it. Evaluated over the same batch distribution as the simulator's, so the two backends rank alike.
     """
-    from ._sim import timing as tm
+    from . import costs as tm
 
     gpu = workload.gpu
     tc = tm.time_constants(gpu)
@@ -576,7 +576,7 @@ def _trainable_sizes(arch: Architecture, c: Candidate) -> list[int]:
 def _outside_allocator_bytes(gpu: GPUSpec) -> int:
     """CUDA context + cuBLAS workspace: the same calibrated constants the simulator uses
     (profiles/measurements/cuda_constants.json)."""
-    from ._sim.cuda_rules import context_bytes, cublas_workspace_bytes
+    from .costs import context_bytes, cublas_workspace_bytes
 
     return context_bytes(gpu.compute_capability) + cublas_workspace_bytes(gpu.compute_capability)
 

@@ -302,7 +302,7 @@ def _expected_time(workload: Workload, candidate: Candidate, target: GPUSpec, co
 
 def _knob_time(cost, model: ModelSpec, candidate: Candidate, target: GPUSpec):
     """The modelled knobs' step-time terms (use_kernels, checkpoint_offload): advisor/estimate.py's closed form."""
-    from .estimate import knob_time
+    from .estimator import knob_time
 
     return knob_time(cost, model, candidate, target)
 
@@ -504,7 +504,7 @@ def _modelled_adjustments(
     _modelled_knobs(adj, candidate, model, breakdown, batch_shape[0] * batch_shape[1], cuda)
     params = Category.PARAMETERS.value
     if candidate.quantization is not Quantization.NONE:
-        from .estimate import architecture, quantized_linear_bytes
+        from .estimator import architecture, quantized_linear_bytes
 
         arch = architecture(model)
         n = arch.decoder_linear
@@ -557,7 +557,7 @@ def _modelled_knobs(adj: _Adjustment, candidate: Candidate, model: ModelSpec, br
                     tokens: int, cuda: bool) -> None:
     """The knobs fake tensors cannot run, from advisor/estimate.py's closed forms (one model for both backends):
     what each frees of the activations held at the simulated peak, noted as modelled."""
-    from .estimate import knob_memory_savings
+    from .estimator import knob_memory_savings
 
     acts = Category.ACTIVATIONS.value
     for name in ("use_kernels", "checkpoint_offload"):

@@ -1,6 +1,6 @@
 """Memory meters of a probe's child process: the CPU allocator's events, torch.cuda's peaks, NVML sampling.
 
-Everything here runs inside the child (advisor.probe.worker); the parent never touches a device.
+Everything here runs inside the child (advisor.probing.worker); the parent never touches a device.
 """
 
 from __future__ import annotations
