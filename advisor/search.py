@@ -88,6 +88,24 @@ def build_space(workload: Workload, method: Method = Method.FULL, fix: Mapping[s
     return apply_pins(default_space(workload, method), parse_fix(fix))
 
 
+_GOALS = {g.param: g for g in Goals.declared()}
+
+
+def _goal_args(given: Mapping[str, Any]) -> dict[str, Any]:
+    """suggest()'s goal keywords (one per `Goals` field, by its `param` name) as Goals field values."""
+    unknown = sorted(set(given) - set(_GOALS))
+    if unknown:
+        raise UsageError(f"suggest(): unknown parameter(s) {', '.join(unknown)}; the goals are "
+                         f"{', '.join(_GOALS)}")
+    out = {_GOALS[k].name: v for k, v in given.items()}
+    method = out.get("method")
+    try:
+        out["method"] = Method(method) if method is not None else None  # None: the Workload's (default auto)
+    except ValueError:
+        raise UsageError(f"--method {method!r}: choose one of full, lora, qlora, auto") from None
+    return out
+
+
 def _goals(base: Goals | None, **given: Any) -> Goals:
     """The Workload's goals (or the defaults) with every goal the caller passed (not None) over them: a value
     equal to the default still overrides a Workload's own (headroom=0.05 over a Workload's 0.1)."""
@@ -112,11 +130,6 @@ def suggest(
     dataset: str | None = None,
     *,
     backend: str | None = None,
-    method: str | Method | None = None,
-    memory_budget: int | None = None,
-    headroom: float | None = None,
-    max_truncation: float | None = None,
-    tokens_per_step: int | None = None,
     trials: int | None = None,
     time_budget_s: float | None = None,
     fix: Mapping[str, Any] | None = None,
@@ -124,10 +137,9 @@ def suggest(
     study_name: str | None = None,
     cache: bool = True,
     exhaustive: bool = False,
-    allow_low_precision_weights: bool | None = None,
-    allow_wrapped: bool | None = None,
     progress: Callable[[Progress], None] | None = None,
     workload_names: Mapping[str, Any] | None = None,
+    **goals: Any,
 ) -> Suggestion:
     """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
 
@@ -140,18 +152,12 @@ def suggest(
     passed as `model` was built from) are stored in the study so that `advisor worker` can rebuild the
     workload and join it.
     """
-    try:
-        method = Method(method) if method is not None else None  # None: the Workload's (default auto)
-    except ValueError:
-        raise UsageError(f"--method {method!r}: choose one of full, lora, qlora, auto") from None
+    goals = _goal_args(goals)
     if trials is not None and trials < 1:
         raise UsageError(f"--trials {trials}: must be >= 1")
     ignored: list[Event] = [TrialsIgnored(trials)] if (exhaustive and trials is not None) else []
     if time_budget_s is not None and time_budget_s <= 0:
         raise UsageError(f"--time-budget {time_budget_s:g}: must be a positive number of seconds, e.g. 600")
-    goals = dict(memory_budget_bytes=memory_budget, headroom=headroom, max_truncation=max_truncation,
-                 tokens_per_step=tokens_per_step, method=method,
-                 allow_low_precision_weights=allow_low_precision_weights, allow_wrapped=allow_wrapped)
     origin: dict[str, Any] = {"model": model if isinstance(model, str) else None, "gpu": gpu, "dataset": dataset,
                               "tokenizer": None, "sample": None}
     origin.update({k: v for k, v in (workload_names or {}).items() if k in origin and v is not None})
@@ -236,6 +242,22 @@ def suggest(
         "notes": [render(e) for e in events],
         "events": [e.to_dict() for e in events],
     })
+
+
+def _derive_goal_parameters() -> None:
+    """suggest()'s signature and docstring list the goals as `Goals` declares them (keyword-only, None: not given)."""
+    import inspect
+
+    sig = inspect.signature(suggest)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(g.param, inspect.Parameter.KEYWORD_ONLY, default=None) for g in _GOALS.values()]
+    suggest.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    listed = "".join(f"        {g.param}: {g.help} (default "
+                     f"{g.default.value if isinstance(g.default, Method) else g.default})\n" for g in _GOALS.values())
+    suggest.__doc__ = (suggest.__doc__ or "") + "\n    Goals (each overrides the Workload's own when given):\n" + listed
+
+
+_derive_goal_parameters()
 
 
 def check_backend(name: str) -> None:
