@@ -168,3 +168,29 @@ def finish(study: optuna.Study, trial: optuna.Trial, value: float) -> None:
     study.add_trial(optuna.trial.create_trial(
         params=frozen.params, distributions=frozen.distributions, value=value, user_attrs=attrs,
         system_attrs={k: v for k, v in frozen.system_attrs.items() if k.startswith("constraints")}))
+
+
+def ask(study: optuna.Study) -> optuna.Trial:
+    """`study.ask()`, except that a candidate queued again after its process died ("retry") is popped before the
+    other waiting trials (Optuna pops by number, which would put it behind the seeds still waiting, so that a
+    resumed run with few trials measured other candidates than a fresh one)."""
+    from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.trial import TrialState
+
+    storage = study._storage
+
+    def pop() -> int | None:
+        waiting = storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,))
+        for t in sorted(waiting, key=lambda t: (t.user_attrs.get("proposed_by") != "retry", t.number)):
+            try:
+                if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                    return t._trial_id
+            except UpdateFinishedTrialError:
+                continue
+        return None
+
+    study._pop_waiting_trial_id = pop  # type: ignore[method-assign]
+    try:
+        return study.ask()
+    finally:
+        del study._pop_waiting_trial_id

@@ -191,7 +191,7 @@ class StudyRun:
                     self.events.append(NoNewCandidate(MISS_LIMIT))
                     break
             idle_since = None
-            trial = self.study.ask()
+            trial = liveness.ask(self.study)  # a re-queued candidate first
             if queue_only and "proposed_by" not in trial.user_attrs:
                 liveness.fail(self.study, trial)  # lost the race for the last queued trial
                 continue
