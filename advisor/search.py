@@ -32,7 +32,7 @@ from ._search.backends import (
     register_backend,
     unregister_backend,
 )
-from ._search.evaluator import failure_reason
+from ._search.evaluator import _open_pool, failure_reason
 from ._search.ledger import candidate_key, device_bytes, feasible
 from ._search.liveness import HEARTBEAT_S, STALE_S  # noqa: F401 (re-exported: tests age heartbeats by it)
 from ._search.loop import StudyRun
@@ -139,6 +139,7 @@ def suggest(
     exhaustive: bool = False,
     progress: Callable[[Progress], None] | None = None,
     workload_names: Mapping[str, Any] | None = None,
+    jobs: int | None = None,
     **goals: Any,
 ) -> Suggestion:
     """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
@@ -184,55 +185,56 @@ def suggest(
             shown = " ".join(f"--fix {k}={v}" for k, v in fix.items())
             raise UsageError(f"{shown}: leaves no admissible candidate ({why}); drop or change the --fix")
         raise UsageError(answer.empty_message(workload, spaces, empty, rows, tps, why))
-    for i, m in enumerate(order):
-        space = spaces[m]
-        if empty[m]:
+    with _open_pool(backend_name, jobs) as pool:  # one pool for every method the search tries
+        for i, m in enumerate(order):
+            space = spaces[m]
+            if empty[m]:
+                nxt = order[i + 1].value if i + 1 < len(order) else None
+                events.append(NoAdmissible(m.value, empty[m], nxt))
+                continue
+            name = study_name if study_name and len(order) == 1 else (
+                f"{study_name}-{m.value}" if study_name else naming.study_name(workload, backend_name, m, space))
+            if not study_name and naming.drop_failed_study(store, name):
+                events.append(ErrorsDiscarded(m.value))
+            study = naming.create_study(store, name, naming.spec(workload, backend_name, m, space, origin), study_name)
+            run = StudyRun(workload, m, space, be, study, progress, pool=pool, jobs=pool.jobs)
+            runs.append(run)
+            run.run(trials=trials or DEFAULT_TRIALS, time_budget_s=time_budget_s, exhaustive=exhaustive)
+            run.wait_for_running()  # workers, or another run sharing the cache: their results belong in the answer
+            answer.raise_if_backend_failed(run, backend_name, name)
+            best = answer.confirmed_best(run, events)
+            unmeasured = 0
+            if best is None and not run.stopped_by_time:
+                # The trial budget may have run out before anything that fits was tried: ask the estimate about
+                # the whole admissible space and measure the few it says fit before escalating or giving up.
+                extra, n_fit, unmeasured = proposers.fit_check(run.space, run.ledger, run.evaluator)
+                if extra:
+                    events.append(FitCheck(m.value, len(run.ledger.measured), n_fit, len(extra)))
+                    run.enqueue(extra, "fit-check")
+                    run.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True)
+                    best = answer.confirmed_best(run, events)
+                    unmeasured = proposers.fit_check(run.space, run.ledger, run.evaluator, 0)[2]
+            if best is not None:
+                entry, confirmed = best
+                if not any(r.new_measurements for r in runs) and run.ledger.measured:
+                    events.append(AnsweredFromStored(name))
+                elif kept:
+                    events.append(StoredAs(name, storage))
+                return answer.build_suggestion(workload, runs, entry, confirmed, events, backend_name)
+            if not run.ledger.measured and time_budget_s is not None and run.stopped_by_time:
+                raise NoFitError(
+                    f"--time-budget {time_budget_s:g}s ended before any candidate was measured with {backend_name}; "
+                    "give it more time (finished trials are kept and the next run resumes)",
+                    details={"limit_bytes": workload.limit_bytes, "next_knob": "--time-budget"},
+                )
+            if not run.ledger.entries:
+                events.append(EmptyStudy(m.value))
+            low = answer.smallest(run)
+            if low is not None:
+                smallest.append(low)
             nxt = order[i + 1].value if i + 1 < len(order) else None
-            events.append(NoAdmissible(m.value, empty[m], nxt))
-            continue
-        name = study_name if study_name and len(order) == 1 else (
-            f"{study_name}-{m.value}" if study_name else naming.study_name(workload, backend_name, m, space))
-        if not study_name and naming.drop_failed_study(store, name):
-            events.append(ErrorsDiscarded(m.value))
-        study = naming.create_study(store, name, naming.spec(workload, backend_name, m, space, origin), study_name)
-        run = StudyRun(workload, m, space, be, study, progress)
-        runs.append(run)
-        run.run(trials=trials or DEFAULT_TRIALS, time_budget_s=time_budget_s, exhaustive=exhaustive)
-        run.wait_for_running()  # workers, or another run sharing the cache: their results belong in the answer
-        answer.raise_if_backend_failed(run, backend_name, name)
-        best = answer.confirmed_best(run, events)
-        unmeasured = 0
-        if best is None and not run.stopped_by_time:
-            # The trial budget may have run out before anything that fits was tried: ask the estimate about
-            # the whole admissible space and measure the few it says fit before escalating or giving up.
-            extra, n_fit, unmeasured = proposers.fit_check(run.space, run.ledger, run.evaluator)
-            if extra:
-                events.append(FitCheck(m.value, len(run.ledger.measured), n_fit, len(extra)))
-                run.enqueue(extra, "fit-check")
-                run.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True)
-                best = answer.confirmed_best(run, events)
-                unmeasured = proposers.fit_check(run.space, run.ledger, run.evaluator, 0)[2]
-        if best is not None:
-            entry, confirmed = best
-            if not any(r.new_measurements for r in runs) and run.ledger.measured:
-                events.append(AnsweredFromStored(name))
-            elif kept:
-                events.append(StoredAs(name, storage))
-            return answer.build_suggestion(workload, runs, entry, confirmed, events, backend_name)
-        if not run.ledger.measured and time_budget_s is not None and run.stopped_by_time:
-            raise NoFitError(
-                f"--time-budget {time_budget_s:g}s ended before any candidate was measured with {backend_name}; "
-                "give it more time (finished trials are kept and the next run resumes)",
-                details={"limit_bytes": workload.limit_bytes, "next_knob": "--time-budget"},
-            )
-        if not run.ledger.entries:
-            events.append(EmptyStudy(m.value))
-        low = answer.smallest(run)
-        if low is not None:
-            smallest.append(low)
-        nxt = order[i + 1].value if i + 1 < len(order) else None
-        events.append(NothingFits(m.value, workload.limit_bytes, low[0] if low else None, len(run.ledger.measured),
-                                  unmeasured, backend_name == "estimate", nxt))
+            events.append(NothingFits(m.value, workload.limit_bytes, low[0] if low else None, len(run.ledger.measured),
+                                      unmeasured, backend_name == "estimate", nxt))
     low = min(smallest, key=lambda s: s[0]) if smallest else None
     raise NoFitError(answer.no_fit_message(workload, order, smallest, events), details={
         "limit_bytes": workload.limit_bytes,
@@ -371,7 +373,8 @@ def stored_suggestion(study_name: str, storage: str | None = None, *, workload: 
 
 
 def _worker_run(store: optuna.storages.BaseStorage, name: str, storage: str, workload: Workload | None,
-                backend: str | None, progress: Callable[[Progress], None] | None) -> StudyRun:
+                backend: str | None, progress: Callable[[Progress], None] | None, pools: dict[str, Any],
+                jobs: int | None) -> StudyRun:
     import optuna
 
     study = optuna.load_study(study_name=name, storage=store)
@@ -401,24 +404,20 @@ def _worker_run(store: optuna.storages.BaseStorage, name: str, storage: str, wor
     be = get_backend(spec["backend"])
     space = StudySpace(workload, space_from_json(spec["space"]), int(spec["tokens_per_step"]),
                    RowTokens(workload.dataset))
-    return StudyRun(workload, Method(spec["method"]), space, be, study, progress)
+    if spec["backend"] not in pools:
+        pools[spec["backend"]] = _open_pool(spec["backend"], jobs)
+    pool = pools[spec["backend"]]
+    return StudyRun(workload, Method(spec["method"]), space, be, study, progress, pool=pool, jobs=pool.jobs)
 
 
-def run_worker(storage: str, study_name: str, *, workload: Workload | None = None, backend: str | None = None,
-               idle_s: float = 5.0, progress: Callable[[Progress], None] | None = None) -> int:
-    """Measure queued candidates of a shared study until no queue has had work for `idle_s`; return how many.
-
-    `study_name` is the name given to `suggest --study`: with `--method auto` the worker follows the per-method
-    studies NAME-full, NAME-lora, NAME-qlora as the leader escalates. Optuna hands each queued trial to one
-    worker only, so no two workers measure the same candidate.
-    """
-    store = open_storage(storage)
-    runs: dict[str, StudyRun] = {}
+def _work(store: optuna.storages.BaseStorage, study_name: str, storage: str, workload: Workload | None,
+          backend: str | None, idle_s: float, progress: Callable[[Progress], None] | None, jobs: int | None,
+          runs: dict[str, StudyRun], pools: dict[str, Any]) -> None:
     idle_since = time.perf_counter()
     while True:  # a worker may start before the leader has made the study, or before it escalates
         for name in naming.worker_names(naming.study_names(store), study_name):
             if name not in runs:
-                runs[name] = _worker_run(store, name, storage, workload, backend, progress)
+                runs[name] = _worker_run(store, name, storage, workload, backend, progress, pools, jobs)
                 idle_since = time.perf_counter()  # `idle_s` of an empty queue counts from the study's making
         worked = 0
         for run in runs.values():
@@ -431,6 +430,25 @@ def run_worker(storage: str, study_name: str, *, workload: Workload | None = Non
             break
         else:
             time.sleep(0.2)
+
+
+def run_worker(storage: str, study_name: str, *, workload: Workload | None = None, backend: str | None = None,
+               idle_s: float = 5.0, progress: Callable[[Progress], None] | None = None,
+               jobs: int | None = None) -> int:
+    """Measure queued candidates of a shared study until no queue has had work for `idle_s`; return how many.
+
+    `study_name` is the name given to `suggest --study`: with `--method auto` the worker follows the per-method
+    studies NAME-full, NAME-lora, NAME-qlora as the leader escalates. Optuna hands each queued trial to one
+    worker only, so no two workers measure the same candidate. `jobs`: candidates measured at once.
+    """
+    store = open_storage(storage)
+    runs: dict[str, StudyRun] = {}
+    pools: dict[str, Any] = {}
+    try:
+        _work(store, study_name, storage, workload, backend, idle_s, progress, jobs, runs, pools)
+    finally:
+        for pool in pools.values():
+            pool.close()
     if not runs:
         known = naming.study_names(store)
         listed = f"studies there: {', '.join(known)}" if known else "it holds no study yet"

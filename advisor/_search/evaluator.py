@@ -7,12 +7,14 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 from ..errors import NoFitError
 from ..measurement import Measurement, Source, Status
 from ..space import Candidate
 from ..workload import Workload
-from .backends import FunctionBackend
+from .backends import FunctionBackend, get_backend
 from .ledger import Entry, Ledger, candidate_key, device_bytes
 
 PRUNE_FACTOR = 1.3  # the estimate prunes a candidate over limit x this: "far over budget", allowing its error
@@ -50,8 +52,9 @@ def _load_estimate(backend: FunctionBackend) -> Callable[[Workload, Candidate], 
 class Evaluator:
     """The estimate (cached per candidate), the ledger's answers and bounds, and the backend."""
 
-    def __init__(self, workload: Workload, backend: FunctionBackend, ledger: Ledger):
+    def __init__(self, workload: Workload, backend: FunctionBackend, ledger: Ledger, pool: Any = None):
         self.workload, self.backend, self.ledger = workload, backend, ledger
+        self.pool = pool if pool is not None else SerialPool(backend)
         self.limit = workload.limit_bytes
         self.new_measurements = 0
         self.messages: collections.Counter[tuple[str, str]] = collections.Counter()  # (origin, text) -> count
@@ -88,8 +91,9 @@ class Evaluator:
         return est.tokens_per_second or 0.0
 
     # -- one candidate ---------------------------------------------------------------------------------------
-    def evaluate(self, cand: Candidate, number: int | None) -> tuple[Entry, bool]:
-        """(entry, cached). Measures only a candidate never seen, not bounded and not far over by the estimate."""
+    def prepare(self, cand: Candidate, number: int | None) -> tuple[Entry, bool] | None:
+        """(entry, cached) when `cand` needs no measurement: seen before, bounded by a measured failure, or far
+        over the limit by the estimate (that entry is added to the ledger); None when it must be measured."""
         key = candidate_key(cand)
         hit = self.ledger.get(key)
         if hit is not None:
@@ -98,40 +102,106 @@ class Evaluator:
         if bound is not None:
             m = Measurement(Status.PRUNED, bound.measurement.source,
                             message=f"cannot fit: trial #{bound.number}, no hungrier, already failed")
-            entry = Entry(cand, m, number, measured=False, reason=m.message)
         else:
             est = self.estimate(cand)
             d = device_bytes(est) if est is not None else None
-            if self.prunes and est is not None and d is not None and d > self.limit * PRUNE_FACTOR:
-                m = Measurement(Status.PRUNED, Source.ESTIMATE, peak_bytes=est.peak_bytes,
-                                reserved_bytes=est.reserved_bytes, device_bytes=est.device_bytes,
-                                tokens_per_second=est.tokens_per_second,
-                                message=f"estimate {d / _GiB:.1f} GiB, far over the limit {self.limit / _GiB:.1f}")
-                entry = Entry(cand, m, number, measured=False, reason=m.message)
-            else:
-                m = self.measure(cand)
-                self.new_measurements += 1
-                entry = Entry(cand, m, number, measured=True, reason=failure_reason(m, self.limit))
+            if not (self.prunes and est is not None and d is not None and d > self.limit * PRUNE_FACTOR):
+                return None
+            m = Measurement(Status.PRUNED, Source.ESTIMATE, peak_bytes=est.peak_bytes,
+                            reserved_bytes=est.reserved_bytes, device_bytes=est.device_bytes,
+                            tokens_per_second=est.tokens_per_second,
+                            message=f"estimate {d / _GiB:.1f} GiB, far over the limit {self.limit / _GiB:.1f}")
+        entry = Entry(cand, m, number, measured=False, reason=m.message)
         self.ledger.add(entry)
         return entry, False
 
-    def measure(self, cand: Candidate) -> Measurement:
-        """The backend's measurement; what libraries warn while it runs is collected for the report."""
+    def record(self, cand: Candidate, number: int | None, m: Measurement) -> Entry:
+        """A measurement of `cand` into the ledger."""
+        self.new_measurements += 1
+        entry = Entry(cand, m, number, measured=True, reason=failure_reason(m, self.limit))
+        self.ledger.add(entry)
+        return entry
+
+    def evaluate(self, cand: Candidate, number: int | None) -> tuple[Entry, bool]:
+        """(entry, cached). Measures only a candidate never seen, not bounded and not far over by the estimate."""
+        done = self.prepare(cand, number)
+        if done is not None:
+            return done
+        return self.record(cand, number, self.measure(cand)), False
+
+    def submit(self, cand: Candidate) -> Pending:
+        """Start measuring `cand` in the pool; what libraries warn while an in-process pool runs it is collected
+        for the report."""
         from .._messages import capture
 
         start = time.perf_counter()
         said = None
         try:
             with capture() as said:  # what libraries warn per trainer goes to the report once, not to stderr
-                m = self.backend.measure(self.workload, cand)
-        except (KeyboardInterrupt, NoFitError):
-            raise
-        except Exception as exc:  # a crash of one candidate is an outcome, not the end of the search
-            return Measurement(Status.ERROR, source_of(self.backend.name), message=f"{type(exc).__name__}: {exc}",
-                               wall_time_s=time.perf_counter() - start)
+                future = self.pool.submit(self.workload, cand)
         finally:
             if said is not None:
                 self.messages.update(said)
+        return Pending(future, start)
+
+    def result(self, pending: Pending) -> Measurement:
+        """The measurement; a crash of one candidate is an outcome (ERROR), not the end of the search."""
+        try:
+            m = pending.future.result()
+        except (KeyboardInterrupt, NoFitError):
+            raise
+        except Exception as exc:
+            return Measurement(Status.ERROR, source_of(self.backend.name), message=f"{type(exc).__name__}: {exc}",
+                               wall_time_s=time.perf_counter() - pending.start)
         if m.wall_time_s is None:
-            m = dataclasses.replace(m, wall_time_s=time.perf_counter() - start)
+            m = dataclasses.replace(m, wall_time_s=time.perf_counter() - pending.start)
         return m
+
+    def measure(self, cand: Candidate) -> Measurement:
+        """The backend's measurement of `cand`, through the pool."""
+        return self.result(self.submit(cand))
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    future: Future[Measurement]
+    start: float
+
+
+class SerialPool:
+    """The pool interface (`submit(workload, candidate) -> Future[Measurement]`, `close()`, a context manager)
+    with each measurement made in this process, inside `submit`: for jobs=1 and for backends registered in this
+    process (a lambda cannot be sent to a worker). A KeyboardInterrupt is raised from `submit`; any other error is
+    the future's exception."""
+
+    def __init__(self, backend: str | FunctionBackend, jobs: int = 1):
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.jobs = max(1, jobs)
+
+    def submit(self, workload: Workload, candidate: Candidate) -> Future[Measurement]:
+        future: Future[Measurement] = Future()
+        try:
+            future.set_result(self.backend.measure(workload, candidate))
+        except Exception as exc:  # noqa: BLE001 (the caller decides what an error means)
+            future.set_exception(exc)
+        return future
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> SerialPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open_pool(backend: str | FunctionBackend, jobs: int | None) -> SerialPool:
+    """The pool the search measures through. Today a SerialPool for every backend (`jobs` sets how many
+    candidates one batch of the loop proposes and tells, in proposal order); advisor/_search/pool.py's
+    `open_pool(backend, jobs)` (warm worker processes) takes over for simulate when it lands."""
+    if jobs is not None and jobs < 1:
+        from ..errors import UsageError
+
+        raise UsageError(f"--jobs {jobs}: must be >= 1 (or leave it out: one per core)")
+    return SerialPool(backend, jobs or 1)

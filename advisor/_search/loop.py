@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..events import Event, NoNewCandidate, Progress, Seeded, TimeBudget, describe
@@ -12,7 +14,7 @@ from ..space import Candidate
 from ..workload import Method, Workload, fingerprint
 from . import liveness, proposers
 from .backends import FunctionBackend
-from .evaluator import Evaluator
+from .evaluator import Evaluator, Pending
 from .ledger import Entry, Ledger, candidate_key, device_bytes
 from .params import StudySpace
 
@@ -27,15 +29,29 @@ def json_safe(d: dict[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
 
+@dataclass
+class _InFlight:
+    """An asked trial whose candidate is being measured (pending None: a repeat of one in the same batch)."""
+
+    trial: optuna.Trial
+    cand: Candidate
+    key: str
+    pending: Pending | None
+    beat: contextlib.ExitStack
+
+
 class StudyRun:
     """One method's search: the Optuna study, our ledger (rebuilt from the study), the evaluator."""
 
     def __init__(self, workload: Workload, method: Method, space: StudySpace, backend: FunctionBackend,
-                 study: optuna.Study, progress: Callable[[Progress], None] | None = None):
+                 study: optuna.Study, progress: Callable[[Progress], None] | None = None, pool: Any = None,
+                 jobs: int = 1):
         self.workload, self.method, self.space, self.backend, self.study = workload, method, space, backend, study
         self.limit = workload.limit_bytes
         self.ledger = Ledger(self.limit)
-        self.evaluator = Evaluator(workload, backend, self.ledger)
+        self.evaluator = Evaluator(workload, backend, self.ledger, pool)
+        self.jobs = max(1, jobs)  # candidates measured at once: one batch is proposed, then told in order
+        self._in_flight: set[str] = set()
         self.progress = progress
         self.events: list[Event] = []
         self.stopped_by_time = False
@@ -100,8 +116,9 @@ class StudyRun:
         trial.set_constraint("device_bytes", float(violation))
         liveness.finish(self.study, trial, float(m.tokens_per_second or 0.0) if m.ok else 0.0)
 
-    def step(self, trial: optuna.Trial) -> tuple[Entry | None, bool]:
-        """Evaluate the candidate of one asked trial and tell the study."""
+    def _start(self, trial: optuna.Trial) -> tuple[Entry | None, bool] | _InFlight:
+        """Decode and claim one asked trial's candidate: told at once (entry, cached) when it needs no measurement,
+        else its measurement is submitted to the pool (an _InFlight, told by _finish in proposal order)."""
         trial.set_user_attr("owner", liveness.owner())
         params = {k: trial.suggest_categorical(k, self.space.choices(k)) for k in self.space.params}
         cand = self.space.decode(params)
@@ -114,14 +131,51 @@ class StudyRun:
             trial.set_user_attr("claimed_elsewhere", True)
             liveness.fail(self.study, trial)
             return None, True
+        beat = contextlib.ExitStack()
         try:
-            with liveness.heartbeat(trial):
-                entry, cached = self.evaluator.evaluate(cand, trial.number)
+            beat.enter_context(liveness.heartbeat(trial))
+            done = self.evaluator.prepare(cand, trial.number)
+            if done is not None:
+                beat.close()
+                self._tell(trial, *done)
+                return done
+            # the same candidate twice in one batch (TPE repeats points): the ledger answers it after the first
+            pending = None if key in self._in_flight else self.evaluator.submit(cand)
         except BaseException:
+            beat.close()
             liveness.fail(self.study, trial)  # finished trials stay; this one is retried next run
             raise
-        self._tell(trial, entry, cached)
-        return entry, cached
+        if pending is not None:
+            self._in_flight.add(key)
+        return _InFlight(trial, cand, key, pending, beat)
+
+    def _finish(self, batch: list[_InFlight]) -> list[tuple[Entry | None, bool]]:
+        """Wait for the batch's measurements and tell them in proposal order (whatever finished first)."""
+        out: list[tuple[Entry | None, bool]] = []
+        try:
+            for i, f in enumerate(batch):
+                try:
+                    if f.pending is None:
+                        entry, cached = self.evaluator.evaluate(f.cand, f.trial.number)
+                    else:
+                        entry, cached = self.evaluator.record(f.cand, f.trial.number,
+                                                              self.evaluator.result(f.pending)), False
+                except BaseException:
+                    for g in batch[i:]:
+                        g.beat.close()
+                        liveness.fail(self.study, g.trial)  # retried next run
+                    raise
+                f.beat.close()
+                self._tell(f.trial, entry, cached)
+                out.append((entry, cached))
+        finally:
+            self._in_flight.clear()
+        return out
+
+    def step(self, trial: optuna.Trial) -> tuple[Entry | None, bool]:
+        """Evaluate the candidate of one asked trial and tell the study."""
+        started = self._start(trial)
+        return self._finish([started])[0] if isinstance(started, _InFlight) else started
 
     def enqueue(self, cands: list[Candidate], tag: str) -> None:
         """Queue candidates not measured and not already waiting or being measured. Unlike Optuna's
@@ -163,10 +217,25 @@ class StudyRun:
             self._seed()
         misses, turn = 0, 0
         idle_since: float | None = None
+        batch: list[_InFlight] = []
+
+        def told(results: list[tuple[Entry | None, bool]]) -> None:
+            nonlocal misses
+            for entry, cached in results:
+                misses = misses + 1 if (cached or entry is None or not entry.measured) else 0
+                if self.progress is not None:
+                    best = self.ledger.best()
+                    self.progress(Progress(len(self.ledger.measured), total, best.measurement.tokens_per_second
+                                           if best else None, time.perf_counter() - start,
+                                           describe(entry.candidate) if entry else ""))
+
         while True:
+            if len(batch) >= self.jobs:
+                told(self._finish(batch))
+                batch = []
             if not queue_only:
                 self.refresh()  # other runs sharing the study count toward `trials` as soon as they finish
-            done = len(self.ledger.measured)
+            done = len(self.ledger.measured) + len(batch)  # in flight counts toward `trials`
             if not exhaustive and not queue_only and done >= trials:
                 break
             if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
@@ -176,6 +245,10 @@ class StudyRun:
             waiting = self.waiting()
             if not waiting:
                 if exhaustive or queue_only:
+                    if batch:  # what is in flight may bound or answer what is left: finish it, then look again
+                        told(self._finish(batch))
+                        batch = []
+                        continue
                     if queue_only and idle_s > 0:
                         idle_since = idle_since or time.perf_counter()
                         if time.perf_counter() - idle_since < idle_s:
@@ -195,13 +268,13 @@ class StudyRun:
             if queue_only and "proposed_by" not in trial.user_attrs:
                 liveness.fail(self.study, trial)  # lost the race for the last queued trial
                 continue
-            entry, cached = self.step(trial)
-            misses = misses + 1 if (cached or entry is None or not entry.measured) else 0
-            if self.progress is not None:
-                best = self.ledger.best()
-                self.progress(Progress(len(self.ledger.measured), total, best.measurement.tokens_per_second
-                                       if best else None, time.perf_counter() - start,
-                                       describe(entry.candidate) if entry else ""))
+            started = self._start(trial)
+            if isinstance(started, _InFlight):
+                batch.append(started)
+            else:
+                told([started])
+        if batch:
+            told(self._finish(batch))
 
     def wait_for_running(self, timeout_s: float = 600.0) -> None:
         """Workers, or other runs sharing the study, may still be measuring; their results belong in the answer.
