@@ -14,7 +14,9 @@ from ..errors import NoFitError
 from ..measurement import Measurement, Source, Status
 from ..space import Candidate
 from ..workload import Workload
+from . import fidelity
 from .backends import FunctionBackend, get_backend
+from .fidelity import Correction
 from .ledger import Entry, Ledger, candidate_key, device_bytes
 
 PRUNE_FACTOR = 1.3  # the estimate prunes a candidate over limit x this: "far over budget", allowing its error
@@ -62,6 +64,8 @@ class Evaluator:
         self._estimate_fn = _load_estimate(backend)
         # The estimate backend IS the estimate: it orders the queue, but pruning by it would only skip measuring.
         self.prunes = backend.name != "estimate"
+        self._correction, self._fitted_on = Correction.identity(), 0
+        self.skip_losers = True  # multi-fidelity skipping; off for an exhaustive run, which measures everything
 
     # -- the estimate ----------------------------------------------------------------------------------------
     @property
@@ -79,11 +83,28 @@ class Evaluator:
                 self._estimates[key] = None
         return self._estimates[key]
 
+    def correction(self) -> Correction:
+        """The estimate's error fitted on every candidate measured so far (refitted when the ledger grew)."""
+        if not self.prunes or self._estimate_fn is None:
+            return self._correction  # the estimate backend measures the estimate itself: nothing to correct
+        measured = self.ledger.measured
+        if len(measured) != self._fitted_on:
+            pairs = [(est, e.measurement) for e in measured if (est := self.estimate(e.candidate)) is not None]
+            self._correction, self._fitted_on = fidelity.fit(pairs), len(measured)
+        return self._correction
+
     def estimated_tps(self, cand: Candidate) -> float:
-        """The estimate's tokens/s; 0 when it cannot price `cand`, -1 when it puts it far over the limit."""
+        """The (corrected) estimate's tokens/s; 0 when it cannot price `cand`, -1 when it puts it far over the
+        limit."""
         est = self.estimate(cand)
         if est is None or not est.ok:
             return 0.0
+        corr = self.correction()
+        if corr.changes:
+            d = corr.device_bytes(est)
+            if d is not None and d > self.limit * PRUNE_FACTOR:
+                return -1.0
+            return corr.tokens_per_second(est)
         d = device_bytes(est)
         # As a backend the estimate is exact about itself: what it puts over the limit does not fit.
         if d is not None and d > self.limit * (PRUNE_FACTOR if self.prunes else 1.0):
@@ -106,7 +127,14 @@ class Evaluator:
             est = self.estimate(cand)
             d = device_bytes(est) if est is not None else None
             if not (self.prunes and est is not None and d is not None and d > self.limit * PRUNE_FACTOR):
-                return None
+                why = self._cannot_win(est)
+                if not why:
+                    return None
+                entry = Entry(cand, Measurement(Status.PRUNED, Source.ESTIMATE, peak_bytes=est.peak_bytes,
+                                                device_bytes=est.device_bytes, tokens_per_second=est.tokens_per_second,
+                                                message=why), number, measured=False, reason=why)
+                self.ledger.add(entry)
+                return entry, False
             m = Measurement(Status.PRUNED, Source.ESTIMATE, peak_bytes=est.peak_bytes,
                             reserved_bytes=est.reserved_bytes, device_bytes=est.device_bytes,
                             tokens_per_second=est.tokens_per_second,
@@ -114,6 +142,14 @@ class Evaluator:
         entry = Entry(cand, m, number, measured=False, reason=m.message)
         self.ledger.add(entry)
         return entry, False
+
+    def _cannot_win(self, est: Measurement | None) -> str:
+        """Multi-fidelity: measure only what the corrected estimate says can still win."""
+        if not self.prunes or not self.skip_losers or est is None:
+            return ""
+        best = self.ledger.best()
+        return fidelity.cannot_win(self.correction(), est, best.measurement.tokens_per_second if best else None,
+                                   self.limit)
 
     def record(self, cand: Candidate, number: int | None, m: Measurement) -> Entry:
         """A measurement of `cand` into the ledger."""

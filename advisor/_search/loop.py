@@ -212,6 +212,7 @@ class StudyRun:
         if exhaustive:
             grid = list(self.space.candidates())
             total = len(grid)  # the progress bar counts toward the grid, not --trials
+            self.evaluator.skip_losers = False
             self.enqueue(grid, "exhaustive")
         elif not queue_only:
             self._seed()

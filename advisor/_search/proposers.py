@@ -118,17 +118,31 @@ def fit_check(space: StudySpace, ledger: Ledger, ev: Evaluator, n: int = FIT_CHE
 
 
 def next_neighbour(space: StudySpace, ledger: Ledger, ev: Evaluator) -> Candidate | None:
-    """The unmeasured neighbour, of the NEIGHBOUR_PARENTS fastest feasible candidates so far, that the estimate
-    ranks fastest. Several parents, not only the best: a plateau of ties (e.g. optimizers of equal speed)
-    otherwise keeps the walk from the one-knob move off a slightly slower candidate that leads higher."""
+    """The unmeasured neighbour, of the NEIGHBOUR_PARENTS fastest feasible candidates so far, that the (corrected)
+    estimate ranks fastest. A parent is its plateau: it and its neighbours the estimate cannot tell from it (equal
+    memory and time within the model's resolution) are one move, so the walk steps off the whole plateau, and a
+    candidate tied with one already measured is not proposed (measuring it would say nothing new to the walk).
+    So the walk's reach does not hang on how many parents it expands."""
     ok = [e for e in ledger.measured if feasible(e.measurement, ledger.limit_bytes)]
     parents = sorted(ok, key=lambda e: -(e.measurement.tokens_per_second or 0.0))[:NEIGHBOUR_PARENTS]
+    corr = ev.correction() if ev.has_estimate else None
+    measured_est = [est for e in ledger.measured if (est := ev.estimate(e.candidate)) is not None and est.ok]
+
+    def tied_with_measured(c: Candidate) -> bool:
+        est = ev.estimate(c)
+        return corr is not None and est is not None and est.ok and any(corr.ties(est, m) for m in measured_est)
+
     fresh: dict[str, tuple[int, Candidate]] = {}
     for rank, parent in enumerate(parents):
-        for c in space.neighbours(parent.candidate):
-            key = candidate_key(c)
-            if key not in fresh and key not in ledger and ledger.bound(c) is None:
-                fresh[key] = (rank, c)
+        plateau = [parent.candidate]
+        if corr is not None and (pest := ev.estimate(parent.candidate)) is not None and pest.ok:
+            plateau += [c for c in space.neighbours(parent.candidate)
+                        if (est := ev.estimate(c)) is not None and est.ok and corr.ties(est, pest)]
+        for member in plateau:
+            for c in space.neighbours(member):
+                key = candidate_key(c)
+                if key not in fresh and key not in ledger and ledger.bound(c) is None and not tied_with_measured(c):
+                    fresh[key] = (rank, c)
     if not fresh:
         return None
     if not ev.has_estimate:
