@@ -8,8 +8,9 @@ measured once (our ledger; TPE repeats points), a measured failure bounds its la
 estimate prunes candidates far over the limit before a costlier backend sees them.
 
 This module is the public API; the parts live in `advisor/_search/`: `loop` (ask / evaluate / tell),
-`proposers` (stored results, estimate seeds, the neighbour walk, TPE), `evaluator` (dedup, bounds, pruning),
-`liveness` (heartbeats, owners, stale trials), `naming` (study names, specs, opening the store), `params` (the
+`proposers` (stored results, estimate seeds, the neighbour walk, TPE), `evaluator` (dedup, bounds, pruning, the
+pool), `fidelity` (the estimate corrected by measured points), `liveness` (heartbeats, owners, stale trials),
+`worker` (a worker's side of a shared study), `naming` (study names, specs, opening the store), `params` (the
 space as Optuna sees it) and `answer` (the confirmed pick, the Suggestion, the no-fit message). What the search
 says about its run are typed events (`advisor.events`).
 """
@@ -17,7 +18,6 @@ says about its run are typed events (`advisor.events`).
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,7 @@ from ._search.space import (
     parse_fix,
 )
 from ._search.storage import cache_dir, open_cache, open_given, open_storage
+from ._search.worker import work
 from .errors import NoFitError, UsageError
 from .events import (
     AnsweredFromStored,
@@ -70,7 +71,7 @@ from .suggestion import Suggestion
 from .workload import Goals, Method, Workload, fingerprint
 
 if TYPE_CHECKING:
-    import optuna
+    pass
 
 __all__ = [
     "suggest", "run_worker", "build_space", "Progress", "check_backend", "stored_studies", "stored_suggestion",
@@ -372,66 +373,6 @@ def stored_suggestion(study_name: str, storage: str | None = None, *, workload: 
                               "events": [e.to_dict() for e in events]})
 
 
-def _worker_run(store: optuna.storages.BaseStorage, name: str, storage: str, workload: Workload | None,
-                backend: str | None, progress: Callable[[Progress], None] | None, pools: dict[str, Any],
-                jobs: int | None) -> StudyRun:
-    import optuna
-
-    study = optuna.load_study(study_name=name, storage=store)
-    spec = study.user_attrs.get(naming.SPEC_KEY)
-    end = time.monotonic() + 30.0
-    while spec is None and time.monotonic() < end:  # a leader creates the study, then stores its spec
-        time.sleep(0.2)
-        spec = study.user_attrs.get(naming.SPEC_KEY)
-    if spec is None:
-        raise UsageError(f"--study {name!r}: not an advisor study in {storage} (no spec attribute); name a study "
-                         "made by `advisor suggest --storage URL --study NAME`")
-    if backend is not None and backend != spec["backend"]:
-        raise UsageError(f"--backend {backend}: the study {name!r} measures with {spec['backend']}; a worker must "
-                         f"use the study's backend: drop --backend or pass --backend {spec['backend']}")
-    if workload is None:
-        from .workload import build_workload
-
-        if not spec.get("model"):
-            raise UsageError(f"--study {name!r}: started from a Workload object; run workers through "
-                             "advisor.search.run_worker(workload=...)")
-        workload = build_workload(spec["model"], gpu=spec.get("gpu"), dataset=spec.get("dataset"),
-                                  tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
-                                  goals=Goals(**spec["goals"]))
-    workload = dataclasses.replace(workload, goals=Goals(**spec["goals"]))
-    if workload.fingerprint() != spec["workload_fingerprint"]:
-        raise UsageError(f"--study {name!r}: the workload differs from the one the study was made for")
-    be = get_backend(spec["backend"])
-    space = StudySpace(workload, space_from_json(spec["space"]), int(spec["tokens_per_step"]),
-                   RowTokens(workload.dataset))
-    if spec["backend"] not in pools:
-        pools[spec["backend"]] = _open_pool(spec["backend"], jobs)
-    pool = pools[spec["backend"]]
-    return StudyRun(workload, Method(spec["method"]), space, be, study, progress, pool=pool, jobs=pool.jobs)
-
-
-def _work(store: optuna.storages.BaseStorage, study_name: str, storage: str, workload: Workload | None,
-          backend: str | None, idle_s: float, progress: Callable[[Progress], None] | None, jobs: int | None,
-          runs: dict[str, StudyRun], pools: dict[str, Any]) -> None:
-    idle_since = time.perf_counter()
-    while True:  # a worker may start before the leader has made the study, or before it escalates
-        for name in naming.worker_names(naming.study_names(store), study_name):
-            if name not in runs:
-                runs[name] = _worker_run(store, name, storage, workload, backend, progress, pools, jobs)
-                idle_since = time.perf_counter()  # `idle_s` of an empty queue counts from the study's making
-        worked = 0
-        for run in runs.values():
-            before = run.new_measurements
-            run.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True, idle_s=0.0)
-            worked += run.new_measurements - before
-        if worked:
-            idle_since = time.perf_counter()
-        elif time.perf_counter() - idle_since > idle_s:
-            break
-        else:
-            time.sleep(0.2)
-
-
 def run_worker(storage: str, study_name: str, *, workload: Workload | None = None, backend: str | None = None,
                idle_s: float = 5.0, progress: Callable[[Progress], None] | None = None,
                jobs: int | None = None) -> int:
@@ -445,7 +386,7 @@ def run_worker(storage: str, study_name: str, *, workload: Workload | None = Non
     runs: dict[str, StudyRun] = {}
     pools: dict[str, Any] = {}
     try:
-        _work(store, study_name, storage, workload, backend, idle_s, progress, jobs, runs, pools)
+        work(store, study_name, storage, workload, backend, idle_s, progress, jobs, runs, pools)
     finally:
         for pool in pools.values():
             pool.close()
