@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import emit
+from .events import Event, render
 from .measurement import Measurement
 from .space import Candidate
 
@@ -36,11 +37,16 @@ class Suggestion:
     candidate: Candidate
     measurement: Measurement
     trials: tuple[Trial, ...] = ()
-    reasons: tuple[str, ...] = ()
+    events: tuple[Event, ...] = ()  # what the search says about its run (advisor.events), rendered by `reasons`
     backend: str = "estimate"
     evaluations: int = 0
     front: tuple[Trial, ...] = ()
     messages: tuple[LibraryMessage, ...] = ()  # what libraries warned or logged while measuring, deduplicated
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """The events as the lines the CLI and the report print."""
+        return tuple(render(e) for e in self.events)
 
     @property
     def model_name_or_path(self) -> str:
@@ -154,6 +160,7 @@ class Suggestion:
             "limit_bytes": self.workload.limit_bytes,
             "quality": self.candidate.quality_cost(self.truncated_fraction).describe(),
             "notes": notes,
+            "events": [e.to_dict() for e in self.events],
             "trials": [
                 {"number": t.number, "config": t.candidate.to_dict(), "measurement": t.measurement.to_dict(),
                  "why": t.reason, "cached": t.cached}

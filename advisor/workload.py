@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -97,16 +98,53 @@ class GPUSpec:
 
 
 @dataclass(frozen=True)
+class GoalField:
+    """One goal as `Goals` declares it."""
+
+    name: str  # the Goals field
+    param: str  # the suggest() parameter
+    flag: str  # the CLI flag
+    kind: str  # int, size, fraction, choice, switch
+    help: str
+    default: Any
+    choices: tuple[str, ...] = ()
+
+
+def _goal(default: Any, flag: str, param: str, kind: str, help: str) -> Any:
+    """A goal's one declaration: its default, its CLI flag, its `suggest()` parameter, how the CLI parses it
+    (int, size, fraction, choice, switch) and its help. `suggest()` and `advisor suggest` derive theirs from it."""
+    return field(default=default, metadata={"flag": flag, "param": param, "kind": kind, "help": help})
+
+
+@dataclass(frozen=True)
 class Goals:
     """The user's constraints. `tokens_per_step` is the fixed effective batch in trained tokens."""
 
-    tokens_per_step: int | None = None
-    memory_budget_bytes: int | None = None
-    headroom: float = 0.05
-    method: Method = Method.AUTO
-    max_truncation: float = 0.01
-    allow_low_precision_weights: bool = False
-    allow_wrapped: bool = False
+    tokens_per_step: int | None = _goal(None, "--tokens-per-step", "tokens_per_step", "int",
+                                        "trained tokens per optimizer step (the effective batch; default: TRL's "
+                                        "8 rows x mean trained tokens per row)")
+    memory_budget_bytes: int | None = _goal(None, "--memory-budget", "memory_budget", "size",
+                                            "memory the training may use (default: the card's capacity), e.g. 40GB")
+    headroom: float = _goal(0.05, "--headroom", "headroom", "fraction",
+                            "keep the device peak under budget x (1 - headroom)")
+    method: Method = _goal(Method.AUTO, "--method", "method", "choice",
+                           "auto: full fine-tuning if anything fits, else LoRA, else QLoRA")
+    max_truncation: float = _goal(0.01, "--max-truncation", "max_truncation", "fraction",
+                                  "share of trained tokens truncation may drop")
+    allow_low_precision_weights: bool = _goal(False, "--allow-low-precision-weights", "allow_low_precision_weights",
+                                              "switch", "allow pure bf16/fp16 weights")
+    allow_wrapped: bool = _goal(False, "--allow-wrapped", "allow_wrapped", "switch",
+                                "allow 'wrapped' packing (mixes examples)")
+
+    @classmethod
+    def declared(cls) -> tuple[GoalField, ...]:
+        """Every goal as declared: what `suggest()`'s goal parameters and the CLI's goal flags are built from."""
+        out = []
+        for f in dataclasses.fields(cls):
+            md = f.metadata
+            choices = tuple(m.value for m in Method) if f.name == "method" else ()
+            out.append(GoalField(f.name, md["param"], md["flag"], md["kind"], md["help"], f.default, choices))
+        return tuple(out)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))

@@ -1,6 +1,7 @@
 """Search vs exhaustive grid vs TRL defaults vs batch-size finders, side by side, on one backend.
 
     python scripts/bench_search.py [--backend simulate] [--gpus L4 H100-80GB] [--share 0.2] [--memo FILE.jsonl]
+    python scripts/bench_search.py --sweep ...   (the search alone over the walk's NEIGHBOUR_PARENTS x SEEDS)
 
 Every method gets its own count of distinct candidates (its cost); measurements are memoised across methods
 only to save wall time, and each method's seconds are the sum of its own candidates' measuring time.
@@ -130,6 +131,32 @@ def bench(gpu: str, backend: str, share: float, memo_path: Path | None) -> list[
     return out
 
 
+def sweep(gpu: str, backend: str, share: float, memo_path: Path | None) -> list[list[str]]:
+    """The search's reach and cost over the walk's parameters (NEIGHBOUR_PARENTS x SEEDS)."""
+    from advisor._search import proposers
+
+    wl = build_workload("Qwen/Qwen2.5-0.5B", gpu=gpu, goals=Goals())
+    memo = Memo(backend, gpu, memo_path)
+    grid, grid_n, _ = _method("grid", memo, wl, lambda b, a: search.suggest(
+        wl, backend=b, cache=False, exhaustive=True, fix=FIX, method="full"))
+    grid_tps = grid.measurement.tokens_per_second
+    budget = max(1, math.floor(share * grid_n))
+    out = []
+    saved = proposers.NEIGHBOUR_PARENTS, proposers.SEEDS
+    try:
+        for parents in (1, 2, 4, 8):
+            for seeds in (2, 4, 8, 16):
+                proposers.NEIGHBOUR_PARENTS, proposers.SEEDS = parents, seeds
+                found, n, _ = _method("search", memo, wl, lambda b, a: search.suggest(
+                    wl, backend=b, cache=False, trials=budget, fix=FIX, method="full"))
+                tps = found.measurement.tokens_per_second
+                out.append([gpu, str(parents), str(seeds), f"{tps:,.0f}", f"{tps / grid_tps:.3f}", str(n),
+                            f"{n / grid_n:.3f}"])
+    finally:
+        proposers.NEIGHBOUR_PARENTS, proposers.SEEDS = saved
+    return out
+
+
 def _x09(start: int) -> list[int]:
     sizes, b = [], start
     while b >= 1:
@@ -146,7 +173,13 @@ def main() -> None:
     ap.add_argument("--gpus", nargs="+", default=["L4", "H100-80GB"])
     ap.add_argument("--share", type=float, default=0.2, help="search budget as a share of the grid's candidates")
     ap.add_argument("--memo", type=Path, help="JSON-lines file of measurements kept between runs (iterating only)")
+    ap.add_argument("--sweep", action="store_true", help="the search alone over NEIGHBOUR_PARENTS x SEEDS")
     ns = ap.parse_args()
+    if ns.sweep:
+        rows = [r for gpu in ns.gpus for r in sweep(gpu, ns.backend, ns.share, ns.memo)]
+        print(f"backend={ns.backend}  fix={FIX}  share={ns.share}")
+        print(tabulate(rows, headers=["gpu", "parents", "seeds", "tokens/s", "vs grid", "candidates", "vs grid cost"]))
+        return
     rows = []
     for gpu in ns.gpus:
         rows += bench(gpu, ns.backend, ns.share, ns.memo)

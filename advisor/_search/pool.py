@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UsageError
 from ..measurement import Measurement, Source, Status
 
 if TYPE_CHECKING:
@@ -161,8 +161,13 @@ def _resolve(ref: str) -> Any:
 
 
 def source_of(backend: str) -> Source:
-    return {"estimate": Source.ESTIMATE, "cpu": Source.PROBE_CPU, "cuda": Source.PROBE_CUDA}.get(backend,
-                                                                                             Source.SIMULATE)
+    """The Source the registry declares for `backend` (an unregistered name is EXTERNAL, never an estimate)."""
+    from ..backends import source_of as declared
+
+    try:
+        return declared(backend)
+    except UsageError:
+        return Source.EXTERNAL
 
 
 # ---- in-process -------------------------------------------------------------------------------------------
@@ -432,6 +437,7 @@ class ProcessPool:
 
     def __init__(self, backend: str, ref: str, jobs: int):
         self.backend, self.jobs, self._ref = backend, jobs, ref
+        self.remote = True  # measured in worker processes: each future carries its own messages
         self._dir = Path(tempfile.mkdtemp(prefix="advisor-pool-"))
         self._ctx = _Server.acquire(self._dir / "forkserver.log")
         self._threads = max(1, default_jobs() // jobs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..backends import backend_names
 from ..errors import BackendError, NoFitError, UsageError
@@ -19,20 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="take model_name_or_path / dataset_name from a trl sft --config file")
     p.add_argument("--backend", default=None, metavar="{" + ",".join(backend_names()) + "}",
                    help="how candidates are measured (default: cuda when a GPU is present, else simulate)")
-    p.add_argument("--method", choices=("full", "lora", "qlora", "auto"), default="auto",
-                   help="auto: full fine-tuning if anything fits, else LoRA, else QLoRA")
-    p.add_argument("--memory-budget", default=None, metavar="SIZE", help="memory the training may use (default: "
-                   "the card's capacity), e.g. 40GB")
-    p.add_argument("--headroom", default="0.05", help="keep the device peak under budget x (1 - headroom)")
-    p.add_argument("--max-truncation", default="0.01", help="share of trained tokens truncation may drop")
-    p.add_argument("--tokens-per-step", type=int, default=None, help="trained tokens per optimizer step "
-                   "(the effective batch; default: TRL's 8 rows x mean trained tokens per row)")
+    add_goal_args(p)
     p.add_argument("--trials", type=int, default=None, help="distinct candidates to measure at most")
     p.add_argument("--time-budget", type=float, default=None, metavar="S", help="stop searching after S seconds")
     p.add_argument("--fix", action="append", default=[], metavar="FIELD=VALUE",
                    help="pin a knob by its SFTConfig / ModelConfig name, e.g. optim=adamw_torch (repeatable)")
-    p.add_argument("--allow-low-precision-weights", action="store_true", help="allow pure bf16/fp16 weights")
-    p.add_argument("--allow-wrapped", action="store_true", help="allow 'wrapped' packing (mixes examples)")
     p.add_argument("--storage", default=None, help="Optuna RDB URL or journal file to share the study")
     p.add_argument("--study", default=None, help="study name (with --storage; workers join it by this name)")
     add_jobs_flag(p)
@@ -64,6 +56,44 @@ def jobs_kwargs(ns: argparse.Namespace) -> dict[str, int]:
     return {"jobs": check_jobs(ns.jobs)}
 
 
+# ---- the goal flags: one per `Goals` field, as it declares them ----------------------------------------------
+def add_goal_args(p: argparse.ArgumentParser) -> None:
+    from ..workload import Goals
+
+    for g in Goals.declared():
+        dest = g.flag.removeprefix("--").replace("-", "_")
+        if g.kind == "switch":
+            p.add_argument(g.flag, dest=dest, action="store_true", help=g.help)
+        elif g.kind == "choice":
+            p.add_argument(g.flag, dest=dest, choices=g.choices, default=g.default.value, help=g.help)
+        else:
+            shown = {"size": "SIZE", "int": "N"}.get(g.kind)
+            p.add_argument(g.flag, dest=dest, default=None, metavar=shown, help=g.help + (
+                f" (default {g.default})" if g.default is not None else ""))
+
+
+def goals_from_args(ns: argparse.Namespace) -> dict[str, Any]:
+    """The Goals field values the goal flags give (a flag left out keeps the field's default)."""
+    from ..workload import Goals
+
+    out: dict[str, Any] = {}
+    for g in Goals.declared():
+        value = getattr(ns, g.flag.removeprefix("--").replace("-", "_"))
+        if value is None or value == "":
+            continue
+        if g.kind == "size":
+            value = parse_size(value, g.flag)
+        elif g.kind == "fraction":
+            value = parse_fraction(value, g.flag)
+        elif g.kind == "int":
+            try:
+                value = int(value)
+            except ValueError:
+                raise UsageError(f"{g.flag} {value!r}: not a whole number") from None
+        out[g.name] = value
+    return out
+
+
 def parse_fixes(items: list[str]) -> dict[str, str]:
     out, bad = {}, []
     for item in items:
@@ -82,13 +112,7 @@ def run(ns: argparse.Namespace) -> int:
     from ..workload import Goals
 
     fmt = "json" if ns.json else ns.format
-    goals = Goals(
-        memory_budget_bytes=parse_size(ns.memory_budget) if ns.memory_budget else None,
-        headroom=parse_fraction(ns.headroom, "--headroom"),
-        max_truncation=parse_fraction(ns.max_truncation, "--max-truncation"),
-        tokens_per_step=ns.tokens_per_step, method=ns.method,
-        allow_low_precision_weights=ns.allow_low_precision_weights, allow_wrapped=ns.allow_wrapped,
-    )
+    goals = Goals(**goals_from_args(ns))
     fixes = parse_fixes(ns.fix)
     if ns.study and not ns.storage:
         raise UsageError("--study needs --storage (the shared study's URL or journal file)")

@@ -1,0 +1,137 @@
+"""The SearchSpace as Optuna sees it: one categorical per knob with more than one value; decoding checks validity
+(TRL's rules, the attention pins, truncation, the effective batch) and fills the accumulation."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from enum import Enum
+from typing import Any
+
+from ..errors import ConfigError
+from ..space import Candidate, SearchSpace
+from ..workload import Workload
+from .space import BATCH_TOLERANCE, RowTokens, attention_refusal, with_accumulation
+
+NO_ACCUMULATION = "no accumulation"  # how StudySpace.admit starts the reason an effective batch cannot be met
+
+
+def _encode(v: Any) -> Any:
+    if isinstance(v, Enum):
+        return v.value
+    if isinstance(v, tuple):
+        return ",".join(v)
+    return v
+
+
+class StudySpace:
+    """A SearchSpace seen by Optuna: one categorical per knob with more than one value; decoding checks validity."""
+
+    def __init__(self, workload: Workload, space: SearchSpace, tokens_per_step: int, rows: RowTokens):
+        self.workload, self.space, self.tokens_per_step, self.rows = workload, space, tokens_per_step, rows
+        self.fixed = {k: v[0] for k, v in space.values.items() if len(v) == 1}
+        self.params = {k: tuple(v) for k, v in sorted(space.values.items()) if len(v) > 1}
+        self.base = Candidate().replace(**self.fixed) if self.fixed else Candidate()
+
+    def choices(self, name: str) -> list[Any]:
+        return [_encode(v) for v in self.params[name]]
+
+    def decode(self, params: Mapping[str, Any]) -> Candidate | str:
+        """The candidate for Optuna params, or why it is not admissible."""
+        values = {}
+        for k, vals in self.params.items():
+            enc = self.choices(k)
+            values[k] = vals[enc.index(params[k])]
+        try:
+            cand = self.base.replace(**values).canonical()
+        except ConfigError as exc:
+            return str(exc)
+        return self.admit(cand)
+
+    def admit(self, cand: Candidate) -> Candidate | str:
+        wl = self.workload
+        problems = cand.problems(wl.gpu, wl.model)
+        if problems:
+            return "; ".join(problems)
+        refused = attention_refusal(self.space, cand)
+        if refused:
+            return refused
+        ctx = wl.model.max_position_embeddings
+        if cand.max_length is None and ctx is not None and len(wl.dataset.lengths) and \
+                int(wl.dataset.lengths.max()) > ctx:
+            return (f"max_length=None keeps rows of {int(wl.dataset.lengths.max())} tokens, beyond the model's "
+                    f"context (max_position_embeddings {ctx})")
+        lost = self.rows.truncation(cand)
+        if lost > wl.goals.max_truncation:
+            return f"loses {lost:.2%} of trained tokens to truncation (--max-truncation {wl.goals.max_truncation:.2%})"
+        out = with_accumulation(cand, self.tokens_per_step, self.rows)
+        if out is None:
+            return (NO_ACCUMULATION + " keeps this micro-batch within "
+                    f"{BATCH_TOLERANCE:.0%} of {self.tokens_per_step} trained tokens per optimizer step")
+        return out
+
+    def params_of(self, cand: Candidate) -> dict[str, Any]:
+        out = {}
+        for k in self.params:
+            v = _encode(getattr(cand, k))
+            out[k] = v if v in self.choices(k) else self.choices(k)[0]  # irrelevant knobs canonicalise away
+        return out
+
+    def _walk(self) -> Iterator[Candidate | str]:
+        """Each distinct canonical grid point, admitted (a Candidate) or refused (the reason)."""
+        seen: set[Candidate] = set()
+        for cand in self.space.grid(self.base):
+            try:
+                cand = cand.canonical()
+            except ConfigError as exc:
+                yield str(exc)
+                continue
+            if cand in seen:
+                continue
+            seen.add(cand)
+            yield self.admit(cand)
+
+    def candidates(self) -> Iterator[Candidate]:
+        for out in self._walk():
+            if isinstance(out, Candidate):
+                yield out
+
+    def why_empty(self) -> str | None:
+        """None when some candidate is admissible, else the commonest reason the grid's candidates are refused."""
+        why: Counter[str] = Counter()
+        for out in self._walk():
+            if isinstance(out, Candidate):
+                return None
+            why[out] += 1
+        return why.most_common(1)[0][0] if why else "the space is empty"
+
+    def neighbours(self, cand: Candidate) -> Iterator[Candidate]:
+        """Admissible candidates that differ from `cand` in one knob."""
+        for k, vals in self.params.items():
+            for v in vals:
+                if v == getattr(cand, k):
+                    continue
+                try:
+                    other = cand.replace(**{k: v}).canonical()
+                except ConfigError:
+                    continue
+                out = self.admit(other)
+                if isinstance(out, Candidate) and out != cand:
+                    yield out
+
+    def to_json(self) -> dict[str, list[Any]]:
+        return {k: [_encode(v) for v in vals] for k, vals in self.space.values.items()}
+
+
+def space_from_json(data: Mapping[str, list[Any]]) -> SearchSpace:
+    def dec(k: str, v: Any) -> Any:
+        return tuple(x for x in v.split(",") if x) if k == "lora_target_modules" and isinstance(v, str) else v
+
+    values = {}
+    for k, vals in data.items():
+        decoded = []
+        for v in vals:
+            d = dec(k, v)
+            decoded.append(getattr(Candidate(**{k: d}), k))  # strings back to Enums
+        values[k] = tuple(decoded)
+    return SearchSpace(values)
