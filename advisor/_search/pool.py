@@ -439,7 +439,8 @@ class ProcessPool:
         self.backend, self.jobs, self._ref = backend, jobs, ref
         self.remote = True  # measured in worker processes: each future carries its own messages
         self._dir = Path(tempfile.mkdtemp(prefix="advisor-pool-"))
-        self._ctx = _Server.acquire(self._dir / "forkserver.log")
+        self._ctx: Any = None  # the forkserver and the workers start at the first submit: a search that stops
+        self._thread: threading.Thread | None = None  # before measuring anything (bad input) starts no process
         self._threads = max(1, default_jobs() // jobs)
         self._lock = threading.Lock()
         self._queue: collections.deque[_Task] = collections.deque()
@@ -451,10 +452,14 @@ class ProcessPool:
         self._broken: str | None = None
         self._closing = self._closed = False
         self.started = self.replaced = 0
-        self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
-        self._thread = threading.Thread(target=self._dispatch, name=f"advisor-pool-{backend}", daemon=True)
-        self._thread.start()
         _OPEN.add(self)
+
+    def _start(self) -> None:
+        """The forkserver, the wake pipe and the dispatcher (which starts the workers); under self._lock."""
+        self._ctx = _Server.acquire(self._dir / "forkserver.log")
+        self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
+        self._thread = threading.Thread(target=self._dispatch, name=f"advisor-pool-{self.backend}", daemon=True)
+        self._thread.start()
 
     # -- the caller's side ---------------------------------------------------------------------------------
     def submit(self, workload: Workload, candidate: Candidate) -> MeasureFuture:
@@ -463,6 +468,8 @@ class ProcessPool:
         with self._lock:
             if self._closing:
                 raise RuntimeError("submit() on a closed pool")
+            if self._thread is None:
+                self._start()
             if fp not in self._blobs:
                 self._blobs[fp] = pickle.dumps(workload, protocol=pickle.HIGHEST_PROTOCOL)
             if self._broken is not None:
@@ -478,9 +485,16 @@ class ProcessPool:
             if self._closed:
                 return
             self._closing = self._closed = True
+        if self._thread is None:  # never started: no process to stop
+            shutil.rmtree(self._dir, ignore_errors=True)
+            _OPEN.discard(self)
+            return
         self._wake()
         if threading.current_thread() is not self._thread:  # close() from a future's callback: no self-join
-            self._thread.join(timeout=10.0)
+            # Until the dispatcher has returned: a worker it is still starting (the forkserver's first start
+            # preloads torch and simulates, tens of seconds on a loaded host) must be in the list stopped below,
+            # else it keeps the forkserver's alive pipe open and stopping the forkserver waits for ever.
+            self._thread.join(timeout=600.0)
         with self._lock:
             queued, self._queue = list(self._queue), collections.deque()
             workers = list(self._workers)
