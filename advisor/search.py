@@ -190,7 +190,8 @@ def suggest(
     empty = {m: sp.why_empty() for m, sp in spaces.items()}
     if all(empty.values()):  # no method has an admissible candidate: bad input, not "nothing fits"
         why = "; ".join(f"{m.value}: {w}" for m, w in empty.items())
-        if fix:
+        batch_blocks = workload.num_gpus > 1 and all(w and w.startswith(answer.NO_ACCUMULATION) for w in empty.values())
+        if fix and not batch_blocks:  # several GPUs: an effective batch the ranks cannot split names the batch flags
             shown = " ".join(f"--fix {k}={v}" for k, v in fix.items())
             raise UsageError(f"{shown}: leaves no admissible candidate ({why}); drop or change the --fix")
         raise UsageError(answer.empty_message(workload, spaces, empty, rows, tps, why))

@@ -125,7 +125,8 @@ def test_zero_gpus_in_the_python_api_names_the_parameter(tiny_config):
 @pytest.mark.skipif(deepspeed_available(), reason="deepspeed is installed here")
 def test_zero3_pinned_without_deepspeed_names_the_install(tiny_config, capsys):
     argv = ["suggest", "--model", tiny_config, "--gpu", "H100-80GB", "--backend", "estimate", "--num-gpus", "2",
-            "--fix", "parallelism=zero3", "--trials", "4", "--no-cache"]
+            "--fix", "parallelism=zero3", "--trials", "4", "--no-cache", "--method", "full",
+            *(f"--fix={k}={v}" for k, v in _PINS.items())]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--fix parallelism=zero3" in err and "pip install advisor[deepspeed]" in err
@@ -134,7 +135,8 @@ def test_zero3_pinned_without_deepspeed_names_the_install(tiny_config, capsys):
 def test_a_batch_the_ranks_cannot_split_names_the_flags(tiny_config, capsys):
     # a few dozen trained tokens per step cannot give each of 64 ranks a row
     argv = ["suggest", "--model", tiny_config, "--gpu", "H100-80GB", "--backend", "estimate", "--num-gpus", "64",
-            "--num-machines", "8", "--tokens-per-step", "64", "--trials", "4", "--no-cache"]
+            "--num-machines", "8", "--tokens-per-step", "64", "--trials", "4", "--no-cache", "--method", "full",
+            *(f"--fix={k}={v}" for k, v in _PINS.items())]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--tokens-per-step" in err and "--num-gpus 64" in err
@@ -189,3 +191,20 @@ def test_baseline_records_num_gpus_and_old_ones_read_as_one():
 
 def test_default_candidate_is_memory_neutral():
     assert Candidate().parallelism is Layout.DDP and Candidate.from_dict(Candidate().to_dict()) == Candidate()
+
+
+def test_simulate_backend_measures_one_rank_of_two(tiny_config):
+    """The simulate backend runs simulate_per_rank (FSDP2 on the fake process group) for num_gpus > 1: the pick's
+    measurement is one rank's, its notes say so, and its throughput counts both ranks."""
+    s = advisor.suggest(tiny_config, gpu="H100-80GB", backend="simulate", num_gpus=2, trials=3, cache=False,
+                        method="full", jobs=1, fix={**_PINS, "parallelism": "fsdp2"})
+    m = s.measurement
+    assert m.source.value == "simulate" and m.fits(s.workload.limit_bytes)
+    assert s.candidate.parallelism is Layout.FSDP2
+    assert any("FSDP2 on 2 ranks" in n for n in m.notes)
+    assert any("throughput counts all 2 ranks" in n for n in m.notes)
+    one = advisor.simulate(s.workload.__class__(model=s.workload.model, gpu=s.workload.gpu,
+                                                dataset=s.workload.dataset, goals=s.workload.goals),
+                           s.candidate.replace(parallelism=Layout.DDP))
+    assert m.trained_tokens_per_step == 2 * one.trained_tokens_per_step
+    assert m.breakdown["parameters"] < one.breakdown["parameters"]  # half the parameters held locally
