@@ -332,6 +332,11 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
         Category.TEMPORARIES: opt_temp,
     }
     moments = {"end of the forward": forward_end, "start of the backward": backward_start, "optimizer step": step_end}
+    rank_notes: list[str] = []
+    if workload.num_gpus > 1:  # one rank of N: the model states sharded as the candidate's parallelism shards them
+        from .parallelism import estimate_per_rank
+
+        moments, rank_notes = estimate_per_rank(workload, c, moments, p)
     when, moment = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     peak = int(sum(moment.values()))
     reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
@@ -339,11 +344,19 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
 
     timed = _step_time(workload, arch, c, worst, activations)
     step_time, trained_per_step = timed.step_s, int(round(timed.trained_per_step))
+    terms = dict(timed.terms)
+    if workload.num_gpus > 1:  # global throughput: every rank's tokens over the step with the collectives' time
+        from .parallelism import rank_step_time
+
+        step_time, trained_per_step, exposed, comm_note = rank_step_time(workload, c, step_time, trained_per_step)
+        terms["communication_exposed"] = exposed
+        rank_notes.append(comm_note)
     notes = [
         f"LM head: TRL's fused tiled head, {'labelled positions only (CUDA)' if cuda else 'every position (CPU)'}",
         f"peak at the {when}",
         f"step time: the step-time model's terms in closed form (advisor/_sim/timing.py) on {gpu.name}, expected "
         "over the batches the sampler makes",
+        *rank_notes,
     ]
     return Measurement(
         status=Status.OK,
@@ -355,7 +368,7 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
         step_time_s=step_time,
         tokens_per_second=trained_per_step / step_time if step_time > 0 else None,
         trained_tokens_per_step=trained_per_step,
-        time_breakdown=dict(timed.terms),
+        time_breakdown=terms,
         mfu=timed.mfu,
         worst_step_time_s=timed.worst_step_s,
         peak_batch=f"{worst.rows}x{worst.seq}",

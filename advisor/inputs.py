@@ -97,6 +97,8 @@ class WorkloadRef:
     sample: int | None = None
     goals: Goals = field(default_factory=Goals)
     fingerprint: str = ""
+    num_gpus: int = 1  # several GPUs (issue 16); a baseline or spec written before lacks them: one GPU
+    num_machines: int = 1
 
     @classmethod
     def of(cls, workload: Workload, **given: Any) -> WorkloadRef:
@@ -110,7 +112,8 @@ class WorkloadRef:
             "sample": len(data.rows) if getattr(data, "population", None) is not None else None,
         }
         derived.update({k: v for k, v in given.items() if v is not None})
-        return cls(goals=workload.goals, fingerprint=workload.fingerprint(), **derived)
+        return cls(goals=workload.goals, fingerprint=workload.fingerprint(), num_gpus=workload.num_gpus,
+                   num_machines=workload.num_machines, **derived)
 
     def build(self, goals: Goals | None = None) -> Workload:
         """Resolve the names again (the goals are the ref's unless given)."""
@@ -118,7 +121,8 @@ class WorkloadRef:
             raise ConfigError("the workload was given as a Workload object, not by name: pass workload=... "
                               "to rebuild it", context="workload")
         return build_workload(self.model, gpu=self.gpu, dataset=self.dataset, tokenizer=self.tokenizer,
-                              sample=self.sample, goals=goals or self.goals)
+                              sample=self.sample, goals=goals or self.goals, num_gpus=self.num_gpus,
+                              num_machines=self.num_machines)
 
     def to_dict(self) -> dict[str, Any]:
         """The baseline file's `workload` object."""
@@ -131,17 +135,21 @@ class WorkloadRef:
         """From `to_dict`'s object; KeyError without a model or gpu key, ValueError/ConfigError on bad goals."""
         return cls(model=str(data["model"]), gpu=str(data["gpu"]), dataset=data.get("dataset"),
                    tokenizer=data.get("tokenizer"), sample=data.get("sample"),
-                   goals=goals_from_dict(data.get("goals")), fingerprint=str(data.get("fingerprint", "")))
+                   goals=goals_from_dict(data.get("goals")), fingerprint=str(data.get("fingerprint", "")),
+                   num_gpus=int(data.get("num_gpus", 1)), num_machines=int(data.get("num_machines", 1)))
 
     def to_spec(self) -> dict[str, Any]:
         """The flat keys a study's spec stores (model, gpu, dataset, tokenizer, sample, goals,
         workload_fingerprint)."""
         return {"model": self.model, "gpu": self.gpu, "dataset": self.dataset, "tokenizer": self.tokenizer,
-                "sample": self.sample, "goals": goals_to_dict(self.goals), "workload_fingerprint": self.fingerprint}
+                "sample": self.sample, "goals": goals_to_dict(self.goals), "workload_fingerprint": self.fingerprint,
+                **({"num_gpus": self.num_gpus, "num_machines": self.num_machines}
+                   if (self.num_gpus, self.num_machines) != (1, 1) else {})}
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> WorkloadRef:
         """From a study's spec (what `to_spec` wrote, or the same keys written by an earlier version)."""
         return cls(model=spec.get("model"), gpu=spec.get("gpu"), dataset=spec.get("dataset"),
                    tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
-                   goals=goals_from_dict(spec.get("goals")), fingerprint=str(spec.get("workload_fingerprint", "")))
+                   goals=goals_from_dict(spec.get("goals")), fingerprint=str(spec.get("workload_fingerprint", "")),
+                   num_gpus=int(spec.get("num_gpus") or 1), num_machines=int(spec.get("num_machines") or 1))

@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any
 
 from .errors import ConfigError
+from .parallelism import Layout
 from .space import (
     Attention,
     Candidate,
@@ -49,6 +50,7 @@ class Home(str, Enum):
     MODEL_INIT_KWARGS = "model_init_kwargs"  # a key of SFTConfig.model_init_kwargs (from_pretrained's kwargs)
     CHECKPOINT_KWARGS = "activation_checkpointing_kwargs"  # a key of SFTConfig.activation_checkpointing_kwargs
     ENV = "env"  # an environment variable (the YAML's `env:` block)
+    ACCELERATE = "accelerate"  # the accelerate config (`accelerate launch --config_file`), not the TRL YAML
 
 
 class Kind(str, Enum):
@@ -409,6 +411,14 @@ KNOBS: tuple[Knob, ...] = (
          "kernels only where a KernelConfig asks for them", label="hub kernels",
          summary=_shown_if_on("use_kernels"), short=_on("kernels", "use_kernels"), keyed_at_default=False,
          absent=False, requires="kernels"),
+    Knob("parallelism", Kind.ENUM, Layout.DDP, Home.ACCELERATE, "distributed_type",
+         "how accelerate shards the model over --num-gpus ranks: DDP (nothing sharded), FSDP2 (fsdp_version: 2; "
+         "resharding after forward or not; CPUOffloadPolicy) or DeepSpeed ZeRO-2 / ZeRO-3 (optimizer / parameter "
+         "offload); written to the accelerate config (advisor/accelerate_config.py)", enum=Layout,
+         aliases=("strategy",), label="parallelism",
+         summary=lambda c: None if c.parallelism is Layout.DDP else c.parallelism.value,
+         short=lambda c: None if c.parallelism is Layout.DDP else c.parallelism.value, keyed_at_default=False,
+         absent="ddp"),
 )
 
 _BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

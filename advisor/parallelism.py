@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from .space import Candidate
     from .workload import Workload
 
-__all__ = ["Strategy", "Parallelism", "deepspeed_available", "simulate_per_rank", "accumulation_for"]
+__all__ = ["Strategy", "Parallelism", "Layout", "deepspeed_available", "simulate_per_rank", "estimate_per_rank",
+           "rank_step_time", "accumulation_for"]
 
 
 class Strategy(str, Enum):
@@ -82,6 +83,65 @@ class Parallelism:
             raise ConfigError(problems, context="parallelism")
 
 
+class Layout(str, Enum):
+    """The `parallelism` knob of a Candidate (advisor/knobs.py): one value per valid combination of `Parallelism`'s
+    fields, so the search explores one categorical and every value can run. DDP, the default, shards nothing: on
+    one GPU it is the single-GPU run (memory-neutral, left out of study keys)."""
+
+    DDP = "ddp"
+    FSDP2 = "fsdp2"  # reshard after forward
+    FSDP2_NO_RESHARD = "fsdp2_no_reshard"  # keep the gathered parameters from forward to backward
+    FSDP2_OFFLOAD = "fsdp2_offload"  # CPUOffloadPolicy: parameters, gradients and optimizer state on the host
+    ZERO2 = "zero2"
+    ZERO2_OFFLOAD_OPTIMIZER = "zero2_offload_optimizer"
+    ZERO3 = "zero3"
+    ZERO3_OFFLOAD_OPTIMIZER = "zero3_offload_optimizer"
+    ZERO3_OFFLOAD = "zero3_offload"  # parameters and optimizer state on the host
+
+    @property
+    def parallelism(self) -> Parallelism:
+        return _LAYOUTS[self]
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.parallelism.strategy.deepspeed
+
+
+_LAYOUTS: dict[Layout, Parallelism] = {
+    Layout.DDP: Parallelism(Strategy.DDP),
+    Layout.FSDP2: Parallelism(Strategy.FSDP2),
+    Layout.FSDP2_NO_RESHARD: Parallelism(Strategy.FSDP2, reshard_after_forward=False),
+    Layout.FSDP2_OFFLOAD: Parallelism(Strategy.FSDP2, offload_params=True, offload_optimizer=True),
+    Layout.ZERO2: Parallelism(Strategy.ZERO2),
+    Layout.ZERO2_OFFLOAD_OPTIMIZER: Parallelism(Strategy.ZERO2, offload_optimizer=True),
+    Layout.ZERO3: Parallelism(Strategy.ZERO3),
+    Layout.ZERO3_OFFLOAD_OPTIMIZER: Parallelism(Strategy.ZERO3, offload_optimizer=True),
+    Layout.ZERO3_OFFLOAD: Parallelism(Strategy.ZERO3, offload_params=True, offload_optimizer=True),
+}
+
+
+def layout_problems(layout: Layout, num_gpus: int) -> list[str]:
+    """Why `layout` cannot run on `num_gpus` GPUs here, each naming the knob and the fix."""
+    if num_gpus == 1 and layout is not Layout.DDP:
+        return [f"parallelism={layout.value}: shards over several GPUs; give --num-gpus N (N > 1), or drop the "
+                "--fix parallelism"]
+    if num_gpus == 1:
+        return []
+    return [p.replace("(--parallelism)", "(--fix parallelism)") for p in layout.parallelism.problems(num_gpus)]
+
+
+def search_layouts(num_gpus: int) -> tuple[Layout, ...]:
+    """The layouts the default search explores on `num_gpus` GPUs: DDP alone on one; FSDP2's three and, where
+    DeepSpeed is importable, ZeRO's five on several."""
+    if num_gpus <= 1:
+        return (Layout.DDP,)
+    out = [Layout.DDP, Layout.FSDP2, Layout.FSDP2_NO_RESHARD, Layout.FSDP2_OFFLOAD]
+    if deepspeed_available():
+        out += [Layout.ZERO2, Layout.ZERO2_OFFLOAD_OPTIMIZER, Layout.ZERO3, Layout.ZERO3_OFFLOAD_OPTIMIZER,
+                Layout.ZERO3_OFFLOAD]
+    return tuple(out)
+
+
 def deepspeed_available() -> bool:
     """DeepSpeed is an optional extra (`pip install advisor[deepspeed]`)."""
     return importlib.util.find_spec("deepspeed") is not None
@@ -94,6 +154,21 @@ def simulate_per_rank(workload: Workload, candidate: Candidate, num_gpus: int | 
     from ._sim.distributed import simulate_per_rank as run
 
     return run(workload, candidate, num_gpus, parallelism, **kwargs)
+
+
+def estimate_per_rank(workload: Workload, candidate: Candidate, moments: dict, parts: object) -> tuple[dict, list[str]]:
+    """The estimate's moments of one rank (advisor/estimator.py calls this when the workload has several GPUs)."""
+    from ._sim.distributed import estimate_rank_moments
+
+    return estimate_rank_moments(workload, candidate, moments, parts)
+
+
+def rank_step_time(workload: Workload, candidate: Candidate, step_s: float,
+                   trained_per_step: int) -> tuple[float, int, float, str]:
+    """(step seconds with the collectives' exposed time, global trained tokens per step, exposed seconds, note)."""
+    from ._sim.distributed import estimate_rank_time
+
+    return estimate_rank_time(workload, candidate, step_s, trained_per_step)
 
 
 def accumulation_for(global_rows: int, per_device_rows: int, num_gpus: int) -> int:

@@ -116,14 +116,16 @@ def _goals(base: Goals | None, **given: Any) -> Goals:
     return Goals(**merged)
 
 
-def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | None, goals: dict[str, Any]) -> Workload:
+def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | None, goals: dict[str, Any],
+                      world: dict[str, int] | None = None) -> Workload:
+    world = {k: v for k, v in (world or {}).items() if v is not None}  # num_gpus / num_machines given
     if isinstance(model, Workload):
         if gpu is not None or dataset is not None:
             raise UsageError("suggest(): pass gpu and dataset inside the Workload, not beside it")
-        return dataclasses.replace(model, goals=_goals(model.goals, **goals))
+        return dataclasses.replace(model, goals=_goals(model.goals, **goals), **world)
     from .workload import build_workload
 
-    return build_workload(model, gpu=gpu, dataset=dataset, goals=_goals(None, **goals))
+    return build_workload(model, gpu=gpu, dataset=dataset, goals=_goals(None, **goals), **world)
 
 
 def suggest(
@@ -142,6 +144,8 @@ def suggest(
     progress: Callable[[Progress], None] | None = None,
     workload_names: Mapping[str, Any] | None = None,
     jobs: int | None = None,
+    num_gpus: int | None = None,
+    num_machines: int | None = None,
     **goals: Any,
 ) -> Suggestion:
     """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
@@ -151,7 +155,10 @@ def suggest(
     an error on every candidate it measured.
     `evaluations` in the answer counts the distinct candidates this search measured with its backend (every
     method it tried, its workers included); those answered from a stored study are listed in the trials as
-    cached but not counted. `workload_names` (model, gpu, dataset, tokenizer, sample: the names a Workload
+    cached but not counted. `num_gpus` / `num_machines` (default: the Workload's, else 1): N GPUs of the named
+    kind over M machines; the budget applies to each rank, the effective batch counts every rank, and the
+    answer's `accelerate_yaml()` / `launch_command()` launch it.
+    `workload_names` (model, gpu, dataset, tokenizer, sample: the names a Workload
     passed as `model` was built from) are stored in the study so that `advisor worker` can rebuild the
     workload and join it.
     """
@@ -166,7 +173,7 @@ def suggest(
     origin.update({k: v for k, v in (workload_names or {}).items() if k in origin and v is not None})
     if backend is not None:
         check_backend(backend)  # before the workload is built: an unusable backend fails in a second
-    workload = _resolve_workload(model, gpu, dataset, goals)
+    workload = _resolve_workload(model, gpu, dataset, goals, {"num_gpus": num_gpus, "num_machines": num_machines})
     backend_name = backend or default_backend_name()
     be = get_backend(backend_name)
     pins = parse_fix(fix)
@@ -183,7 +190,8 @@ def suggest(
     empty = {m: sp.why_empty() for m, sp in spaces.items()}
     if all(empty.values()):  # no method has an admissible candidate: bad input, not "nothing fits"
         why = "; ".join(f"{m.value}: {w}" for m, w in empty.items())
-        if fix:
+        batch_blocks = workload.num_gpus > 1 and all(w and w.startswith(answer.NO_ACCUMULATION) for w in empty.values())
+        if fix and not batch_blocks:  # several GPUs: an effective batch the ranks cannot split names the batch flags
             shown = " ".join(f"--fix {k}={v}" for k, v in fix.items())
             raise UsageError(f"{shown}: leaves no admissible candidate ({why}); drop or change the --fix")
         raise UsageError(answer.empty_message(workload, spaces, empty, rows, tps, why))

@@ -14,6 +14,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+from .parallelism import Layout
 from .workload import Method
 
 if TYPE_CHECKING:
@@ -264,6 +265,8 @@ class Candidate:
     expandable_segments: bool = True
     checkpoint_offload: bool = False
     use_kernels: bool = False
+    # several GPUs (issue 16): how accelerate shards the model; DDP shards nothing (the single-GPU run on one)
+    parallelism: Layout = Layout.DDP
     # the user's other keys (not a knob: the search never changes it)
     base: RunBase = field(default_factory=RunBase)
 

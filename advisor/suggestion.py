@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from trl import SFTConfig
 
     from ._messages import LibraryMessage
+    from .accelerate_config import LaunchConfig
     from .workload import Workload
 
 
@@ -128,11 +129,36 @@ class Suggestion:
             f"(limit {wl.limit_bytes / 2**30:.2f} GiB of {wl.budget_bytes / 2**30:.2f} GiB).",
             f"{kind} device peak {peak}, {tps} trained tokens/s: {how}.",
             f"data: {wl.dataset.name}" + (" (synthetic lengths)" if wl.dataset.synthetic else ""),
-            "run: trl sft --config THIS_FILE" + ("" if wl.dataset.dataset_name else " --dataset_name YOUR_DATASET"),
+            "run: trl sft --config THIS_FILE" + ("" if wl.dataset.dataset_name else " --dataset_name YOUR_DATASET")
+            if wl.num_gpus == 1 else
+            f"{wl.num_gpus} GPUs ({self.launch().chosen}), per rank: run: "
+            f"{self.launch_command(trl_config_file='THIS_FILE')}",
         ]
         import textwrap
 
         return "\n".join(part for line in lines for part in textwrap.wrap(line, 110, subsequent_indent="  "))
+
+    # ---- several GPUs (issue 16): the accelerate config beside the TRL config ---------------------------------
+    def launch(self, config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml") -> LaunchConfig:
+        """The accelerate config of this pick (its `parallelism` on the workload's num_gpus / num_machines) and the
+        commands that launch it (`accelerate launch --config_file ...`, `trl sft --accelerate_config ...`)."""
+        from .accelerate_config import accelerate_config
+
+        wl = self.workload
+        return accelerate_config(self.candidate, self.candidate.parallelism.parallelism, wl.num_gpus,
+                                 wl.num_machines, config_file=config_file, trl_config_file=trl_config_file)
+
+    def accelerate_yaml(self, config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml") -> str:
+        """A file for `accelerate launch --config_file FILE`, headed by what was chosen and how to launch it."""
+        lc = self.launch(config_file, trl_config_file)
+        m = self.measurement
+        peak = "-" if m.device_bytes is None else f"{m.device_bytes / 2**30:.2f} GiB"
+        head = (f"# advisor: {lc.chosen} on {self.workload.num_gpus} x {self.workload.gpu.name}, device peak {peak} "
+                f"per rank\n# run: {lc.command}\n")
+        return head + lc.yaml
+
+    def launch_command(self, config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml") -> str:
+        return self.launch(config_file, trl_config_file).command
 
     def to_python(self) -> str:
         return emit.to_python(
@@ -156,6 +182,9 @@ class Suggestion:
             "backend": self.backend,
             "source": m.source.value,
             "gpu": self.workload.gpu.name,
+            **({"num_gpus": self.workload.num_gpus, "num_machines": self.workload.num_machines,
+                "accelerate_config": self.launch().config, "launch_command": self.launch_command()}
+               if self.workload.num_gpus > 1 else {}),
             "budget_bytes": self.workload.budget_bytes,
             "limit_bytes": self.workload.limit_bytes,
             "quality": self.candidate.quality_cost(self.truncated_fraction).describe(),

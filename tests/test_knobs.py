@@ -78,6 +78,17 @@ def test_declared_once_reaches_fix_emit_readback(k, tmp_path):
         assert pins.values[k.name] == (value,), name
     # emit: the YAML differs from the default's, goes through trl sft's parser and reads back to the candidate
     base = _where_active(k, k.default)
+    if k.home is Home.ACCELERATE:
+        # lives in the accelerate config, not the TRL YAML: the two accelerate configs differ and the TRL YAML is
+        # the same (it reads back to the default, what accelerate's own file carries)
+        from advisor.accelerate_config import accelerate_config
+
+        def acc(c):
+            return accelerate_config(c, c.parallelism.parallelism, 8).yaml
+
+        assert acc(cand) != acc(base)
+        assert to_yaml(cand, model_name_or_path="m") == to_yaml(base, model_name_or_path="m")
+        return
     yaml_text = to_yaml(cand, model_name_or_path="m")
     assert yaml_text != to_yaml(base, model_name_or_path="m")
     path = tmp_path / "run.yaml"
@@ -100,10 +111,11 @@ def _context(c: Candidate) -> dict:
 
 def test_labels_come_from_the_declarations():
     on = Candidate(use_kernels=True, checkpoint_offload=True, activation_offloading=True, group_by_length=True,
-                   use_lora=True, quantization="4bit", weights_dtype="bfloat16", attn_implementation="eager")
+                   use_lora=True, quantization="4bit", weights_dtype="bfloat16", attn_implementation="eager",
+                   parallelism="fsdp2")
     label = knobs.trial_label(on)
     for token in ("8x1", "L=1024", "ckpt=1/1", "ckpt-offload", "offload", "gbl", "lora16/4bit", "bfloat16", "eager",
-                  "kernels"):
+                  "kernels", "fsdp2"):
         assert token in label.split(), token
     rows = dict(knobs.summary_rows(on))
     assert rows["hub kernels"] == "True" and rows["checkpoint offload"] == "True"

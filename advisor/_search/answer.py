@@ -96,11 +96,15 @@ def empty_message(workload: Workload, spaces: Mapping[Method, StudySpace], empty
         given = (f"the effective batch of {tps} trained tokens per optimizer step (you did not set "
                  f"--tokens-per-step: it is TRL's default {DEFAULT_ROWS_PER_STEP} rows x {default:,.0f} trained "
                  f"tokens per row at TRL's default max_length={Candidate.trl_defaults().max_length})")
-    need = int(math.ceil(DEFAULT_ROWS_PER_STEP * max(per_row) / 1024.0)) * 1024
+    world = workload.num_gpus
+    need = int(math.ceil(DEFAULT_ROWS_PER_STEP * world * max(per_row) / 1024.0)) * 1024
+    if world > 1:  # the effective batch counts every rank: at least one row on each of them
+        given += f" split over --num-gpus {world} ranks"
     return (f"{given} does not hold whole rows of this data: kept within --max-truncation "
             f"{goals.max_truncation:g}, a micro-batch row carries {min(per_row):,.0f} to {max(per_row):,.0f} "
             f"trained tokens, and no micro-batch x accumulation lands within {BATCH_TOLERANCE:.0%} of {tps}; set "
-            f"--tokens-per-step {need} ({DEFAULT_ROWS_PER_STEP} such rows per optimizer step)")
+            f"--tokens-per-step {need} ({DEFAULT_ROWS_PER_STEP} such rows per optimizer step"
+            + (f" on each of the {world} ranks, or fewer --num-gpus)" if world > 1 else ")"))
 
 
 def raise_if_backend_failed(run: StudyRun, backend: str, study: str) -> None:

@@ -30,7 +30,10 @@ def study_name(workload: Workload, backend: str, method: Method, space: StudySpa
         "tokens_per_step": space.tokens_per_step, "limit": workload.limit_bytes, "versions": library_versions(),
     })
     short = workload.model.name.rstrip("/").split("/")[-1]
-    return f"advisor-{short}-{workload.gpu.name}-{backend}-{method.value}-{fp}"
+    gpus = workload.gpu.name if workload.num_gpus == 1 else (
+        f"{workload.num_gpus}x{workload.gpu.name}" + (f"-{workload.num_machines}nodes" if workload.num_machines > 1
+                                                      else ""))
+    return f"advisor-{short}-{gpus}-{backend}-{method.value}-{fp}"
 
 
 def spec(workload: Workload, backend: str, method: Method, space: StudySpace,
@@ -38,6 +41,9 @@ def spec(workload: Workload, backend: str, method: Method, space: StudySpace,
     return {"backend": backend, "method": method.value, "space": space.to_json(),
             "tokens_per_step": space.tokens_per_step, "workload_fingerprint": workload.fingerprint(),
             "goals": {k: (v.value if isinstance(v, Enum) else v) for k, v in workload.goals.__dict__.items()},
+            # several GPUs (issue 16): the world the study was made for (left out on one GPU: older specs stay)
+            **({"num_gpus": workload.num_gpus, "num_machines": workload.num_machines}
+               if (workload.num_gpus, workload.num_machines) != (1, 1) else {}),
             **origin}
 
 

@@ -64,7 +64,12 @@ class StudySpace:
         lost = self.rows.truncation(cand)
         if lost > wl.goals.max_truncation:
             return f"loses {lost:.2%} of trained tokens to truncation (--max-truncation {wl.goals.max_truncation:.2%})"
-        out = with_accumulation(cand, self.tokens_per_step, self.rows)
+        from ..parallelism import layout_problems
+
+        world = layout_problems(cand.parallelism, wl.num_gpus)
+        if world:
+            return "; ".join(world)
+        out = with_accumulation(cand, self.tokens_per_step, self.rows, wl.num_gpus)
         if out is None:
             return (NO_ACCUMULATION + " keeps this micro-batch within "
                     f"{BATCH_TOLERANCE:.0%} of {self.tokens_per_step} trained tokens per optimizer step")

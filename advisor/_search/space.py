@@ -59,7 +59,8 @@ def default_tokens_per_step(workload: Workload, row_tokens: RowTokens | None = N
     if workload.goals.tokens_per_step:
         return int(workload.goals.tokens_per_step)
     rt = row_tokens or RowTokens(workload.dataset)
-    return max(1, round(DEFAULT_ROWS_PER_STEP * rt(Candidate.trl_defaults())))
+    # TRL's default is per device: 8 rows on each of --num-gpus ranks
+    return max(1, round(DEFAULT_ROWS_PER_STEP * workload.num_gpus * rt(Candidate.trl_defaults())))
 
 
 BATCH_TOLERANCE = 0.25  # a candidate's trained tokens per optimizer step stay within +-25% of the target
@@ -76,13 +77,15 @@ def accumulation_for(b: int, rows: float) -> int | None:
     return acc if abs(ratio - 1.0) <= BATCH_TOLERANCE + 1e-9 else None
 
 
-def with_accumulation(c: Candidate, tokens_per_step: int, row_tokens: RowTokens) -> Candidate | None:
-    """Set gradient_accumulation_steps so micro-batch x accumulation carries `tokens_per_step` trained tokens.
+def with_accumulation(c: Candidate, tokens_per_step: int, row_tokens: RowTokens,
+                      num_gpus: int = 1) -> Candidate | None:
+    """Set gradient_accumulation_steps so micro-batch x accumulation x `num_gpus` ranks carries `tokens_per_step`
+    trained tokens (the effective batch counts every rank).
 
     accumulation = round(rows / micro-batch); None when that leaves the trained tokens per optimizer step more
     than BATCH_TOLERANCE away from `tokens_per_step` (e.g. 16 x 1 against an 8-row step is 2.0x: refused).
     """
-    rows = tokens_per_step / row_tokens(c)
+    rows = tokens_per_step / row_tokens(c) / num_gpus
     acc = accumulation_for(c.per_device_train_batch_size, rows)
     if acc is None:
         return None
@@ -160,6 +163,12 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
 
     if cuda and kernels_available():
         values["use_kernels"] = (False, True)
+    # several GPUs: the parallelism (issue 16); on one GPU the key stays out, so candidates, study keys and the
+    # search's trials are what they were
+    if workload.num_gpus > 1:
+        from ..parallelism import search_layouts
+
+        values["parallelism"] = search_layouts(workload.num_gpus)
     # checkpoint_offload is offered through --fix only: its copies run on the compute stream (always slower) and
     # its saving is modelled at the simulated peak (advisor/simulate.py), so the search does not pick it unasked.
     return SearchSpace(values)

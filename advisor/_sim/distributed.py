@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -464,7 +465,11 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
         m, more = _modelled_rank(m, workload, candidate, parallelism, num_gpus)
         notes.extend(more)
     comm = _comm(workload, candidate, parallelism, target, num_gpus, num_machines, m)
-    step = (m.step_time_s or 0.0) + comm.exposed_s
+    host = offload_time_s(workload, candidate, parallelism, num_gpus) if target.is_cuda else 0.0
+    if host:
+        notes.append(f"CPU offload: {host:.3g} s a step added (the host optimizer step and the gradients' copies, "
+                     "advisor/_sim/distributed.offload_time_s)")
+    step = (m.step_time_s or 0.0) + comm.exposed_s + host
     trained = (m.trained_tokens_per_step or 0) * num_gpus
     notes.append(
         f"communication: all-gather {comm.all_gather_s:.3g} s, reduce {comm.reduce_s:.3g} s a step over the "
@@ -567,18 +572,140 @@ class Interconnect:
 
 def interconnect(gpu: Any) -> Interconnect:
     """The target's interconnect from its profile; ConfigError naming the file when it has none."""
+    return _interconnect(gpu.name)
+
+
+@functools.lru_cache(maxsize=32)
+def _interconnect(name: str) -> Interconnect:
     import yaml
 
     from ..profiles import PROFILES_DIR, _gpu_index, normalize_gpu_name
 
     keys, _ = _gpu_index(PROFILES_DIR)
-    path = keys.get(normalize_gpu_name(gpu.name))
+    path = keys.get(normalize_gpu_name(name))
     data = yaml.safe_load(path.read_text()) if path is not None else {}
     ic = (data or {}).get("interconnect")
     if not ic:
-        raise ConfigError(f"--gpu {gpu.name}: its profile has no `interconnect` bandwidths, so the communication "
+        raise ConfigError(f"--gpu {name}: its profile has no `interconnect` bandwidths, so the communication "
                           "time of several GPUs cannot be predicted; add them to its profiles/gpus/*.yaml",
                           context="simulate")
     return Interconnect(intra_gbs=float(ic["intra_gbs"]), pcie_gbs=float(ic["pcie_gbs"]),
                         inter_gbs=float(ic["inter_gbs"]) if ic.get("inter_gbs") else None,
                         intra_kind=str(ic.get("intra_kind", "nvlink")))
+
+
+# ---- the estimate's closed form of one rank -------------------------------------------------------------------------
+
+def estimate_rank_moments(workload: Any, candidate: Any, moments: dict, parts: Any) -> tuple[dict, list[str]]:
+    """The single-GPU estimate's moments (advisor/estimator.py: bytes by Category at the end of the forward, the start
+    of the backward and the optimizer step) as one rank of `workload.num_gpus` holds them, in closed form:
+
+    - DDP: every rank holds the whole model; plus the reducer's gradient buckets (a second copy of the trainable
+      gradients, accelerate's default gradient_as_bucket_view=False), as `_modelled_rank` models the simulation.
+    - FSDP2: parameters, gradients and optimizer state divided by N (CPUOffloadPolicy: on the host, none on the
+      device); the gathered parameters in the compute dtype on top: the root unit (embedding, final norm, LM head:
+      counted as one unit, an upper bound of accelerate's split) and, resharding after forward, the layer computed
+      and the one prefetched; without resharding every layer stays gathered from its forward to its backward. In
+      the backward one layer's unsharded gradient and its float32 reduce-scatter buffer. MixedPrecisionPolicy casts
+      the gathered parameters, so autocast's cache of low-precision weight copies is not held.
+    - ZeRO-2 / ZeRO-3: `zero_bytes` (its sources in its docstring); DeepSpeed runs the module in bf16/fp16, so
+      autocast's cache is not held either.
+    The activations are the single-GPU micro-batch's (data parallel: each rank runs its own micro-batch)."""
+    from ..estimator import architecture
+    from ..measurement import Category
+
+    n = workload.num_gpus
+    p = candidate.parallelism.parallelism
+    arch = architecture(workload.model)
+    mixed = candidate.precision.value in ("bf16", "fp16")
+    weight = _weight_bytes(candidate)
+    compute = 2 if mixed else weight
+    full_params, full_grads, full_optim = parts.parameters, parts.gradients, parts.optimizer
+    autocast_cache = arch.decoder_linear * 2 if (mixed and weight == 4 and not candidate.use_lora) else 0
+    P, G, OPT, A, T = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER, Category.ACTIVATIONS,
+                     Category.TEMPORARIES)
+    out: dict = {}
+    if p.strategy is Strategy.DDP:
+        for when, m in moments.items():
+            out[when] = {**m, G: m[G] + full_grads}
+        return out, [f"DDP on {n} ranks (estimate): the single-GPU states on every rank plus the reducer's gradient "
+                     "buckets"]
+    if p.strategy is Strategy.FSDP2:
+        off = p.offload_params
+        params = 0 if off else math.ceil(full_params / n)
+        optim = 0 if off else math.ceil(full_optim / n)
+        root = (arch.embedding + arch.lm_head + arch.final_norm) * compute
+        layer = arch.per_layer * compute
+        gathered = root + (2 * layer if p.reshard_after_forward else arch.layers * layer)
+        reduce_buffer = arch.per_layer * (compute + 4)
+        for when, m in moments.items():
+            grads = 0 if off or not full_grads else math.ceil(m[G] / n)
+            mid = when != "optimizer step"
+            out[when] = {**m, P: params + (gathered if mid else 0), G: grads, OPT: optim,
+                         A: max(0, m[A] - autocast_cache) if m[A] else 0,
+                         T: m[T] + (reduce_buffer if when == "start of the backward" else 0)}
+        return out, [f"FSDP2 on {n} ranks (estimate, closed form: advisor/_sim/distributed.estimate_rank_moments): "
+                     f"model states / {n}" + (" on the host (CPU offload)" if off else "") + ", gathered units "
+                     + ("resharded after forward" if p.reshard_after_forward else "kept from forward to backward")]
+    stage = 2 if p.strategy is Strategy.ZERO2 else 3
+    params_n, trainable = _model_counts(workload, candidate)
+    terms = zero_bytes(stage, params_n, trainable, n, param_bytes=compute, mixed=mixed,
+                       offload_params=p.offload_params, offload_optimizer=p.offload_optimizer,
+                       largest_layer=arch.per_layer)
+    for when, m in moments.items():
+        share = m[G] / full_grads if full_grads else 0.0
+        out[when] = {**m, P: terms.parameters + terms.buffers, G: math.ceil(terms.gradients * share),
+                     OPT: terms.optimizer_state, A: max(0, m[A] - autocast_cache) if m[A] else 0}
+    return out, [f"DeepSpeed ZeRO-{stage} on {n} ranks (estimate): zero_bytes' closed form"]
+
+
+def estimate_rank_time(workload: Any, candidate: Any, step_s: float, trained_per_step: int
+                       ) -> tuple[float, int, float, str]:
+    """The estimate's step time with the collectives' exposed time (`comm_time_s`) and the global trained tokens."""
+    from types import SimpleNamespace as NS
+
+    n = workload.num_gpus
+    p = candidate.parallelism.parallelism
+    comm = _comm(workload, candidate, p, workload.gpu, n, workload.num_machines, NS(step_time_s=step_s))
+    host = offload_time_s(workload, candidate, p, n)
+    step = step_s + comm.exposed_s + host
+    note = (f"communication (estimate): all-gather {comm.all_gather_s:.3g} s, reduce {comm.reduce_s:.3g} s a step "
+            f"over the {comm.link} link, {comm.exposed_s:.3g} s not hidden by compute"
+            + (f"; CPU offload {host:.3g} s a step (the host optimizer step and the gradients' copies)" if host else "")
+            + f"; throughput counts all {n} ranks")
+    return step, trained_per_step * n, comm.exposed_s + host, note
+
+
+# the bytes a host optimizer step streams per trainable parameter: fp32 parameter, gradient, exp_avg, exp_avg_sq read,
+# parameter and both moments written (torch/optim/adamw.py; DeepSpeed's CPUAdam the same per element)
+_HOST_ADAM_BYTES = 28
+
+
+@functools.lru_cache(maxsize=1)
+def _host_bandwidth_gbs() -> float:
+    """The host's memory bandwidth (profiles/gpus/cpu.yaml memory_bandwidth_gbs)."""
+    from ..profiles import resolve_gpu
+
+    return float(resolve_gpu("cpu").memory_bandwidth_gbs)
+
+
+def offload_time_s(workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int) -> float:
+    """Seconds a step spends on CPU offload that compute does not hide (0 without offload): the optimizer step of this
+    rank's shard on the host at the host profile's memory bandwidth (profiles/gpus/cpu.yaml), and the gradients'
+    device-to-host copies (each micro-batch for FSDP2's CPUOffloadPolicy, each step for ZeRO's offload_optimizer,
+    with the updated parameters copied back) over the target's PCIe bandwidth (profiles/gpus/*.yaml interconnect).
+    A conservative model: DeepSpeed overlaps part of these copies; FSDP2 runs the optimizer synchronously."""
+    if not (parallelism.offload_optimizer or parallelism.offload_params) or not workload.gpu.is_cuda:
+        return 0.0
+
+    _, trainable = _model_counts(workload, candidate)
+    shard = trainable / num_gpus
+    host_gbs = _host_bandwidth_gbs()
+    pcie = interconnect(workload.gpu).pcie_gbs * 1e9
+    low = 2 if candidate.precision.value in ("bf16", "fp16") else 4
+    optimizer = shard * _HOST_ADAM_BYTES / (host_gbs * 1e9)
+    if parallelism.strategy is Strategy.FSDP2:
+        copies = candidate.gradient_accumulation_steps * shard * 4 / pcie
+    else:
+        copies = 2 * shard * low / pcie
+    return optimizer + copies

@@ -53,6 +53,17 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
                    "save_to_disk; default: the built-in synthetic chat set")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or id (default: the model's)")
     g.add_argument("--sample", type=int, default=None, help="estimate lengths from a seeded sample of N rows")
+    g.add_argument("--num-gpus", type=int, default=1, metavar="N",
+                   help="train on N GPUs of the --gpu kind (accelerate); the memory budget applies to each rank, "
+                        "the effective batch counts every rank (default 1)")
+    g.add_argument("--num-machines", type=int, default=1, metavar="M",
+                   help="the N GPUs are spread over M machines, N/M each (default 1)")
+    from ..parallelism import Layout
+
+    g.add_argument("--parallelism", default=None, choices=[v.value for v in Layout],
+                   help="with --num-gpus N > 1 and --config: how accelerate shards the model (the accelerate config "
+                        "`advisor suggest --accelerate-output` writes; default ddp, accelerate's MULTI_GPU). "
+                        "suggest searches it: pin it there with --fix parallelism=VALUE")
 
 
 def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -78,7 +89,8 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     if offline:
         print(f"advisor: {offline}", file=sys.stderr)
     wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
-                        sample=getattr(ns, "sample", None), goals=goals)
+                        sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
+                        num_machines=getattr(ns, "num_machines", 1))
     for note in workload_notes(wl):
         print(f"advisor: {note}", file=sys.stderr)
     return wl
@@ -112,8 +124,17 @@ def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None
     from ..emit import load_run_config
 
     cand = load_run_config(ns.config).candidate
+    layout = getattr(ns, "parallelism", None)
+    if layout is not None:  # the accelerate side of the run (not in the TRL YAML)
+        cand = cand.replace(parallelism=layout)
     if workload is not None:
         cand.check(workload.gpu, workload.model)
+        from ..parallelism import layout_problems
+
+        world = [p.replace("parallelism=", "--parallelism ") for p in layout_problems(cand.parallelism,
+                                                                                    workload.num_gpus)]
+        if world:
+            raise UsageError("; ".join(world).replace("--fix parallelism", "--parallelism"))
     return cand
 
 

@@ -29,7 +29,14 @@ def run(ns: argparse.Namespace) -> int:
 
     workload = workload_from_args(ns)
     candidate = candidate_from_args(ns, workload)
-    m = with_workload_notes(simulate(workload, candidate, layers=None if ns.full_depth else (2, 3)), workload)
+    layers = None if ns.full_depth else (2, 3)
+    if workload.num_gpus > 1:  # one rank of N, sharded as --parallelism says (issue 16)
+        from ..parallelism import simulate_per_rank
+
+        m = simulate_per_rank(workload, candidate, parallelism=candidate.parallelism.parallelism, layers=layers)
+    else:
+        m = simulate(workload, candidate, layers=layers)
+    m = with_workload_notes(m, workload)
     if ns.json:
         print(emit_json(m.to_dict()))
     else:

@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--report", action="store_true", help="with --format table: list every trial")
     p.add_argument("--output", "-o", default=None, metavar="FILE", help="write the configuration to FILE")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="device peak against throughput")
+    p.add_argument("--accelerate-output", default=None, metavar="FILE",
+                   help="write the accelerate config (accelerate launch --config_file FILE) of the pick; with "
+                        "--num-gpus N > 1 the table shows the launch command")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="list on stderr every message the libraries printed while measuring (default: the report "
                         "names each distinct one once)")
@@ -114,6 +117,8 @@ def run(ns: argparse.Namespace) -> int:
     fmt = "json" if ns.json else ns.format
     goals = Goals(**goals_from_args(ns))
     fixes = parse_fixes(ns.fix)
+    if ns.parallelism is not None:  # the same as --fix parallelism=VALUE
+        fixes.setdefault("parallelism", ns.parallelism)
     if ns.study and not ns.storage:
         raise UsageError("--study needs --storage (the shared study's URL or journal file)")
     if ns.plot:
@@ -123,6 +128,7 @@ def run(ns: argparse.Namespace) -> int:
             raise UsageError("--plot needs matplotlib: pip install 'advisor[plot]'")
     check_writable(ns.output, "--output")
     check_writable(ns.plot, "--plot")
+    check_writable(ns.accelerate_output, "--accelerate-output")
     jobs = jobs_kwargs(ns)
     if ns.backend is not None:
         from ..search import check_backend
@@ -153,6 +159,8 @@ def run(ns: argparse.Namespace) -> int:
         from ..report import plot
 
         plot(s, ns.plot)
+    if ns.accelerate_output:
+        Path(ns.accelerate_output).write_text(s.accelerate_yaml(ns.accelerate_output, ns.output or "run.yaml"))
     if fmt == "table":
         from ..report import render_report, render_summary
 
@@ -161,11 +169,21 @@ def run(ns: argparse.Namespace) -> int:
             print(f"\nwrote {ns.output}")
         if ns.plot:
             print(f"wrote the plot (device peak against tokens/s) to {ns.plot}")
+        if ns.accelerate_output:
+            print(f"wrote {ns.accelerate_output}")
+        if s.workload.num_gpus > 1:
+            lc = s.launch(config_file=ns.accelerate_output or "accelerate.yaml",
+                          trl_config_file=ns.output or "run.yaml")
+            print(f"\n{s.workload.num_gpus} GPUs: {lc.chosen}; launch with\n  {lc.command}")
+            if not ns.accelerate_output:
+                print("  (write the accelerate config with --accelerate-output accelerate.yaml)")
         print("\n" + next_step(ns, s))
     else:
         print(config_text, end="" if config_text.endswith("\n") else "\n")
         if ns.output:
             print(f"advisor: wrote {ns.output}", file=sys.stderr)
+        if ns.accelerate_output:
+            print(f"advisor: wrote {ns.accelerate_output}", file=sys.stderr)
         if ns.plot:
             print(f"advisor: wrote the plot to {ns.plot}", file=sys.stderr)
     return 0
@@ -183,13 +201,24 @@ def next_step(ns: argparse.Namespace, s) -> str:
     else:
         data = f" --dataset_name <a hub id or directory for {ds.name}>"
     lines = ["Next:"]
+    world = s.workload.num_gpus > 1
     if ns.output and Path(ns.output).suffix in (".yaml", ".yml") and ns.format != "python":
-        lines.append(f"  trl sft --config {shlex.quote(ns.output)}{data}")
+        run = (s.launch_command(ns.accelerate_output or "accelerate.yaml", ns.output) if world else
+               f"trl sft --config {shlex.quote(ns.output)}")
+        lines.append(f"  {run}{data}")
     else:
         cache = "" if ns.no_cache else "    # the same search: answered from the stored study"
-        lines.append(f"  {shlex.join(['advisor', 'suggest', *_same_search(ns)])} --format yaml -o run.yaml{cache}")
-        lines.append(f"  trl sft --config run.yaml{data}")
-    if not s.measured_on_target:
+        more = " --accelerate-output accelerate.yaml" if world and not ns.accelerate_output else ""
+        lines.append(f"  {shlex.join(['advisor', 'suggest', *_same_search(ns)])} --format yaml -o run.yaml{more}"
+                     f"{cache}")
+        run = s.launch_command(ns.accelerate_output or "accelerate.yaml", "run.yaml") if world else \
+            "trl sft --config run.yaml"
+        lines.append(f"  {run}{data}")
+    if world and not s.measured_on_target:
+        lines.append(f"  (the numbers above are {s.measurement.source.value} predictions of one rank of "
+                     f"{s.workload.num_gpus} x {s.workload.gpu.name}; a real probe of several GPUs is not supported "
+                     "yet)")
+    elif not s.measured_on_target:
         wl = s.workload
         probe = shlex.join(["advisor", "probe", "--model", _absolute(ns.model) or s.model_name_or_path,
                             "--config", "run.yaml", "--gpu", wl.gpu.name, *(["--dataset", ns.dataset] if ns.dataset
@@ -200,7 +229,8 @@ def next_step(ns: argparse.Namespace, s) -> str:
     return "\n".join(lines)
 
 
-_OUTPUT_FLAGS = {"--format": 1, "--json": 0, "--output": 1, "-o": 1, "--report": 0, "--plot": 1}
+_OUTPUT_FLAGS = {"--format": 1, "--json": 0, "--output": 1, "-o": 1, "--report": 0, "--plot": 1,
+                 "--accelerate-output": 1}
 
 
 def _same_search(ns: argparse.Namespace) -> list[str]:

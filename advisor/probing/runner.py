@@ -163,7 +163,12 @@ def probe(
         problems.append(f"--timeout {timeout_s}: must be a positive number of seconds")
     if memory_budget_bytes is not None and memory_budget_bytes <= 0:
         problems.append(f"--memory-budget {memory_budget_bytes}: must be positive, e.g. 40GB")
-    problems.extend(_device_problems(workload, candidate, backend, weights))
+    if workload.num_gpus > 1:  # never measure one GPU silently for N (issue 16)
+        problems.append(f"--num-gpus {workload.num_gpus}: a real probe of several GPUs (accelerate launch "
+                        "--num_processes N, or a multi-process gloo run on the CPU) is not supported yet; probe with "
+                        "--num-gpus 1, or predict one rank with `advisor simulate --num-gpus N`")
+    else:
+        problems.extend(_device_problems(workload, candidate, backend, weights))
     if problems:
         from ..errors import ConfigError
 
