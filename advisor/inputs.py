@@ -33,6 +33,7 @@ def build_workload(
     seed: int = 0,
     num_gpus: int = 1,
     num_machines: int = 1,
+    trainer: str = "sft",
 ) -> Workload:
     """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
     notes: list[str] = []
@@ -51,12 +52,17 @@ def build_workload(
         target = resolve_gpu(gpu)
     check_budget(goals or Goals(), target)  # before the dataset is read and tokenized
     check_world(num_gpus, num_machines)
-    data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
+    if trainer == "sft":
+        data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
+    else:  # the trainer reads its own data (preference pairs for DPO / Reward), refusing others by their columns
+        from .trainers import get_trainer
+
+        data = get_trainer(trainer).load_dataset(dataset, spec, tokenizer)
     context = context_note(spec, data)
     if context:
         notes.append(context)
     return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
-                    num_gpus=num_gpus, num_machines=num_machines)
+                    num_gpus=num_gpus, num_machines=num_machines, trainer=trainer)
 
 
 def context_note(model: ModelSpec, data: TokenizedDataset) -> str | None:
@@ -97,6 +103,7 @@ class WorkloadRef:
     sample: int | None = None
     goals: Goals = field(default_factory=Goals)
     fingerprint: str = ""
+    trainer: str = "sft"  # a baseline or spec written before trainers existed is SFT's
 
     @classmethod
     def of(cls, workload: Workload, **given: Any) -> WorkloadRef:
@@ -109,6 +116,7 @@ class WorkloadRef:
             # a sampled dataset is rebuilt with the same seeded sample
             "sample": len(data.rows) if getattr(data, "population", None) is not None else None,
         }
+        derived["trainer"] = workload.trainer
         derived.update({k: v for k, v in given.items() if v is not None})
         return cls(goals=workload.goals, fingerprint=workload.fingerprint(), **derived)
 
@@ -118,7 +126,7 @@ class WorkloadRef:
             raise ConfigError("the workload was given as a Workload object, not by name: pass workload=... "
                               "to rebuild it", context="workload")
         return build_workload(self.model, gpu=self.gpu, dataset=self.dataset, tokenizer=self.tokenizer,
-                              sample=self.sample, goals=goals or self.goals)
+                              sample=self.sample, goals=goals or self.goals, trainer=self.trainer)
 
     def to_dict(self) -> dict[str, Any]:
         """The baseline file's `workload` object."""
@@ -131,17 +139,20 @@ class WorkloadRef:
         """From `to_dict`'s object; KeyError without a model or gpu key, ValueError/ConfigError on bad goals."""
         return cls(model=str(data["model"]), gpu=str(data["gpu"]), dataset=data.get("dataset"),
                    tokenizer=data.get("tokenizer"), sample=data.get("sample"),
-                   goals=goals_from_dict(data.get("goals")), fingerprint=str(data.get("fingerprint", "")))
+                   goals=goals_from_dict(data.get("goals")), fingerprint=str(data.get("fingerprint", "")),
+                   trainer=str(data.get("trainer", "sft")))
 
     def to_spec(self) -> dict[str, Any]:
         """The flat keys a study's spec stores (model, gpu, dataset, tokenizer, sample, goals,
         workload_fingerprint)."""
         return {"model": self.model, "gpu": self.gpu, "dataset": self.dataset, "tokenizer": self.tokenizer,
-                "sample": self.sample, "goals": goals_to_dict(self.goals), "workload_fingerprint": self.fingerprint}
+                "sample": self.sample, "goals": goals_to_dict(self.goals), "workload_fingerprint": self.fingerprint,
+                "trainer": self.trainer}
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> WorkloadRef:
         """From a study's spec (what `to_spec` wrote, or the same keys written by an earlier version)."""
         return cls(model=spec.get("model"), gpu=spec.get("gpu"), dataset=spec.get("dataset"),
                    tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
-                   goals=goals_from_dict(spec.get("goals")), fingerprint=str(spec.get("workload_fingerprint", "")))
+                   goals=goals_from_dict(spec.get("goals")), fingerprint=str(spec.get("workload_fingerprint", "")),
+                   trainer=str(spec.get("trainer") or "sft"))

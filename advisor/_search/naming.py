@@ -38,7 +38,7 @@ def spec(workload: Workload, backend: str, method: Method, space: StudySpace,
     return {"backend": backend, "method": method.value, "space": space.to_json(),
             "tokens_per_step": space.tokens_per_step, "workload_fingerprint": workload.fingerprint(),
             "goals": {k: (v.value if isinstance(v, Enum) else v) for k, v in workload.goals.__dict__.items()},
-            **origin}
+            "trainer": workload.trainer, **origin}
 
 
 def spec_differences(stored: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:

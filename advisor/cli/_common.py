@@ -53,6 +53,9 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
                    "save_to_disk; default: the built-in synthetic chat set")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory or id (default: the model's)")
     g.add_argument("--sample", type=int, default=None, help="estimate lengths from a seeded sample of N rows")
+    g.add_argument("--trainer", choices=("sft", "dpo", "reward"), default="sft",
+                   help="the TRL trainer: sft (default), dpo or reward (preference data: prompt/chosen/rejected; "
+                   "default: the built-in synthetic preference set); --config is then a trl dpo / trl reward file")
 
 
 def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -67,7 +70,7 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     if config_path and (model is None or dataset is None):
         from ..emit import load_run_config
 
-        rc = load_run_config(config_path)
+        rc = load_run_config(config_path, trainer=getattr(ns, "trainer", "sft"))
         model = model or rc.model_name_or_path
         dataset = dataset or rc.dataset_name
     if model is None:
@@ -78,7 +81,7 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     if offline:
         print(f"advisor: {offline}", file=sys.stderr)
     wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
-                        sample=getattr(ns, "sample", None), goals=goals)
+                        sample=getattr(ns, "sample", None), goals=goals, trainer=getattr(ns, "trainer", "sft"))
     for note in workload_notes(wl):
         print(f"advisor: {note}", file=sys.stderr)
     return wl
@@ -111,8 +114,15 @@ def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None
     """The Candidate of --config, checked against the target and the model (every problem at once)."""
     from ..emit import load_run_config
 
-    cand = load_run_config(ns.config).candidate
-    if workload is not None:
+    cand = load_run_config(ns.config, trainer=getattr(ns, "trainer", "sft")).candidate
+    if workload is not None and workload.trainer != "sft":  # that trainer's rules (DPO: no packing, ...)
+        from ..errors import ConfigError
+        from ..trainers import get_trainer
+
+        problems = get_trainer(workload.trainer).problems(cand, workload.gpu, workload.model)
+        if problems:
+            raise ConfigError(problems, context=f"--config {ns.config}")
+    elif workload is not None:
         cand.check(workload.gpu, workload.model)
     return cand
 
