@@ -293,6 +293,8 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     """Peak memory by category and step time of `candidate`; status ok (the search decides what fits)."""
     if getattr(workload, "trainer", "sft") == "dpo":
         return _estimate_dpo(workload, candidate)
+    if getattr(workload, "trainer", "sft") == "reward":
+        return _estimate_reward(workload, candidate)
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
@@ -762,3 +764,24 @@ def _estimate_dpo(workload: Workload, candidate: Candidate) -> Measurement:
         tokens_per_second=(m.trained_tokens_per_step / step) if step and m.trained_tokens_per_step else None,
         worst_step_time_s=m.worst_step_time_s * slow if m.worst_step_time_s else m.worst_step_time_s,
         peak_batch=f"{c.per_device_train_batch_size} pairs ({m.peak_batch})", notes=tuple(notes))
+
+
+def _estimate_reward(workload: Workload, candidate: Candidate) -> Measurement:
+    """Reward modelling in closed form, approximately: the SFT estimate of 2B sequences a micro-batch of B pairs
+    (RewardTrainer runs chosen and rejected together) without the LM head's logits (a one-label score head)."""
+    import dataclasses
+
+    c = candidate
+    proxy = dataclasses.replace(workload, dataset=_pair_rows(workload.dataset), trainer="sft")
+    m = estimate(proxy, c.replace(per_device_train_batch_size=2 * c.per_device_train_batch_size, packing=False,
+                                  padding_free=False))
+    head = int(m.breakdown.get(Category.LM_HEAD.value, 0))
+    cuda = workload.gpu.is_cuda
+    peak = int(m.peak_bytes - head)
+    reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
+    device = reserved + _outside_allocator_bytes(workload.gpu) if cuda else peak
+    breakdown = {**m.breakdown, Category.LM_HEAD.value: 0}
+    notes = ("reward (approximate): SFT's closed form on 2B sequences a micro-batch of B pairs, the LM head's "
+             "logits left out (a one-label score head)", *m.notes)
+    return dataclasses.replace(m, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device, breakdown=breakdown,
+                               peak_batch=f"{c.per_device_train_batch_size} pairs ({m.peak_batch})", notes=notes)

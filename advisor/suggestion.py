@@ -61,6 +61,11 @@ class Suggestion:
         Its `model_init_kwargs` carry the quantization too, so `SFTTrainer(model=<id>, args=s.sft_config(),
         peft_config=s.peft_config())` loads a QLoRA pick quantized.
         """
+        if self.trainer.name != "sft":
+            from .errors import UsageError
+
+            raise UsageError(f"sft_config(): this suggestion is for trainer={self.trainer.name!r}; use trl_config() "
+                             f"(a {self.trainer.config_class().__name__})")
         overrides.setdefault("model_init_kwargs", self.model_init_kwargs)
         overrides.setdefault("completion_only_loss", self._completion_only_loss)
         if "use_cpu" not in overrides and self.candidate.precision.value != "fp32" and not _has_accelerator():

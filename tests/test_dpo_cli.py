@@ -186,3 +186,15 @@ def test_a_dpo_baseline_records_its_trainer_and_checks_with_it(tiny_config, tmp_
 
     old = {k: v for k, v in stored["workload"].items() if k != "trainer"}
     assert WorkloadRef.from_dict(old).trainer == "sft"
+
+
+def test_reward_suggest_writes_a_yaml_trl_reward_accepts(tiny_config, tmp_path, capsys):
+    from advisor.trainers import get_trainer
+
+    out = tmp_path / "reward.yaml"
+    assert main(["suggest", "--trainer", "reward", "--model", tiny_config, "--gpu", "cpu", "--backend", "estimate",
+                 "--trials", "4", "--no-cache", "--format", "yaml", "-o", str(out)]) == 0
+    assert "run: trl reward --config" in out.read_text()
+    parsed = get_trainer("reward").make_parser().parse_args_and_config(
+        ["--config", str(out), "--use_cpu", "True"], return_remaining_strings=True, separate_remaining_strings=True)
+    assert type(parsed[1]).__name__ == "RewardConfig" and parsed[-2] == [] and parsed[-1] == []
