@@ -58,14 +58,14 @@ def build_workload(
         from .trainers import get_trainer
 
         data = get_trainer(trainer).load_dataset(dataset, spec, tokenizer)
-    context = context_note(spec, data)
+    context = context_note(spec, data, pairs=trainer != "sft")
     if context:
         notes.append(context)
     return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
                     num_gpus=num_gpus, num_machines=num_machines, trainer=trainer)
 
 
-def context_note(model: ModelSpec, data: TokenizedDataset) -> str | None:
+def context_note(model: ModelSpec, data: TokenizedDataset, pairs: bool = False) -> str | None:
     """Say when rows are longer than the model's context: max_length cannot keep them whole."""
     ctx = model.max_position_embeddings
     if ctx is None or not len(data.lengths):
@@ -73,6 +73,10 @@ def context_note(model: ModelSpec, data: TokenizedDataset) -> str | None:
     over = int((data.lengths > ctx).sum())
     if not over:
         return None
+    if pairs:  # preference data: the longer of prompt + chosen and prompt + rejected
+        return (f"{over} of {len(data.lengths)} pairs have a sequence longer than {model.name}'s context "
+                f"(max_position_embeddings {ctx}; the longest has {int(data.lengths.max())} tokens): max_length "
+                f"stays <= {ctx}, so those sequences are truncated")
     return (f"{over} of {len(data.lengths)} rows are longer than {model.name}'s context (max_position_embeddings "
             f"{ctx}; the longest has {int(data.lengths.max())} tokens): max_length stays <= {ctx}, so those rows "
             "are truncated (or split by bfd_split packing)")
