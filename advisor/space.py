@@ -620,9 +620,10 @@ class SearchSpace:
         """Every combination (before validity), in a stable order."""
         base = base or Candidate()
         keys = sorted(self.values)
+        put = with_knobs if any(k in BASE_KNOBS for k in keys) else Candidate.replace
         for combo in itertools.product(*(self.values[k] for k in keys)):
             try:
-                yield with_knobs(base, **dict(zip(keys, combo, strict=True)))
+                yield put(base, **dict(zip(keys, combo, strict=True)))
             except ConfigError:
                 continue
 
