@@ -565,8 +565,9 @@ def _read_targets(targets: Any, problems: list[str]) -> tuple[str, ...] | None:
     return None
 
 
-def load_run_config(path: str | Path) -> RunConfig:
-    """Read a RUN.yaml (what `advisor suggest --format yaml` writes and `trl sft --config` accepts)."""
+def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
+    """Read a RUN.yaml (what `advisor suggest --format yaml` writes and `trl sft --config` accepts; `trl dpo` /
+    `trl reward`'s with `trainer`: another trainer's keys, e.g. `packing` in a DPO config, are refused by name)."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--config {path}: no such file; write one with `advisor suggest --format yaml --output "
@@ -577,10 +578,20 @@ def load_run_config(path: str | Path) -> RunConfig:
         raise UsageError(f"--config {path}: not valid YAML ({exc}); fix the file") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: must be a YAML mapping of trl sft keys, got {type(data).__name__}")
-    _check_keys(data, path)
     env = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
+    if trainer != "sft":
+        from .trainers import get_trainer
+
+        kind = get_trainer(trainer)
+        kind.check_run_keys(data, source=f"--config {path}")
+        _check_keys(data, path, extra={f.name for f in dataclasses.fields(kind.config_class())})
+        read = getattr(kind, "candidate_from_run_dict", None)
+        cand = (read or candidate_from_run_dict)(data, source=f"--config {path}")
+    else:
+        _check_keys(data, path)
+        cand = candidate_from_run_dict(data, source=f"--config {path}")
     return RunConfig(
-        candidate=candidate_from_run_dict(data, source=f"--config {path}"),
+        candidate=cand,
         model_name_or_path=data.get("model_name_or_path"),
         dataset_name=data.get("dataset_name"),
         env=env,
@@ -588,9 +599,10 @@ def load_run_config(path: str | Path) -> RunConfig:
     )
 
 
-def _check_keys(data: dict[str, Any], path: Path) -> None:
-    """`trl sft` passes unknown keys on silently; we don't: a misspelt key is an error here."""
-    known = {"env", *trl_fields()}
+def _check_keys(data: dict[str, Any], path: Path, extra: set[str] | frozenset[str] = frozenset()) -> None:
+    """`trl sft` passes unknown keys on silently; we don't: a misspelt key is an error here (`extra`: another
+    trainer's config fields)."""
+    known = {"env", *trl_fields(), *extra}
     unknown = sorted(set(data) - known)
     if unknown:
         import difflib

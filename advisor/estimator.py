@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -291,6 +291,10 @@ def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
 
 def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     """Peak memory by category and step time of `candidate`; status ok (the search decides what fits)."""
+    if getattr(workload, "trainer", "sft") == "dpo":
+        return _estimate_dpo(workload, candidate)
+    if getattr(workload, "trainer", "sft") == "reward":
+        return _estimate_reward(workload, candidate)
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
@@ -710,3 +714,87 @@ def _kernels_s_per_token(model: ModelSpec, c: Candidate, cuda: bool, mem_bw: flo
     torch_b = _TORCH_RMSNORM_FWD[r] * (1 + f) + 2 * _TORCH_RMSNORM_FWD[r]
     liger_b = 2 * r * (1 + f) + 3 * r
     return model.num_layers * _rmsnorm_elements(model) * (torch_b - liger_b) / mem_bw
+
+
+# ---- DPO (approximate) -----------------------------------------------------------------------------------------
+_PAIR_ROWS: dict[int, tuple[Any, Any]] = {}  # id(preference data) -> (the data, its rows as SFT rows)
+
+
+def _pair_rows(data: Any) -> Any:
+    """Preference pairs as SFT rows: prompt + chosen and prompt + rejected, each its own row, the completion
+    trained. A micro-batch of 2B such rows pads as DPO's B pairs do (chosen and rejected share the batch)."""
+    held = _PAIR_ROWS.get(id(data))
+    if held is not None and held[0] is data:
+        return held[1]
+    from .data import TokenizedDataset
+
+    rows = []
+    for p, ch, rj in zip(data.prompt_lengths, data.chosen_lengths, data.rejected_lengths, strict=True):
+        for full in (int(ch), int(rj)):
+            rows.append({"input_ids": [0] * full, "completion_mask": [0] * int(p) + [1] * (full - int(p))})
+    proxy = TokenizedDataset(name=f"{data.name} (pairs as rows)", source=data.source, rows=tuple(rows),
+                             completion_only_loss=True)
+    if len(_PAIR_ROWS) > 4:
+        _PAIR_ROWS.clear()
+    _PAIR_ROWS[id(data)] = (data, proxy)
+    return proxy
+
+
+def _estimate_dpo(workload: Workload, candidate: Candidate) -> Measurement:
+    """DPO in closed form, approximately: the SFT estimate of 2B sequences a micro-batch of B pairs (chosen and
+    rejected), plus the reference: a second copy of the weights (full fine-tuning without precompute), nothing
+    (LoRA: the policy with its adapters disabled; precompute_ref_log_probs: log-probs computed before training),
+    and its no-grad forward's time (about a third of a forward + backward) unless precomputed."""
+    import dataclasses
+
+    from .trainers.dpo import DPOKnobs, Reference
+
+    c = candidate
+    ref = DPOKnobs.of(c).reference(c)
+    proxy = dataclasses.replace(workload, dataset=_pair_rows(workload.dataset), trainer="sft")
+    base = {k: v for k, v in c.base.as_dict().items() if k not in ("precompute_ref_log_probs",
+                                                                   "precompute_ref_batch_size", "sync_ref_model")}
+    sft_c = c.replace(per_device_train_batch_size=2 * c.per_device_train_batch_size, packing=False,
+                      padding_free=False, base=base)
+    m = estimate(proxy, sft_c)
+    arch = architecture(workload.model)
+    ref_bytes = arch.total * _DTYPE_BYTES[c.weights_dtype] + arch.buffer_bytes if ref is Reference.SEPARATE_COPY \
+        else 0
+    cuda = workload.gpu.is_cuda
+    peak = int(m.peak_bytes + ref_bytes)
+    reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
+    device = reserved + _outside_allocator_bytes(workload.gpu) if cuda else peak
+    breakdown = dict(m.breakdown)
+    breakdown[Category.PARAMETERS.value] = breakdown.get(Category.PARAMETERS.value, 0) + ref_bytes
+    slow = 1.0 if ref is Reference.PRECOMPUTED else 4.0 / 3.0
+    step = m.step_time_s * slow if m.step_time_s else m.step_time_s
+    notes = [f"dpo (approximate): SFT's closed form on 2B sequences a micro-batch of B pairs; the reference: "
+             f"{ref.value.replace('_', ' ')}" + (f" (+{ref_bytes / 2**30:.2f} GiB of weights)" if ref_bytes else "")
+             + ("" if ref is Reference.PRECOMPUTED else "; its no-grad forward taken as a third of the step's "
+                "compute"), *m.notes]
+    return dataclasses.replace(
+        m, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device, breakdown=breakdown, step_time_s=step,
+        tokens_per_second=(m.trained_tokens_per_step / step) if step and m.trained_tokens_per_step else None,
+        worst_step_time_s=m.worst_step_time_s * slow if m.worst_step_time_s else m.worst_step_time_s,
+        peak_batch=f"{c.per_device_train_batch_size} pairs ({m.peak_batch})", notes=tuple(notes))
+
+
+def _estimate_reward(workload: Workload, candidate: Candidate) -> Measurement:
+    """Reward modelling in closed form, approximately: the SFT estimate of 2B sequences a micro-batch of B pairs
+    (RewardTrainer runs chosen and rejected together) without the LM head's logits (a one-label score head)."""
+    import dataclasses
+
+    c = candidate
+    proxy = dataclasses.replace(workload, dataset=_pair_rows(workload.dataset), trainer="sft")
+    m = estimate(proxy, c.replace(per_device_train_batch_size=2 * c.per_device_train_batch_size, packing=False,
+                                  padding_free=False))
+    head = int(m.breakdown.get(Category.LM_HEAD.value, 0))
+    cuda = workload.gpu.is_cuda
+    peak = int(m.peak_bytes - head)
+    reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
+    device = reserved + _outside_allocator_bytes(workload.gpu) if cuda else peak
+    breakdown = {**m.breakdown, Category.LM_HEAD.value: 0}
+    notes = ("reward (approximate): SFT's closed form on 2B sequences a micro-batch of B pairs, the LM head's "
+             "logits left out (a one-label score head)", *m.notes)
+    return dataclasses.replace(m, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device, breakdown=breakdown,
+                               peak_batch=f"{c.per_device_train_batch_size} pairs ({m.peak_batch})", notes=notes)

@@ -33,6 +33,7 @@ def build_workload(
     seed: int = 0,
     num_gpus: int = 1,
     num_machines: int = 1,
+    trainer: str = "sft",
 ) -> Workload:
     """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
     notes: list[str] = []
@@ -51,15 +52,20 @@ def build_workload(
         target = resolve_gpu(gpu)
     check_budget(goals or Goals(), target)  # before the dataset is read and tokenized
     check_world(num_gpus, num_machines)
-    data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
-    context = context_note(spec, data)
+    if trainer == "sft":
+        data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
+    else:  # the trainer reads its own data (preference pairs for DPO / Reward), refusing others by their columns
+        from .trainers import get_trainer
+
+        data = get_trainer(trainer).load_dataset(dataset, spec, tokenizer)
+    context = context_note(spec, data, pairs=trainer != "sft")
     if context:
         notes.append(context)
     return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
-                    num_gpus=num_gpus, num_machines=num_machines)
+                    num_gpus=num_gpus, num_machines=num_machines, trainer=trainer)
 
 
-def context_note(model: ModelSpec, data: TokenizedDataset) -> str | None:
+def context_note(model: ModelSpec, data: TokenizedDataset, pairs: bool = False) -> str | None:
     """Say when rows are longer than the model's context: max_length cannot keep them whole."""
     ctx = model.max_position_embeddings
     if ctx is None or not len(data.lengths):
@@ -67,6 +73,10 @@ def context_note(model: ModelSpec, data: TokenizedDataset) -> str | None:
     over = int((data.lengths > ctx).sum())
     if not over:
         return None
+    if pairs:  # preference data: the longer of prompt + chosen and prompt + rejected
+        return (f"{over} of {len(data.lengths)} pairs have a sequence longer than {model.name}'s context "
+                f"(max_position_embeddings {ctx}; the longest has {int(data.lengths.max())} tokens): max_length "
+                f"stays <= {ctx}, so those sequences are truncated")
     return (f"{over} of {len(data.lengths)} rows are longer than {model.name}'s context (max_position_embeddings "
             f"{ctx}; the longest has {int(data.lengths.max())} tokens): max_length stays <= {ctx}, so those rows "
             "are truncated (or split by bfd_split packing)")
@@ -99,6 +109,7 @@ class WorkloadRef:
     fingerprint: str = ""
     num_gpus: int = 1  # several GPUs (issue 16); a baseline or spec written before lacks them: one GPU
     num_machines: int = 1
+    trainer: str = "sft"  # a baseline or spec written before trainers existed is SFT's
 
     @classmethod
     def of(cls, workload: Workload, **given: Any) -> WorkloadRef:
@@ -111,6 +122,7 @@ class WorkloadRef:
             # a sampled dataset is rebuilt with the same seeded sample
             "sample": len(data.rows) if getattr(data, "population", None) is not None else None,
         }
+        derived["trainer"] = workload.trainer
         derived.update({k: v for k, v in given.items() if v is not None})
         return cls(goals=workload.goals, fingerprint=workload.fingerprint(), num_gpus=workload.num_gpus,
                    num_machines=workload.num_machines, **derived)
@@ -122,7 +134,7 @@ class WorkloadRef:
                               "to rebuild it", context="workload")
         return build_workload(self.model, gpu=self.gpu, dataset=self.dataset, tokenizer=self.tokenizer,
                               sample=self.sample, goals=goals or self.goals, num_gpus=self.num_gpus,
-                              num_machines=self.num_machines)
+                              num_machines=self.num_machines, trainer=self.trainer)
 
     def to_dict(self) -> dict[str, Any]:
         """The baseline file's `workload` object."""
@@ -136,13 +148,15 @@ class WorkloadRef:
         return cls(model=str(data["model"]), gpu=str(data["gpu"]), dataset=data.get("dataset"),
                    tokenizer=data.get("tokenizer"), sample=data.get("sample"),
                    goals=goals_from_dict(data.get("goals")), fingerprint=str(data.get("fingerprint", "")),
-                   num_gpus=int(data.get("num_gpus", 1)), num_machines=int(data.get("num_machines", 1)))
+                   num_gpus=int(data.get("num_gpus", 1)), num_machines=int(data.get("num_machines", 1)),
+                   trainer=str(data.get("trainer", "sft")))
 
     def to_spec(self) -> dict[str, Any]:
         """The flat keys a study's spec stores (model, gpu, dataset, tokenizer, sample, goals,
         workload_fingerprint)."""
         return {"model": self.model, "gpu": self.gpu, "dataset": self.dataset, "tokenizer": self.tokenizer,
                 "sample": self.sample, "goals": goals_to_dict(self.goals), "workload_fingerprint": self.fingerprint,
+                "trainer": self.trainer,
                 **({"num_gpus": self.num_gpus, "num_machines": self.num_machines}
                    if (self.num_gpus, self.num_machines) != (1, 1) else {})}
 
@@ -152,4 +166,5 @@ class WorkloadRef:
         return cls(model=spec.get("model"), gpu=spec.get("gpu"), dataset=spec.get("dataset"),
                    tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
                    goals=goals_from_dict(spec.get("goals")), fingerprint=str(spec.get("workload_fingerprint", "")),
-                   num_gpus=int(spec.get("num_gpus") or 1), num_machines=int(spec.get("num_machines") or 1))
+                   num_gpus=int(spec.get("num_gpus") or 1), num_machines=int(spec.get("num_machines") or 1),
+                   trainer=str(spec.get("trainer") or "sft"))

@@ -33,9 +33,27 @@ def _step(m: Measurement) -> str:
     return f"{m.step_time_s:.4f}" + (f" ({parts}{mfu})" if parts or mfu else "")
 
 
-def _knobs(t: Trial) -> str:
-    """The candidate cell: each knob's token (advisor/knobs.py `short`)."""
-    return trial_label(t.candidate)
+def _knobs(t: Trial, trainer: str = "sft") -> str:
+    """The candidate cell: each knob's token (advisor/knobs.py `short`), and DPO's reference when precomputed."""
+    label = trial_label(t.candidate)
+    if trainer == "dpo" and t.candidate.base.get("precompute_ref_log_probs"):
+        label += " ref=precomputed"
+    return label
+
+
+def _trainer_rows(s: Suggestion) -> list[list[str]]:
+    """The trainer, and for DPO how the reference is held (derived: LoRA, precompute_ref_log_probs)."""
+    trainer = getattr(s.workload, "trainer", "sft")
+    if trainer == "sft":
+        return []
+    rows = [["trainer", f"{trainer} ({s.trainer.trainer_class().__name__})"]]
+    if trainer == "dpo":
+        from .trainers.dpo import DPOKnobs
+
+        k = DPOKnobs.of(s.candidate)
+        rows.append(["precompute_ref_log_probs", str(k.precompute_ref_log_probs)])
+        rows.append(["reference", k.reference(s.candidate).value.replace("_", " ")])
+    return rows
 
 
 def time_lines(m: Measurement) -> list[str]:
@@ -59,7 +77,8 @@ def trial_rows(s: Suggestion) -> list[list[str]]:
     for t in sorted(s.trials, key=lambda t: -(t.measurement.tokens_per_second or 0) if t.measurement.feasible(limit)
                     else float("inf")):
         m = t.measurement
-        rows.append(["" if t.number is None else str(t.number), _knobs(t), _gib(m.budget_bytes),
+        rows.append(["" if t.number is None else str(t.number), _knobs(t, getattr(s.workload, "trainer", "sft")),
+                     _gib(m.budget_bytes),
                      _tps(m.tokens_per_second), m.status.value,
                      m.source.value + (" (stored)" if t.cached else ""), t.reason])
     return rows
@@ -89,6 +108,7 @@ def render_summary(s: Suggestion) -> str:
         ["model", wl.model.name], ["target", f"{wl.gpu.name} (limit {_gib(wl.limit_bytes)} GiB of "
                                             f"{_gib(wl.budget_bytes)} GiB)"],
         ["method", c.method.value],
+        *_trainer_rows(s),
         *summary_rows(c),  # each knob's label and value (advisor/knobs.py)
         [f"device peak (GiB, {_kind(s)})", _gib(m.budget_bytes)],
         [f"tokens/s (trained, {_kind(s)})", _tps(m.tokens_per_second)],

@@ -117,15 +117,19 @@ def _goals(base: Goals | None, **given: Any) -> Goals:
 
 
 def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | None, goals: dict[str, Any],
-                      world: dict[str, int] | None = None) -> Workload:
+                      world: dict[str, int] | None = None, trainer: str | None = None) -> Workload:
     world = {k: v for k, v in (world or {}).items() if v is not None}  # num_gpus / num_machines given
     if isinstance(model, Workload):
         if gpu is not None or dataset is not None:
             raise UsageError("suggest(): pass gpu and dataset inside the Workload, not beside it")
+        if trainer is not None and trainer != model.trainer:
+            raise UsageError(f"suggest(trainer={trainer!r}): the Workload was built for trainer={model.trainer!r} "
+                             "(its dataset is that trainer's); build it with trainer=... or drop the argument")
         return dataclasses.replace(model, goals=_goals(model.goals, **goals), **world)
     from .workload import build_workload
 
-    return build_workload(model, gpu=gpu, dataset=dataset, goals=_goals(None, **goals), **world)
+    return build_workload(model, gpu=gpu, dataset=dataset, goals=_goals(None, **goals), trainer=trainer or "sft",
+                          **world)
 
 
 def suggest(
@@ -146,6 +150,7 @@ def suggest(
     jobs: int | None = None,
     num_gpus: int | None = None,
     num_machines: int | None = None,
+    trainer: str | None = None,
     **goals: Any,
 ) -> Suggestion:
     """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
@@ -160,7 +165,8 @@ def suggest(
     answer's `accelerate_yaml()` / `launch_command()` launch it.
     `workload_names` (model, gpu, dataset, tokenizer, sample: the names a Workload
     passed as `model` was built from) are stored in the study so that `advisor worker` can rebuild the
-    workload and join it.
+    workload and join it. `trainer`: the TRL trainer ("sft", "dpo", "reward"; default: the Workload's, else
+    "sft"); the dataset is read as that trainer reads it, and the suggestion builds that trainer's config.
     """
     goals = _goal_args(goals)
     if trials is not None and trials < 1:
@@ -173,7 +179,8 @@ def suggest(
     origin.update({k: v for k, v in (workload_names or {}).items() if k in origin and v is not None})
     if backend is not None:
         check_backend(backend)  # before the workload is built: an unusable backend fails in a second
-    workload = _resolve_workload(model, gpu, dataset, goals, {"num_gpus": num_gpus, "num_machines": num_machines})
+    workload = _resolve_workload(model, gpu, dataset, goals, {"num_gpus": num_gpus, "num_machines": num_machines},
+                                 trainer)
     backend_name = backend or default_backend_name()
     be = get_backend(backend_name)
     pins = parse_fix(fix)
@@ -345,7 +352,8 @@ def stored_suggestion(study_name: str, storage: str | None = None, *, workload: 
             raise UsageError(f"--study {study_name!r}: made from a Workload object; call "
                              "advisor.search.stored_suggestion(name, workload=...)")
         workload = build_workload(spec["model"], gpu=spec.get("gpu"), dataset=spec.get("dataset"),
-                                  tokenizer=spec.get("tokenizer"), sample=spec.get("sample"))
+                                  tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
+                                  trainer=spec.get("trainer") or "sft")
     workload = dataclasses.replace(workload, goals=Goals(**spec["goals"]))
     if workload.fingerprint() != spec["workload_fingerprint"]:
         raise UsageError(f"--study {study_name!r}: the model, GPU profile or dataset it names has changed since "

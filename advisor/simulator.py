@@ -55,11 +55,12 @@ def simulate(
     *,
     layers: tuple[int, int] | None = (2, 3),
     steps: int = 2,
-    trainer: str | Trainer = "sft",
+    trainer: str | Trainer | None = None,
 ) -> Measurement:
     """Peak bytes of `steps` real optimizer steps of `candidate` on the target, predicted on fake tensors.
 
-    `trainer`: the TRL trainer that runs ("sft", "dpo", "reward"; advisor.trainers.get_trainer).
+    `trainer`: the TRL trainer that runs ("sft", "dpo", "reward"; advisor.trainers.get_trainer); default: the
+    workload's (`Workload.trainer`).
 
     The candidate's base (the user's other keys) is part of the run; `max_steps` below `steps` is simulated as
     written. More steps than 2 change nothing: every simulated step gets the same worst batch, the first step
@@ -69,7 +70,7 @@ def simulate(
     from .trainers import get_trainer
 
     started = time.perf_counter()
-    spec = get_trainer(trainer)
+    spec = get_trainer(trainer or getattr(workload, "trainer", "sft"))
     target = _resolve_target(gpu, workload)
     candidate = candidate.for_model(workload.model)
     problems = spec.problems(candidate, target, workload.model)

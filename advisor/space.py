@@ -565,6 +565,34 @@ def default_lora_targets(model: ModelSpec) -> tuple[str, ...]:
     return model_linear_names(model)
 
 
+# Knobs a trainer carries in the candidate's base under its config's name (advisor.trainers.dpo.DPOKnobs), searched
+# like Candidate fields: a space may name them, `knob_value` reads them and `with_knobs` sets them (False, the
+# default, is left out of the base, so a candidate without them stays as it was).
+BASE_KNOBS: dict[str, Any] = {"precompute_ref_log_probs": False}
+
+
+def knob_value(cand: Candidate, name: str) -> Any:
+    """A Candidate field, or a base-carried knob (BASE_KNOBS) with its default when absent."""
+    if name in BASE_KNOBS:
+        return cand.base.get(name, BASE_KNOBS[name])
+    return getattr(cand, name)
+
+
+def with_knobs(cand: Candidate, **values: Any) -> Candidate:
+    """`cand.replace(**values)` where base-carried knobs (BASE_KNOBS) go into the base."""
+    carried = {k: values.pop(k) for k in list(values) if k in BASE_KNOBS}
+    out = cand.replace(**values) if values else cand
+    if carried:
+        base = out.base.as_dict()
+        for k, v in carried.items():
+            if v == BASE_KNOBS[k]:
+                base.pop(k, None)
+            else:
+                base[k] = v
+        out = out.replace(base=base)
+    return out
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """The values each knob may take. `candidates()` yields the valid, canonical, distinct combinations.
@@ -576,7 +604,7 @@ class SearchSpace:
     values: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        names = {f.name for f in dataclasses.fields(Candidate)} - {"base"}
+        names = ({f.name for f in dataclasses.fields(Candidate)} - {"base"}) | set(BASE_KNOBS)
         unknown = sorted(set(self.values) - names)
         if unknown:
             raise ConfigError([f"unknown knob {k!r}" for k in unknown], context="search space")
@@ -595,9 +623,10 @@ class SearchSpace:
         """Every combination (before validity), in a stable order."""
         base = base or Candidate()
         keys = sorted(self.values)
+        put = with_knobs if any(k in BASE_KNOBS for k in keys) else Candidate.replace
         for combo in itertools.product(*(self.values[k] for k in keys)):
             try:
-                yield base.replace(**dict(zip(keys, combo, strict=True)))
+                yield put(base, **dict(zip(keys, combo, strict=True)))
             except ConfigError:
                 continue
 

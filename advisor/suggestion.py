@@ -62,6 +62,11 @@ class Suggestion:
         Its `model_init_kwargs` carry the quantization too, so `SFTTrainer(model=<id>, args=s.sft_config(),
         peft_config=s.peft_config())` loads a QLoRA pick quantized.
         """
+        if self.trainer.name != "sft":
+            from .errors import UsageError
+
+            raise UsageError(f"sft_config(): this suggestion is for trainer={self.trainer.name!r}; use trl_config() "
+                             f"(a {self.trainer.config_class().__name__})")
         overrides.setdefault("model_init_kwargs", self.model_init_kwargs)
         overrides.setdefault("completion_only_loss", self._completion_only_loss)
         if "use_cpu" not in overrides and self.candidate.precision.value != "fp32" and not _has_accelerator():
@@ -75,6 +80,30 @@ class Suggestion:
                 UserWarning, stacklevel=2,
             )
         return emit.build_sft_config(self.candidate, self.workload, **overrides)
+
+    @property
+    def trainer(self) -> Any:
+        """The TRL trainer this suggestion is for (advisor.trainers; the workload's)."""
+        from .trainers import get_trainer
+
+        return get_trainer(getattr(self.workload, "trainer", "sft"))
+
+    def trl_config(self, **overrides: Any) -> Any:
+        """The trainer's TRL config: an SFTConfig (`sft_config`), a DPOConfig, a RewardConfig; `use_cpu` as in
+        `sft_config` where no accelerator is here."""
+        if self.trainer.name == "sft":
+            return self.sft_config(**overrides)
+        if "use_cpu" not in overrides and self.candidate.precision.value != "fp32" and not _has_accelerator():
+            overrides["use_cpu"] = True
+        return self.trainer.build_config(self.candidate, self.workload, **overrides)
+
+    def dpo_config(self, **overrides: Any) -> Any:
+        """A trl.DPOConfig (a suggestion made with trainer="dpo")."""
+        if self.trainer.name != "dpo":
+            from .errors import UsageError
+
+            raise UsageError(f"dpo_config(): this suggestion is for trainer={self.trainer.name!r}; use trl_config()")
+        return self.trl_config(**overrides)
 
     def peft_config(self) -> LoraConfig | None:
         return emit.peft_config(self.candidate, self.workload.model)
@@ -99,6 +128,9 @@ class Suggestion:
         return ds.completion_only_loss if ds.source == "synthetic" else None
 
     def run_config(self) -> dict[str, Any]:
+        if self.trainer.name != "sft":  # `trl dpo` / `trl reward`'s keys
+            return self.trainer.run_config_dict(self.candidate, model_name_or_path=self.model_name_or_path,
+                                                dataset_name=self.workload.dataset.dataset_name)
         return emit.run_config_dict(
             self.candidate,
             model_name_or_path=self.model_name_or_path,
@@ -109,6 +141,11 @@ class Suggestion:
     def to_yaml(self) -> str:
         """A file for `trl sft --config FILE`, headed by a comment: the target, the predicted peak and how it was
         obtained, and how to run it."""
+        if self.trainer.name != "sft":
+            import yaml
+
+            header = "\n".join(f"# {line}" if line else "#" for line in self.yaml_header().splitlines())
+            return header + "\n" + yaml.safe_dump(self.run_config(), sort_keys=False)
         return emit.to_yaml(
             self.candidate, header=self.yaml_header(), model_name_or_path=self.model_name_or_path,
             dataset_name=self.workload.dataset.dataset_name, completion_only_loss=self._completion_only_loss,
@@ -129,7 +166,8 @@ class Suggestion:
             f"(limit {wl.limit_bytes / 2**30:.2f} GiB of {wl.budget_bytes / 2**30:.2f} GiB).",
             f"{kind} device peak {peak}, {tps} trained tokens/s: {how}.",
             f"data: {wl.dataset.name}" + (" (synthetic lengths)" if wl.dataset.synthetic else ""),
-            "run: trl sft --config THIS_FILE" + ("" if wl.dataset.dataset_name else " --dataset_name YOUR_DATASET")
+            f"run: trl {self.trainer.command} --config THIS_FILE"
+            + ("" if wl.dataset.dataset_name else " --dataset_name YOUR_DATASET")
             if wl.num_gpus == 1 else
             f"{wl.num_gpus} GPUs ({self.launch().chosen}), per rank: run: "
             f"{self.launch_command(trl_config_file='THIS_FILE')}",
@@ -161,6 +199,11 @@ class Suggestion:
         return self.launch(config_file, trl_config_file).command
 
     def to_python(self) -> str:
+        if self.trainer.name != "sft":
+            from .trainers.base import python_snippet
+
+            return python_snippet(self.trainer, self.candidate, model_name_or_path=self.model_name_or_path,
+                                  dataset_name=self.workload.dataset.dataset_name)
         return emit.to_python(
             self.candidate, model_name_or_path=self.model_name_or_path,
             dataset_name=self.workload.dataset.dataset_name, completion_only_loss=self._completion_only_loss,
@@ -212,6 +255,8 @@ class Suggestion:
     @property
     def truncated_fraction(self) -> float:
         c = self.candidate
+        if hasattr(self.workload.dataset, "rejected_lengths"):  # preference pairs: the worse of chosen / rejected
+            return max(self.workload.dataset.truncated_fraction(c.max_length))
         return self.workload.dataset.truncated_fraction(c.max_length, c.packing, c.packing_strategy.value)
 
     def report(self) -> str:

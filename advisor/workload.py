@@ -171,10 +171,15 @@ class Workload:
     # several GPUs (issue 16): N GPUs of the named kind over M machines; the budget applies to each rank
     num_gpus: int = 1
     num_machines: int = 1
+    # the TRL trainer that runs (advisor.trainers: "sft", "dpo", "reward"); the dataset is that trainer's data
+    trainer: str = "sft"
 
     def __post_init__(self) -> None:
         check_budget(self.goals, self.gpu)
         check_world(self.num_gpus, self.num_machines)
+        from .trainers import get_trainer
+
+        get_trainer(self.trainer)  # ConfigError naming the trainers the advisor knows
 
     @property
     def budget_bytes(self) -> int:
@@ -196,6 +201,7 @@ class Workload:
                 "goals": {k: str(v) for k, v in self.goals.__dict__.items()},
                 **({"world": [self.num_gpus, self.num_machines]} if (self.num_gpus, self.num_machines) != (1, 1)
                    else {}),
+                **({"trainer": self.trainer} if self.trainer != "sft" else {}),  # SFT's fingerprint is unchanged
             }
         )
 

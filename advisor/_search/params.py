@@ -9,7 +9,7 @@ from enum import Enum
 from typing import Any
 
 from ..errors import ConfigError
-from ..space import Candidate, SearchSpace
+from ..space import BASE_KNOBS, Candidate, SearchSpace, knob_value, with_knobs
 from ..workload import Workload
 from .space import BATCH_TOLERANCE, RowTokens, attention_refusal, with_accumulation
 
@@ -31,7 +31,10 @@ class StudySpace:
         self.workload, self.space, self.tokens_per_step, self.rows = workload, space, tokens_per_step, rows
         self.fixed = {k: v[0] for k, v in space.values.items() if len(v) == 1}
         self.params = {k: tuple(v) for k, v in sorted(space.values.items()) if len(v) > 1}
-        self.base = Candidate().replace(**self.fixed) if self.fixed else Candidate()
+        self.base = with_knobs(Candidate(), **self.fixed) if self.fixed else Candidate()
+        from ..trainers import get_trainer
+
+        self.trainer = get_trainer(getattr(workload, "trainer", "sft"))
 
     def choices(self, name: str) -> list[Any]:
         return [_encode(v) for v in self.params[name]]
@@ -43,14 +46,14 @@ class StudySpace:
             enc = self.choices(k)
             values[k] = vals[enc.index(params[k])]
         try:
-            cand = self.base.replace(**values).canonical()
+            cand = with_knobs(self.base, **values).canonical()
         except ConfigError as exc:
             return str(exc)
         return self.admit(cand)
 
     def admit(self, cand: Candidate) -> Candidate | str:
         wl = self.workload
-        problems = cand.problems(wl.gpu, wl.model)
+        problems = self.trainer.problems(cand, wl.gpu, wl.model)  # SFT's: Candidate.problems
         if problems:
             return "; ".join(problems)
         refused = attention_refusal(self.space, cand)
@@ -78,7 +81,7 @@ class StudySpace:
     def params_of(self, cand: Candidate) -> dict[str, Any]:
         out = {}
         for k in self.params:
-            v = _encode(getattr(cand, k))
+            v = _encode(knob_value(cand, k))
             out[k] = v if v in self.choices(k) else self.choices(k)[0]  # irrelevant knobs canonicalise away
         return out
 
@@ -114,10 +117,10 @@ class StudySpace:
         """Admissible candidates that differ from `cand` in one knob."""
         for k, vals in self.params.items():
             for v in vals:
-                if v == getattr(cand, k):
+                if v == knob_value(cand, k):
                     continue
                 try:
-                    other = cand.replace(**{k: v}).canonical()
+                    other = with_knobs(cand, **{k: v}).canonical()
                 except ConfigError:
                     continue
                 out = self.admit(other)
@@ -137,6 +140,6 @@ def space_from_json(data: Mapping[str, list[Any]]) -> SearchSpace:
         decoded = []
         for v in vals:
             d = dec(k, v)
-            decoded.append(getattr(Candidate(**{k: d}), k))  # strings back to Enums
+            decoded.append(d if k in BASE_KNOBS else getattr(Candidate(**{k: d}), k))  # strings back to Enums
         values[k] = tuple(decoded)
     return SearchSpace(values)

@@ -44,14 +44,40 @@ class RowTokens:
     def __call__(self, c: Candidate) -> float:
         key = (c.max_length, c.packing, c.packing_strategy if c.packing else None)
         if key not in self._memo:
-            self._memo[key] = max(1e-9, float(self.dataset.trained_tokens_per_row(c)))
+            if _pairs(self.dataset):  # a fixed number of pairs per optimizer step: a pair's untruncated tokens
+                p = self.dataset.prompt_lengths
+                n = (self.dataset.chosen_lengths - p) + (self.dataset.rejected_lengths - p)
+                self._memo[key] = max(1e-9, float(n.mean()) if len(n) else 1.0)
+            else:
+                self._memo[key] = max(1e-9, float(self.dataset.trained_tokens_per_row(c)))
         return self._memo[key]
 
     def truncation(self, c: Candidate) -> float:
         key = ("trunc", c.max_length, c.packing, c.packing_strategy if c.packing else None)
         if key not in self._memo:
-            self._memo[key] = self.dataset.truncated_fraction(c.max_length, c.packing, c.packing_strategy.value)
+            if _pairs(self.dataset):  # chosen and rejected apart: the worse of the two
+                self._memo[key] = max(self.dataset.truncated_fraction(c.max_length))
+            else:
+                self._memo[key] = self.dataset.truncated_fraction(c.max_length, c.packing, c.packing_strategy.value)
         return self._memo[key]
+
+
+def _pairs(dataset: Any) -> bool:
+    """Preference data (advisor.trainers.preference.PreferenceDataset: DPO, Reward)."""
+    return hasattr(dataset, "rejected_lengths")
+
+
+def preference_max_lengths(dataset: Any, max_truncation: float) -> tuple[int, ...]:
+    """max_length values for preference pairs: percentiles of the longer of prompt + chosen and prompt + rejected,
+    rounded up to 64, kept where neither the chosen nor the rejected completions lose more than `max_truncation`
+    of their tokens (PreferenceDataset.truncated_fraction); the shortest such value is always offered."""
+    lengths = np.asarray(dataset.lengths)
+    if lengths.size == 0:
+        return (1024,)
+    grid = sorted({max(64, int(math.ceil(float(np.percentile(lengths, q)) / 64.0) * 64))
+                   for q in (50, 75, 90, 95, 99, 99.5, 100)})
+    ok = [v for v in grid if max(dataset.truncated_fraction(v)) <= max_truncation]
+    return tuple(ok) if ok else (grid[-1],)
 
 
 def default_tokens_per_step(workload: Workload, row_tokens: RowTokens | None = None) -> int:
@@ -114,7 +140,9 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
     """Every quality-neutral knob free; quality-changing ones only as the workload's goals allow."""
     gpu, model, goals = workload.gpu, workload.model, workload.goals
     cuda = gpu.is_cuda
-    lengths = max_length_values(workload.dataset, goals.max_truncation)
+    pairs = _pairs(workload.dataset)
+    lengths = (preference_max_lengths(workload.dataset, goals.max_truncation) if pairs
+               else max_length_values(workload.dataset, goals.max_truncation))
     ctx = model.max_position_embeddings  # no max_length beyond the model's context (rows longer are truncated)
     if ctx is not None:
         lengths = tuple(sorted({min(v, ctx) for v in lengths}))
@@ -169,6 +197,11 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
         from ..parallelism import search_layouts
 
         values["parallelism"] = search_layouts(workload.num_gpus)
+    trainer = getattr(workload, "trainer", "sft")
+    if trainer != "sft":  # pairs: no packing (an SFT-only key); padding_free falls back to padding in TRL 1.16
+        values.update({"packing": (False,), "padding_free": (False,), "group_by_length": (False,)})
+    if trainer == "dpo":  # the reference: a separate copy / the adapters disabled (LoRA) / precomputed (derived)
+        values["precompute_ref_log_probs"] = (False, True)
     # checkpoint_offload is offered through --fix only: its copies run on the compute stream (always slower) and
     # its saving is modelled at the simulated peak (advisor/simulate.py), so the search does not pick it unasked.
     return SearchSpace(values)

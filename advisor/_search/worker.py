@@ -47,7 +47,7 @@ def _worker_run(store: optuna.storages.BaseStorage, name: str, storage: str, wor
                              "advisor.search.run_worker(workload=...)")
         workload = build_workload(spec["model"], gpu=spec.get("gpu"), dataset=spec.get("dataset"),
                                   tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
-                                  goals=Goals(**spec["goals"]))
+                                  goals=Goals(**spec["goals"]), trainer=spec.get("trainer") or "sft")
     workload = dataclasses.replace(workload, goals=Goals(**spec["goals"]))
     if workload.fingerprint() != spec["workload_fingerprint"]:
         raise UsageError(f"--study {name!r}: the workload differs from the one the study was made for")

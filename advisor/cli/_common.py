@@ -64,6 +64,9 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
                    help="with --num-gpus N > 1 and --config: how accelerate shards the model (the accelerate config "
                         "`advisor suggest --accelerate-output` writes; default ddp, accelerate's MULTI_GPU). "
                         "suggest searches it: pin it there with --fix parallelism=VALUE")
+    g.add_argument("--trainer", choices=("sft", "dpo", "reward"), default="sft",
+                   help="the TRL trainer: sft (default), dpo or reward (preference data: prompt/chosen/rejected; "
+                   "default: the built-in synthetic preference set); --config is then a trl dpo / trl reward file")
 
 
 def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -78,7 +81,7 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     if config_path and (model is None or dataset is None):
         from ..emit import load_run_config
 
-        rc = load_run_config(config_path)
+        rc = load_run_config(config_path, trainer=getattr(ns, "trainer", "sft"))
         model = model or rc.model_name_or_path
         dataset = dataset or rc.dataset_name
     if model is None:
@@ -90,7 +93,7 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
         print(f"advisor: {offline}", file=sys.stderr)
     wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
                         sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
-                        num_machines=getattr(ns, "num_machines", 1))
+                        num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"))
     for note in workload_notes(wl):
         print(f"advisor: {note}", file=sys.stderr)
     return wl
@@ -123,10 +126,17 @@ def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None
     """The Candidate of --config, checked against the target and the model (every problem at once)."""
     from ..emit import load_run_config
 
-    cand = load_run_config(ns.config).candidate
+    cand = load_run_config(ns.config, trainer=getattr(ns, "trainer", "sft")).candidate
     layout = getattr(ns, "parallelism", None)
     if layout is not None:  # the accelerate side of the run (not in the TRL YAML)
         cand = cand.replace(parallelism=layout)
+    if workload is not None and workload.trainer != "sft":  # that trainer's rules (DPO: no packing, ...)
+        from ..errors import ConfigError
+        from ..trainers import get_trainer
+
+        problems = get_trainer(workload.trainer).problems(cand, workload.gpu, workload.model)
+        if problems:
+            raise ConfigError(problems, context=f"--config {ns.config}")
     if workload is not None:
         cand.check(workload.gpu, workload.model)
         from ..parallelism import layout_problems

@@ -34,7 +34,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.config:
         from ..emit import load_run_config
 
-        candidate = load_run_config(ns.config).candidate
+        candidate = load_run_config(ns.config, trainer=baseline.workload.trainer).candidate  # the baseline's
     result = check(baseline, candidate=candidate, tolerance=tolerance)
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:

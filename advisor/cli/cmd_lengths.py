@@ -44,6 +44,8 @@ def run(ns: argparse.Namespace) -> int:
     if bad:
         raise UsageError(f"--max-length / --micro-batch {bad}: must be positive integers, e.g. --max-length 1024")
     model = resolve_model(ns.model)
+    if ns.trainer != "sft":  # preference pairs: prompt + chosen and prompt + rejected
+        return _preference(ns, model, max_truncation)
     data = load_dataset(ns.dataset, model, tokenizer=ns.tokenizer, sample=ns.sample, seed=ns.seed,
                         progress=sys.stderr.isatty())
     report = length_report(data, max_lengths=ns.max_length, micro_batches=tuple(ns.micro_batch or MICRO_BATCHES),
@@ -100,3 +102,36 @@ def _text(report, marker: int) -> str:
             lines.append(f"  ... and {len(report.bad_rows) - 20} more (see --json)")
     lines += [f"note: {n}" for n in report.notes if not n.startswith(f"{len(report.bad_rows)} bad row")]
     return "\n".join(lines)
+
+
+def _preference(ns: argparse.Namespace, model, max_truncation: float) -> int:
+    """`advisor lengths --trainer dpo|reward`: the lengths of prompt + chosen and prompt + rejected, and for each
+    max_length the chosen and the rejected tokens it cuts off (apart) and the pairs it drops."""
+    from tabulate import tabulate
+
+    from ..trainers import get_trainer
+    from ..trainers.preference import preference_length_report
+
+    data = get_trainer(ns.trainer).load_dataset(ns.dataset, model, ns.tokenizer)
+    report = preference_length_report(data, max_lengths=ns.max_length, max_truncation=max_truncation)
+    if ns.json:
+        print(emit_json(report.to_dict()))
+        return 0
+    kind = "synthetic preference data (no --dataset given)" if report.synthetic else "preference dataset"
+
+    def pct(p) -> str:
+        return f"p50 {p.p50}  p90 {p.p90}  p95 {p.p95}  p99 {p.p99}  max {p.max}"
+
+    lines = [f"{report.name}: {kind}, {report.pairs} pairs",
+             f"prompt:            {pct(report.prompt)}",
+             f"prompt + chosen:   {pct(report.chosen)}",
+             f"prompt + rejected: {pct(report.rejected)}",
+             f"suggested max_length: {report.suggested_max_length} (neither chosen nor rejected loses more than "
+             f"{report.max_truncation:.1%} of its tokens, a multiple of 64)", ""]
+    rows = [[m.max_length, f"{m.chosen_lost_fraction:.2%}", f"{m.rejected_lost_fraction:.2%}", m.chosen_truncated,
+             m.rejected_truncated, m.pairs_dropped] for m in report.max_lengths]
+    lines.append(tabulate(rows, headers=["max_length", "chosen lost", "rejected lost", "chosen cut", "rejected cut",
+                                         "pairs dropped"]))
+    lines += [f"note: {n}" for n in report.notes]
+    print("\n".join(lines))
+    return 0

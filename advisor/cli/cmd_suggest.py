@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Search the memory knobs for the fastest configuration that fits.")
     add_workload_args(p, model_required=False)
     p.add_argument("--config", default=None, metavar="RUN.yaml",
-                   help="take model_name_or_path / dataset_name from a trl sft --config file")
+                   help="take model_name_or_path / dataset_name from a trl sft (trl dpo, trl reward) --config file")
     p.add_argument("--backend", default=None, metavar="{" + ",".join(backend_names()) + "}",
                    help="how candidates are measured (default: cuda when a GPU is present, else simulate)")
     add_goal_args(p)
@@ -197,14 +197,15 @@ def next_step(ns: argparse.Namespace, s) -> str:
     if ds.dataset_name:
         data = ""  # the YAML names it
     elif ds.synthetic:
-        data = " --dataset_name <your dataset, e.g. trl-lib/Capybara>"
+        example = "trl-lib/Capybara" if s.workload.trainer == "sft" else "trl-lib/ultrafeedback_binarized"
+        data = f" --dataset_name <your dataset, e.g. {example}>"
     else:
         data = f" --dataset_name <a hub id or directory for {ds.name}>"
     lines = ["Next:"]
     world = s.workload.num_gpus > 1
     if ns.output and Path(ns.output).suffix in (".yaml", ".yml") and ns.format != "python":
         run = (s.launch_command(ns.accelerate_output or "accelerate.yaml", ns.output) if world else
-               f"trl sft --config {shlex.quote(ns.output)}")
+               f"trl {s.trainer.command} --config {shlex.quote(ns.output)}")
         lines.append(f"  {run}{data}")
     else:
         cache = "" if ns.no_cache else "    # the same search: answered from the stored study"
@@ -212,7 +213,7 @@ def next_step(ns: argparse.Namespace, s) -> str:
         lines.append(f"  {shlex.join(['advisor', 'suggest', *_same_search(ns)])} --format yaml -o run.yaml{more}"
                      f"{cache}")
         run = s.launch_command(ns.accelerate_output or "accelerate.yaml", "run.yaml") if world else \
-            "trl sft --config run.yaml"
+            f"trl {s.trainer.command} --config run.yaml"
         lines.append(f"  {run}{data}")
     if world and not s.measured_on_target:
         lines.append(f"  (the numbers above are {s.measurement.source.value} predictions of one rank of "
@@ -223,6 +224,7 @@ def next_step(ns: argparse.Namespace, s) -> str:
         probe = shlex.join(["advisor", "probe", "--model", _absolute(ns.model) or s.model_name_or_path,
                             "--config", "run.yaml", "--gpu", wl.gpu.name, *(["--dataset", ns.dataset] if ns.dataset
                                                                            else []),
+                            *(["--trainer", wl.trainer] if wl.trainer != "sft" else []),
                             "--backend", "cuda" if wl.gpu.is_cuda else "cpu"])
         lines.append(f"  (the numbers above are {s.measurement.source.value} predictions for {wl.gpu.name}; on "
                      f"{'that GPU' if wl.gpu.is_cuda else 'this machine'}, `{probe}` measures real steps)")
@@ -258,7 +260,7 @@ def _workload_names(ns: argparse.Namespace, workload) -> dict[str, object]:
     if ns.config and (model is None or dataset is None):
         from ..emit import load_run_config
 
-        rc = load_run_config(ns.config)
+        rc = load_run_config(ns.config, trainer=ns.trainer)
         model, dataset = model or rc.model_name_or_path, dataset or rc.dataset_name
     # the resolved GPU, so that a worker on another machine measures for the same target; local paths made
     # absolute, so that `advisor report --study` and workers started elsewhere find the same files

@@ -117,10 +117,12 @@ def job_dict(
         "goals": goals_to_dict(workload.goals),
         # what names the workload (as a baseline or a study does); the child rebuilds from the values above
         "workload": WorkloadRef.of(workload).to_dict(),
+        "trainer": workload.trainer,
         "dataset": {
+            **({"kind": "preference"} if workload.trainer != "sft" else {}),  # prompt/chosen/rejected token rows
             "name": ds.name,
             "source": ds.source,
-            "completion_only_loss": ds.completion_only_loss,
+            "completion_only_loss": getattr(ds, "completion_only_loss", True),
             "dataset_name": ds.dataset_name,
             "rows": [dict(r) for r in plan.rows],
         },

@@ -134,3 +134,34 @@ def _load_builtin() -> None:
 @contextlib.contextmanager
 def nothing() -> Iterator[None]:
     yield
+
+
+def python_snippet(trainer: Trainer, candidate: Candidate, *, model_name_or_path: str,
+                   dataset_name: str | None = None) -> str:
+    """A snippet that trains `candidate` with `trainer`'s TRL classes (DPOConfig + DPOTrainer, RewardConfig +
+    RewardTrainer): every memory-relevant field explicit, the LoraConfig when LoRA, the env vars first."""
+    from ..emit import env_vars, peft_config
+
+    cfg, cls = trainer.config_class().__name__, trainer.trainer_class().__name__
+    kw = trainer.config_kwargs(candidate)
+    output_dir = kw.pop("output_dir", f"advisor-{trainer.name}")
+    lines = ["import os", ""]
+    for k, v in env_vars(candidate).items():
+        lines.append(f"os.environ.setdefault({k!r}, {v!r})  # before torch initialises CUDA")
+    lines += ["", "from datasets import load_dataset", f"from trl import {cfg}, {cls}"]
+    if candidate.use_lora:
+        lines.append("from peft import LoraConfig")
+    load = f"load_dataset({dataset_name!r}, split=\"train\")" if dataset_name else \
+        'load_dataset("json", data_files="train.jsonl", split="train")  # your prompt/chosen/rejected pairs'
+    lines += ["", f"dataset = {load}", f"config = {cfg}(", f"    output_dir={output_dir!r},"]
+    lines += [f"    {k}={v!r}," for k, v in kw.items()]
+    lines.append(")")
+    args = [f"    model={model_name_or_path!r},", "    args=config,", "    train_dataset=dataset,"]
+    if candidate.use_lora:
+        lc = peft_config(candidate)
+        lines.append(f"peft_config = LoraConfig(r={lc.r}, lora_alpha={lc.lora_alpha}, "
+                     f"lora_dropout={lc.lora_dropout!r}, target_modules={sorted(lc.target_modules)!r}, "
+                     f"bias=\"none\", task_type={lc.task_type!r})")
+        args.append("    peft_config=peft_config,")
+    lines += [f"trainer = {cls}(", *args, ")", "trainer.train()"]
+    return "\n".join(lines) + "\n"

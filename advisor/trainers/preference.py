@@ -216,3 +216,73 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[l
         ) from exc
     out = [{c: list(prepared[i][c]) for c in TOKEN_COLUMNS} for i in range(len(prepared))]
     return out, bool(is_conversational(hf[0]))
+
+
+# ---- the lengths report for preference data (`advisor lengths --trainer dpo|reward`) ---------------------------
+@dataclass(frozen=True)
+class PairTruncation:
+    """What one max_length costs preference pairs: the shares of chosen and of rejected completion tokens cut off
+    (kept pairs; PreferenceDataset.truncated_fraction), the sequences cut, and the pairs dropped (a prompt that
+    fills max_length: DPOTrainer drops them under keep_start)."""
+
+    max_length: int
+    chosen_lost_fraction: float
+    rejected_lost_fraction: float
+    chosen_truncated: int
+    rejected_truncated: int
+    pairs_dropped: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class PreferenceLengthReport:
+    """Lengths of prompt, prompt + chosen and prompt + rejected, and what each candidate max_length costs."""
+
+    name: str
+    synthetic: bool
+    pairs: int
+    prompt: Any  # advisor.lengths.Percentiles
+    chosen: Any  # prompt + chosen
+    rejected: Any  # prompt + rejected
+    max_truncation: float
+    suggested_max_length: int
+    max_lengths: tuple[PairTruncation, ...]
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "synthetic": self.synthetic, "pairs": self.pairs,
+                "prompt": self.prompt.to_dict(), "prompt_chosen": self.chosen.to_dict(),
+                "prompt_rejected": self.rejected.to_dict(), "max_truncation": self.max_truncation,
+                "suggested_max_length": self.suggested_max_length,
+                "max_lengths": [m.to_dict() for m in self.max_lengths], "notes": list(self.notes)}
+
+
+def pair_truncation(data: PreferenceDataset, max_length: int) -> PairTruncation:
+    chosen, rejected = data.truncated_fraction(max_length)
+    keep = data.kept(max_length)
+    return PairTruncation(max_length, chosen, rejected, int((data.chosen_lengths[keep] > max_length).sum()),
+                          int((data.rejected_lengths[keep] > max_length).sum()), int(len(data.rows) - len(keep)))
+
+
+def preference_length_report(data: PreferenceDataset, max_lengths: Sequence[int] | None = None,
+                             max_truncation: float = 0.01, multiple: int = 64) -> PreferenceLengthReport:
+    """The report; the suggested max_length is the smallest multiple of `multiple` at which neither the chosen nor
+    the rejected completions lose more than `max_truncation` of their tokens."""
+    from ..lengths import Percentiles
+
+    longest = int(data.lengths.max()) if len(data.rows) else multiple
+    top = max(multiple, -(-longest // multiple) * multiple)
+    steps = np.arange(multiple, top + multiple, multiple)
+    ok = [int(v) for v in steps if max(data.truncated_fraction(int(v))) <= max_truncation]
+    suggested = ok[0] if ok else top
+    if max_lengths is None:
+        grid = {suggested, top}
+        grid |= {max(multiple, -(-int(np.percentile(data.lengths, q)) // multiple) * multiple) for q in (50, 90, 99)}
+        max_lengths = sorted(grid)
+    return PreferenceLengthReport(
+        name=data.name, synthetic=data.synthetic, pairs=len(data.rows), prompt=Percentiles.of(data.prompt_lengths),
+        chosen=Percentiles.of(data.chosen_lengths), rejected=Percentiles.of(data.rejected_lengths),
+        max_truncation=max_truncation, suggested_max_length=suggested,
+        max_lengths=tuple(pair_truncation(data, int(v)) for v in max_lengths), notes=tuple(data.notes))
