@@ -44,7 +44,9 @@ class FunctionBackend:
     `cost` orders backends (a cheaper one may prune for a costlier one); `source` is what its measurements are
     labelled with (a runtime backend that declares none is `Source.EXTERNAL`, never an estimate); `needs_gpu`:
     it runs only where a CUDA device is visible; `deterministic`: the same inputs give the same peak, so a
-    baseline recorded with it can be checked later.
+    baseline recorded with it can be checked later; `parallel`: a measurement takes seconds (it runs the training
+    step), so the search measures several at once in warm worker processes (advisor/_search/pool.py); a cheap
+    backend runs in the caller, where a worker's start-up would cost more than it saves.
     """
 
     name: str
@@ -53,6 +55,7 @@ class FunctionBackend:
     source: Source = Source.EXTERNAL
     needs_gpu: bool = False
     deterministic: bool = True
+    parallel: bool = False
 
     def measure(self, workload: Workload, candidate: Candidate) -> Measurement:
         return self.fn(workload, candidate)
@@ -86,7 +89,7 @@ def _probe(kind: str) -> Measure:
 
 BUILTIN: tuple[FunctionBackend, ...] = (
     FunctionBackend("estimate", _estimate, cost=0, source=Source.ESTIMATE),
-    FunctionBackend("simulate", _simulate, cost=1, source=Source.SIMULATE),
+    FunctionBackend("simulate", _simulate, cost=1, source=Source.SIMULATE, parallel=True),
     FunctionBackend("cpu", _probe("cpu"), cost=2, source=Source.PROBE_CPU),
     FunctionBackend("cuda", _probe("cuda"), cost=3, source=Source.PROBE_CUDA, needs_gpu=True),
 )
@@ -96,12 +99,12 @@ PROBE_BACKENDS = ("cuda", "cpu")
 
 
 def register_backend(name: str, fn: Measure, cost: int = 1, *, source: Source | str = Source.EXTERNAL,
-                     needs_gpu: bool = False, deterministic: bool = True) -> FunctionBackend:
+                     needs_gpu: bool = False, deterministic: bool = True, parallel: bool = False) -> FunctionBackend:
     """Plug in a backend (tests register fakes); replaces one of the same name. It is then usable by `suggest`,
     `advisor baseline` and `advisor check` alike."""
     if not name or not isinstance(name, str):
         raise UsageError(f"register_backend(name={name!r}): give a non-empty name")
-    backend = FunctionBackend(name, fn, cost, Source(source), needs_gpu, deterministic)
+    backend = FunctionBackend(name, fn, cost, Source(source), needs_gpu, deterministic, parallel)
     _REGISTRY[name] = backend
     return backend
 

@@ -126,7 +126,7 @@ def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | Non
             raise UsageError(f"suggest(trainer={trainer!r}): the Workload was built for trainer={model.trainer!r} "
                              "(its dataset is that trainer's); build it with trainer=... or drop the argument")
         return dataclasses.replace(model, goals=_goals(model.goals, **goals), **world)
-    from .workload import build_workload
+    from .inputs import build_workload
 
     return build_workload(model, gpu=gpu, dataset=dataset, goals=_goals(None, **goals), trainer=trainer or "sft",
                           **world)
@@ -346,14 +346,12 @@ def stored_suggestion(study_name: str, storage: str | None = None, *, workload: 
     if spec is None:
         raise UsageError(f"--study {study_name!r}: not an advisor study (no spec attribute)")
     if workload is None:
-        from .workload import build_workload
+        from .inputs import WorkloadRef
 
         if not spec.get("model"):
             raise UsageError(f"--study {study_name!r}: made from a Workload object; call "
                              "advisor.search.stored_suggestion(name, workload=...)")
-        workload = build_workload(spec["model"], gpu=spec.get("gpu"), dataset=spec.get("dataset"),
-                                  tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
-                                  trainer=spec.get("trainer") or "sft")
+        workload = WorkloadRef.from_spec(spec).build()
     workload = dataclasses.replace(workload, goals=Goals(**spec["goals"]))
     if workload.fingerprint() != spec["workload_fingerprint"]:
         raise UsageError(f"--study {study_name!r}: the model, GPU profile or dataset it names has changed since "

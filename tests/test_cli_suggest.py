@@ -127,7 +127,8 @@ def _cli_worker(storage, study, out):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["worker", "--storage", storage, "--study", study, "--idle", "4", "--json"])
+        # --idle 10: on a loaded machine the leader may take more than 4 s to create the study the worker waits for
+        rc = main(["worker", "--storage", storage, "--study", study, "--idle", "10", "--json"])
     out.put((rc, buf.getvalue()))
 
 

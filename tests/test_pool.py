@@ -107,7 +107,7 @@ def backend():
     names = []
 
     def register(name, fn):
-        register_backend(name, fn)
+        register_backend(name, fn, parallel=True)
         names.append(name)
         return name
 
@@ -197,13 +197,22 @@ def test_which_backends_run_in_worker_processes(backend):
     assert isinstance(open_pool("cpu", jobs=4), InProcessPool), "a probe runs its own child, one at a time"
     lam = backend("pool-lambda", lambda w, c: None)
     assert isinstance(open_pool(lam, jobs=4), InProcessPool), "a lambda cannot be imported by a child"
-    backend("simulate", lambda w, c: None)  # a test's stand-in for simulate must not be replaced by the real one
+    from advisor.backends import get_backend
+
+    real = get_backend("simulate")
+    # a test's stand-in for simulate (even one declared parallel) must not be replaced by the real one in a worker
+    register_backend("simulate", lambda w, c: None, parallel=True)
     try:
         assert isinstance(open_pool("simulate", jobs=4), InProcessPool)
+    finally:  # the built-in back as it was declared (its Source, its parallel flag), not a re-registration
+        register_backend("simulate", real.fn, real.cost, source=real.source, needs_gpu=real.needs_gpu,
+                         deterministic=real.deterministic, parallel=real.parallel)
+    assert get_backend("simulate") == real
+    register_backend("pool-serial", loud)  # importable by a child, but not declared parallel: measured here
+    try:
+        assert isinstance(open_pool("pool-serial", jobs=4), InProcessPool)
     finally:
-        from advisor._search import backends
-
-        register_backend("simulate", backends._simulate)
+        unregister_backend("pool-serial")
 
 
 def test_jobs_is_checked_and_defaults_to_the_usable_cores():

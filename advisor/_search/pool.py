@@ -134,11 +134,11 @@ def open_pool(backend: str, jobs: int | None = None) -> Pool:
 def child_reference(backend: str) -> str | None:
     """"module:qualname" of the backend's function when a child process can import it by that name and gets the
     same function (so a test that replaces `simulate` in-process is not silently measured by the real one);
-    None for a serial backend, a lambda, a closure, or a function of `__main__`."""
+    None for a backend not declared `parallel`, a serial one, a lambda, a closure, or a function of `__main__`."""
     from .backends import get_backend
 
-    if backend in SERIAL_BACKENDS:
-        return None
+    if backend in SERIAL_BACKENDS or not get_backend(backend).parallel:
+        return None  # declared cheap (or a probe): workers' start-up would cost more than they save
     fn = get_backend(backend).fn
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or module == "__main__" or "<" in qualname:

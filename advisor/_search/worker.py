@@ -40,14 +40,13 @@ def _worker_run(store: optuna.storages.BaseStorage, name: str, storage: str, wor
         raise UsageError(f"--backend {backend}: the study {name!r} measures with {spec['backend']}; a worker must "
                          f"use the study's backend: drop --backend or pass --backend {spec['backend']}")
     if workload is None:
-        from .workload import build_workload
+        from ..inputs import WorkloadRef
 
         if not spec.get("model"):
             raise UsageError(f"--study {name!r}: started from a Workload object; run workers through "
                              "advisor.search.run_worker(workload=...)")
-        workload = build_workload(spec["model"], gpu=spec.get("gpu"), dataset=spec.get("dataset"),
-                                  tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
-                                  goals=Goals(**spec["goals"]), trainer=spec.get("trainer") or "sft")
+        # the one reference type: model, GPU, data, trainer and world (num_gpus) as the leader's spec names them
+        workload = WorkloadRef.from_spec(spec).build(goals=Goals(**spec["goals"]))
     workload = dataclasses.replace(workload, goals=Goals(**spec["goals"]))
     if workload.fingerprint() != spec["workload_fingerprint"]:
         raise UsageError(f"--study {name!r}: the workload differs from the one the study was made for")
