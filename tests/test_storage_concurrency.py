@@ -139,14 +139,17 @@ def killed_then_rerun(args: list[str], env: dict[str, str], url: str) -> dict:
     wait_for_measuring(url, victim)
     victim.send_signal(signal.SIGKILL)
     victim.communicate(timeout=60)
-    (left,) = [t for t in study_trials(url) if t.state is TrialState.RUNNING]
-    assert left.user_attrs.get("owner"), "a trial names the process that measures it"
+    # one RUNNING trial per candidate in flight (the pool measures up to --jobs at once)
+    running = [t for t in study_trials(url) if t.state is TrialState.RUNNING]
+    assert running, "the victim was killed while measuring"
+    assert all(t.user_attrs.get("owner") for t in running), "a trial names the process that measures it"
     rc, out, err = run_cli(args, env)
     assert rc == 0, err[-3000:]
-    after = {t.number: t for t in study_trials(url) if t.user_attrs.get("key") == left.user_attrs["key"]}
-    assert after[left.number].state is TrialState.FAIL and after[left.number].user_attrs.get("stale")
-    assert any(t.state is TrialState.COMPLETE and t.user_attrs.get("measured") for t in after.values()), (
-        "the killed trial's candidate is measured again")
+    for left in running:
+        after = {t.number: t for t in study_trials(url) if t.user_attrs.get("key") == left.user_attrs["key"]}
+        assert after[left.number].state is TrialState.FAIL and after[left.number].user_attrs.get("stale")
+        assert any(t.state is TrialState.COMPLETE and t.user_attrs.get("measured") for t in after.values()), (
+            "the killed trial's candidate is measured again")
     check_study(url)
     return json.loads(out)
 
