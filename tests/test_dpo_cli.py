@@ -198,3 +198,23 @@ def test_reward_suggest_writes_a_yaml_trl_reward_accepts(tiny_config, tmp_path, 
     parsed = get_trainer("reward").make_parser().parse_args_and_config(
         ["--config", str(out), "--use_cpu", "True"], return_remaining_strings=True, separate_remaining_strings=True)
     assert type(parsed[1]).__name__ == "RewardConfig" and parsed[-2] == [] and parsed[-1] == []
+
+
+def test_reward_space_searches_pad_to_multiple_of_and_emits_it(tiny_config):
+    """The issue's Reward knobs include pad_to_multiple_of: the default space offers it, a candidate keeps it
+    (it is active on padded rows) and the RewardConfig YAML writes it."""
+    import yaml
+
+    from advisor.inputs import build_workload
+    from advisor.search import build_space
+    from advisor.trainers import get_trainer
+
+    wl = build_workload(tiny_config, gpu="cpu", trainer="reward")
+    space = build_space(wl)
+    assert space.values["pad_to_multiple_of"] == (None, 8, 64)
+    assert build_space(build_workload(tiny_config, gpu="cpu")).values["pad_to_multiple_of"] == (None,), "SFT as before"
+    cand = next(c for c in space.grid() if c.pad_to_multiple_of == 64 and not c.use_lora).canonical()
+    assert cand.pad_to_multiple_of == 64, "canonical() must not reset it on padded rows"
+    written = get_trainer("reward").run_config_dict(cand, model_name_or_path=tiny_config)
+    assert written["pad_to_multiple_of"] == 64
+    assert yaml.safe_load(yaml.safe_dump(written))["pad_to_multiple_of"] == 64

@@ -202,6 +202,8 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
         values.update({"packing": (False,), "padding_free": (False,), "group_by_length": (False,)})
     if trainer == "dpo":  # the reference: a separate copy / the adapters disabled (LoRA) / precomputed (derived)
         values["precompute_ref_log_probs"] = (False, True)
+    if trainer == "reward":  # RewardConfig's padding rounding: tensor-core-friendly lengths (8) or FA tiles (64),
+        values["pad_to_multiple_of"] = (None, 8, 64)  # measured like every knob (more padding, fewer shapes)
     # checkpoint_offload is offered through --fix only: its copies run on the compute stream (always slower) and
     # its saving is modelled at the simulated peak (advisor/simulate.py), so the search does not pick it unasked.
     return SearchSpace(values)
