@@ -165,3 +165,38 @@ def python_snippet(trainer: Trainer, candidate: Candidate, *, model_name_or_path
         args.append("    peft_config=peft_config,")
     lines += [f"trainer = {cls}(", *args, ")", "trainer.train()"]
     return "\n".join(lines) + "\n"
+
+
+def field_names(cls: type) -> set[str]:
+    """The dataclass fields of a TRL config class."""
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def run_config_for(trainer: Any, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None,
+                   output_dir: str, model_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The keys `trl <trainer.command> --config FILE` accepts for a trainer whose config is not SFTConfig:
+    ScriptArguments and ModelConfig keys from emit's SFT file, the trainer's own config kwargs (model_init_kwargs
+    without what ModelConfig already carries: dtype, attn_implementation), `model_extra` on the ModelConfig side
+    and `env:`."""
+    from ..emit import run_config_dict, trl_fields
+
+    shared = run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name)
+    owners = trl_fields()
+    config_fields = field_names(trainer.config_class())
+    head = {k: v for k, v in shared.items() if k in ("model_name_or_path", "dataset_name")}
+    script = {k: v for k, v in shared.items() if k not in head and k in owners and k not in config_fields
+              and owners[k][0].__name__ in ("ScriptArguments", "DatasetMixtureConfig")}
+    model = {k: v for k, v in shared.items() if k in owners and owners[k][0].__name__ == "ModelConfig"}
+    model.update(model_extra or {})
+    kw = trainer.config_kwargs(candidate)
+    init = kw.pop("model_init_kwargs")  # trl <command> builds it from ModelConfig's dtype / attn_implementation
+    out = {**head, **script, "output_dir": candidate.base.get("output_dir", output_dir), **kw}
+    extra_init = {k: v for k, v in init.items() if k not in ("dtype", "attn_implementation")}
+    if extra_init:
+        out["model_init_kwargs"] = extra_init
+    out.update(model)
+    if "env" in shared:
+        out["env"] = shared["env"]
+    return out

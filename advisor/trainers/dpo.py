@@ -22,6 +22,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from .base import field_names as _field_names
 from .base import register
 from .preference import TOKEN_COLUMNS, PreferenceDataset, check_preference_rows
 
@@ -85,8 +86,6 @@ class DPOKnobs:
         return self.precompute_ref_batch_size or candidate.per_device_train_batch_size
 
 
-def _field_names(cls: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
 
 
 def sft_only_keys() -> set[str]:
@@ -211,27 +210,10 @@ class DPO:
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
                         dataset_name: str | None = None) -> dict[str, Any]:
         """The keys `trl dpo --config FILE` accepts: ScriptArguments, DPOConfig and ModelConfig, and `env:`."""
-        from trl import DPOConfig
+        from .base import run_config_for
 
-        from ..emit import run_config_dict, trl_fields
-
-        shared = run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name)
-        owners = trl_fields()
-        config_fields = _field_names(DPOConfig)
-        head = {k: v for k, v in shared.items() if k in ("model_name_or_path", "dataset_name")}
-        script = {k: v for k, v in shared.items() if k not in head and k in owners and k not in config_fields
-                  and owners[k][0].__name__ in ("ScriptArguments", "DatasetMixtureConfig")}
-        model = {k: v for k, v in shared.items() if k in owners and owners[k][0].__name__ == "ModelConfig"}
-        kw = self.config_kwargs(candidate)
-        init = kw.pop("model_init_kwargs")  # trl dpo builds it from ModelConfig's dtype / attn_implementation
-        out = {**head, **script, "output_dir": candidate.base.get("output_dir", "advisor-dpo"), **kw}
-        extra_init = {k: v for k, v in init.items() if k not in ("dtype", "attn_implementation")}
-        if extra_init:
-            out["model_init_kwargs"] = extra_init
-        out.update(model)
-        if "env" in shared:
-            out["env"] = shared["env"]
-        return out
+        return run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
+                              output_dir="advisor-dpo")
 
     def to_yaml(self, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None
                 ) -> str:

@@ -10,11 +10,11 @@ trains adapters plus the score head (PEFT's SEQ_CLS task saves it). The simulato
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from .base import field_names as _field_names
 from .base import register
 from .preference import PreferenceDataset, check_preference_rows
 
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from ..workload import GPUSpec, ModelSpec, Workload
 
 
-def _field_names(cls: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
 
 
 def sft_only_keys() -> set[str]:
@@ -119,29 +117,11 @@ class Reward:
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
                         dataset_name: str | None = None) -> dict[str, Any]:
         """The keys `trl reward --config FILE` accepts; LoRA with `lora_task_type: SEQ_CLS` (the score head)."""
-        from trl import RewardConfig
+        from .base import run_config_for
 
-        from ..emit import run_config_dict, trl_fields
-
-        shared = run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name)
-        owners = trl_fields()
-        config_fields = _field_names(RewardConfig)
-        head = {k: v for k, v in shared.items() if k in ("model_name_or_path", "dataset_name")}
-        script = {k: v for k, v in shared.items() if k not in head and k in owners and k not in config_fields
-                  and owners[k][0].__name__ in ("ScriptArguments", "DatasetMixtureConfig")}
-        model = {k: v for k, v in shared.items() if k in owners and owners[k][0].__name__ == "ModelConfig"}
-        if candidate.use_lora:
-            model["lora_task_type"] = "SEQ_CLS"
-        kw = self.config_kwargs(candidate)
-        init = kw.pop("model_init_kwargs")
-        out = {**head, **script, "output_dir": candidate.base.get("output_dir", "advisor-reward"), **kw}
-        extra_init = {k: v for k, v in init.items() if k not in ("dtype", "attn_implementation")}
-        if extra_init:
-            out["model_init_kwargs"] = extra_init
-        out.update(model)
-        if "env" in shared:
-            out["env"] = shared["env"]
-        return out
+        return run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
+                              output_dir="advisor-reward",
+                              model_extra={"lora_task_type": "SEQ_CLS"} if candidate.use_lora else None)
 
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
         bad = sorted(k for k in data if k in sft_only_keys())
