@@ -225,6 +225,7 @@ class MemoryParts:
     recompute: int  # one checkpointed layer rebuilt during backward
     trainable: int  # parameters that get gradients
     batch: BatchShape  # the worst micro-batch
+    offloaded: int = 0  # activation offloading: saved bytes that leave the device (activations are what stays)
 
 
 def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
@@ -269,9 +270,12 @@ def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
     else:
         layer_acts = arch.layers * per_layer
         recompute = 0
+    offloaded = 0
     if c.activation_offloading:
-        # TRL's offloader moves saved tensors to pinned host memory, keeping about two layers in flight.
-        layer_acts = min(layer_acts, 2 * max(per_layer, resid))
+        # TRL's offloader moves saved tensors to pinned host memory, keeping about two layers in flight; every
+        # saved byte crosses PCIe twice (the copies' time counts what is moved, not what stays).
+        kept_acts = min(layer_acts, 2 * max(per_layer, resid))
+        offloaded, layer_acts = layer_acts - kept_acts, kept_acts
     # the final norm keeps its fp32 input and normalised output; the attention mask, when there is one
     activations = layer_acts + tokens * arch.hidden * (4 + act_bytes) + worst.mask_bytes
     activations -= sum(knob_memory_savings(workload.model, c, tokens, workload.gpu.is_cuda).values())
@@ -285,7 +289,7 @@ def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
     return MemoryParts(
         parameters=int(params), gradients=int(grads), optimizer=int(optimizer), optimizer_temporaries=int(opt_temp),
         activations=int(activations), lm_head_saved=lm_saved, lm_head_temporaries=lm_peak, recompute=int(recompute),
-        trainable=int(trainable), batch=worst,
+        trainable=int(trainable), batch=worst, offloaded=int(offloaded),
     )
 
 
@@ -346,7 +350,9 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
     device = reserved + _outside_allocator_bytes(gpu) if cuda else peak
 
-    timed = _step_time(workload, arch, c, worst, activations)
+    # the offloader's copies move every saved activation (the simulator's copy volume: its activations before
+    # the offload correction), not only what stays on the device
+    timed = _step_time(workload, arch, c, worst, activations + p.offloaded)
     step_time, trained_per_step = timed.step_s, int(round(timed.trained_per_step))
     terms = dict(timed.terms)
     if workload.num_gpus > 1:  # global throughput: every rank's tokens over the step with the collectives' time

@@ -30,6 +30,7 @@ class EventKind(str, Enum):
     SEEDED = "seeded"  # the queue was seeded with a cheaper backend's stored results
     TIME_BUDGET = "time-budget"
     NO_NEW_CANDIDATE = "no-new-candidate"  # the proposers ran dry
+    CONVERGED = "converged"  # no unmeasured candidate can still beat the best measured one
     LIBRARY_MESSAGES = "library-messages"
     CONFIRMATION_DRIFT = "confirmation-drift"
     METHOD = "method"  # the pick's method, when not full fine-tuning
@@ -149,6 +150,19 @@ class NoNewCandidate(Event):
 
 
 @dataclass(frozen=True)
+class Converged(Event):
+    """Multi-fidelity's end: every unmeasured admissible candidate is, by the estimate corrected on `points`
+    measurements, slower than the best measured one or over the limit by more than the model's resolution, or
+    tied with a measured one."""
+
+    kind = EventKind.CONVERGED
+    points: int
+    time_resolution: float
+    memory_resolution: float
+    candidates: int  # admissible candidates in the space
+
+
+@dataclass(frozen=True)
 class LibraryMessages(Event):
     kind = EventKind.LIBRARY_MESSAGES
     shown: tuple[str, ...]  # the most frequent distinct messages, as the report lists them
@@ -261,6 +275,10 @@ _TEXT: dict[EventKind, Any] = {
                                 f"{'/'.join(sorted(set(e.backends)))} studies of this workload",
     EventKind.TIME_BUDGET: lambda e: f"stopped by --time-budget {e.seconds:g}s after {e.measured} measurements",
     EventKind.NO_NEW_CANDIDATE: lambda e: f"stopped after {e.proposals} proposals in a row gave no new candidate",
+    EventKind.CONVERGED: lambda e: (f"converged after {e.points} measurements of {e.candidates} candidates: the "
+                                    f"estimate corrected on them (resolution {e.time_resolution:.1%} in time, "
+                                    f"{e.memory_resolution:.1%} in memory) puts every other one slower, over the "
+                                    "limit, or tied with one measured"),
     EventKind.LIBRARY_MESSAGES: _library,
     EventKind.CONFIRMATION_DRIFT: _drift,
     EventKind.METHOD: lambda e: f"method: {e.method}",

@@ -297,6 +297,7 @@ def grid_best(model: str, gpu: str, method, memo_path: Path, budget_s: float, jo
     """(best feasible tokens/s, measured, to measure, total valid) of the method's default grid, filling the memo
     through the pool for at most `budget_s`."""
     from advisor import search
+    from advisor._search.evaluator import PRUNE_FACTOR
     from advisor._search.ledger import candidate_key, device_bytes, feasible
     from advisor._search.pool import open_pool
     from advisor._search.space import RowTokens, default_tokens_per_step
@@ -313,7 +314,7 @@ def grid_best(model: str, gpu: str, method, memo_path: Path, budget_s: float, jo
         except Exception:
             e = None
         d = device_bytes(e) if e is not None else None
-        if d is not None and d > limit * search.PRUNE_FACTOR:
+        if d is not None and d > limit * PRUNE_FACTOR:
             continue  # as --exhaustive: the estimate puts it far over the limit, never measured
         ranked.append((-(e.tokens_per_second or 0.0) if e is not None and e.ok else 0.0, candidate_key(c), c))
     ranked.sort(key=lambda r: (r[0], r[1]))

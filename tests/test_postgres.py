@@ -251,7 +251,8 @@ def test_a_second_leader_resumes(pg_url, budget_workload):
 
     s = _lead(pg_url, budget_workload, counting)
     assert left.user_attrs["key"] in seen, "the killed trial's candidate is measured again"
-    assert len(seen) - 1 == s.evaluations, "the two finished before the kill are not repeated (+1 confirmation)"
+    # a deterministic backend's measurement is its own confirmation: nothing is measured twice
+    assert len(seen) == s.evaluations, "the two finished before the kill are not repeated"
     assert sum(t.cached and t.measurement.ok for t in s.trials) == 2
     check_study(pg_url)
     assert s.candidate == _grid_best(budget_workload).candidate

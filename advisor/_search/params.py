@@ -35,6 +35,8 @@ class StudySpace:
         from ..trainers import get_trainer
 
         self.trainer = get_trainer(getattr(workload, "trainer", "sft"))
+        self._candidates: tuple[Candidate, ...] | None = None
+        self._neighbours: dict[Candidate, tuple[Candidate, ...]] = {}
 
     def choices(self, name: str) -> list[Any]:
         return [_encode(v) for v in self.params[name]]
@@ -100,9 +102,10 @@ class StudySpace:
             yield self.admit(cand)
 
     def candidates(self) -> Iterator[Candidate]:
-        for out in self._walk():
-            if isinstance(out, Candidate):
-                yield out
+        """The admissible candidates, in the grid's order (walked once: the space and workload do not change)."""
+        if self._candidates is None:
+            self._candidates = tuple(out for out in self._walk() if isinstance(out, Candidate))
+        return iter(self._candidates)
 
     def why_empty(self) -> str | None:
         """None when some candidate is admissible, else the commonest reason the grid's candidates are refused."""
@@ -114,7 +117,12 @@ class StudySpace:
         return why.most_common(1)[0][0] if why else "the space is empty"
 
     def neighbours(self, cand: Candidate) -> Iterator[Candidate]:
-        """Admissible candidates that differ from `cand` in one knob."""
+        """Admissible candidates that differ from `cand` in one knob (computed once per candidate)."""
+        if cand not in self._neighbours:
+            self._neighbours[cand] = tuple(self._neighbours_of(cand))
+        return iter(self._neighbours[cand])
+
+    def _neighbours_of(self, cand: Candidate) -> Iterator[Candidate]:
         for k, vals in self.params.items():
             for v in vals:
                 if v == knob_value(cand, k):

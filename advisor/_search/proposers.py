@@ -37,13 +37,54 @@ def make_sampler() -> optuna.samplers.BaseSampler:
 
 
 def seeds(space: StudySpace, ev: Evaluator, n: int) -> list[Candidate]:
-    """The estimate's best guesses among candidates it does not put far over the limit."""
+    """The estimate's best guesses among candidates it does not put far over the limit, one per plateau: a
+    candidate the estimate cannot tell from a better seed (equal memory and time within its resolution, e.g. two
+    packing strategies that make the same batches) is not a seed of its own."""
     if not ev.has_estimate:
         return []
     scored = [(ev.estimated_tps(c), i, c) for i, c in enumerate(space.candidates())]
     scored = [s for s in scored if s[0] > 0]
     scored.sort(key=lambda s: (-s[0], s[1]))
-    return [c for _, _, c in scored[:n]]
+    corr = ev.correction()
+    picked: list[tuple[Candidate, Measurement]] = []
+    for _, _, c in scored:
+        est = ev.estimate(c)
+        if est is None or any(corr.ties(est, other) for _, other in picked):
+            continue
+        picked.append((c, est))
+        if len(picked) >= n:
+            break
+    return [c for c, _ in picked]
+
+
+def frontier(space: StudySpace, ledger: Ledger, ev: Evaluator, in_flight: frozenset[str] = frozenset()
+             ) -> Candidate | None:
+    """Multi-fidelity's next move: the unmeasured candidate the corrected estimate ranks fastest among those that
+    can still win (advisor/_search/fidelity.py's rule) and are not tied with one measured or being measured;
+    None when there is none left, which ends the search (the `Converged` event)."""
+    if not ev.has_estimate:
+        return None
+    corr = ev.correction()
+    known = [est for e in ledger.measured if (est := ev.estimate(e.candidate)) is not None and est.ok]
+    known += [est for c in space.candidates() if candidate_key(c) in in_flight
+              and (est := ev.estimate(c)) is not None and est.ok]
+    ranked = []
+    for i, c in enumerate(space.candidates()):
+        key = candidate_key(c)
+        if key in ledger or key in in_flight:
+            continue
+        tps = ev.estimated_tps(c)
+        if tps > 0:
+            ranked.append((-tps, i, c))
+    ranked.sort(key=lambda r: (r[0], r[1]))
+    for _, _, c in ranked:
+        if not ev.can_still_win(c) or ledger.bound(c) is not None:
+            continue
+        est = ev.estimate(c)
+        if est is not None and any(corr.ties(est, m) for m in known):
+            continue
+        return c
+    return None
 
 
 def reused(study: optuna.Study, space: StudySpace, ledger: Ledger, backend: FunctionBackend,
