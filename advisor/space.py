@@ -312,15 +312,33 @@ class Candidate:
         return kwargs
 
     def replace(self, **changes: Any) -> Candidate:
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`, each checked as __post_init__ checks it. Only the changed knobs are coerced (the
+        rest are this candidate's, already valid): the search builds tens of thousands of candidates a run."""
+        if not changes:
+            return self
+        if "base" in changes or not changes.keys() <= _KNOB_FIELDS:
+            return dataclasses.replace(self, **changes)  # the user's keys, or a name dataclasses must refuse
+        from .knobs import coerce
+
+        values, problems = coerce(changes)
+        if problems:
+            raise ConfigError(problems, context="invalid candidate")
+        return self._with_checked({**changes, **values})  # fields that are not knobs: as given, as __post_init__
+
+    def _with_checked(self, values: Mapping[str, Any]) -> Candidate:
+        """A copy with `values` that are already stored values (coerced and checked, or knob defaults)."""
+        new = object.__new__(Candidate)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(values)
+        return new
 
     def canonical(self) -> Candidate:
         """Fields that have no effect reset to their defaults, so equivalent candidates compare equal (each knob's
         `active` in advisor/knobs.py)."""
         from .knobs import canonical_changes
 
-        changes = canonical_changes(self)
-        return dataclasses.replace(self, **changes) if changes else self
+        changes = canonical_changes(self)  # knob defaults: stored values already
+        return self._with_checked(changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
         """Knobs as plain values; `base` only when the user's config had other keys (so the search's candidates,
@@ -623,7 +641,21 @@ class SearchSpace:
         """Every combination (before validity), in a stable order."""
         base = base or Candidate()
         keys = sorted(self.values)
-        put = with_knobs if any(k in BASE_KNOBS for k in keys) else Candidate.replace
+        if not any(k in BASE_KNOBS for k in keys):
+            # each value checked once (a knob's check does not depend on the others), then combined unchecked
+            checked: list[list[Any]] = []
+            for k in keys:
+                ok = []
+                for v in self.values[k]:
+                    try:
+                        ok.append(getattr(base.replace(**{k: v}), k))
+                    except ConfigError:
+                        continue
+                checked.append(ok)
+            for combo in itertools.product(*checked):
+                yield base._with_checked(dict(zip(keys, combo, strict=True)))
+            return
+        put = with_knobs
         for combo in itertools.product(*(self.values[k] for k in keys)):
             try:
                 yield put(base, **dict(zip(keys, combo, strict=True)))
@@ -647,6 +679,8 @@ class SearchSpace:
             n *= len(v)
         return n
 
+
+_KNOB_FIELDS = frozenset(f.name for f in dataclasses.fields(Candidate)) - {"base"}
 
 # The knob registry checks Candidate's field block against its declarations when it is imported (advisor/knobs.py)
 from . import knobs as _knobs  # noqa: E402,F401
