@@ -222,6 +222,10 @@ class StudyRun:
             self.evaluator.skip_losers = False
             self.enqueue(grid, "exhaustive")
         elif not queue_only:
+            if not self.ledger.entries:  # a fresh study will measure: workers start while the estimate ranks
+                warm_up = getattr(self.evaluator.pool, "warm_up", None)
+                if warm_up is not None:
+                    warm_up()
             self._seed()
         misses, turn = 0, 0
         idle_since: float | None = None

@@ -462,6 +462,13 @@ class ProcessPool:
         self._thread.start()
 
     # -- the caller's side ---------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Start the forkserver and the workers now, so that their imports and warm-up overlap what the caller
+        does before its first submit (ranking the space with the estimate); a no-op once started or closed."""
+        with self._lock:
+            if self._thread is None and not self._closing:
+                self._start()
+
     def submit(self, workload: Workload, candidate: Candidate) -> MeasureFuture:
         fp = workload.fingerprint()
         fut = MeasureFuture()
