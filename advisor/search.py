@@ -38,6 +38,7 @@ from ._search.liveness import HEARTBEAT_S, STALE_S  # noqa: F401 (re-exported: t
 from ._search.loop import StudyRun
 from ._search.params import StudySpace, space_from_json
 from ._search.pool import check_jobs as check_jobs  # re-exported for the CLI's --jobs
+from ._search.pool import prestarted as prestarted  # re-exported: the CLI starts the workers' server early
 from ._search.space import (
     RowTokens,
     apply_pins,
@@ -77,7 +78,7 @@ if TYPE_CHECKING:
 __all__ = [
     "suggest", "run_worker", "build_space", "Progress", "check_backend", "stored_studies", "stored_suggestion",
     "StoredStudy", "register_backend", "unregister_backend", "backend_names",
-    "default_backend_name", "cache_dir", "parse_fix", "DEFAULT_TRIALS", "confirmation_note",
+    "default_backend_name", "prestarted", "cache_dir", "parse_fix", "DEFAULT_TRIALS", "confirmation_note",
 ]
 
 DEFAULT_TRIALS = 40

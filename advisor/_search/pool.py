@@ -131,6 +131,30 @@ def open_pool(backend: str, jobs: int | None = None) -> Pool:
     return ProcessPool(backend, ref, n)
 
 
+@contextlib.contextmanager
+def prestarted(backend: str, jobs: int | None = None) -> Iterator[None]:
+    """While the block runs, the forkserver the pools of `backend` fork from is up and importing (a no-op where
+    `open_pool` would measure in-process): a caller that still has to import torch and resolve its workload
+    (the CLI's front door) overlaps the servers' imports and warm-up with its own. Stopped on leaving the block
+    unless a pool opened inside it still uses it."""
+    started = False
+    log_dir: Path | None = None
+    try:
+        if check_jobs(jobs) > 1 and child_reference(backend) is not None:
+            log_dir = Path(tempfile.mkdtemp(prefix="advisor-prestart-"))
+            _Server.acquire(log_dir / "forkserver.log")
+            started = True
+    except Exception:  # noqa: BLE001 (only a head start: the pool starts its server itself when it needs one)
+        started = False
+    try:
+        yield
+    finally:
+        if started:
+            _Server.release()
+        if log_dir is not None:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
 def child_reference(backend: str) -> str | None:
     """"module:qualname" of the backend's function when a child process can import it by that name and gets the
     same function (so a test that replaces `simulate` in-process is not silently measured by the real one);

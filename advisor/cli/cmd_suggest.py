@@ -50,6 +50,14 @@ def add_jobs_flag(p: argparse.ArgumentParser) -> None:
                         "measures in this process; the estimate and the probes always run one at a time)")
 
 
+def _likely_default_backend() -> str:
+    """The default backend's likely name without importing torch (seconds the head start is for): simulate when
+    no NVIDIA device node exists. Only the head start hangs on it; `suggest` decides the backend itself."""
+    import glob
+
+    return "cuda" if glob.glob("/dev/nvidia[0-9]*") else "simulate"
+
+
 def jobs_kwargs(ns: argparse.Namespace) -> dict[str, int]:
     """--jobs checked before any work (ConfigError naming --jobs, exit 2); {} when not given (the default)."""
     if ns.jobs is None:
@@ -134,20 +142,24 @@ def run(ns: argparse.Namespace) -> int:
         from ..search import check_backend
 
         check_backend(ns.backend)  # an unknown name, or cuda without a GPU, exits 2 naming --backend before any work
-    workload = workload_from_args(ns, goals=goals)
+    from ..search import prestarted
+
     bar = _Stderr(bar=sys.stderr.isatty())
-    try:
-        s = suggest(workload, backend=ns.backend, trials=ns.trials, time_budget_s=ns.time_budget, fix=fixes,
-                    storage=ns.storage, study_name=ns.study, cache=not ns.no_cache, exhaustive=ns.exhaustive,
-                    progress=bar, workload_names=_workload_names(ns, workload), **jobs)
-    except (NoFitError, BackendError) as exc:
-        if fmt != "json":
-            raise
-        status = "no_fit" if isinstance(exc, NoFitError) else "backend_error"
-        print(emit_json({"status": status, "message": str(exc), **exc.details}))
-        return exc.exit_code
-    finally:
-        bar.close()
+    # the simulator's worker server imports torch, transformers and TRL while this process resolves the workload
+    with prestarted(ns.backend or _likely_default_backend(), jobs.get("jobs")):
+        try:
+            workload = workload_from_args(ns, goals=goals)
+            s = suggest(workload, backend=ns.backend, trials=ns.trials, time_budget_s=ns.time_budget, fix=fixes,
+                        storage=ns.storage, study_name=ns.study, cache=not ns.no_cache, exhaustive=ns.exhaustive,
+                        progress=bar, workload_names=_workload_names(ns, workload), **jobs)
+        except (NoFitError, BackendError) as exc:
+            if fmt != "json":
+                raise
+            status = "no_fit" if isinstance(exc, NoFitError) else "backend_error"
+            print(emit_json({"status": status, "message": str(exc), **exc.details}))
+            return exc.exit_code
+        finally:
+            bar.close()
     if ns.verbose:
         for msg in s.messages:
             print(f"advisor: while measuring: {msg}", file=sys.stderr)
