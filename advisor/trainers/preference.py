@@ -168,9 +168,9 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
     """None: the synthetic set. Else the file / directory / hub id, tokenized by DPOTrainer's own preparation."""
     if spec is None:
         return synthetic_preferences(model.vocab_size)
-    from ..data import _read_raw, load_tokenizer
+    from ..data import load_tokenizer, read_raw
 
-    raw = _read_raw(spec)
+    raw = read_raw(spec)
     rows = [raw.rows[i] for i in range(len(raw.rows))]
     check_preference_rows(rows, raw.label, trainer)
     if all(rows[0].get(c) is not None for c in TOKEN_COLUMNS):
