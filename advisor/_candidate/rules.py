@@ -9,8 +9,8 @@ from .runbase import CHECKPOINT_EXTRA
 from .values import Attention, Precision, Quantization, WeightsDtype
 
 if TYPE_CHECKING:
-    from ...space import Candidate
-    from ...workload import GPUSpec, ModelSpec
+    from ..space import Candidate
+    from ..workload import GPUSpec, ModelSpec
 
 # Every linear projection of a Llama-style decoder layer; resolved per model by `model_linear_names`.
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

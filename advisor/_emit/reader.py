@@ -228,7 +228,7 @@ def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
         raise UsageError(f"--config {path}: must be a YAML mapping of trl sft keys, got {type(data).__name__}")
     env = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
     if trainer != "sft":
-        from .trainers import get_trainer
+        from ..trainers import get_trainer
 
         kind = get_trainer(trainer)
         kind.check_run_keys(data, source=f"--config {path}")
