@@ -5,7 +5,7 @@ longest batch) comes from a `TokenizedDataset`: pre-tokenized rows in the column
 (`input_ids`, and `completion_mask` when only completions are trained).
 
 The parts live in the private `advisor/_data/` (imported through its `__init__` only): the `TokenizedDataset` type
-and its length statistics (`dataset.py`), the synthetic set (`synthetic.py`), the raw readers (`readers.py`), the
+and its length statistics (`dataset.py`), the synthetic set (`synthetic_set.py`), the raw readers (`readers.py`), the
 row formats and checks (`rows.py`) and TRL's tokenization (`tokenize.py`). This module loads a user's dataset
 (`load_dataset`) and is the public way to all of them.
 """

@@ -5,7 +5,7 @@ never from the modules inside."""
 from .dataset import BadRow, DataFormat, TokenizedDataset, replace_dataset
 from .readers import LOCAL_SUFFIXES, RawRows, first_line, list_problems, read_raw
 from .rows import check_row, columns, detect_format
-from .synthetic import (
+from .synthetic_set import (
     SYNTHETIC_MAX,
     SYNTHETIC_MEDIAN,
     SYNTHETIC_MIN,

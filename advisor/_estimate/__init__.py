@@ -3,8 +3,6 @@ simulator, which shares the closed forms of what fake tensors cannot run: the ar
 micro-batches, the memory parts, the step-time terms and the modelled knobs. Import from here, never from the
 modules inside."""
 
-from .architecture import DTYPE_BYTES, Architecture, architecture, lora_parameters, quantized_linear_bytes
-from .batches import BatchShape, batches
 from .memory import (
     LM_HEAD_FP32_VECTORS,
     RESERVED_FACTOR,
@@ -15,7 +13,9 @@ from .memory import (
     memory_parts,
     outside_allocator_bytes,
 )
+from .micro_batches import BatchShape, batches
 from .modelled import knob_memory_savings, knob_time
+from .shapes import DTYPE_BYTES, Architecture, architecture, lora_parameters, quantized_linear_bytes
 from .step_time import expected_step_time
 
 __all__ = [  # noqa: RUF022

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..space import Attention, Candidate, Optimizer, Precision, Quantization, WeightsDtype
-from .architecture import DTYPE_BYTES, Architecture, architecture, lora_parameters, quantized_linear_bytes
-from .batches import BatchShape, batches
+from .micro_batches import BatchShape, batches
 from .modelled import knob_memory_savings
+from .shapes import DTYPE_BYTES, Architecture, architecture, lora_parameters, quantized_linear_bytes
 
 if TYPE_CHECKING:
     from ..workload import GPUSpec, Workload

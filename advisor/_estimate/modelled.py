@@ -8,7 +8,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from ..space import Candidate, Precision, WeightsDtype
-from .architecture import architecture
+from .shapes import architecture
 
 if TYPE_CHECKING:
     from ..workload import GPUSpec, ModelSpec

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..space import Attention, Candidate, Precision, Quantization, WeightsDtype
-from .architecture import DTYPE_BYTES, Architecture, lora_parameters
-from .batches import BatchShape
 from .memory import TOKEN_CHUNK, VOCAB_CHUNK
+from .micro_batches import BatchShape
 from .modelled import knob_time
+from .shapes import DTYPE_BYTES, Architecture, lora_parameters
 
 if TYPE_CHECKING:
     from ..workload import Workload
