@@ -6,9 +6,10 @@ fields, and `render` (below, apart from the types) turns one into the line the C
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, dataclass_transform
 
 from .space import Candidate
 
@@ -38,9 +39,24 @@ class EventKind(str, Enum):
     NO_CONFIRMATION_STORED = "no-confirmation-stored"
 
 
+_BY_KIND: dict[EventKind, type[Event]] = {}
+
+
+@dataclass_transform(frozen_default=True)
 @dataclass(frozen=True)
 class Event:
+    """One thing a search says about its run. A subclass names its kind and declares its fields; it is made a frozen
+    dataclass here (`class TimeBudget(Event, kind=EventKind.TIME_BUDGET): seconds: float; ...`), one per kind."""
+
     kind: ClassVar[EventKind]
+
+    def __init_subclass__(cls, kind: EventKind, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if kind in _BY_KIND:
+            raise TypeError(f"{cls.__name__}: the event kind {kind.value!r} is {_BY_KIND[kind].__name__}'s already")
+        cls.kind = kind
+        dataclass(frozen=True)(cls)
+        _BY_KIND[kind] = cls
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind.value}
@@ -50,69 +66,49 @@ class Event:
         return out
 
 
-@dataclass(frozen=True)
-class TrialsIgnored(Event):
-    kind = EventKind.TRIALS_IGNORED
+class TrialsIgnored(Event, kind=EventKind.TRIALS_IGNORED):
     trials: int
 
 
-@dataclass(frozen=True)
-class StorageNote(Event):
-    kind = EventKind.STORAGE
+class StorageNote(Event, kind=EventKind.STORAGE):
     note: str
 
 
-@dataclass(frozen=True)
-class EffectiveBatch(Event):
-    kind = EventKind.EFFECTIVE_BATCH
+class EffectiveBatch(Event, kind=EventKind.EFFECTIVE_BATCH):
     tokens_per_step: int
 
 
-@dataclass(frozen=True)
-class NoAdmissible(Event):
-    kind = EventKind.NO_ADMISSIBLE
+class NoAdmissible(Event, kind=EventKind.NO_ADMISSIBLE):
     method: str
     why: str
     escalated_to: str | None = None
 
 
-@dataclass(frozen=True)
-class ErrorsDiscarded(Event):
-    kind = EventKind.ERRORS_DISCARDED
+class ErrorsDiscarded(Event, kind=EventKind.ERRORS_DISCARDED):
     method: str
 
 
-@dataclass(frozen=True)
-class FitCheck(Event):
-    kind = EventKind.FIT_CHECK
+class FitCheck(Event, kind=EventKind.FIT_CHECK):
     method: str
     measured: int
     fits: int  # unmeasured candidates the estimate puts under the limit
     checked: int  # of them, measured now
 
 
-@dataclass(frozen=True)
-class AnsweredFromStored(Event):
-    kind = EventKind.ANSWERED_FROM_STORED
+class AnsweredFromStored(Event, kind=EventKind.ANSWERED_FROM_STORED):
     study: str
 
 
-@dataclass(frozen=True)
-class StoredAs(Event):
-    kind = EventKind.STORED_AS
+class StoredAs(Event, kind=EventKind.STORED_AS):
     study: str
     storage: str | None = None
 
 
-@dataclass(frozen=True)
-class EmptyStudy(Event):
-    kind = EventKind.EMPTY_STUDY
+class EmptyStudy(Event, kind=EventKind.EMPTY_STUDY):
     method: str
 
 
-@dataclass(frozen=True)
-class NothingFits(Event):
-    kind = EventKind.NOTHING_FITS
+class NothingFits(Event, kind=EventKind.NOTHING_FITS):
     method: str
     limit_bytes: int
     smallest_bytes: int | None
@@ -122,77 +118,58 @@ class NothingFits(Event):
     escalated_to: str | None = None
 
 
-@dataclass(frozen=True)
-class ConfirmationFailed(Event):
-    kind = EventKind.CONFIRMATION_FAILED
+class ConfirmationFailed(Event, kind=EventKind.CONFIRMATION_FAILED):
     candidate: Candidate
     why: str
 
 
-@dataclass(frozen=True)
-class Seeded(Event):
-    kind = EventKind.SEEDED
+class Seeded(Event, kind=EventKind.SEEDED):
     count: int
     backends: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class TimeBudget(Event):
-    kind = EventKind.TIME_BUDGET
+class TimeBudget(Event, kind=EventKind.TIME_BUDGET):
     seconds: float
     measured: int
 
 
-@dataclass(frozen=True)
-class NoNewCandidate(Event):
-    kind = EventKind.NO_NEW_CANDIDATE
+class NoNewCandidate(Event, kind=EventKind.NO_NEW_CANDIDATE):
     proposals: int
 
 
-@dataclass(frozen=True)
-class Converged(Event):
+class Converged(Event, kind=EventKind.CONVERGED):
     """Multi-fidelity's end: every unmeasured admissible candidate is, by the estimate corrected on `points`
     measurements, slower than the best measured one or over the limit by more than the model's resolution, or
     tied with a measured one."""
 
-    kind = EventKind.CONVERGED
     points: int
     time_resolution: float
     memory_resolution: float
     candidates: int  # admissible candidates in the space
 
 
-@dataclass(frozen=True)
-class LibraryMessages(Event):
-    kind = EventKind.LIBRARY_MESSAGES
+class LibraryMessages(Event, kind=EventKind.LIBRARY_MESSAGES):
     shown: tuple[str, ...]  # the most frequent distinct messages, as the report lists them
     total: int  # distinct messages in all
 
 
-@dataclass(frozen=True)
-class ConfirmationDrift(Event):
-    kind = EventKind.CONFIRMATION_DRIFT
+class ConfirmationDrift(Event, kind=EventKind.CONFIRMATION_DRIFT):
     backend: str
     searched_tokens_per_second: float
     confirmed_tokens_per_second: float
 
 
-@dataclass(frozen=True)
-class MethodUsed(Event):
-    kind = EventKind.METHOD
+class MethodUsed(Event, kind=EventKind.METHOD):
     method: str
 
 
-@dataclass(frozen=True)
-class ShownFromStored(Event):
-    kind = EventKind.SHOWN_FROM_STORED
+class ShownFromStored(Event, kind=EventKind.SHOWN_FROM_STORED):
     study: str
     measured: int
 
 
-@dataclass(frozen=True)
-class NoConfirmationStored(Event):
-    kind = EventKind.NO_CONFIRMATION_STORED
+class NoConfirmationStored(Event, kind=EventKind.NO_CONFIRMATION_STORED):
+    """Nothing but its kind."""
 
 
 @dataclass(frozen=True)
@@ -251,44 +228,47 @@ def _library(e: LibraryMessages) -> str:
     return f"libraries said while measuring (each distinct message once, all with --verbose): {shown}{more}"
 
 
-_TEXT: dict[EventKind, Any] = {
-    EventKind.TRIALS_IGNORED: lambda e: f"--trials {e.trials} is ignored with --exhaustive (every valid candidate "
-                                        "is evaluated)",
-    EventKind.STORAGE: lambda e: e.note,
-    EventKind.EFFECTIVE_BATCH: lambda e: f"effective batch: {e.tokens_per_step} trained tokens per optimizer step "
-                                         "(TRL's default 8 rows x mean trained tokens per row; set "
-                                         "--tokens-per-step to change)",
+# The line of each kind: a template of the event's fields (str.format), or a function of the event
+_TEXT: dict[EventKind, str | Callable[[Any], str]] = {
+    EventKind.TRIALS_IGNORED: "--trials {trials} is ignored with --exhaustive (every valid candidate is evaluated)",
+    EventKind.STORAGE: "{note}",
+    EventKind.EFFECTIVE_BATCH: "effective batch: {tokens_per_step} trained tokens per optimizer step (TRL's default "
+                               "8 rows x mean trained tokens per row; set --tokens-per-step to change)",
     EventKind.NO_ADMISSIBLE: lambda e: f"{e.method}: no admissible candidate ({e.why})" + _escalated(e.escalated_to),
-    EventKind.ERRORS_DISCARDED: lambda e: f"{e.method}: the stored study held only error outcomes of an earlier "
-                                          "run (a BackendError): measured again",
-    EventKind.FIT_CHECK: lambda e: f"{e.method}: none of the {e.measured} measured candidates fit; the estimate "
-                                   f"puts {e.fits} unmeasured ones under the limit: measured the {e.checked} "
-                                   "lowest-peak / best-predicted of them",
-    EventKind.ANSWERED_FROM_STORED: lambda e: f"answered from the stored study {e.study!r}: no new measurement",
+    EventKind.ERRORS_DISCARDED: "{method}: the stored study held only error outcomes of an earlier run (a "
+                                "BackendError): measured again",
+    EventKind.FIT_CHECK: "{method}: none of the {measured} measured candidates fit; the estimate puts {fits} "
+                         "unmeasured ones under the limit: measured the {checked} lowest-peak / best-predicted of them",
+    EventKind.ANSWERED_FROM_STORED: "answered from the stored study {study!r}: no new measurement",
     EventKind.STORED_AS: lambda e: f"stored as the study {e.study!r}: `advisor report --study {e.study}"
                                    + (f" --storage {e.storage}" if e.storage else "") + "` shows it again",
-    EventKind.EMPTY_STUDY: lambda e: f"{e.method}: no admissible candidate in the space (check --fix, "
-                                     "--max-truncation)",
+    EventKind.EMPTY_STUDY: "{method}: no admissible candidate in the space (check --fix, --max-truncation)",
     EventKind.NOTHING_FITS: _nothing_fits,
     EventKind.CONFIRMATION_FAILED: lambda e: f"{describe(e.candidate)} failed its confirmation ({e.why})",
     EventKind.SEEDED: lambda e: f"seeded with the {e.count} fastest candidates of stored "
                                 f"{'/'.join(sorted(set(e.backends)))} studies of this workload",
-    EventKind.TIME_BUDGET: lambda e: f"stopped by --time-budget {e.seconds:g}s after {e.measured} measurements",
-    EventKind.NO_NEW_CANDIDATE: lambda e: f"stopped after {e.proposals} proposals in a row gave no new candidate",
-    EventKind.CONVERGED: lambda e: (f"converged after {e.points} measurements of {e.candidates} candidates: the "
-                                    f"estimate corrected on them (resolution {e.time_resolution:.1%} in time, "
-                                    f"{e.memory_resolution:.1%} in memory) puts every other one slower, over the "
-                                    "limit, or tied with one measured"),
+    EventKind.TIME_BUDGET: "stopped by --time-budget {seconds:g}s after {measured} measurements",
+    EventKind.NO_NEW_CANDIDATE: "stopped after {proposals} proposals in a row gave no new candidate",
+    EventKind.CONVERGED: ("converged after {points} measurements of {candidates} candidates: the estimate corrected "
+                          "on them (resolution {time_resolution:.1%} in time, {memory_resolution:.1%} in memory) "
+                          "puts every other one slower, over the limit, or tied with one measured"),
     EventKind.LIBRARY_MESSAGES: _library,
     EventKind.CONFIRMATION_DRIFT: _drift,
-    EventKind.METHOD: lambda e: f"method: {e.method}",
-    EventKind.SHOWN_FROM_STORED: lambda e: f"shown from the stored study {e.study!r} ({e.measured} measured "
-                                           "trials); nothing was measured again",
-    EventKind.NO_CONFIRMATION_STORED: lambda e: "no confirmation is stored for this candidate (the search was "
-                                                "interrupted): its numbers are the search's single measurement",
+    EventKind.METHOD: "method: {method}",
+    EventKind.SHOWN_FROM_STORED: "shown from the stored study {study!r} ({measured} measured trials); nothing was "
+                                 "measured again",
+    EventKind.NO_CONFIRMATION_STORED: "no confirmation is stored for this candidate (the search was interrupted): "
+                                      "its numbers are the search's single measurement",
 }
+if set(_TEXT) != set(EventKind) or set(_BY_KIND) != set(EventKind):
+    raise RuntimeError(f"advisor/events.py: every EventKind needs one Event class and one line in _TEXT; classes "
+                       f"missing for {sorted(k.value for k in set(EventKind) - set(_BY_KIND))}, lines missing for "
+                       f"{sorted(k.value for k in set(EventKind) - set(_TEXT))}")
 
 
 def render(event: Event) -> str:
     """The line the CLI and the report print for `event`."""
-    return _TEXT[event.kind](event)
+    text = _TEXT[event.kind]
+    if isinstance(text, str):
+        return text.format(**{f.name: getattr(event, f.name) for f in fields(event)})
+    return text(event)

@@ -2,6 +2,9 @@
 
 `Candidate.problems()` encodes TRL 1.16's own rules, exactly as strict as TRL and no stricter, so that no
 emitted configuration can be rejected by TRL.
+
+The value types, `RunBase`, `QualityCost` and the rules live in the private `advisor/_candidate/` (imported
+through its `__init__` only); this module holds the types and is the public way to all of them.
 """
 
 from __future__ import annotations
@@ -10,9 +13,24 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from ._candidate import (
+    CHECKPOINT_EXTRA,
+    LLAMA_LINEARS,
+    UNSUPPORTED_OPTIMIZERS,
+    Attention,
+    Optimizer,
+    PackingStrategy,
+    Precision,
+    QualityCost,
+    Quantization,
+    RunBase,
+    WeightsDtype,
+    candidate_problems,
+    model_linear_names,
+    peft_default_targets,
+)
 from .errors import ConfigError
 from .parallelism import Layout
 from .workload import Method
@@ -20,213 +38,11 @@ from .workload import Method
 if TYPE_CHECKING:
     from .workload import GPUSpec, ModelSpec
 
-
-class PackingStrategy(str, Enum):
-    BFD = "bfd"
-    BFD_SPLIT = "bfd_split"
-    WRAPPED = "wrapped"
-
-
-class Precision(str, Enum):
-    """Mixed-precision compute (SFTConfig `bf16` / `fp16`); FP32 means neither."""
-
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP32 = "fp32"
-
-
-class WeightsDtype(str, Enum):
-    """The dtype the weights are loaded in (ModelConfig.dtype). TRL loads float32 unless told."""
-
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-
-
-class Quantization(str, Enum):
-    NONE = "none"
-    INT8 = "8bit"
-    NF4 = "4bit"
-
-
-class Optimizer(str, Enum):
-    """Values of TrainingArguments.optim the advisor measures: torch's own optimizers run on fake tensors as they
-    are; the bitsandbytes ones are modelled (simulate._modelled_adjustments). The search considers a subset
-    (_search/space.py). Every other `optim` TrainingArguments accepts is refused by name (`UNSUPPORTED_OPTIMIZERS`).
-    """
-
-    ADAMW_TORCH_FUSED = "adamw_torch_fused"
-    ADAMW_TORCH = "adamw_torch"
-    ADAMW_8BIT = "adamw_bnb_8bit"
-    PAGED_ADAMW_8BIT = "paged_adamw_8bit"
-    ADAFACTOR = "adafactor"
-    SGD = "sgd"
-    ADAGRAD = "adagrad"
-    RMSPROP = "rmsprop"
-
-    @property
-    def needs_bitsandbytes(self) -> bool:
-        return self in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
-
-
-# The rest of transformers' OptimizerNames, and why each is not measured: they need packages that are not installed
-# or kernels that cannot run on fake tensors, and their state is not the AdamW state the 8-bit model scales.
-UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
-    **{name: "an XLA / NPU device optimizer; the advisor targets CUDA and the CPU"
-       for name in ("adamw_torch_xla", "adamw_torch_npu_fused")},
-    **{name: "needs apex / torchdistx / torchao kernels that cannot run on fake tensors"
-       for name in ("adamw_apex_fused", "adamw_anyprecision", "adamw_torch_4bit", "adamw_torch_8bit", "stable_adamw")},
-    **{name: "a bitsandbytes optimizer whose state is not modelled (only adamw_bnb_8bit and paged_adamw_8bit are)"
-       for name in ("adamw_8bit", "ademamix", "ademamix_8bit", "lion_8bit", "lion_32bit", "paged_adamw_32bit",
-                    "paged_ademamix_32bit", "paged_ademamix_8bit", "paged_lion_32bit", "paged_lion_8bit",
-                    "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit")},
-    **{name: "projects or fuses gradients in its own kernels (GaLore, APOLLO, LOMO); not simulated"
-       for name in ("galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise",
-                    "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise", "lomo", "adalomo", "apollo_adamw",
-                    "apollo_adamw_layerwise")},
-    **{name: "needs a package the advisor does not install (grokadamw, schedulefree); not simulated"
-       for name in ("grokadamw", "schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd")},
-}
-
-
-class Attention(str, Enum):
-    """`attn_implementation` as transformers 5 accepts it (PreTrainedModel._check_and_adjust_attn_implementation).
-
-    The FlashAttention names are every one transformers knows for CUDA (advisor/_sim/flash.py
-    `flash_attention_names()`, which tests/test_attention_names.py keeps equal to these): `flash_attention_N` is
-    the flash-attn package of that version (transformers falls back to the Hub kernel FLASH_ATTN_KERNEL_FALLBACK
-    names when the package is missing and `kernels` is installed); `kernels-community/...` is a Hub kernel loaded
-    through the `kernels` package. Every one runs transformers' same flash path (`_flash_attention_forward`), so
-    memory and time are modelled alike; they differ in what they need (`package`, `min_compute_capability`).
-    """
-
-    SDPA = "sdpa"
-    EAGER = "eager"
-    FLASH_ATTENTION_2 = "kernels-community/flash-attn2"  # the one the search offers
-    FLASH_ATTENTION_2_PACKAGE = "flash_attention_2"
-    FLASH_ATTENTION_3_PACKAGE = "flash_attention_3"
-    FLASH_ATTENTION_4_PACKAGE = "flash_attention_4"
-    FLASH_ATTENTION_3 = "kernels-community/flash-attn3"
-    VLLM_FLASH_ATTENTION_3 = "kernels-community/vllm-flash-attn3"
-    FLASH_ATTENTION_4 = "kernels-community/flash-attn4"
-
-    @property
-    def is_flash(self) -> bool:
-        """Any FlashAttention (transformers' `is_flash_attention_requested`): the flash path, varlen, no mask."""
-        return self not in (Attention.SDPA, Attention.EAGER)
-
-    @property
-    def is_hub_kernel(self) -> bool:
-        """Loaded from the Hugging Face Hub through the `kernels` package (`transformers.integrations.hub_kernels`)."""
-        return self.value.startswith("kernels-community/")
-
-    @property
-    def flash_version(self) -> int | None:
-        """2, 3 or 4 for FlashAttention, None for sdpa / eager."""
-        return int(self.value[-1]) if self.is_flash else None
-
-    @property
-    def package(self) -> str | None:
-        """The pip distribution transformers imports it from: `kernels` for a Hub kernel; for flash_attention_N the
-        distribution transformers' FLASH_ATTENTION_COMPATIBILITY_MATRIX checks (flash-attn, flash-attn-3 providing
-        `flash_attn_interface`, flash-attn-4); None for sdpa / eager (torch)."""
-        if not self.is_flash:
-            return None
-        if self.is_hub_kernel:
-            return "kernels"
-        return {2: "flash-attn", 3: "flash-attn-3", 4: "flash-attn-4"}[self.flash_version]
-
-    @property
-    def min_compute_capability(self) -> float | None:
-        """The lowest CUDA compute capability it runs on: FlashAttention 2 and 3 need Ampere (8.0: flash-attn 2's
-        kernels; transformers' cuda_min_major_version 8 for FA3), FlashAttention 4 Hopper (9.0: transformers'
-        cuda_min_major_version 9). None for sdpa / eager."""
-        if not self.is_flash:
-            return None
-        return 9.0 if self.flash_version == 4 else 8.0
-
-
-@dataclass(frozen=True)
-class RunBase:
-    """The keys of a run config that are not knobs, as the user wrote them: what every measured and emitted run
-    keeps (see emit.KEY_USES for which keys reach the measured run). Sorted (key, JSON text) pairs, so a Candidate
-    that carries it stays hashable and comparable; empty for the search's own candidates."""
-
-    items: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def of(cls, mapping: Mapping[str, Any] | RunBase | None) -> RunBase:
-        import json
-
-        if isinstance(mapping, RunBase):
-            return mapping
-        problems, items = [], []
-        for k, v in sorted((mapping or {}).items()):
-            try:
-                items.append((str(k), json.dumps(v, sort_keys=True)))
-            except (TypeError, ValueError):
-                problems.append(f"{k}={v!r}: not a YAML/JSON value")
-        if problems:
-            raise ConfigError(problems, context="run config")
-        return cls(tuple(items))
-
-    def as_dict(self) -> dict[str, Any]:
-        import json
-
-        return {k: json.loads(v) for k, v in self.items}
-
-    def get(self, key: str, default: Any = None) -> Any:
-        import json
-
-        for k, v in self.items:
-            if k == key:
-                return json.loads(v)
-        return default
-
-    def __contains__(self, key: object) -> bool:
-        return any(k == key for k, _ in self.items)
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
-
-
-# Every linear projection of a Llama-style decoder layer; resolved per model by `default_lora_targets`.
-_LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class QualityCost:
-    """What a candidate gives up against full fine-tuning of every token in float32 weights."""
-
-    truncated_fraction: float = 0.0
-    adapters: bool = False
-    quantization: Quantization = Quantization.NONE
-    low_precision_weights: bool = False
-    mixed_examples: bool = False
-
-    @property
-    def neutral(self) -> bool:
-        return not (
-            self.truncated_fraction > 0
-            or self.adapters
-            or self.quantization is not Quantization.NONE
-            or self.low_precision_weights
-            or self.mixed_examples
-        )
-
-    def describe(self) -> list[str]:
-        out = []
-        if self.truncated_fraction > 0:
-            out.append(f"{self.truncated_fraction:.2%} of trained tokens lost to truncation")
-        if self.adapters:
-            out.append("LoRA adapters instead of full weights")
-        if self.quantization is not Quantization.NONE:
-            out.append(f"{self.quantization.value} quantized base weights")
-        if self.low_precision_weights:
-            out.append("pure low-precision weights (no float32 master copy)")
-        if self.mixed_examples:
-            out.append("'wrapped' packing mixes examples and cuts them mid-sequence")
-        return out
+__all__ = [  # noqa: RUF022
+    "Candidate", "SearchSpace", "RunBase", "QualityCost", "PackingStrategy", "Precision", "WeightsDtype",
+    "Quantization", "Optimizer", "Attention", "UNSUPPORTED_OPTIMIZERS", "CHECKPOINT_EXTRA", "BASE_KNOBS",
+    "knob_value", "with_knobs", "model_linear_names", "peft_default_targets", "default_lora_targets",
+]
 
 
 @dataclass(frozen=True)
@@ -260,7 +76,7 @@ class Candidate:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     # None: PEFT's default for the model type (peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
-    lora_target_modules: tuple[str, ...] | None = _LLAMA_LINEARS
+    lora_target_modules: tuple[str, ...] | None = LLAMA_LINEARS
     quantization: Quantization = Quantization.NONE
     expandable_segments: bool = True
     checkpoint_offload: bool = False
@@ -384,117 +200,9 @@ class Candidate:
 
     # ---- rules -------------------------------------------------------------------------------------------
     def problems(self, gpu: GPUSpec | None = None, model: ModelSpec | None = None) -> list[str]:
-        """Every rule of TRL 1.16 / transformers 5 / torch that this candidate breaks, with the fix."""
-        out: list[str] = []
-        if self.packing and self.max_length is None:
-            out.append(
-                "packing=True with max_length=None: TRL raises \"When packing is enabled, `max_length` can't be "
-                "`None`.\"; set max_length"
-            )
-        if self.padding_free and not self.packing and self.max_length is not None:
-            out.append(
-                "padding_free=True without packing and with max_length set: TRL raises \"When `padding_free=True` "
-                "without packing, `max_length` is not enforced\"; set max_length=None, enable packing, or "
-                "pre-truncate the data"
-            )
-        if self.quantization is not Quantization.NONE and not self.use_lora:
-            out.append(
-                f"quantization={self.quantization.value} without LoRA: transformers raises \"You cannot perform "
-                "fine-tuning on purely quantized models\"; set use_lora=True (QLoRA) or quantization=none"
-            )
-        if self.use_lora and "lm_head" in (self.lora_target_modules or ()):
-            out.append(
-                "lora_target_modules contains 'lm_head': TRL raises \"Applying a PEFT adapter to `lm_head` is not "
-                "supported\" (its fused LM head reads lm_head.weight directly); remove 'lm_head'"
-            )
-        if self.use_lora and self.lora_target_modules is not None and not self.lora_target_modules:
-            out.append("use_lora=True with no lora_target_modules: name the modules, e.g. q_proj,v_proj")
-        extra_ck = self.base.get(CHECKPOINT_EXTRA) or {}
-        if self.activation_checkpointing and self.checkpoint_selective and extra_ck.get("use_reentrant"):
-            out.append(
-                "activation_checkpointing_kwargs selective=True with use_reentrant=True: TRL raises \"requires "
-                "non-reentrant gradient checkpointing\"; set use_reentrant: false or leave it unset"
-            )
-        if self.precision is Precision.FP16 and self.weights_dtype is WeightsDtype.FLOAT16:
-            out.append(
-                "precision=fp16 with weights_dtype=float16: the gradient scaler raises \"Attempting to unscale FP16 "
-                "gradients\"; load float32 weights or use bf16"
-            )
-        if gpu is not None:
-            out.extend(self._device_problems(gpu))
-        if model is not None:
-            out.extend(self._model_problems(model))
-        return out
-
-    def _device_problems(self, gpu: GPUSpec) -> list[str]:
-        out = []
-        if not gpu.is_cuda:
-            if self.activation_offloading:
-                out.append(
-                    "activation_offloading=True on the CPU: TRL's offloading needs an accelerator (CUDA streams); "
-                    "set activation_offloading=False"
-                )
-            if self.activation_checkpointing and self.checkpoint_offload:
-                out.append(
-                    "activation_checkpointing_kwargs offload=True on the CPU: transformers holds the checkpoints in "
-                    "pinned host memory, and torch raises \"pin_memory=True requires a CUDA or other accelerator "
-                    "backend\" without one; set checkpoint_offload=False"
-                )
-            if self.quantization is not Quantization.NONE:
-                out.append(
-                    f"quantization={self.quantization.value} on the CPU: bitsandbytes training kernels need CUDA; "
-                    "set quantization=none"
-                )
-            if self.optim.needs_bitsandbytes:
-                out.append(f"optim={self.optim.value} on the CPU: bitsandbytes optimizers need CUDA; use adamw_torch")
-            if self.precision is Precision.FP16:
-                out.append("precision=fp16 on the CPU: fp16 mixed precision needs a GPU; use bf16 or fp32")
-            if self.attn_implementation is not None and self.attn_implementation.is_flash:
-                out.append(
-                    f"attn_implementation={self.attn_implementation.value} on the CPU: FlashAttention needs CUDA; "
-                    "set attn_implementation=sdpa"
-                )
-        else:
-            if self.precision is Precision.BF16 and not gpu.supports_bf16:
-                out.append(
-                    f"precision=bf16 on {gpu.name}: transformers raises \"Your setup doesn't support bf16/gpu\"; "
-                    "use fp16 or fp32"
-                )
-            if self.weights_dtype is WeightsDtype.BFLOAT16 and not gpu.supports_bf16:
-                out.append(f"weights_dtype=bfloat16 on {gpu.name}: no bf16 support; use float32 or float16")
-            attn = self.attn_implementation
-            if attn is not None and attn.is_flash and not _flash_runs_on(attn, gpu):
-                need = "Hopper (compute capability 9.0)" if attn.min_compute_capability >= 9 else "Ampere (8.0)"
-                out.append(
-                    f"attn_implementation={attn.value} on {gpu.name} (compute capability {gpu.compute_capability}): "
-                    f"FlashAttention {attn.flash_version} needs {need} or newer; set attn_implementation=sdpa"
-                )
-        return out
-
-    def _model_problems(self, model: ModelSpec) -> list[str]:
-        out = []
-        ctx = model.max_position_embeddings
-        if ctx is not None and self.max_length is not None and self.max_length > ctx:
-            out.append(
-                f"max_length={self.max_length} is beyond {model.name}'s context (max_position_embeddings {ctx} in "
-                f"its config.json); set max_length <= {ctx} (--fix max_length={ctx}, or max_length in --config)"
-            )
-        if self.use_lora and self.lora_target_modules is None and peft_default_targets(model) is None:
-            mt = model.config.get("model_type")
-            out.append(
-                f"use_peft with no lora_target_modules on {model.name} (model_type {mt!r}): PEFT has no default "
-                "targets for it and raises \"Please specify `target_modules`\"; set lora_target_modules"
-            )
-        elif self.use_lora and self.lora_target_modules != ("all-linear",):
-            available = set(model_linear_names(model))
-            targets = [m for m in self.lora_target_modules or () if m != "lm_head"]
-            if targets and available and not set(targets) & available:
-                # PEFT raises only when no target matches ("Target modules {...} not found in the base model")
-                out.append(
-                    f"lora_target_modules {targets} do not exist in {model.name} (PEFT raises \"Target modules "
-                    f"not found in the base model\"); available: {sorted(available)}"
-                )
-        return out
+        """Every rule of TRL 1.16 / transformers 5 / torch that this candidate breaks, with the fix
+        (advisor/_candidate/rules.py)."""
+        return candidate_problems(self, gpu, model)
 
     def check(self, gpu: GPUSpec | None = None, model: ModelSpec | None = None) -> Candidate:
         """Raise ConfigError with every problem at once; return self when valid."""
@@ -542,40 +250,6 @@ class Candidate:
             expandable_segments=False,
         )
 
-
-# The base key that holds the user's activation_checkpointing_kwargs other than the knobs' (selective,
-# every_n_layers): use_reentrant, preserve_rng_state, ...
-CHECKPOINT_EXTRA = "activation_checkpointing_kwargs"
-
-
-def _flash_runs_on(attn: Attention, gpu: GPUSpec) -> bool:
-    """The GPU profile's FlashAttention flag (Ampere+), and for FlashAttention 4 its compute capability (Hopper+)."""
-    if not gpu.supports_flash_attention:
-        return False
-    try:
-        cc = float(gpu.compute_capability or 0)
-    except ValueError:
-        return True  # profiles.py validates the field; a profile that passed says supports_flash_attention
-    return cc == 0 or cc >= attn.min_compute_capability
-
-
-def model_linear_names(model: ModelSpec) -> tuple[str, ...]:
-    """Names of the decoder layers' linear projections (LoRA targets), from the architecture family."""
-    mt = str(model.config.get("model_type", ""))
-    if mt in {"gpt2"}:
-        return ("c_attn", "c_proj", "c_fc")
-    return _LLAMA_LINEARS
-
-
-def peft_default_targets(model: ModelSpec) -> tuple[str, ...] | None:
-    """What PEFT targets when LoraConfig.target_modules is None (LoraModel._prepare_adapter_config), or None when
-    PEFT has no default for this model type (it then raises)."""
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
-
-    targets = mapping.get(str(model.config.get("model_type", "")))
-    if targets is None:
-        return None
-    return (targets,) if isinstance(targets, str) else tuple(targets)
 
 
 def default_lora_targets(model: ModelSpec) -> tuple[str, ...]:

@@ -84,6 +84,41 @@ def tiny_workload(tiny_model, cpu_target, tiny_data):
     return Workload(model=tiny_model, gpu=cpu_target, dataset=tiny_data, goals=Goals(tokens_per_step=2048))
 
 
+@pytest.fixture
+def small_workload(tiny_model, cpu_target, tiny_data):
+    """The tiny model on the CPU target over tiny_data, with the default goals."""
+    from advisor.workload import Goals, Workload
+
+    return Workload(model=tiny_model, gpu=cpu_target, dataset=tiny_data, goals=Goals())
+
+
+@pytest.fixture
+def tiny_pairs():
+    """48 preference pairs, prompt + chosen 16..256 tokens (log-normal), rejected of another length."""
+    from advisor.trainers.preference import synthetic_preferences
+
+    return synthetic_preferences(vocab_size=1024, rows=48, seed=0, median=64, max_len=256)
+
+
+@pytest.fixture
+def dpo_workload(tiny_model, cpu_target, tiny_pairs):
+    """The tiny model on the CPU target over the tiny pairs, with the default goals."""
+    from advisor.workload import Goals, Workload
+
+    return Workload(model=tiny_model, gpu=cpu_target, dataset=tiny_pairs, goals=Goals())
+
+
+@pytest.fixture
+def tiny_config(tmp_path, monkeypatch):
+    """The tiny model's config.json as a file (what `--model PATH` takes); the advisor's cache under tmp_path."""
+    import json
+
+    monkeypatch.setenv("ADVISOR_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_QWEN2))
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
     """A word-level tokenizer trained on the spot, with a chat template; saved as a directory."""

@@ -7,15 +7,6 @@ import json
 import pytest
 
 from advisor.cli import main
-from tests.conftest import TINY_QWEN2
-
-
-@pytest.fixture
-def tiny_config(tmp_path, monkeypatch):
-    monkeypatch.setenv("ADVISOR_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY_QWEN2))
-    return str(path)
 
 
 def _args(cfg, *more):

@@ -11,15 +11,6 @@ import pytest
 import yaml
 
 from advisor.cli import main
-from tests.conftest import TINY_QWEN2
-
-
-@pytest.fixture
-def tiny_config(tmp_path, monkeypatch):
-    monkeypatch.setenv("ADVISOR_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY_QWEN2))
-    return str(path)
 
 
 def _suggest(cfg, *more):

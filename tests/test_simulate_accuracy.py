@@ -93,11 +93,6 @@ MATRIX = {
 }
 
 
-@pytest.fixture
-def small_workload(tiny_model, cpu_target, tiny_data):
-    return Workload(model=tiny_model, gpu=cpu_target, dataset=tiny_data, goals=Goals())
-
-
 @pytest.mark.parametrize("name", sorted(MATRIX))
 def test_simulated_cpu_peak_matches_real_train(name, small_workload):
     from advisor.simulator import simulate
@@ -334,12 +329,12 @@ def test_config_as_written_matches_real_trl_run(name, tiny_model, cpu_target, ti
     assert sim.peak_bytes == pytest.approx(real, rel=0.01), (name, sim.peak_bytes, real)
 
 
-def test_the_base_changes_the_prediction(tiny_model, cpu_target, tiny_data):
+def test_the_base_changes_the_prediction(small_workload):
     """The keys the base carries are not ignored: each moves the simulated peak the way the real run moves."""
     from advisor.emit import candidate_from_run_dict
     from advisor.simulator import simulate
 
-    workload = Workload(model=tiny_model, gpu=cpu_target, dataset=tiny_data, goals=Goals())
+    workload = small_workload
     lora = {**YAML_BASE, "use_peft": True, "activation_checkpointing": False}
     three = {**lora, "lora_target_modules": ["q_proj", "v_proj", "o_proj"]}
     seven = {**lora, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

@@ -24,19 +24,7 @@ from advisor.errors import ConfigError
 from advisor.space import Candidate
 from advisor.trainers import get_trainer
 from advisor.trainers.dpo import DPOKnobs, Reference, prepared_as_is
-from advisor.trainers.preference import synthetic_preferences
-from advisor.workload import Goals, Workload
-
-
-@pytest.fixture
-def pairs():
-    """48 pairs, prompt + chosen 16..256 tokens (log-normal), rejected of another length."""
-    return synthetic_preferences(vocab_size=1024, rows=48, seed=0, median=64, max_len=256)
-
-
-@pytest.fixture
-def dpo_workload(tiny_model, cpu_target, pairs):
-    return Workload(model=tiny_model, gpu=cpu_target, dataset=pairs, goals=Goals())
+from advisor.workload import Workload
 
 
 def _live(tensors) -> dict[int, int]:
@@ -159,10 +147,10 @@ def test_the_reference_is_what_dpo_adds(dpo_workload):
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
-def test_an_sft_dataset_is_refused_naming_the_missing_columns(tiny_model, cpu_target, tiny_data):
+def test_an_sft_dataset_is_refused_naming_the_missing_columns(small_workload):
     from advisor.simulator import simulate
 
-    wl = Workload(model=tiny_model, gpu=cpu_target, dataset=tiny_data, goals=Goals())
+    wl = small_workload
     with pytest.raises(ConfigError, match=r"lack the column\(s\) 'chosen', 'rejected'"):
         simulate(wl, Candidate(**BASE), "cpu", layers=None, trainer="dpo")
 

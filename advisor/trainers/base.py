@@ -136,6 +136,117 @@ def nothing() -> Iterator[None]:
     yield
 
 
+class TrlTrainer:
+    """What the built-in trainers share, so a trainer module declares only what differs: TRL's classes by name
+    (`config_name`, `trainer_name` in `trl`), `trl <command>`'s own parser, TRL 1.16's memory defaults, the config
+    built through its constructor from `config_kwargs`, the model and LoraConfig as SFT builds them, the prepared
+    dataset as is, and no fake-step hooks."""
+
+    name: str
+    command: str
+    config_name: str  # e.g. "SFTConfig": trl.<config_name>
+    trainer_name: str  # e.g. "SFTTrainer"
+
+    # ---- TRL's classes --------------------------------------------------------------------------------------------
+    def config_class(self) -> type:
+        import trl
+
+        return getattr(trl, self.config_name)
+
+    def trainer_class(self) -> type:
+        import trl
+
+        return getattr(trl, self.trainer_name)
+
+    def make_parser(self) -> Any:
+        import importlib
+
+        return importlib.import_module(f"trl.scripts.{self.command}").make_parser()
+
+    # ---- knobs, config ---------------------------------------------------------------------------------------------
+    def defaults(self) -> Candidate:
+        from ..space import Candidate
+
+        return Candidate.trl_defaults()  # every built-in config's memory defaults equal SFTConfig's (1024, bf16, ...)
+
+    def build_config(self, candidate: Candidate, workload: Workload | None = None, *, measured: bool = False,
+                     **overrides: Any) -> Any:
+        """`<Config>(**config_kwargs)`, through its constructor (so its own checks and synced names apply)."""
+        kwargs = self.config_kwargs(candidate, workload, measured=measured)
+        kwargs["output_dir"] = overrides.pop("output_dir", kwargs.get("output_dir", f"advisor-{self.name}"))
+        kwargs.update(overrides)
+        return self.config_class()(**kwargs)
+
+    # ---- the model ---------------------------------------------------------------------------------------------------
+    def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
+        from ..modeling import build_model
+
+        return build_model(spec, candidate, device=device)
+
+    def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any:
+        from ..emit import peft_config
+
+        return peft_config(candidate, spec)
+
+    # ---- data ------------------------------------------------------------------------------------------------------
+    def train_dataset(self, workload: Workload, rows: list[dict] | None = None) -> datasets.Dataset:
+        return workload.dataset.to_hf(rows)
+
+    # ---- the fake step's hooks: none ------------------------------------------------------------------------------
+    def real_overrides(self) -> dict[str, Callable]:
+        return {}
+
+    def fake_overrides(self) -> dict[str, Callable]:
+        return {}
+
+    def construction(self, spec: ModelSpec, candidate: Candidate) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def extra_models(self, trainer: Any) -> list:
+        return []
+
+    def before_train(self, trainer: Any) -> list:
+        return []
+
+    def shadows_integers(self) -> bool:
+        return False
+
+    def notes(self, candidate: Candidate) -> list[str]:
+        return []
+
+
+class PairTrainer(TrlTrainer):
+    """A trainer of preference pairs (prompt / chosen / rejected; preference.PreferenceDataset): DPO, reward. Its
+    config is not SFTConfig, so SFT-only keys in its YAML are refused by name (`config_label` names the file)."""
+
+    config_label: str  # "DPO" in "remove it from the DPO config"
+
+    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> Any:
+        from .preference import load_preferences
+
+        return load_preferences(spec, model, tokenizer, trainer=self.name)
+
+    def check_dataset(self, workload: Workload) -> None:
+        from .preference import PreferenceDataset, check_preference_rows
+
+        data = workload.dataset
+        if not isinstance(data, PreferenceDataset):
+            check_preference_rows(list(data.rows[:1]), data.name, self.name)
+
+    def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
+        """An SFT-only key in this trainer's config is refused by name (`trl <command>` would pass it on silently)."""
+        from trl import SFTConfig
+
+        sft_only = field_names(SFTConfig) - field_names(self.config_class())
+        bad = sorted(k for k in data if k in sft_only)
+        if bad:
+            raise ConfigError([f"{k}={data[k]!r}: an SFT-only key ({self.config_name} has no {k!r}); remove it from "
+                               f"the {self.config_label} config" for k in bad], context=source)
+
+    def shadows_integers(self) -> bool:
+        return True  # the pairs' losses index by data-dependent masks
+
+
 def python_snippet(trainer: Trainer, candidate: Candidate, *, model_name_or_path: str,
                    dataset_name: str | None = None) -> str:
     """A snippet that trains `candidate` with `trainer`'s TRL classes (DPOConfig + DPOTrainer, RewardConfig +
@@ -172,6 +283,26 @@ def field_names(cls: type) -> set[str]:
     import dataclasses
 
     return {f.name for f in dataclasses.fields(cls)}
+
+
+def base_config_keys(candidate: Candidate, config_fields: set[str], *, measured: bool,
+                     own: set[str] | frozenset[str] = frozenset(),
+                     skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The base's keys that are fields of the trainer's config (`config_fields`), as the user wrote them: not `env`,
+    the checkpointing extras or `model_init_kwargs` (the knobs write those), not `skip`. `measured`: only those that
+    reach a measured run, the trainer's `own` keys (its loss, which the simulator runs as written) and TRL's
+    simulated keys (emit.KEY_USES)."""
+    from ..emit import KEY_USES, KeyUse
+    from ..space import CHECKPOINT_EXTRA
+
+    out: dict[str, Any] = {}
+    for key, value in candidate.base.as_dict().items():
+        if key in skip or key in ("env", CHECKPOINT_EXTRA, "model_init_kwargs") or key not in config_fields:
+            continue
+        if measured and not (key in own or KEY_USES.get(key) is KeyUse.SIMULATED):
+            continue
+        out[key] = value
+    return out
 
 
 def run_config_for(trainer: Any, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None,

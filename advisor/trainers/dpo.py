@@ -22,12 +22,11 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from .base import PairTrainer, base_config_keys, register
 from .base import field_names as _field_names
-from .base import register
-from .preference import TOKEN_COLUMNS, PreferenceDataset, check_preference_rows
+from .preference import TOKEN_COLUMNS, PreferenceDataset
 
 if TYPE_CHECKING:
-    import datasets
     import torch
 
     from ..space import Candidate
@@ -86,14 +85,6 @@ class DPOKnobs:
         return self.precompute_ref_batch_size or candidate.per_device_train_batch_size
 
 
-
-
-def sft_only_keys() -> set[str]:
-    from trl import DPOConfig, SFTConfig
-
-    return _field_names(SFTConfig) - _field_names(DPOConfig)
-
-
 def dpo_only_keys() -> set[str]:
     from trl import DPOConfig, SFTConfig
 
@@ -111,33 +102,14 @@ def prepared_as_is(self, dataset, processing_class, args, dataset_name):
     return dataset
 
 
-class DPO:
+class DPO(PairTrainer):
     """Direct preference optimisation on prompt / chosen / rejected pairs (preference.PreferenceDataset)."""
 
     name = "dpo"
     command = "dpo"
+    config_name, trainer_name, config_label = "DPOConfig", "DPOTrainer", "DPO"
 
-    def config_class(self) -> type:
-        from trl import DPOConfig
-
-        return DPOConfig
-
-    def trainer_class(self) -> type:
-        from trl import DPOTrainer
-
-        return DPOTrainer
-
-    def make_parser(self) -> Any:
-        from trl.scripts.dpo import make_parser
-
-        return make_parser()
-
-    # ---- knobs, rules, config ------------------------------------------------------------------------------------
-    def defaults(self) -> Candidate:
-        from ..space import Candidate
-
-        return Candidate.trl_defaults()  # DPOConfig's memory defaults equal SFTConfig's (max_length 1024, bf16, ...)
-
+    # ---- rules, config ------------------------------------------------------------------------------------------
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
                  ) -> list[str]:
         """The shared rules (with SFT's packing / padding-free rules left out: DPO has neither rule), then DPO's."""
@@ -162,8 +134,8 @@ class DPO:
                       measured: bool = False) -> dict[str, Any]:
         """Every memory-relevant DPOConfig field, explicitly; then the base's DPOConfig keys (`measured`: only those
         that reach a measured run: TRL's simulated keys and DPO's loss keys, which the simulator runs as written)."""
-        from ..emit import KEY_USES, KeyUse, model_init_kwargs
-        from ..space import CHECKPOINT_EXTRA, Precision
+        from ..emit import model_init_kwargs
+        from ..space import Precision
 
         c = candidate
         k = DPOKnobs.of(c)
@@ -188,24 +160,9 @@ class DPO:
             "sync_ref_model": k.sync_ref_model,
             "model_init_kwargs": model_init_kwargs(c, measured=measured),
         }
-        fields = _field_names(self.config_class())
-        dpo_only = dpo_only_keys()
-        for key, value in c.base.as_dict().items():
-            if key in _KNOB_KEYS or key in ("env", CHECKPOINT_EXTRA, "model_init_kwargs") or key not in fields:
-                continue
-            if measured and not (key in dpo_only or KEY_USES.get(key) is KeyUse.SIMULATED):
-                continue
-            out[key] = value
+        out.update(base_config_keys(c, _field_names(self.config_class()), measured=measured, own=dpo_only_keys(),
+                                    skip=_KNOB_KEYS))
         return out
-
-    def build_config(self, candidate: Candidate, workload: Workload | None = None, *, measured: bool = False,
-                     **overrides: Any) -> Any:
-        from trl import DPOConfig
-
-        kwargs = self.config_kwargs(candidate, workload, measured=measured)
-        kwargs["output_dir"] = overrides.pop("output_dir", kwargs.get("output_dir", "advisor-dpo"))
-        kwargs.update(overrides)
-        return DPOConfig(**kwargs)
 
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
                         dataset_name: str | None = None) -> dict[str, Any]:
@@ -221,13 +178,6 @@ class DPO:
 
         return yaml.safe_dump(self.run_config_dict(candidate, model_name_or_path=model_name_or_path,
                                                    dataset_name=dataset_name), sort_keys=False)
-
-    def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
-        """An SFT-only key in a DPO config is refused by name (`trl dpo` would pass it on silently)."""
-        bad = sorted(k for k in data if k in sft_only_keys())
-        if bad:
-            raise ConfigError([f"{k}={data[k]!r}: an SFT-only key (DPOConfig has no {k!r}); remove it from the DPO "
-                               "config" for k in bad], context=source)
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
         """A `trl dpo` config read into a Candidate: the shared keys as advisor.emit reads them, DPO's own keys
@@ -250,28 +200,7 @@ class DPO:
             raise ConfigError(exc.problems, context=source) from None
         return knobs.apply(cand)
 
-    # ---- the model -------------------------------------------------------------------------------------------------
-    def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
-        from ..modeling import build_model
-
-        return build_model(spec, candidate, device=device)
-
-    def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any:
-        from ..emit import peft_config
-
-        return peft_config(candidate, spec)
-
     # ---- data ----------------------------------------------------------------------------------------------------
-    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> PreferenceDataset:
-        from .preference import load_preferences
-
-        return load_preferences(spec, model, tokenizer, trainer="dpo")
-
-    def check_dataset(self, workload: Workload) -> None:
-        data = workload.dataset
-        if not isinstance(data, PreferenceDataset):
-            check_preference_rows(list(data.rows[:1]), data.name, self.name)
-
     def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]:
         """The pairs of the longest micro-batch (enough for the precompute pass's batch too): the longest of
         prompt + chosen and prompt + rejected after truncation, among the pairs TRL keeps."""
@@ -286,9 +215,6 @@ class DPO:
             longest = np.minimum(longest, cap)
         order = [int(kept[i]) for i in np.argsort(-longest, kind="stable")[:n]]
         return [data.rows[i] for i in order]
-
-    def train_dataset(self, workload: Workload, rows: list[dict] | None = None) -> datasets.Dataset:
-        return workload.dataset.to_hf(rows)
 
     def worst_batch(self, trainer: Any, batch_size: int) -> dict[str, torch.Tensor]:
         """The B pairs that pad longest (their longer sequence, truncated), through TRL's own collator."""
@@ -346,9 +272,6 @@ class DPO:
             torch.cat([c for c, _ in kept]), torch.cat([r for _, r in kept])
 
         return [(real, run)]
-
-    def shadows_integers(self) -> bool:
-        return True
 
     def notes(self, candidate: Candidate) -> list[str]:
         k = DPOKnobs.of(candidate)

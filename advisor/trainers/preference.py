@@ -10,13 +10,20 @@ completion, text) is refused naming the missing columns.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from ..data import (
+    SYNTHETIC_MAX,
+    SYNTHETIC_MEDIAN,
+    SYNTHETIC_MIN,  # noqa: F401  (the chat set's, which these were copies of)
+    SYNTHETIC_SEED,
+    SYNTHETIC_SIGMA,  # noqa: F401
+    synthetic_lengths,
+)
 from ..errors import ConfigError, DatasetError
 
 if TYPE_CHECKING:
@@ -27,15 +34,11 @@ if TYPE_CHECKING:
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
-# The synthetic preference set: prompt + chosen log-normal in length (median ~300 tokens, as the synthetic chat
-# set), the prompt 20-60% of it, the rejected completion the chosen one's length times a log-normal factor
-# (sigma 0.35), every sequence clipped to [16, 8192]. Documented in README.md.
+# The synthetic preference set: prompt + chosen drawn as the synthetic chat set's lengths (data.synthetic_lengths:
+# log-normal, median ~300 tokens, the prompt 20-60% of it, clipped to [16, 8192]), the rejected completion the
+# chosen one's length times a log-normal factor (sigma 0.35). Documented in README.md.
 SYNTHETIC_PAIRS = 2048
-SYNTHETIC_SEED = 0
-SYNTHETIC_MEDIAN = 300
-SYNTHETIC_SIGMA = 0.75
 SYNTHETIC_REJECTED_SIGMA = 0.35
-SYNTHETIC_MIN, SYNTHETIC_MAX = 16, 8192
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,9 +120,7 @@ def synthetic_preferences(vocab_size: int, rows: int = SYNTHETIC_PAIRS, seed: in
                           median: int = SYNTHETIC_MEDIAN, max_len: int = SYNTHETIC_MAX) -> PreferenceDataset:
     """The built-in preference set: seeded token ids, a shared prompt, two completions of different lengths."""
     rng = np.random.default_rng(seed)
-    chosen = np.clip(np.rint(rng.lognormal(math.log(median), SYNTHETIC_SIGMA, size=rows)), SYNTHETIC_MIN,
-                     max_len).astype(np.int64)
-    share = rng.uniform(0.2, 0.6, size=rows)
+    chosen, share = synthetic_lengths(rng, rows, median, max_len)
     factor = rng.lognormal(0.0, SYNTHETIC_REJECTED_SIGMA, size=rows)
     low = min(10, vocab_size - 1)
     out = []
@@ -168,9 +169,9 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
     """None: the synthetic set. Else the file / directory / hub id, tokenized by DPOTrainer's own preparation."""
     if spec is None:
         return synthetic_preferences(model.vocab_size)
-    from ..data import _read_raw, load_tokenizer
+    from ..data import load_tokenizer, read_raw
 
-    raw = _read_raw(spec)
+    raw = read_raw(spec)
     rows = [raw.rows[i] for i in range(len(raw.rows))]
     check_preference_rows(rows, raw.label, trainer)
     if all(rows[0].get(c) is not None for c in TOKEN_COLUMNS):

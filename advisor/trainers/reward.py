@@ -9,14 +9,11 @@ trains adapters plus the score head (PEFT's SEQ_CLS task saves it). The simulato
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from .base import PairTrainer, base_config_keys, register
 from .base import field_names as _field_names
-from .base import register
-from .preference import PreferenceDataset, check_preference_rows
+from .preference import PreferenceDataset
 
 if TYPE_CHECKING:
     import datasets
@@ -25,42 +22,18 @@ if TYPE_CHECKING:
     from ..space import Candidate
     from ..workload import GPUSpec, ModelSpec, Workload
 
+# RewardConfig's own keys that reach a measured run as written (the loss)
+_OWN_KEYS = frozenset({"center_rewards_coefficient", "disable_dropout"})
 
 
-
-def sft_only_keys() -> set[str]:
-    from trl import RewardConfig, SFTConfig
-
-    return _field_names(SFTConfig) - _field_names(RewardConfig)
-
-
-class Reward:
+class Reward(PairTrainer):
     """Reward modelling on prompt / chosen / rejected pairs (preference.PreferenceDataset)."""
 
     name = "reward"
     command = "reward"
+    config_name, trainer_name, config_label = "RewardConfig", "RewardTrainer", "reward"
 
-    def config_class(self) -> type:
-        from trl import RewardConfig
-
-        return RewardConfig
-
-    def trainer_class(self) -> type:
-        from trl import RewardTrainer
-
-        return RewardTrainer
-
-    def make_parser(self) -> Any:
-        from trl.scripts.reward import make_parser
-
-        return make_parser()
-
-    # ---- knobs, rules, config ------------------------------------------------------------------------------------
-    def defaults(self) -> Candidate:
-        from ..space import Candidate
-
-        return Candidate.trl_defaults()
-
+    # ---- rules, config ------------------------------------------------------------------------------------------
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
                  ) -> list[str]:
         c = candidate
@@ -75,8 +48,8 @@ class Reward:
 
     def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
                       measured: bool = False) -> dict[str, Any]:
-        from ..emit import KEY_USES, KeyUse, model_init_kwargs
-        from ..space import CHECKPOINT_EXTRA, Precision
+        from ..emit import model_init_kwargs
+        from ..space import Precision
 
         c = candidate
         sampling = "group_by_length" if c.group_by_length else c.base.get("train_sampling_strategy", "random")
@@ -95,24 +68,8 @@ class Reward:
             "use_liger_kernel": False,
             "model_init_kwargs": model_init_kwargs(c, measured=measured),
         }
-        fields = _field_names(self.config_class())
-        own = {"center_rewards_coefficient", "disable_dropout"}
-        for key, value in c.base.as_dict().items():
-            if key in ("env", CHECKPOINT_EXTRA, "model_init_kwargs") or key not in fields:
-                continue
-            if measured and not (key in own or KEY_USES.get(key) is KeyUse.SIMULATED):
-                continue
-            out[key] = value
+        out.update(base_config_keys(c, _field_names(self.config_class()), measured=measured, own=_OWN_KEYS))
         return out
-
-    def build_config(self, candidate: Candidate, workload: Workload | None = None, *, measured: bool = False,
-                     **overrides: Any) -> Any:
-        from trl import RewardConfig
-
-        kwargs = self.config_kwargs(candidate, workload, measured=measured)
-        kwargs["output_dir"] = overrides.pop("output_dir", kwargs.get("output_dir", "advisor-reward"))
-        kwargs.update(overrides)
-        return RewardConfig(**kwargs)
 
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
                         dataset_name: str | None = None) -> dict[str, Any]:
@@ -122,12 +79,6 @@ class Reward:
         return run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
                               output_dir="advisor-reward",
                               model_extra={"lora_task_type": "SEQ_CLS"} if candidate.use_lora else None)
-
-    def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
-        bad = sorted(k for k in data if k in sft_only_keys())
-        if bad:
-            raise ConfigError([f"{k}={data[k]!r}: an SFT-only key (RewardConfig has no {k!r}); remove it from the "
-                               "reward config" for k in bad], context=source)
 
     # ---- the model -------------------------------------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
@@ -160,16 +111,6 @@ class Reward:
         return config
 
     # ---- data ----------------------------------------------------------------------------------------------------
-    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> PreferenceDataset:
-        from .preference import load_preferences
-
-        return load_preferences(spec, model, tokenizer, trainer="reward")
-
-    def check_dataset(self, workload: Workload) -> None:
-        data = workload.dataset
-        if not isinstance(data, PreferenceDataset):
-            check_preference_rows(list(data.rows[:1]), data.name, self.name)
-
     def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]:
         """The B pairs with the longest sequence among those RewardTrainer keeps (both within `max_length`)."""
         import numpy as np
@@ -199,25 +140,7 @@ class Reward:
         """Every real token is scored (no LM head; the score is read at the last one)."""
         return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
 
-    # ---- the fake step's hooks -------------------------------------------------------------------------------------
-    def real_overrides(self) -> dict[str, Callable]:
-        return {}
-
-    def fake_overrides(self) -> dict[str, Callable]:
-        return {}
-
-    def construction(self, spec: ModelSpec, candidate: Candidate) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def extra_models(self, trainer: Any) -> list:
-        return []
-
-    def before_train(self, trainer: Any) -> list:
-        return []
-
-    def shadows_integers(self) -> bool:
-        return True
-
+    # ---- the fake step's hooks: none; what the notes say -----------------------------------------------------------
     def notes(self, candidate: Candidate) -> list[str]:
         out = ["reward: RewardTrainer's own step on fake tensors (a one-label sequence classifier; 2B sequences a "
                "micro-batch of B pairs); time: the worst batch's step (the batch distribution is modelled for SFT)"]

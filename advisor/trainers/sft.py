@@ -7,47 +7,26 @@ longest prepared rows. The config itself is `advisor.emit`'s (SFTConfig kwargs, 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .base import register
+from .base import TrlTrainer, register
 
 if TYPE_CHECKING:
-    import datasets
     import torch
 
     from ..space import Candidate
     from ..workload import GPUSpec, ModelSpec, Workload
 
 
-class SFT:
+class SFT(TrlTrainer):
     """Supervised fine-tuning on prompt/completion, conversational or text data (advisor.data.TokenizedDataset)."""
 
     name = "sft"
     command = "sft"
+    config_name, trainer_name = "SFTConfig", "SFTTrainer"
 
-    def config_class(self) -> type:
-        from trl import SFTConfig
-
-        return SFTConfig
-
-    def trainer_class(self) -> type:
-        from trl import SFTTrainer
-
-        return SFTTrainer
-
-    def make_parser(self) -> Any:
-        from trl.scripts.sft import make_parser
-
-        return make_parser()
-
-    # ---- knobs, rules, config ------------------------------------------------------------------------------------
-    def defaults(self) -> Candidate:
-        from ..space import Candidate
-
-        return Candidate.trl_defaults()
-
+    # ---- rules, config ------------------------------------------------------------------------------------------
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
                  ) -> list[str]:
         return candidate.problems(gpu, model)
@@ -58,12 +37,6 @@ class SFT:
 
         return sft_config_kwargs(candidate, workload, measured=measured)
 
-    def build_config(self, candidate: Candidate, workload: Workload | None = None, *, measured: bool = False,
-                     **overrides: Any) -> Any:
-        from ..emit import build_sft_config
-
-        return build_sft_config(candidate, workload, measured=measured, **overrides)
-
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
                         dataset_name: str | None = None) -> dict[str, Any]:
         from ..emit import run_config_dict
@@ -72,17 +45,6 @@ class SFT:
 
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
         return None  # advisor.emit.candidate_from_run_dict checks every SFT key itself
-
-    # ---- the model -------------------------------------------------------------------------------------------------
-    def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
-        from ..modeling import build_model
-
-        return build_model(spec, candidate, device=device)
-
-    def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any:
-        from ..emit import peft_config
-
-        return peft_config(candidate, spec)
 
     # ---- data ----------------------------------------------------------------------------------------------------
     def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> Any:
@@ -123,9 +85,6 @@ class SFT:
                 break
         return rows
 
-    def train_dataset(self, workload: Workload, rows: list[dict] | None = None) -> datasets.Dataset:
-        return workload.dataset.to_hf(rows)
-
     def worst_batch(self, trainer: Any, batch_size: int) -> dict[str, torch.Tensor]:
         """The batch that needs the most memory: the longest prepared (packed, truncated) rows, TRL's own collator."""
         ds = trainer.train_dataset
@@ -139,28 +98,6 @@ class SFT:
 
     def labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["labels"]
-
-    # ---- the fake step's hooks -------------------------------------------------------------------------------------
-    def real_overrides(self) -> dict[str, Callable]:
-        return {}
-
-    def fake_overrides(self) -> dict[str, Callable]:
-        return {}
-
-    def construction(self, spec: ModelSpec, candidate: Candidate) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def extra_models(self, trainer: Any) -> list:
-        return []
-
-    def before_train(self, trainer: Any) -> list:
-        return []
-
-    def shadows_integers(self) -> bool:
-        return False
-
-    def notes(self, candidate: Candidate) -> list[str]:
-        return []
 
 
 SFT_TRAINER = register(SFT())

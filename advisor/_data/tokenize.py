@@ -1,0 +1,123 @@
+"""Tokenizing with TRL's own code: the tokenizer a dataset needs (`--tokenizer`, the model's directory, its hub
+id) and SFTTrainer's `_prepare_dataset` run on the rows with `max_length=None`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DatasetError
+from .dataset import DataFormat
+from .readers import first_line
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ..workload import ModelSpec
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(tokenizer: str | None, model: ModelSpec) -> PreTrainedTokenizerBase:
+    """`--tokenizer PATH`, else the model's directory, else its hub id; DatasetError says how to provide one."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        try:
+            return _from_pretrained(tokenizer)
+        except Exception as exc:  # transformers raises OSError, ValueError, EnvironmentError...
+            raise DatasetError(
+                f"--tokenizer {tokenizer}: no tokenizer could be loaded ({first_line(exc)}); pass a directory that "
+                f"holds one of {', '.join(TOKENIZER_FILES)}"
+            ) from exc
+    local = model.local_dir
+    if local is not None and any((Path(local) / f).exists() for f in TOKENIZER_FILES):
+        try:
+            return _from_pretrained(str(local))
+        except Exception as exc:
+            raise DatasetError(
+                f"--model {model.name}: the tokenizer in {local} could not be loaded ({first_line(exc)}); "
+                "pass --tokenizer PATH"
+            ) from exc
+    hint = ("pass --tokenizer PATH (a directory with tokenizer.json or tokenizer_config.json), "
+            "or omit --dataset to use the built-in synthetic data")
+    if model.source == "local":
+        raise DatasetError(f"--model {model.name}: its directory has no tokenizer; {hint}")
+    try:
+        return AutoTokenizer.from_pretrained(model.name)
+    except Exception as exc:
+        raise DatasetError(
+            f"--model {model.name}: no tokenizer reachable (not local, hub unreachable: {first_line(exc)}); {hint}"
+        ) from exc
+
+
+def _from_pretrained(path: str) -> PreTrainedTokenizerBase:
+    """AutoTokenizer, except that a directory saved with the generic fast class keeps that class.
+
+    transformers 5 lets a `config.json` beside the tokenizer pick the class from the model type (Qwen2Tokenizer
+    for qwen2), which rebuilds the pipeline and loses a custom tokenizer saved as `TokenizersBackend`.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(path) / "tokenizer_config.json"
+    if config.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            saved = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
+            if saved in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+                return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def prepare_with_trl(
+    rows: list[dict[str, Any]], fmt: DataFormat, tok: PreTrainedTokenizerBase | None, spec: str, progress: bool
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Run SFTTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`."""
+    import tempfile
+    import types
+    import warnings
+
+    import datasets
+
+    from ..trainers import get_trainer
+
+    sft = get_trainer("sft")
+    SFTConfig, SFTTrainer = sft.config_class(), sft.trainer_class()  # noqa: N806
+    columns = sorted({k for r in rows for k in r})
+    try:
+        hf = datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in columns})
+    except Exception as exc:  # pyarrow cannot unify the rows' types
+        raise DatasetError(f"--dataset {spec}: rows of mixed types in one field ({first_line(exc)})") from exc
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        args = SFTConfig(output_dir=tempfile.gettempdir(), max_length=None, use_cpu=True, report_to="none")
+    # SFTTrainer.__init__ decides these three attributes; `completion_only_loss=None` (the default) means
+    # "prompt/completion data only", and no custom chat template unless `assistant_only_loss`.
+    trainer_like = types.SimpleNamespace(
+        _tokenizer=tok,
+        completion_only_loss=fmt is DataFormat.PROMPT_COMPLETION,
+        chat_template=None,
+    )
+    try:
+        with progress_bars(progress):
+            prepared = SFTTrainer._prepare_dataset(trainer_like, hf, tok, args, False, None, "train")
+    except Exception as exc:  # TRL/transformers raise ValueError, TemplateError, KeyError...
+        raise DatasetError(
+            f"--dataset {spec}: TRL could not tokenize it ({first_line(exc)}); a conversational dataset needs a "
+            "tokenizer with a chat template (--tokenizer PATH)"
+        ) from exc
+    return prepared["input_ids"], prepared["labels"]
+
+
+@contextlib.contextmanager
+def progress_bars(enabled: bool) -> Iterator[None]:
+    from datasets.utils import logging as dlogging
+
+    was = dlogging.is_progress_bar_enabled()
+    (dlogging.enable_progress_bar if enabled else dlogging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (dlogging.enable_progress_bar if was else dlogging.disable_progress_bar)()

@@ -1,0 +1,23 @@
+"""Emission's parts, private to `advisor/emit.py` (their public face): what each run-config key is, Candidate ->
+TRL's config objects, the YAML and snippet writers, the reader. Import from here, never from the modules inside."""
+
+from .config import (
+    ALLOC_CONF,
+    build_sft_config,
+    env_vars,
+    model_init_kwargs,
+    peft_config,
+    quantization_config,
+    sft_config_kwargs,
+)
+from .keys import KEY_USES, KeyUse, trl_fields
+from .reader import RunConfig, candidate_from_run_dict, load_run_config
+from .writer import run_config_dict, to_python, to_yaml
+
+__all__ = [  # noqa: RUF022
+    "KEY_USES", "KeyUse", "trl_fields",
+    "ALLOC_CONF", "sft_config_kwargs", "model_init_kwargs", "quantization_config", "peft_config", "env_vars",
+    "build_sft_config",
+    "run_config_dict", "to_yaml", "to_python",
+    "RunConfig", "candidate_from_run_dict", "load_run_config",
+]

@@ -1,0 +1,136 @@
+"""The files a Candidate is written as: the YAML `trl sft --config` accepts (`run_config_dict`, `to_yaml`) and a
+Python snippet that trains with it (`to_python`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+
+from ..knobs import KNOBS, Home, Knob
+from ..space import Candidate, Quantization
+from .config import compute_dtype, env_vars, peft_config, peft_targets, quantization_config, sft_config_kwargs
+from .keys import base_keys
+
+# One target written for `trl sft`: ModelConfig turns a one-element list into a string, which PEFT matches as a
+# regular expression against the full module name, so a bare name would match nothing.
+ONE_TARGET = re.compile(r"\.\*\\\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _yaml_targets(candidate: Candidate) -> list[str] | None:
+    t = candidate.lora_target_modules
+    if t is None:
+        return None
+    if len(t) == 1 and t[0] != "all-linear":
+        return [f".*\\.{t[0]}"]
+    return list(t)
+
+
+def _write_model(k: Knob, c: Candidate) -> dict[str, Any]:
+    """One ModelConfig / LoraConfig knob as `trl sft` reads it."""
+    if k.name == "attn_implementation":
+        return {} if c.attn_implementation is None else {"attn_implementation": c.attn_implementation.value}
+    if k.name == "lora_target_modules":
+        targets = _yaml_targets(c)
+        return {} if targets is None else {"lora_target_modules": targets}
+    if k.name == "quantization":
+        out = {"load_in_4bit": c.quantization is Quantization.NF4, "load_in_8bit": c.quantization is Quantization.INT8}
+        if c.quantization is Quantization.NF4:
+            out["bnb_4bit_quant_type"] = "nf4"
+        return out
+    return {k.key: k.plain(getattr(c, k.name))}
+
+
+def run_config_dict(
+    candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None,
+    completion_only_loss: bool | None = None, output_dir: str = "advisor-sft",
+) -> dict[str, Any]:
+    """The keys `trl sft --config FILE` accepts: ScriptArguments, SFTConfig, ModelConfig and an `env:` block.
+    The base's keys come after the knobs', as the user wrote them."""
+    c = candidate
+    kw = sft_config_kwargs(c)
+    init = kw.pop("model_init_kwargs")  # trl sft builds it from ModelConfig's dtype / attn_implementation
+    kw["completion_only_loss"] = c.base.get("completion_only_loss", completion_only_loss)
+    out: dict[str, Any] = {}
+    if model_name_or_path is not None:
+        out["model_name_or_path"] = model_name_or_path
+    if dataset_name is not None:
+        out["dataset_name"] = dataset_name
+    out.update(base_keys(c, "script", measured=False))
+    out["output_dir"] = c.base.get("output_dir", output_dir)
+    out.update(kw)
+    # model_init_kwargs goes into the YAML whole but for what ModelConfig's dtype / attn_implementation carry
+    # (trl sft updates those with it): the model_init_kwargs knobs and the user's other loading keys
+    extra_init = {k: v for k, v in init.items() if k not in ("dtype", "attn_implementation")}
+    if extra_init:
+        out["model_init_kwargs"] = extra_init
+    for k in KNOBS:
+        if k.home in (Home.MODEL_CONFIG, Home.LORA_CONFIG) and k.is_active(c):
+            out.update(_write_model(k, c))
+    out.update(base_keys(c, "model", measured=False))
+    env = env_vars(c)
+    if env:
+        out["env"] = env
+    return out
+
+
+def to_yaml(candidate: Candidate, *, header: str | None = None, **kwargs: Any) -> str:
+    """The `trl sft --config` file; `header` becomes leading `#` comment lines, and without a dataset_name a
+    commented placeholder says where `trl sft` takes it from."""
+    body = yaml.safe_dump(run_config_dict(candidate, **kwargs), sort_keys=False)
+    if kwargs.get("dataset_name") is None:
+        placeholder = ("# dataset_name: trl-lib/Capybara   # your dataset: a hub id or a local dataset directory "
+                       "(or pass --dataset_name to trl sft)\n")
+        lines = body.splitlines(keepends=True)
+        at = 1 if lines and lines[0].startswith("model_name_or_path:") else 0
+        body = "".join(lines[:at]) + placeholder + "".join(lines[at:])
+    if header:
+        body = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines()) + body
+    return body
+
+
+def to_python(candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None = None,
+              completion_only_loss: bool | None = None) -> str:
+    """A snippet that trains with this configuration."""
+    c = candidate
+    kw = sft_config_kwargs(c)
+    kw["completion_only_loss"] = c.base.get("completion_only_loss", completion_only_loss)
+    output_dir = kw.pop("output_dir", "advisor-sft")
+    lines = ["import os", ""]
+    for k, v in env_vars(c).items():
+        lines.append(f"os.environ.setdefault({k!r}, {v!r})  # before torch initialises CUDA")
+    lines += ["", "from datasets import load_dataset", "from trl import SFTConfig, SFTTrainer"]
+    if c.use_lora:
+        lines.append("from peft import LoraConfig")
+    if c.quantization is not Quantization.NONE:
+        lines.append("from transformers import BitsAndBytesConfig")
+    lines += ["", "config = SFTConfig(", f"    output_dir={output_dir!r},"]
+    lines += [f"    {k}={v!r}," for k, v in kw.items()]
+    lines.append(")")
+    args = [f"    model={model_name_or_path!r},", "    args=config,", "    train_dataset=dataset,"]
+    load = f"load_dataset({dataset_name!r}, split=\"train\")" if dataset_name else \
+        'load_dataset("json", data_files="train.jsonl", split="train")  # your data'
+    lines.insert(lines.index("config = SFTConfig("), f"dataset = {load}")
+    if c.use_lora:
+        lc = peft_config(c)
+        extra = "".join(f", {k}={getattr(lc, k)!r}" for k in ("use_rslora", "use_dora", "modules_to_save")
+                        if getattr(lc, k) not in (None, False))
+        lines.append(
+            f"peft_config = LoraConfig(r={c.lora_r}, lora_alpha={c.lora_alpha}, lora_dropout={c.lora_dropout!r}, "
+            f"target_modules={peft_targets(c)!r}, bias=\"none\", task_type={lc.task_type!r}{extra})"
+        )
+        args.append("    peft_config=peft_config,")
+    qc = quantization_config(c)
+    if qc is not None:
+        if c.quantization is Quantization.NF4:
+            lines.append(
+                f"quantization_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="
+                f"{qc.bnb_4bit_quant_type!r}, bnb_4bit_compute_dtype={compute_dtype(c)!r}, "
+                f"bnb_4bit_use_double_quant={qc.bnb_4bit_use_double_quant!r})"
+            )
+        else:
+            lines.append("quantization_config = BitsAndBytesConfig(load_in_8bit=True)")
+        args.append("    quantization_config=quantization_config,")
+    lines += ["trainer = SFTTrainer(", *args, ")", "trainer.train()", ""]
+    return "\n".join(lines)
