@@ -185,3 +185,24 @@ def test_a_cpu_probe_of_dpo_trains_for_real(tiny_model, cpu_target, tmp_path):
     for step in result["steps"]:
         assert step["shapes"] and step["shapes"][0][0] == 4  # 2 pairs: chosen and rejected
         assert step["trained_tokens"] > 0
+
+
+@pytest.mark.parametrize("cand", [Candidate(), Candidate(use_lora=True), Candidate(use_lora=True, quantization="4bit")],
+                         ids=["full", "lora", "qlora"])
+def test_reward_config_reads_back_as_written(cand, tmp_path):
+    """What `advisor suggest --trainer reward` writes (LoRA with lora_task_type: SEQ_CLS, the default output_dir)
+    reads back into the same candidate; another LoRA task type is refused by name."""
+    import yaml
+
+    from advisor.emit import load_run_config
+    from advisor.errors import ConfigError
+    from advisor.trainers import get_trainer
+
+    data = get_trainer("reward").run_config_dict(cand, model_name_or_path="Qwen/Qwen2.5-0.5B")
+    path = tmp_path / "reward.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert load_run_config(path, trainer="reward").candidate == cand.canonical()
+    if cand.use_lora:
+        path.write_text(yaml.safe_dump({**data, "lora_task_type": "CAUSAL_LM"}))
+        with pytest.raises(ConfigError, match="lora_task_type='CAUSAL_LM'.*SEQ_CLS"):
+            load_run_config(path, trainer="reward")

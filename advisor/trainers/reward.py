@@ -9,6 +9,7 @@ trains adapters plus the score head (PEFT's SEQ_CLS task saves it). The simulato
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .base import PairTrainer, base_config_keys, register
@@ -79,6 +80,26 @@ class Reward(PairTrainer):
         return run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
                               output_dir="advisor-reward",
                               model_extra={"lora_task_type": "SEQ_CLS"} if candidate.use_lora else None)
+
+    def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
+        """A `trl reward` config read back: the shared keys as advisor.emit reads them, with what this trainer
+        emits itself accepted (`lora_task_type: SEQ_CLS` under LoRA, the default output_dir) and its own keys in
+        the base. Another LoRA task type is refused by name."""
+        from ..emit import candidate_from_run_dict
+        from ..errors import ConfigError
+
+        shared = {k: v for k, v in data.items() if k not in _OWN_KEYS}
+        own = {k: v for k, v in data.items() if k in _OWN_KEYS}
+        task = shared.pop("lora_task_type", None)
+        if task not in (None, "SEQ_CLS"):
+            raise ConfigError([f"lora_task_type={task!r}: a reward model's LoRA trains the score head with it; set "
+                               "lora_task_type: SEQ_CLS"], context=source)
+        cand = candidate_from_run_dict(shared, source=source)
+        base = cand.base.as_dict()
+        if base.get("output_dir") == "advisor-reward":
+            base.pop("output_dir")
+        base.update(own)
+        return cand.replace(base=base) if base != cand.base.as_dict() else cand
 
     # ---- the model -------------------------------------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
