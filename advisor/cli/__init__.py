@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import signal
 import sys
 import traceback
 import warnings
+from typing import Any
 
 from ..errors import AdvisorError
 
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module=r"(transformers|trl|peft|torch)\.")
+    previous = _terminate_as_interrupt()
     try:
         return int(args.func(args))
     except AdvisorError as exc:
@@ -74,6 +77,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"advisor {args.command}: interrupted; finished trials are kept", file=sys.stderr)
         return 130
+    except _Terminated:
+        print(f"advisor {args.command}: terminated; finished trials are kept", file=sys.stderr)
+        return 143
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is, so that `with` blocks close what they opened (the simulator's worker
+    processes and their server) and the running trial is failed for a rerun, as on Ctrl-C."""
+
+
+def _terminate_as_interrupt() -> Any:
+    """SIGTERM's handler for the command's duration (main thread only; None where it cannot be set)."""
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    try:
+        return signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread (main() called from a thread)
+        return None
 
 
 if __name__ == "__main__":
