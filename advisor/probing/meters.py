@@ -53,12 +53,45 @@ class AllocationPeak:
     events: int
 
 
-def cpu_peak(prof: Any) -> AllocationPeak:
+def memory_profiler(*, user_scopes: bool = True) -> Any:
+    """A started torch.profiler.profile of the CPU with the allocator's events (profile_memory=True); stop it with
+    `__exit__(None, None, None)`.
+
+    `user_scopes=False` leaves out record functions of RecordScope.USER_SCOPE (several ranks on gloo). Measured on
+    2-rank gloo FSDP2 runs (issue 16): the profiler's memory events are per thread, and some buffers of gloo's
+    collectives (all-gather outputs, reduce-scatter inputs and gloo's clones of them) are freed on gloo's worker
+    threads, which it does not follow: they show as never freed, a few per step, so the replayed peak reads high by
+    one FSDP unit or more, growing with the steps; with the profiler off the host's malloc heap grows by 10-40 KB a
+    step, not by those units, so a real run frees them. With USER_SCOPE's callbacks active gloo also records each
+    collective (capturing its inputs), and the all-gather outputs were among the missed frees; without them they
+    were not. The reduce-scatter's remain: a CPU rank's peak may still read high by a unit (the tests allow one).
+    """
+    import torch
+    import torch.autograd.profiler as autograd_profiler
+    from torch._C._profiler import RecordScope
+
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    if user_scopes:
+        prof.__enter__()
+        return prof
+    enable = autograd_profiler._enable_profiler
+    scopes = {s for s in RecordScope.__members__.values() if s is not RecordScope.USER_SCOPE}
+    autograd_profiler._enable_profiler = lambda config, activities: enable(config, activities, scopes)
+    try:
+        prof.__enter__()
+    finally:
+        autograd_profiler._enable_profiler = enable
+    return prof
+
+
+def cpu_peak(prof: Any, since_ns: int | None = None) -> AllocationPeak:
     """Peak of bytes allocated through PyTorch's CPU allocator while `prof` (profile_memory=True) ran.
 
     Replays every Allocation event (frees are negative) of every thread in time order. Only blocks allocated
     while profiling count, so start the profiler before the model is loaded: what was live before it is
-    import-time state, not the training's.
+    import-time state, not the training's. `since_ns` (the profiler's clock): the highest total from that moment on
+    (what was allocated before it and is still live counts; a higher total before it, such as the full model a rank
+    materialises before FSDP2 shards it, does not).
     """
     from torch._C._profiler import _EventType
 
@@ -79,6 +112,9 @@ def cpu_peak(prof: Any) -> AllocationPeak:
     for t, size, total in allocations:
         live += size
         current = max(live, total - before)
+        if since_ns is not None and t < since_ns:
+            peak, peak_t = current, t  # the level carried into the window
+            continue
         if current > peak:
             peak, peak_t = current, t
     return AllocationPeak(peak_bytes=peak, time_ns=peak_t, events=len(allocations))
@@ -113,12 +149,12 @@ class NvmlSampler:
     otherwise the device's used memory minus what was used before this process created its CUDA context.
     """
 
-    def __init__(self, interval_s: float = 0.005):
+    def __init__(self, interval_s: float = 0.005, local_index: int = 0):
         import pynvml
 
         self._nvml = pynvml
         pynvml.nvmlInit()
-        self._handle = _nvml_handle(pynvml)
+        self._handle = _nvml_handle(pynvml, local_index)
         self.total_bytes = int(pynvml.nvmlDeviceGetMemoryInfo(self._handle).total)
         self.baseline_bytes = int(pynvml.nvmlDeviceGetMemoryInfo(self._handle).used)
         self.interval_s = interval_s
@@ -162,14 +198,16 @@ class NvmlSampler:
         return self.peak_bytes
 
 
-def _nvml_handle(pynvml: Any) -> Any:
-    """The NVML handle of the device that torch will call cuda:0 (honours CUDA_VISIBLE_DEVICES)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+def _nvml_handle(pynvml: Any, local_index: int = 0) -> Any:
+    """The NVML handle of the device that torch calls cuda:`local_index` (honours CUDA_VISIBLE_DEVICES; a rank of a
+    multi-GPU probe uses its LOCAL_RANK)."""
+    listed = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    visible = listed[local_index] if local_index < len(listed) else ""
     if visible.startswith(("GPU-", "MIG-")):
         return pynvml.nvmlDeviceGetHandleByUUID(visible)
     if visible.isdigit():
         return pynvml.nvmlDeviceGetHandleByIndex(int(visible))
-    return pynvml.nvmlDeviceGetHandleByIndex(0)
+    return pynvml.nvmlDeviceGetHandleByIndex(local_index)
 
 
 @dataclass(frozen=True)
@@ -180,14 +218,16 @@ class CudaContext:
     total_bytes: int
 
 
-def init_cuda(sampler: NvmlSampler | None) -> CudaContext:
-    """Create the CUDA context on cuda:0 and measure it (NVML reading minus what torch reserved)."""
+def init_cuda(sampler: NvmlSampler | None, local_index: int = 0) -> CudaContext:
+    """Create the CUDA context on cuda:`local_index` (a rank's LOCAL_RANK, else 0), make it the current device and
+    measure the context (NVML reading minus what torch reserved)."""
     import torch
 
     torch.cuda.init()
+    torch.cuda.set_device(local_index)
     torch.empty(1, device="cuda")
     torch.cuda.synchronize()
-    total = torch.cuda.get_device_properties(0).total_memory
+    total = torch.cuda.get_device_properties(local_index).total_memory
     context = 0
     if sampler is not None:
         context = max(0, sampler.sample() - torch.cuda.memory_reserved())
@@ -202,5 +242,5 @@ def cap_cuda(budget_bytes: int, ctx: CudaContext) -> float:
     if usable <= 0:  # the candidate cannot run at all under this cap: that is an OOM, not a usage error
         raise MemoryError(f"the CUDA context alone takes {ctx.context_bytes} bytes, more than the budget")
     fraction = min(1.0, usable / ctx.total_bytes)
-    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device())
     return fraction
