@@ -155,6 +155,9 @@ def probe(
 
     `timeout_s` is the longest the child may go without progress
     (a heartbeat per step); then its process group is killed and the status is `timeout`.
+
+    `workload.num_gpus` N > 1: N ranks on this machine (advisor/probing/ranks.py), the budget a cap on each; the
+    Measurement has the highest rank's peaks, the slowest rank's step time, every rank's trained tokens, and `ranks`.
     """
     candidate = candidate.for_model(workload.model)  # transformers' attention, PEFT's targets, as the run resolves
     problems = []
