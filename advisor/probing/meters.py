@@ -58,13 +58,16 @@ def memory_profiler(*, user_scopes: bool = True) -> Any:
     `__exit__(None, None, None)`.
 
     `user_scopes=False` leaves out record functions of RecordScope.USER_SCOPE (several ranks on gloo). Measured on
-    2-rank gloo FSDP2 runs (issue 16): the profiler's memory events are per thread, and some buffers of gloo's
-    collectives (all-gather outputs, reduce-scatter inputs and gloo's clones of them) are freed on gloo's worker
-    threads, which it does not follow: they show as never freed, a few per step, so the replayed peak reads high by
-    one FSDP unit or more, growing with the steps; with the profiler off the host's malloc heap grows by 10-40 KB a
-    step, not by those units, so a real run frees them. With USER_SCOPE's callbacks active gloo also records each
-    collective (capturing its inputs), and the all-gather outputs were among the missed frees; without them they
-    were not. The reduce-scatter's remain: a CPU rank's peak may still read high by a unit (the tests allow one).
+    2-rank gloo FSDP2 runs (issue 16): the profiler's memory events are per thread, and buffers of gloo's collectives
+    (all-gather outputs, FSDP's reduce-scatter inputs, gloo's clones of them) are freed on gloo's worker threads when
+    the worker drops its Work after the caller did: the profile shows them never freed, a few per step, so the
+    replayed peak read high by one FSDP unit or more, growing with the steps (8 steps: 0.6-1.4 MB over the
+    simulation); gc.collect() freed none; with the profiler off the host's malloc heap grew 10-40 KB a step, not by
+    those units, so a run frees them. Three measures remove them: no USER_SCOPE callbacks (with them gloo records
+    each collective, capturing its inputs: the all-gather outputs were among the missed frees), the CPU rank holding
+    each reduce-scatter's Work a moment after it completes (worker._free_gloo_work_on_this_thread), and
+    `cpu_peak(backend_frees=True)`. Then 2 ranks x 3 steps matched the simulation within 100 bytes in 6 of 6
+    rank-runs; over 8 steps a rank may still read one decoder layer high (an FSDP reduce-scatter input).
     """
     import torch
     import torch.autograd.profiler as autograd_profiler
@@ -84,7 +87,7 @@ def memory_profiler(*, user_scopes: bool = True) -> Any:
     return prof
 
 
-def cpu_peak(prof: Any, since_ns: int | None = None) -> AllocationPeak:
+def cpu_peak(prof: Any, since_ns: int | None = None, *, backend_frees: bool = False) -> AllocationPeak:
     """Peak of bytes allocated through PyTorch's CPU allocator while `prof` (profile_memory=True) ran.
 
     Replays every Allocation event (frees are negative) of every thread in time order. Only blocks allocated
@@ -92,32 +95,62 @@ def cpu_peak(prof: Any, since_ns: int | None = None) -> AllocationPeak:
     import-time state, not the training's. `since_ns` (the profiler's clock): the highest total from that moment on
     (what was allocated before it and is still live counts; a higher total before it, such as the full model a rank
     materialises before FSDP2 shards it, does not).
+
+    `backend_frees` (gloo): a block allocated inside a `c10d::` op (the backend's own copy, such as gloo's clone of
+    a reduce-scatter's input, which only its Work holds) whose free the profile does not show before its address is
+    allocated again, or at all, was freed on one of gloo's worker threads, which the profiler does not follow
+    (memory_profiler): it is replayed as freed when that op returned (FSDP2's reduce-scatter is synchronous); any
+    other block whose address is allocated again without a free between is replayed as freed just before that.
     """
     from torch._C._profiler import _EventType
 
-    allocations: list[tuple[int, int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    allocations: list[tuple[int, int, int, int, int | None]] = []
+    stack = [(node, None) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        node = stack.pop()
+        node, comm_end = stack.pop()
         if node.tag == _EventType.Allocation:
             ef = node.extra_fields
             if str(ef.device).startswith("cpu"):
-                allocations.append((node.start_time_ns, int(ef.alloc_size), int(ef.total_allocated)))
-        stack.extend(node.children)
+                allocations.append((node.start_time_ns, int(ef.alloc_size), int(ef.total_allocated), int(ef.ptr),
+                                    comm_end))
+        elif comm_end is None and backend_frees and node.name.startswith("c10d::"):
+            comm_end = node.end_time_ns
+        stack.extend((child, comm_end) for child in node.children)
     allocations.sort(key=lambda a: a[0])
+    if backend_frees:
+        allocations = _with_missed_frees(allocations)
     live = peak = 0
     peak_t = allocations[0][0] if allocations else 0
     # the allocator's running total counts what was live before profiling too: measure it from there
     before = allocations[0][2] - allocations[0][1] if allocations else 0
-    for t, size, total in allocations:
+    for t, size, total, _, _ in allocations:
         live += size
-        current = max(live, total - before)
+        # the running total misses the same frees as the events: with backend_frees the replay alone counts
+        current = live if backend_frees else max(live, total - before)
         if since_ns is not None and t < since_ns:
             peak, peak_t = current, t  # the level carried into the window
             continue
         if current > peak:
             peak, peak_t = current, t
     return AllocationPeak(peak_bytes=peak, time_ns=peak_t, events=len(allocations))
+
+
+def _with_missed_frees(allocations: list[tuple[int, int, int, int, int | None]]) -> list:
+    """`allocations` (time order) plus the frees the profile missed: a block whose address is allocated again was
+    freed by then at the latest (the allocator hands out no live address); one allocated inside a collective whose
+    free is missing was freed when that op returned."""
+    open_blocks: dict[int, tuple[int, int | None]] = {}
+    missed = []
+    for t, size, _, ptr, comm_end in allocations:
+        if size > 0:
+            if ptr in open_blocks:  # allocated again: the earlier block was freed unseen, at the latest now
+                prev_size, prev_end = open_blocks[ptr]
+                missed.append((min(prev_end or t, t) - 1, -prev_size, 0, ptr, None))
+            open_blocks[ptr] = (size, comm_end)
+        else:
+            open_blocks.pop(ptr, None)
+    missed += [(end, -size, 0, ptr, None) for ptr, (size, end) in open_blocks.items() if end is not None]
+    return sorted(allocations + missed, key=lambda a: a[0])
 
 
 def address_space_bytes() -> int:

@@ -58,7 +58,28 @@ def _gloo_mesh(world: int):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     for name in _DIST_ENV:
         os.environ.pop(name, None)
+    _free_gloo_work_on_this_thread()
     return mesh
+
+
+def _free_gloo_work_on_this_thread(hold_s: float = 0.005) -> None:
+    """FSDP2's reduce-scatter (synchronous) keeps its gloo Work a moment after it completes, so the Work, and what
+    only it holds (gloo's clone of the input), is freed on this thread, where the profiler sees the free, rather than
+    on gloo's worker thread, which drops its own reference just after completing it (meters.memory_profiler)."""
+    import torch.distributed as dist
+
+    single = dist.reduce_scatter_single
+
+    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op:
+            return single(output, input, op=op, group=group, async_op=True)
+        work = single(output, input, op=op, group=group, async_op=True)
+        if work is not None:
+            work.wait()
+            time.sleep(hold_s)  # gloo's thread resets its reference right after marking the work complete
+        del work
+
+    dist.reduce_scatter_single = reduce_scatter_single
 
 
 def _random_model(spec, jobdir: Path, candidate, rank: int, heartbeat: Heartbeat) -> str:
@@ -348,7 +369,9 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         shard_fsdp2(trainer.model, mesh, Layout(layout).parallelism, candidate.precision.value)
         notes.append(f"FSDP2 on {world} CPU ranks (gloo): accelerate's fsdp2_prepare_model applied to the loaded "
                      "model before train() (accelerate's FSDP path refuses a CPU process group); each rank's "
-                     "micro-batches as accelerate's BatchSamplerShard deals them")
+                     "micro-batches as accelerate's BatchSamplerShard deals them; each reduce-scatter's gloo Work "
+                     "held 5 ms after it completes (so its buffers' frees are seen: meters.memory_profiler), which "
+                     "the step times include")
     state["meter"] = meter
     if not cuda and budget:
         # Capped once everything is imported and the model loaded, so code and library mappings don't count;
@@ -382,7 +405,7 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         prof.__exit__(None, None, None)
         # several ranks: from train() on (each rank loads the whole model before FSDP2 shards it, which a GPU run's
         # cpu_ram_efficient_loading does on the meta device); the loading's own peak is noted
-        found = meters.cpu_peak(prof, since_ns=meter.train_begin_ns if world > 1 else None)
+        found = meters.cpu_peak(prof, since_ns=meter.train_begin_ns if world > 1 else None, backend_frees=world > 1)
         peak = reserved = device = found.peak_bytes
         peak_index = None
         if found.time_ns > meter.train_begin_ns:
