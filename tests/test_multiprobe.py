@@ -59,10 +59,11 @@ def test_two_rank_cpu_probe_matches_the_per_rank_simulation(children):
 
     sim = simulate_per_rank(wl, SMALL, 2, Parallelism(), gpu="cpu")
     arch = architecture(wl.model)
-    unit = (arch.embedding + arch.per_layer) * 4  # the largest FSDP unit's gathered fp32 bytes
+    unit = (arch.embedding + arch.per_layer) * 4  # bounds the largest FSDP unit's gathered fp32 bytes
     print(f"per-rank peak: simulated {sim.peak_bytes} B, probed {[r.peak_bytes for r in m.ranks]} B, unit {unit} B")
-    # Within 2%, or higher by one unit: on gloo the profiler misses some frees made on gloo's worker threads
-    # (advisor/probing/meters.memory_profiler says what was measured); the simulation predicts a real run's peak.
+    # Within 2%, or higher by at most one unit: the profiler misses some frees made on gloo's worker threads; the
+    # probe recovers most (advisor/probing/meters.memory_profiler says what was measured), but now and then a rank
+    # still reads one FSDP reduce-scatter input high. The simulation predicts what a run holds.
     for r in m.ranks:
         assert 0.98 * sim.peak_bytes <= r.peak_bytes <= 1.02 * sim.peak_bytes + unit, (sim.peak_bytes, r)
 

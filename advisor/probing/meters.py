@@ -66,8 +66,9 @@ def memory_profiler(*, user_scopes: bool = True) -> Any:
     those units, so a run frees them. Three measures remove them: no USER_SCOPE callbacks (with them gloo records
     each collective, capturing its inputs: the all-gather outputs were among the missed frees), the CPU rank holding
     each reduce-scatter's Work a moment after it completes (worker._free_gloo_work_on_this_thread), and
-    `cpu_peak(backend_frees=True)`. Then 2 ranks x 3 steps matched the simulation within 100 bytes in 6 of 6
-    rank-runs; over 8 steps a rank may still read one decoder layer high (an FSDP reduce-scatter input).
+    `cpu_peak(backend_frees=True)`. Then most rank-runs match the simulation within 200 bytes (3 and 9 steps), but
+    now and then a rank, more often under load, still reads one FSDP reduce-scatter input (a unit's bytes) high:
+    its last reference also dropped on a gloo thread, by a path not found.
     """
     import torch
     import torch.autograd.profiler as autograd_profiler

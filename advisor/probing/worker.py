@@ -62,7 +62,7 @@ def _gloo_mesh(world: int):
     return mesh
 
 
-def _free_gloo_work_on_this_thread(hold_s: float = 0.005) -> None:
+def _free_gloo_work_on_this_thread(hold_s: float = 0.02) -> None:
     """FSDP2's reduce-scatter (synchronous) keeps its gloo Work a moment after it completes, so the Work, and what
     only it holds (gloo's clone of the input), is freed on this thread, where the profiler sees the free, rather than
     on gloo's worker thread, which drops its own reference just after completing it (meters.memory_profiler)."""
@@ -370,7 +370,7 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         notes.append(f"FSDP2 on {world} CPU ranks (gloo): accelerate's fsdp2_prepare_model applied to the loaded "
                      "model before train() (accelerate's FSDP path refuses a CPU process group); each rank's "
                      "micro-batches as accelerate's BatchSamplerShard deals them; each reduce-scatter's gloo Work "
-                     "held 5 ms after it completes (so its buffers' frees are seen: meters.memory_profiler), which "
+                     "held 20 ms after it completes (so its buffers' frees are seen: meters.memory_profiler), which "
                      "the step times include")
     state["meter"] = meter
     if not cuda and budget:
