@@ -44,6 +44,23 @@ class Category(str, Enum):
 
 
 @dataclass(frozen=True)
+class RankResult:
+    """One rank of a multi-process probe (issue 16): its outcome and its own peaks, step time and trained tokens."""
+
+    rank: int
+    status: Status
+    peak_bytes: int | None = None
+    reserved_bytes: int | None = None
+    device_bytes: int | None = None
+    step_time_s: float | None = None
+    trained_tokens_per_step: int | None = None
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", Status(self.status))
+
+
+@dataclass(frozen=True)
 class Measurement:
     """Peak memory and speed of one candidate.
 
@@ -72,9 +89,14 @@ class Measurement:
     message: str = ""
     notes: tuple[str, ...] = ()
     wall_time_s: float | None = None
+    # a run on several ranks (a multi-process probe): each rank's own result; the fields above are the run's (the
+    # peaks the highest rank's, the throughput over all ranks)
+    ranks: tuple[RankResult, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", Status(self.status))
+        object.__setattr__(self, "ranks", tuple(r if isinstance(r, RankResult) else RankResult(**r)
+                                                for r in self.ranks))
         object.__setattr__(self, "source", Source(self.source))
         object.__setattr__(self, "notes", tuple(self.notes))
         object.__setattr__(self, "time_breakdown", {str(k): float(v) for k, v in dict(self.time_breakdown).items()})
@@ -106,6 +128,10 @@ class Measurement:
         data["status"] = self.status.value
         data["source"] = self.source.value
         data["notes"] = list(self.notes)
+        if self.ranks:
+            data["ranks"] = [{**r, "status": Status(r["status"]).value} for r in data["ranks"]]
+        else:  # one process: the dict is as before ranks existed
+            del data["ranks"]
         return data
 
     @classmethod

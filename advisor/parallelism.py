@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .workload import Workload
 
 __all__ = ["Strategy", "Parallelism", "Layout", "deepspeed_available", "simulate_per_rank", "estimate_per_rank",
-           "rank_step_time", "accumulation_for"]
+           "rank_step_time", "accumulation_for", "shard_fsdp2"]
 
 
 class Strategy(str, Enum):
@@ -154,6 +154,15 @@ def simulate_per_rank(workload: Workload, candidate: Candidate, num_gpus: int | 
     from ._sim.distributed import simulate_per_rank as run
 
     return run(workload, candidate, num_gpus, parallelism, **kwargs)
+
+
+def shard_fsdp2(model: Any, mesh: Any, parallelism: Parallelism, precision: str) -> Any:
+    """Shard a real model over a real process group's `mesh` exactly as the simulation shards its fake one
+    (accelerate's own `fsdp2_prepare_model`; the CPU probe of several ranks uses it, since accelerate's FSDP path
+    refuses a CPU process group)."""
+    from ._sim.distributed import prepare_fsdp2
+
+    return prepare_fsdp2(model, mesh, parallelism, precision)
 
 
 def estimate_per_rank(workload: Workload, candidate: Candidate, moments: dict, parts: object) -> tuple[dict, list[str]]:

@@ -8,6 +8,11 @@ simulator's peak_bytes / reserved_bytes / device_bytes / step time for the same 
   python scripts/gpu_validate.py --gpu H100-80GB       # name the profile instead of detecting it
   python scripts/gpu_validate.py --dry-run             # print the matrix and check imports; runs nothing
   python scripts/gpu_validate.py --backend cpu --tiny  # the same code path on a tiny model and the CPU probe
+  python scripts/gpu_validate.py --multi-gpu 2 8       # also FSDP2 on 2 and on 8 GPUs, per rank (issue 16)
+
+With --multi-gpu N... (scripts/gpu_validate.sh passes 2 and the machine's GPU count when it has several) one small
+case (MULTI_CASE) is probed on N ranks with FSDP2 (`accelerate launch --num_processes N`, advisor/probing/ranks.py)
+next to `simulate_per_rank`; the rows go to "multi_gpu_rows" of the same JSON, each with every rank's peaks.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ MATRIX: dict[str, dict] = {
     "flash-long-ckpt": {"packing": True, "packing_strategy": "bfd", "max_length": 4096,
                         "attn_implementation": _FLASH},
 }
+
+
+# the multi-GPU case: FSDP2 resharding after forward, checkpointed, at the first --batch size (short: it runs once per
+# world size inside the script's time budget)
+MULTI_CASE = {"activation_checkpointing": True, "parallelism": "fsdp2"}
 
 
 @dataclass(frozen=True)
@@ -106,10 +116,44 @@ def slug(name: str) -> str:
 
 
 def _fields(m) -> dict:
-    return {"status": m.status.value, "peak_bytes": m.peak_bytes, "reserved_bytes": m.reserved_bytes,
-            "device_bytes": m.device_bytes, "step_time_s": m.step_time_s, "tokens_per_second": m.tokens_per_second,
-            "time_breakdown": dict(m.time_breakdown), "mfu": m.mfu, "worst_step_time_s": m.worst_step_time_s,
-            "message": m.message, "notes": list(m.notes)}
+    out = {"status": m.status.value, "peak_bytes": m.peak_bytes, "reserved_bytes": m.reserved_bytes,
+           "device_bytes": m.device_bytes, "step_time_s": m.step_time_s, "tokens_per_second": m.tokens_per_second,
+           "time_breakdown": dict(m.time_breakdown), "mfu": m.mfu, "worst_step_time_s": m.worst_step_time_s,
+           "message": m.message, "notes": list(m.notes)}
+    if m.ranks:  # a probe of several ranks: each rank's own peaks and step time
+        out["ranks"] = m.to_dict()["ranks"]
+    return out
+
+
+def multi_gpu_rows(a: argparse.Namespace, wl, max_length: int) -> list[dict]:
+    """MULTI_CASE probed on each world size of --multi-gpu (FSDP2 through accelerate launch) next to the per-rank
+    simulation; ratios are simulated / probed, per rank (the budget applies to each) and for the global tokens/s."""
+    import dataclasses
+
+    from advisor.parallelism import Layout, simulate_per_rank
+    from advisor.probing import probe
+
+    rows = []
+    for n in a.multi_gpu:
+        wln = dataclasses.replace(wl, num_gpus=n)
+        case = Case(f"fsdp2-{n}gpu", a.batch[0], MULTI_CASE)
+        cand = case.candidate(max_length)
+        sim = simulate_per_rank(wln, cand, n, Layout(cand.parallelism).parallelism, gpu=wl.gpu)
+        real = probe(wln, cand, a.backend, steps=a.steps, warmup=a.warmup, timeout_s=a.timeout)
+        per_rank = [_ratio(sim.peak_bytes, r.peak_bytes) for r in real.ranks]
+        row = {"case": case.name, "num_gpus": n, "batch_size": case.batch, "candidate": cand.to_dict(),
+               "probe": _fields(real), "simulate": _fields(sim),
+               "simulate_over_probe": {"peak_bytes_per_rank": per_rank,
+                                       **{k: _ratio(getattr(sim, k), getattr(real, k))
+                                          for k in ("peak_bytes", "reserved_bytes", "device_bytes")},
+                                       "tokens_per_second": (round(sim.tokens_per_second / real.tokens_per_second, 4)
+                                                             if sim.tokens_per_second and real.tokens_per_second
+                                                             else None)}}
+        rows.append(row)
+        print(f"{case.name:<14} b{case.batch}  probe {real.status.value:<7} peak {real.peak_bytes or 0:>14,} "
+              f"sim {sim.peak_bytes or 0:>14,}  sim/probe per rank {per_rank} tokens/s "
+              f"{row['simulate_over_probe']['tokens_per_second']} {real.message}", flush=True)
+    return rows
 
 
 def predicted_probe_step_s(sim, kinds: list[str]) -> float | None:
@@ -218,10 +262,21 @@ def run(a: argparse.Namespace) -> int:
           f"max_length {max_length}, {len(matrix)} cases")
     for c in matrix:
         print(f"  {c.name:<14} batch {c.batch}  {c.fields}")
+    for n in a.multi_gpu:
+        print(f"  fsdp2-{n}gpu     batch {a.batch[0]}  {MULTI_CASE} on {n} ranks")
     print("versions:", json.dumps(versions()))
     if a.dry_run:
         for c in matrix:  # every candidate must be valid for TRL on this target before a GPU is spent on it
             c.candidate(max_length).check(gpu, spec)
+        for n in a.multi_gpu:
+            from advisor.parallelism import Layout, layout_problems
+
+            cand = Case("multi", a.batch[0], MULTI_CASE).candidate(max_length)
+            cand.check(gpu, spec)
+            problems = layout_problems(Layout(cand.parallelism), n)
+            if problems:
+                print("; ".join(problems), file=sys.stderr)
+                return 2
         return 0
 
     data = synthetic(vocab_size=spec.vocab_size, rows=a.rows, seed=0, median=max_length // 2, max_len=max_length)
@@ -246,6 +301,7 @@ def run(a: argparse.Namespace) -> int:
               f"sim {sim.peak_bytes or 0:>14,}  sim/probe peak {r['peak_bytes']} reserved {r['reserved_bytes']} "
               f"device {r['device_bytes']} step {r['step_time_s']} (measured {real.step_time_s} s, predicted "
               f"{row['predicted_probe_step_s']} s)", flush=True)
+    multi = multi_gpu_rows(a, wl, max_length) if a.multi_gpu else []
     out = {
         "schema_version": 1,
         "source": "scripts/gpu_validate.sh",
@@ -263,6 +319,7 @@ def run(a: argparse.Namespace) -> int:
                     "cpus": os.cpu_count(), "os": platform.platform()},
         "dataset_rows": a.rows,
         "rows": rows,
+        **({"multi_gpu_rows": multi} if multi else {}),
     }
     if a.backend == "cuda":
         out["fitted_time_constants"] = {
@@ -295,7 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a probe may go without progress")
     p.add_argument("--out", help="default profiles/measurements/<gpu>.json")
     p.add_argument("--dry-run", action="store_true", help="print the matrix and check imports and candidates")
-    return run(p.parse_args(argv))
+    p.add_argument("--multi-gpu", type=int, nargs="*", default=[], metavar="N",
+                   help="also probe MULTI_CASE with FSDP2 on N ranks (each N > 1), per rank, next to the simulation")
+    a = p.parse_args(argv)
+    bad = [n for n in a.multi_gpu if n < 2]
+    if bad:
+        p.error(f"--multi-gpu {bad[0]}: a world size of at least 2 (one GPU is the matrix above)")
+    return run(a)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Validate the simulator on a CUDA machine, offline, in under 8 minutes: real probe steps of a configuration
-# matrix next to the simulator's prediction -> profiles/measurements/<gpu>.json, then the GPU tests.
+# matrix next to the simulator's prediction -> profiles/measurements/<gpu>.json, then the GPU tests. On a machine with
+# several GPUs (nvidia-smi -L) it also probes one small FSDP2 case on 2 GPUs and, with more than 2, on all of them,
+# per rank (accelerate launch --num_processes N), into the same JSON's "multi_gpu_rows" (one case each: ~1 minute).
 #
 #   scripts/gpu_validate.sh [WHEEL_DIR] [gpu_validate.py args...]     (or WHEELS=/path scripts/gpu_validate.sh)
 #
@@ -53,6 +55,13 @@ fi
 
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
-$PY scripts/gpu_validate.py "$@"
+multi=()
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [[ ${ngpu:-0} -gt 1 ]]; then
+    multi=(--multi-gpu 2)
+    [[ $ngpu -gt 2 ]] && multi+=("$ngpu")
+    echo "gpu_validate: $ngpu GPUs: also FSDP2 on ${multi[*]:1} ranks"
+fi
+$PY scripts/gpu_validate.py "$@" ${multi[@]+"${multi[@]}"}
 $PY -m pytest -q -m gpu tests/
 echo "gpu_validate: done in $(( $(date +%s) - start )) s"

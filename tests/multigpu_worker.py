@@ -79,7 +79,6 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.profiler import ProfilerActivity, profile
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
@@ -133,8 +132,13 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
                 live[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         gc.collect()
         dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        from advisor.probing.meters import memory_profiler
+
+        prof = memory_profiler(user_scopes=False)  # gloo's collectives unrecorded (see its docstring)
+        try:
             trainer.train()
+        finally:
+            prof.__exit__(None, None, None)
         peak, main = _allocator_peaks(prof)
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump({"rank": rank, "peak": sum(live.values()) + main, "all_threads": sum(live.values()) + peak,

@@ -142,12 +142,14 @@ def test_a_batch_the_ranks_cannot_split_names_the_flags(tiny_config, capsys):
     assert "--tokens-per-step" in err and "--num-gpus 64" in err
 
 
-def test_probe_of_several_gpus_is_refused_not_measured_on_one(tiny_config, tmp_path, capsys):
+def test_probe_of_several_machines_is_refused_not_measured_on_one(tiny_config, tmp_path, capsys):
+    """A probe runs its ranks on this machine (tests/test_multiprobe.py runs several); M machines are refused."""
     run = tmp_path / "run.yaml"
     run.write_text(yaml.safe_dump({"model_name_or_path": tiny_config, "max_length": 64,
                                    "per_device_train_batch_size": 1}))
-    assert main(["probe", "--model", tiny_config, "--config", str(run), "--gpu", "cpu", "--num-gpus", "2"]) == 2
-    assert "not supported yet" in capsys.readouterr().err
+    assert main(["probe", "--model", tiny_config, "--config", str(run), "--gpu", "cpu", "--num-gpus", "2",
+                 "--num-machines", "2"]) == 2
+    assert "--num-machines 2: a probe runs its ranks on this machine only" in capsys.readouterr().err
 
 
 # ---- one GPU is unchanged -------------------------------------------------------------------------------------------

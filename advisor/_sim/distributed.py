@@ -448,10 +448,11 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
             f"{parallelism.offload_params}) at full depth; all-gather and reduce-scatter buffers counted (as "
             "temporaries, the gathered parameters as parameters); NCCL's internal buffers are not"
         )
-        notes.append("checked against real 2-process gloo runs on the CPU (tests/test_multigpu.py): the same peak "
-                     "within 0.15%, but about 1 in 3 real rank-runs peaked higher by one FSDP unit's gathered bytes "
-                     "(a decoder layer or the embedding unit), not reproducibly and not yet explained; allow for "
-                     "one unit until GPU runs settle it")
+        notes.append("checked against real 2-process gloo runs on the CPU (tests/test_multigpu.py, "
+                     "tests/test_multiprobe.py): the same peak within 0.15%; some rank-runs read higher by an FSDP "
+                     "unit's bytes, frees made on gloo's worker threads that the CPU profiler does not see (with it "
+                     "off the heap does not grow by them: advisor/probing/meters.memory_profiler), not memory a run "
+                     "holds")
         if target.is_cuda:
             notes.append("FSDP2 all-gathers and reduce-scatters on its own CUDA streams, whose blocks the caching "
                          "allocator keeps in per-stream pools; the replay keeps one pool, so reserved bytes may be "

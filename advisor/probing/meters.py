@@ -53,35 +53,105 @@ class AllocationPeak:
     events: int
 
 
-def cpu_peak(prof: Any) -> AllocationPeak:
+def memory_profiler(*, user_scopes: bool = True) -> Any:
+    """A started torch.profiler.profile of the CPU with the allocator's events (profile_memory=True); stop it with
+    `__exit__(None, None, None)`.
+
+    `user_scopes=False` leaves out record functions of RecordScope.USER_SCOPE (several ranks on gloo). Measured on
+    2-rank gloo FSDP2 runs (issue 16): the profiler's memory events are per thread, and buffers of gloo's collectives
+    (all-gather outputs, FSDP's reduce-scatter inputs, gloo's clones of them) are freed on gloo's worker threads when
+    the worker drops its Work after the caller did: the profile shows them never freed, a few per step, so the
+    replayed peak read high by one FSDP unit or more, growing with the steps (8 steps: 0.6-1.4 MB over the
+    simulation); gc.collect() freed none; with the profiler off the host's malloc heap grew 10-40 KB a step, not by
+    those units, so a run frees them. Three measures remove them: no USER_SCOPE callbacks (with them gloo records
+    each collective, capturing its inputs: the all-gather outputs were among the missed frees), the CPU rank holding
+    each reduce-scatter's Work a moment after it completes (worker._free_gloo_work_on_this_thread), and
+    `cpu_peak(backend_frees=True)`. Then most rank-runs match the simulation within 200 bytes (3 and 9 steps), but
+    now and then a rank, more often under load, still reads one FSDP reduce-scatter input (a unit's bytes) high:
+    its last reference also dropped on a gloo thread, by a path not found.
+    """
+    import torch
+    import torch.autograd.profiler as autograd_profiler
+    from torch._C._profiler import RecordScope
+
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    if user_scopes:
+        prof.__enter__()
+        return prof
+    enable = autograd_profiler._enable_profiler
+    scopes = {s for s in RecordScope.__members__.values() if s is not RecordScope.USER_SCOPE}
+    autograd_profiler._enable_profiler = lambda config, activities: enable(config, activities, scopes)
+    try:
+        prof.__enter__()
+    finally:
+        autograd_profiler._enable_profiler = enable
+    return prof
+
+
+def cpu_peak(prof: Any, since_ns: int | None = None, *, backend_frees: bool = False) -> AllocationPeak:
     """Peak of bytes allocated through PyTorch's CPU allocator while `prof` (profile_memory=True) ran.
 
     Replays every Allocation event (frees are negative) of every thread in time order. Only blocks allocated
     while profiling count, so start the profiler before the model is loaded: what was live before it is
-    import-time state, not the training's.
+    import-time state, not the training's. `since_ns` (the profiler's clock): the highest total from that moment on
+    (what was allocated before it and is still live counts; a higher total before it, such as the full model a rank
+    materialises before FSDP2 shards it, does not).
+
+    `backend_frees` (gloo): a block allocated inside a `c10d::` op (the backend's own copy, such as gloo's clone of
+    a reduce-scatter's input, which only its Work holds) whose free the profile does not show before its address is
+    allocated again, or at all, was freed on one of gloo's worker threads, which the profiler does not follow
+    (memory_profiler): it is replayed as freed when that op returned (FSDP2's reduce-scatter is synchronous); any
+    other block whose address is allocated again without a free between is replayed as freed just before that.
     """
     from torch._C._profiler import _EventType
 
-    allocations: list[tuple[int, int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    allocations: list[tuple[int, int, int, int, int | None]] = []
+    stack = [(node, None) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        node = stack.pop()
+        node, comm_end = stack.pop()
         if node.tag == _EventType.Allocation:
             ef = node.extra_fields
             if str(ef.device).startswith("cpu"):
-                allocations.append((node.start_time_ns, int(ef.alloc_size), int(ef.total_allocated)))
-        stack.extend(node.children)
+                allocations.append((node.start_time_ns, int(ef.alloc_size), int(ef.total_allocated), int(ef.ptr),
+                                    comm_end))
+        elif comm_end is None and backend_frees and node.name.startswith("c10d::"):
+            comm_end = node.end_time_ns
+        stack.extend((child, comm_end) for child in node.children)
     allocations.sort(key=lambda a: a[0])
+    if backend_frees:
+        allocations = _with_missed_frees(allocations)
     live = peak = 0
     peak_t = allocations[0][0] if allocations else 0
     # the allocator's running total counts what was live before profiling too: measure it from there
     before = allocations[0][2] - allocations[0][1] if allocations else 0
-    for t, size, total in allocations:
+    for t, size, total, _, _ in allocations:
         live += size
-        current = max(live, total - before)
+        # the running total misses the same frees as the events: with backend_frees the replay alone counts
+        current = live if backend_frees else max(live, total - before)
+        if since_ns is not None and t < since_ns:
+            peak, peak_t = current, t  # the level carried into the window
+            continue
         if current > peak:
             peak, peak_t = current, t
     return AllocationPeak(peak_bytes=peak, time_ns=peak_t, events=len(allocations))
+
+
+def _with_missed_frees(allocations: list[tuple[int, int, int, int, int | None]]) -> list:
+    """`allocations` (time order) plus the frees the profile missed: a block whose address is allocated again was
+    freed by then at the latest (the allocator hands out no live address); one allocated inside a collective whose
+    free is missing was freed when that op returned."""
+    open_blocks: dict[int, tuple[int, int | None]] = {}
+    missed = []
+    for t, size, _, ptr, comm_end in allocations:
+        if size > 0:
+            if ptr in open_blocks:  # allocated again: the earlier block was freed unseen, at the latest now
+                prev_size, prev_end = open_blocks[ptr]
+                missed.append((min(prev_end or t, t) - 1, -prev_size, 0, ptr, None))
+            open_blocks[ptr] = (size, comm_end)
+        else:
+            open_blocks.pop(ptr, None)
+    missed += [(end, -size, 0, ptr, None) for ptr, (size, end) in open_blocks.items() if end is not None]
+    return sorted(allocations + missed, key=lambda a: a[0])
 
 
 def address_space_bytes() -> int:
@@ -113,12 +183,12 @@ class NvmlSampler:
     otherwise the device's used memory minus what was used before this process created its CUDA context.
     """
 
-    def __init__(self, interval_s: float = 0.005):
+    def __init__(self, interval_s: float = 0.005, local_index: int = 0):
         import pynvml
 
         self._nvml = pynvml
         pynvml.nvmlInit()
-        self._handle = _nvml_handle(pynvml)
+        self._handle = _nvml_handle(pynvml, local_index)
         self.total_bytes = int(pynvml.nvmlDeviceGetMemoryInfo(self._handle).total)
         self.baseline_bytes = int(pynvml.nvmlDeviceGetMemoryInfo(self._handle).used)
         self.interval_s = interval_s
@@ -162,14 +232,16 @@ class NvmlSampler:
         return self.peak_bytes
 
 
-def _nvml_handle(pynvml: Any) -> Any:
-    """The NVML handle of the device that torch will call cuda:0 (honours CUDA_VISIBLE_DEVICES)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+def _nvml_handle(pynvml: Any, local_index: int = 0) -> Any:
+    """The NVML handle of the device that torch calls cuda:`local_index` (honours CUDA_VISIBLE_DEVICES; a rank of a
+    multi-GPU probe uses its LOCAL_RANK)."""
+    listed = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    visible = listed[local_index] if local_index < len(listed) else ""
     if visible.startswith(("GPU-", "MIG-")):
         return pynvml.nvmlDeviceGetHandleByUUID(visible)
     if visible.isdigit():
         return pynvml.nvmlDeviceGetHandleByIndex(int(visible))
-    return pynvml.nvmlDeviceGetHandleByIndex(0)
+    return pynvml.nvmlDeviceGetHandleByIndex(local_index)
 
 
 @dataclass(frozen=True)
@@ -180,14 +252,16 @@ class CudaContext:
     total_bytes: int
 
 
-def init_cuda(sampler: NvmlSampler | None) -> CudaContext:
-    """Create the CUDA context on cuda:0 and measure it (NVML reading minus what torch reserved)."""
+def init_cuda(sampler: NvmlSampler | None, local_index: int = 0) -> CudaContext:
+    """Create the CUDA context on cuda:`local_index` (a rank's LOCAL_RANK, else 0), make it the current device and
+    measure the context (NVML reading minus what torch reserved)."""
     import torch
 
     torch.cuda.init()
+    torch.cuda.set_device(local_index)
     torch.empty(1, device="cuda")
     torch.cuda.synchronize()
-    total = torch.cuda.get_device_properties(0).total_memory
+    total = torch.cuda.get_device_properties(local_index).total_memory
     context = 0
     if sampler is not None:
         context = max(0, sampler.sample() - torch.cuda.memory_reserved())
@@ -202,5 +276,5 @@ def cap_cuda(budget_bytes: int, ctx: CudaContext) -> float:
     if usable <= 0:  # the candidate cannot run at all under this cap: that is an OOM, not a usage error
         raise MemoryError(f"the CUDA context alone takes {ctx.context_bytes} bytes, more than the budget")
     fraction = min(1.0, usable / ctx.total_bytes)
-    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device())
     return fraction

@@ -63,10 +63,13 @@ def plan_batches(workload: Workload, candidate: Candidate, steps: int, warmup: i
     """Worst case first: the first two optimizer steps (the first with optimizer state allocated, after one
     warm-up) get the longest rows, longest first; later steps get a seeded sample of the other rows.
 
-    With packing TRL re-packs the rows, so enough rows to fill every step's packed batches are given.
+    With packing TRL re-packs the rows, so enough rows to fill every step's packed batches are given. On several
+    ranks a step takes a micro-batch per rank (the rows are the global step's; micro-batch k goes to rank k mod N,
+    as accelerate deals them), so rank 0 gets the longest micro-batch.
     """
     total_steps = warmup + steps
-    rows_per_step = candidate.per_device_train_batch_size * candidate.gradient_accumulation_steps
+    rows_per_step = (candidate.per_device_train_batch_size * candidate.gradient_accumulation_steps
+                     * workload.num_gpus)
     ds = workload.dataset
     if len(ds.rows) == 0:
         raise UsageError(f"dataset {ds.name}: no rows to probe with; give a --dataset with data")
@@ -128,6 +131,8 @@ def job_dict(
         },
         "kinds": [k.value for k in plan.kinds],
         "rows_per_step": plan.rows_per_step,
+        "num_gpus": workload.num_gpus,
+        "parallelism": candidate.parallelism.value,
     }
 
 
@@ -150,6 +155,9 @@ def probe(
 
     `timeout_s` is the longest the child may go without progress
     (a heartbeat per step); then its process group is killed and the status is `timeout`.
+
+    `workload.num_gpus` N > 1: N ranks on this machine (advisor/probing/ranks.py), the budget a cap on each; the
+    Measurement has the highest rank's peaks, the slowest rank's step time, every rank's trained tokens, and `ranks`.
     """
     candidate = candidate.for_model(workload.model)  # transformers' attention, PEFT's targets, as the run resolves
     problems = []
@@ -165,11 +173,10 @@ def probe(
         problems.append(f"--timeout {timeout_s}: must be a positive number of seconds")
     if memory_budget_bytes is not None and memory_budget_bytes <= 0:
         problems.append(f"--memory-budget {memory_budget_bytes}: must be positive, e.g. 40GB")
-    if workload.num_gpus > 1:  # never measure one GPU silently for N (issue 16)
-        problems.append(f"--num-gpus {workload.num_gpus}: a real probe of several GPUs (accelerate launch "
-                        "--num_processes N, or a multi-process gloo run on the CPU) is not supported yet; probe with "
-                        "--num-gpus 1, or predict one rank with `advisor simulate --num-gpus N`")
-    else:
+    world = workload.num_gpus
+    if world > 1:  # several ranks (issue 16): never one GPU measured silently for N
+        problems.extend(_world_problems(workload, candidate, backend))
+    if not problems:
         problems.extend(_device_problems(workload, candidate, backend, weights))
     if problems:
         from ..errors import ConfigError
@@ -183,7 +190,12 @@ def probe(
     jobdir = Path(tempfile.mkdtemp(prefix="advisor-probe-"))
     try:
         (jobdir / JOB_FILE).write_text(json.dumps(job))
-        return run_child(jobdir, source, timeout_s=timeout_s, env=env_vars(candidate))
+        argv = None
+        if world > 1:
+            from .ranks import launch_argv
+
+            argv = launch_argv(jobdir, backend, world, candidate)
+        return run_child(jobdir, source, timeout_s=timeout_s, env=env_vars(candidate), argv=argv, world=world)
     finally:
         if os.environ.get(KEEP_ENV) != "1":
             shutil.rmtree(jobdir, ignore_errors=True)
@@ -191,26 +203,43 @@ def probe(
 
 @dataclass(frozen=True)
 class ChildExit:
-    """How the child ended: its exit status (negative: killed by that signal) and whether we killed it."""
+    """How the child ended: its exit status (negative: killed by that signal) and whether we killed it. Several
+    ranks: the launcher's; `marker` is the job's mark in every process's environment (ranks.job_processes),
+    `left` what was still alive after the job was killed (nothing), `rank_failed` whether a rank's failure
+    stopped the others."""
 
     returncode: int
     timed_out: bool
     pgid: int
     wall_time_s: float
+    marker: str = ""
+    left: tuple[int, ...] = ()
+    rank_failed: bool = False
 
 
 def run_child(
     jobdir: Path, source: Source, *, timeout_s: float, env: dict[str, str] | None = None,
-    on_start: Callable[[int], None] | None = None,
+    on_start: Callable[[int], None] | None = None, argv: list[str] | None = None, world: int = 1,
 ) -> Measurement:
-    """Start the worker on `jobdir`, wait for it, and turn whatever it left into a Measurement."""
-    exit_ = _spawn_and_wait(jobdir, timeout_s=timeout_s, env=env or {}, on_start=on_start)
+    """Start the worker on `jobdir` (`argv`: a launcher of `world` ranks instead), wait for it, and turn whatever it
+    left into a Measurement."""
+    exit_ = _spawn_and_wait(jobdir, timeout_s=timeout_s, env=env or {}, on_start=on_start, argv=argv, world=world)
+    if world > 1:
+        from .ranks import merge
+
+        return merge(jobdir, world, source, timed_out=exit_.timed_out, timeout_s=timeout_s,
+                     wall_s=round(exit_.wall_time_s, 3), exit_message=_exit_message(exit_.returncode)
+                     + _log_hint(jobdir))
     return _collect(jobdir, source, exit_, timeout_s)
 
 
-def _child_env(extra: dict[str, str]) -> dict[str, str]:
+def _child_env(extra: dict[str, str], jobdir: Path | None = None) -> dict[str, str]:
+    from .ranks import MARK_ENV
+
     env = dict(os.environ)
     env.update(extra)
+    if jobdir is not None:
+        env[MARK_ENV] = str(jobdir)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -219,18 +248,22 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def _spawn_and_wait(
-    jobdir: Path, *, timeout_s: float, env: dict[str, str], on_start: Callable[[int], None] | None
+    jobdir: Path, *, timeout_s: float, env: dict[str, str], on_start: Callable[[int], None] | None,
+    argv: list[str] | None = None, world: int = 1,
 ) -> ChildExit:
+    from . import ranks
+
     heartbeat = jobdir / HEARTBEAT_FILE
     start = time.monotonic()
     with open(jobdir / LOG_FILE, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "advisor.probing.worker", str(jobdir)],
+            argv or [sys.executable, "-m", "advisor.probing.worker", str(jobdir)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env=_child_env(env), start_new_session=True, cwd=jobdir,
+            env=_child_env(env, jobdir), start_new_session=True, cwd=jobdir,
         )
     pgid = proc.pid  # the leader of its new session and process group
-    timed_out = False
+    timed_out = rank_failed = False
+    left: tuple[int, ...] = ()
     try:
         if on_start is not None:
             on_start(pgid)
@@ -252,13 +285,18 @@ def _spawn_and_wait(
                 timed_out = True
                 _kill_group(pgid)
                 break
+            if world > 1 and ranks.any_failed(jobdir, world):  # the others would wait for it in a collective
+                rank_failed = True
+                break
             time.sleep(POLL_S)
     finally:
         # Whatever happened (normal exit, timeout, an exception or Ctrl-C in the caller): nothing survives.
+        if world > 1:
+            left = ranks.kill_job(pgid, jobdir, str(jobdir))
         _kill_group(pgid)
         proc.wait()
     return ChildExit(returncode=proc.returncode, timed_out=timed_out, pgid=pgid,
-                     wall_time_s=time.monotonic() - start)
+                     wall_time_s=time.monotonic() - start, marker=str(jobdir), left=left, rank_failed=rank_failed)
 
 
 def _kill_group(pgid: int) -> None:
@@ -297,17 +335,19 @@ def _collect(jobdir: Path, source: Source, exit_: ChildExit, timeout_s: float) -
         data["source"] = source.value
         data["wall_time_s"] = wall
         return Measurement.from_dict(data)
-    rc = exit_.returncode
+    message = _exit_message(exit_.returncode)
+    return Measurement(status=Status.ERROR, source=source, wall_time_s=wall, message=message + _log_hint(jobdir))
+
+
+def _exit_message(rc: int) -> str:
     if rc < 0:
         try:
             name = signal.Signals(-rc).name
         except ValueError:
             name = f"signal {-rc}"
         hint = " (the kernel's OOM killer sends SIGKILL when host memory runs out)" if -rc == signal.SIGKILL else ""
-        message = f"the probe's child process was killed by {name}{hint}"
-    else:
-        message = f"the probe's child process exited with status {rc} without a result"
-    return Measurement(status=Status.ERROR, source=source, wall_time_s=wall, message=message + _log_hint(jobdir))
+        return f"the probe's child process was killed by {name}{hint}"
+    return f"the probe's child process exited with status {rc} without a result"
 
 
 def _log_hint(jobdir: Path, lines: int = 8) -> str:
@@ -317,6 +357,29 @@ def _log_hint(jobdir: Path, lines: int = 8) -> str:
         return ""
     tail = [line for line in text.splitlines() if line.strip() and not line.startswith("USDT:")][-lines:]
     return ("; last output:\n" + "\n".join(tail)) if tail else ""
+
+
+def _world_problems(workload: Workload, candidate: Candidate, backend: str) -> list[str]:
+    """What a probe of `workload.num_gpus` ranks on this machine cannot run, each naming the flag and the fix."""
+    from ..parallelism import Layout, layout_problems
+
+    n, layout = workload.num_gpus, candidate.parallelism
+    out = [p.replace("--fix parallelism", "--parallelism") for p in layout_problems(layout, n)]
+    if workload.num_machines > 1:
+        out.append(f"--num-machines {workload.num_machines}: a probe runs its ranks on this machine only; probe "
+                   f"--num-gpus {n // workload.num_machines} --num-machines 1 (one machine's share), or predict the "
+                   "whole run with `advisor simulate`")
+    if backend == "cuda":
+        import torch
+
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < n:
+            out.append(f"--num-gpus {n}: {found} CUDA device(s) visible here, one per rank is needed; give "
+                       f"--num-gpus {max(found, 1)}, or --backend cpu for a gloo run of {n} ranks on the host")
+    elif layout.deepspeed or layout is Layout.FSDP2_OFFLOAD:
+        out.append(f"--parallelism {layout.value}: the cpu backend runs ddp, fsdp2 and fsdp2_no_reshard over gloo "
+                   "(DeepSpeed and CPU offload have no CPU run); use one of those, or --backend cuda")
+    return out
 
 
 def _device_problems(workload: Workload, candidate: Candidate, backend: str, weights: str | None) -> list[str]:

@@ -5,8 +5,16 @@ SFTTrainer on the planned rows, and writes JOBDIR/result.json (a Measurement's f
 It touches JOBDIR/heartbeat at each stage and each step: the parent's timeout counts from the last touch.
 An exception of any kind becomes a result; only a signal or a hang leaves no result, and the parent handles those.
 
+Several ranks (issue 16): launched N times (`accelerate launch` on CUDA, `torch.distributed.run` with gloo on the
+CPU; advisor/probing/ranks.py), each rank reads RANK / WORLD_SIZE / LOCAL_RANK, writes JOBDIR/pid.RANK first and
+JOBDIR/result.RANK.json last, dies with its launcher (PR_SET_PDEATHSIG), and exits non-zero after a failure so the
+launcher tears the others down. CUDA: accelerate's own FSDP2 / DDP from the config file. CPU: accelerate's FSDP
+path refuses a CPU process group, so FSDP2 is applied by accelerate's own `fsdp2_prepare_model` on gloo (as the
+simulation applies it, advisor/_sim/distributed.py) and each rank trains on the micro-batches accelerate's
+BatchSamplerShard would give it; DDP is accelerate's MULTI_CPU path as it is.
+
 Test hook: the environment variable ADVISOR_PROBE_FAULT (see runner.FAULT_ENV) makes the child kill itself,
-hang or raise, deterministically.
+hang or raise, deterministically; `@R` limits it to rank R, and `oom` raises torch.OutOfMemoryError.
 """
 
 from __future__ import annotations
@@ -22,6 +30,88 @@ from typing import Any
 
 from .runner import FAULT_ENV, HEARTBEAT_FILE, JOB_FILE, RESULT_FILE
 
+# what torchrun / accelerate launch tell each rank
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+             "GROUP_WORLD_SIZE")
+
+
+_WHO: tuple[int, int, int] | None = None
+
+
+def rank_info() -> tuple[int, int, int]:
+    """(rank, world size, local rank) of this process as launched ((0, 1, 0) when not launched as a rank); read once,
+    since the CPU FSDP2 path hides the launcher's variables from accelerate."""
+    global _WHO
+    if _WHO is None:
+        env = os.environ
+        _WHO = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+    return _WHO
+
+
+def _gloo_mesh(world: int):
+    """The gloo process group of the launcher's ranks (env://) and its 1-D mesh; then the launcher's variables are
+    hidden, so the trainer's accelerator is single-process (accelerate's MULTI_CPU path would wrap DDP)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    for name in _DIST_ENV:
+        os.environ.pop(name, None)
+    _free_gloo_work_on_this_thread()
+    return mesh
+
+
+def _free_gloo_work_on_this_thread(hold_s: float = 0.02) -> None:
+    """FSDP2's reduce-scatter (synchronous) keeps its gloo Work a moment after it completes, so the Work, and what
+    only it holds (gloo's clone of the input), is freed on this thread, where the profiler sees the free, rather than
+    on gloo's worker thread, which drops its own reference just after completing it (meters.memory_profiler)."""
+    import torch.distributed as dist
+
+    single = dist.reduce_scatter_single
+
+    def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op:
+            return single(output, input, op=op, group=group, async_op=True)
+        work = single(output, input, op=op, group=group, async_op=True)
+        if work is not None:
+            work.wait()
+            time.sleep(hold_s)  # gloo's thread resets its reference right after marking the work complete
+        del work
+
+    dist.reduce_scatter_single = reduce_scatter_single
+
+
+def _random_model(spec, jobdir: Path, candidate, rank: int, heartbeat: Heartbeat) -> str:
+    """Rank 0 saves the random model once; the other ranks wait for it (rank 0's heartbeat keeps the timeout)."""
+    from ..modeling import save_random_model
+
+    path, ready = jobdir / "model", jobdir / "model.ready"
+    if rank == 0:
+        save_random_model(spec, path, candidate)
+        ready.touch()
+    else:
+        while not ready.exists():
+            time.sleep(0.05)
+    return str(path)
+
+
+def result_name(rank: int, world: int) -> str:
+    return RESULT_FILE if world <= 1 else f"result.{rank}.json"
+
+
+def _die_with_parent() -> None:
+    """A rank is killed when its launcher dies (Linux PR_SET_PDEATHSIG), whoever kills the launcher."""
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: the runner's sweep of the job's processes remains
+        return
+    if os.getppid() != parent:  # the launcher died before the prctl
+        os._exit(1)
+
 
 class Heartbeat:
     def __init__(self, path: Path):
@@ -35,7 +125,11 @@ class Heartbeat:
 
 
 def _fault(fault: str, where: str) -> None:
-    """Act on ADVISOR_PROBE_FAULT when it names this point (`start` or the first training `step`)."""
+    """Act on ADVISOR_PROBE_FAULT when it names this point (`start` or the first training `step`) and, with `@R`,
+    this rank."""
+    fault, _, only = fault.partition("@")
+    if only and int(only) != rank_info()[0]:
+        return
     action, _, at = fault.partition(":")
     if (at or "step") != where:
         return
@@ -46,6 +140,10 @@ def _fault(fault: str, where: str) -> None:
             time.sleep(3600)
     elif action == "raise":
         raise RuntimeError(f"{FAULT_ENV}={fault}: injected failure in the probe's child")
+    elif action == "oom":  # what the CUDA caching allocator raises, on this rank only
+        import torch
+
+        raise torch.OutOfMemoryError(f"{FAULT_ENV}={fault}: injected out of memory. Tried to allocate 20.00 MiB")
 
 
 def _rebuild(job: dict[str, Any]):
@@ -141,9 +239,11 @@ def _callback(meter: StepMeter):
     return _Callback()
 
 
-def _trainer_class(meter: StepMeter, kind=None):
+def _trainer_class(meter: StepMeter, kind=None, shard: tuple[int, int] | None = None):
     """The trainer's TRL class (`kind`: an advisor.trainers.Trainer, SFT when not given) that shows the meter each
-    micro-batch (shape and trained tokens) before training on it."""
+    micro-batch (shape and trained tokens) before training on it. `shard` (rank, world): the trainer's accelerator
+    is single-process, so its sampler yields this rank's micro-batches as accelerate's BatchSamplerShard deals
+    them (micro-batch k of the sequential order to rank k mod N)."""
     from ..trainers import get_trainer
 
     kind = get_trainer(kind or "sft")
@@ -152,15 +252,30 @@ def _trainer_class(meter: StepMeter, kind=None):
         meter.micro_batch({**inputs, "labels": kind.labels(inputs)})
         return super(cls, self).training_step(model, inputs, num_items_in_batch)
 
+    def _get_train_sampler(self, train_dataset=None):
+        from accelerate.data_loader import BatchSamplerShard
+        from torch.utils.data import BatchSampler
+
+        order = super(cls, self)._get_train_sampler(train_dataset)
+        batches = BatchSampler(order, self.args.per_device_train_batch_size, self.args.dataloader_drop_last)
+        dealt = BatchSamplerShard(batches, num_processes=shard[1], process_index=shard[0], split_batches=False,
+                                  even_batches=True)
+        return [i for batch in dealt for i in batch]
+
     base = kind.trainer_class()
-    cls = type(f"Probe{base.__name__}", (base,), {**kind.real_overrides(), "training_step": training_step})
+    methods = {**kind.real_overrides(), "training_step": training_step}
+    if shard is not None:
+        methods["_get_train_sampler"] = _get_train_sampler
+    cls = type(f"Probe{base.__name__}", (base,), methods)
     return cls
 
 
 def _tensor_bytes(tensors) -> int:
+    """Bytes this process holds of `tensors` (a DTensor's local shard)."""
     import torch
 
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    local = (getattr(t, "_local_tensor", t) for t in tensors if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def _breakdown(trainer, peak: int) -> dict[str, int]:
@@ -195,7 +310,7 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     import torch
 
     from ..emit import quantization_config
-    from ..modeling import placeholder_tokenizer, save_random_model
+    from ..modeling import placeholder_tokenizer
     from ..trainers import get_trainer
     from . import meters
 
@@ -203,6 +318,10 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     backend = job["backend"]
     cuda = backend == "cuda"
     steps, warmup, budget = int(job["steps"]), int(job["warmup"]), job.get("memory_budget_bytes")
+    rank, world, local = rank_info()
+    layout = job.get("parallelism", "ddp")
+    cpu_fsdp2 = world > 1 and not cuda and layout != "ddp"
+    mesh = _gloo_mesh(world) if cpu_fsdp2 else None
     workload, candidate = _rebuild(job)
     kind = get_trainer(job.get("trainer", "sft"))
     spec = workload.model
@@ -214,16 +333,16 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
 
             raise UsageError("--backend cuda: no CUDA device is visible to the probe; use --backend cpu")
         try:
-            sampler = meters.NvmlSampler()
+            sampler = meters.NvmlSampler(local_index=local)
         except Exception as exc:  # NVML missing or not permitted: fall back on torch's own figures
             notes.append(f"NVML unavailable ({exc}); device_bytes = reserved + CUDA context estimate")
-        ctx = meters.init_cuda(sampler)
+        ctx = meters.init_cuda(sampler, local)
         if budget:
             fraction = meters.cap_cuda(int(budget), ctx)
             notes.append(f"memory cap: {budget} bytes (allocator fraction {fraction:.4f} + context)")
         if sampler is not None:
             sampler.start()
-    model_path = job.get("weights") or str(save_random_model(spec, jobdir / "model", candidate))
+    model_path = job.get("weights") or _random_model(spec, jobdir, candidate, rank, heartbeat)
     heartbeat.beat()
     tokenizer = placeholder_tokenizer(spec)
     train_dataset = kind.train_dataset(workload)
@@ -238,13 +357,21 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     meter = StepMeter(cuda, heartbeat, fault)
     prof = None
     if not cuda:
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        prof.__enter__()
-    trainer = _trainer_class(meter, kind)(
+        prof = meters.memory_profiler(user_scopes=world <= 1)  # several ranks: gloo's collectives unrecorded
+    trainer = _trainer_class(meter, kind, shard=(rank, world) if cpu_fsdp2 else None)(
         model=model_path, args=config, train_dataset=train_dataset, processing_class=tokenizer,
         peft_config=kind.peft_config(candidate, spec), quantization_config=quantization_config(candidate),
         callbacks=[_callback(meter)],
     )
+    if cpu_fsdp2:  # accelerate's own fsdp2_prepare_model on the gloo mesh, before train() builds the optimizer
+        from ..parallelism import Layout, shard_fsdp2
+
+        shard_fsdp2(trainer.model, mesh, Layout(layout).parallelism, candidate.precision.value)
+        notes.append(f"FSDP2 on {world} CPU ranks (gloo): accelerate's fsdp2_prepare_model applied to the loaded "
+                     "model before train() (accelerate's FSDP path refuses a CPU process group); each rank's "
+                     "micro-batches as accelerate's BatchSamplerShard deals them; each reduce-scatter's gloo Work "
+                     "held 20 ms after it completes (so its buffers' frees are seen: meters.memory_profiler), which "
+                     "the step times include")
     state["meter"] = meter
     if not cuda and budget:
         # Capped once everything is imported and the model loaded, so code and library mappings don't count;
@@ -260,6 +387,8 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     heartbeat.beat()
 
     records = meter.steps
+    if not records:  # e.g. TRL dropped every planned row (fully masked once truncated)
+        raise RuntimeError(f"no training step ran on rank {rank}: the trainer saw no batch of the planned rows")
     packed = bool(candidate.packing)
     kinds = list(job["kinds"])
     if cuda:
@@ -274,13 +403,18 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
             peak_index = None
     else:
         prof.__exit__(None, None, None)
-        found = meters.cpu_peak(prof)
+        # several ranks: from train() on (each rank loads the whole model before FSDP2 shards it, which a GPU run's
+        # cpu_ram_efficient_loading does on the meta device); the loading's own peak is noted
+        found = meters.cpu_peak(prof, since_ns=meter.train_begin_ns if world > 1 else None, backend_frees=world > 1)
         peak = reserved = device = found.peak_bytes
         peak_index = None
         if found.time_ns > meter.train_begin_ns:
             peak_index = next((i for i, end in enumerate(meter.ends_ns) if found.time_ns <= end), len(records) - 1)
         notes.append("cpu backend: peak from the CPU allocator's events (torch.profiler); step times include the "
                      "profiler's overhead")
+        if world > 1:
+            notes.append(f"rank {rank}: peak from train() on (before it each rank loads the whole model, then "
+                         "shards it)")
     measured = records[warmup:]
     time_s = sum(r["time_s"] for r in measured)
     tokens = sum(r["trained_tokens"] for r in measured)
@@ -290,6 +424,8 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         notes.append(state["cap"])
     return {
         "status": "ok",
+        "rank": rank,
+        "world": world,
         "peak_bytes": int(peak),
         "reserved_bytes": int(reserved),
         "device_bytes": int(device),
@@ -326,14 +462,20 @@ def failure(exc: BaseException, job: dict[str, Any], state: dict[str, Any]) -> d
 
 
 def write_result(jobdir: Path, result: dict[str, Any]) -> None:
-    tmp = jobdir / (RESULT_FILE + ".tmp")
+    rank, world, _ = rank_info()
+    name = result_name(rank, world)
+    tmp = jobdir / (name + ".tmp")
     tmp.write_text(json.dumps(result, default=str))
-    os.replace(tmp, jobdir / RESULT_FILE)
+    os.replace(tmp, jobdir / name)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     jobdir = Path(argv[0])
+    rank, world, _ = rank_info()
+    if world > 1:
+        _die_with_parent()
+        (jobdir / f"pid.{rank}").write_text(str(os.getpid()))  # the runner kills what it lists, whatever happens
     heartbeat = Heartbeat(jobdir / HEARTBEAT_FILE)
     heartbeat.beat()
     fault = os.environ.get(FAULT_ENV, "")
@@ -345,10 +487,19 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # every failure is data for the parent
         traceback.print_exc()
         result = failure(exc, job, state)
+    result["rank"] = rank
     write_result(jobdir, result)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: threads, CUDA and the profiler die with the process
+    ok = result.get("status") == "ok"
+    if world > 1 and ok:
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # no rank leaves while another still needs it in a collective
+            dist.barrier()
+    # skip interpreter teardown: threads, CUDA and the profiler die with the process; a failed rank exits non-zero,
+    # so the launcher stops the others at once
+    os._exit(0 if ok or world <= 1 else 1)
 
 
 if __name__ == "__main__":
