@@ -38,7 +38,6 @@ import os
 import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -50,22 +49,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ConfigError, UsageError
 from ..measurement import Measurement, Source, Status
+from .forkserver import PRELOAD as _PRELOAD
+from .forkserver import Server as _Server
+from .pool_child import _worker_main
 
 if TYPE_CHECKING:
     from ..space import Candidate
     from ..workload import Workload
 
-# What every worker needs imported: the forkserver imports it once, every worker is a fork of that. The last one
-# (this module, with _WARM_ENV set in the forkserver's environment only) also simulates two tiny candidates there:
-# a first simulation imports and initialises about 2,000 more modules (TRL's trainer, accelerate, datasets, sympy
-# for the fake tensors' shapes, peft; ~6 s here), which every fork then starts with.
-PRELOAD = ("torch", "transformers", "trl", "advisor.simulator", __name__)
-_WARM_ENV = "ADVISOR_POOL_WARM_FORKSERVER"
+PRELOAD = _PRELOAD  # what the forkserver imports (advisor/_search/forkserver.py)
 # Backends never run in worker processes (see the module's docstring for why).
 SERIAL_BACKENDS = frozenset({"estimate", "cpu", "cuda"})
 # Consecutive workers that die before they are ready, after which the pool stops replacing them.
 _MAX_START_FAILURES = 2
-_WORKLOADS_KEPT = 4  # workloads a worker keeps (by fingerprint); a search uses one
 _STOP_GRACE_S = 2.0
 _TAIL_CHARS = 65536  # the end of a worker's log searched for its last words (faulthandler lists ~90 modules)
 
@@ -176,14 +172,6 @@ def child_reference(backend: str) -> str | None:
     return f"{module}:{qualname}" if obj is fn else None
 
 
-def _resolve(ref: str) -> Any:
-    module, qualname = ref.split(":", 1)
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def source_of(backend: str) -> Source:
     """The Source the registry declares for `backend` (an unregistered name is EXTERNAL, never an estimate)."""
     from ..backends import source_of as declared
@@ -236,199 +224,6 @@ class InProcessPool:
 
 
 # ---- the forkserver, shared by the pools open at once -----------------------------------------------------
-class _Server:
-    """The forkserver (and multiprocessing's resource tracker) the open ProcessPools fork from. Started with the
-    preload by the first pool, with its stdout/stderr on a log file; stopped when the last pool closes, if this
-    module started it."""
-
-    lock = threading.Lock()
-    users = 0
-    own_server = own_tracker = False
-
-    @classmethod
-    def acquire(cls, log: Path) -> Any:
-        import multiprocessing as mp
-        from multiprocessing import forkserver, resource_tracker
-
-        ctx = mp.get_context("forkserver")
-        with cls.lock:
-            if cls.users == 0:
-                fs, rt = forkserver._forkserver, resource_tracker._resource_tracker
-                server_up = fs._forkserver_pid is not None and _running(fs._forkserver_pid)
-                tracker_up = rt._fd is not None
-                if not server_up:
-                    ctx.set_forkserver_preload(list(PRELOAD))
-                # What the server (and the tracker) say goes to the log; the variables reach only the server,
-                # which imports the preload from this process's sys.path (a script may have extended it).
-                path = os.pathsep.join(p for p in sys.path if p)
-                with _fds_to(log), _env(_WARM_ENV, "1"), _env("PYTHONPATH", path):
-                    forkserver.ensure_running()
-                cls.own_server, cls.own_tracker = not server_up, not tracker_up
-            cls.users += 1
-        return ctx
-
-    @classmethod
-    def release(cls) -> None:
-        from multiprocessing import forkserver, resource_tracker
-
-        with cls.lock:
-            cls.users -= 1
-            if cls.users > 0:
-                return
-            if cls.own_server:
-                with contextlib.suppress(Exception):
-                    forkserver._forkserver._stop()
-            if cls.own_tracker:
-                with contextlib.suppress(Exception):
-                    resource_tracker._resource_tracker._stop()
-            cls.own_server = cls.own_tracker = False
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
-
-
-def _warm_up() -> None:
-    """In the forkserver: simulate a tiny model's full and LoRA candidate on a CUDA target once, single-threaded
-    (no OpenMP pool exists before the fork), so that every worker forks with the simulator's lazy imports and
-    first-call initialisation done. Best effort: a failure only costs the workers that time."""
-    os.environ.pop(_WARM_ENV, None)
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        from .._messages import capture
-        from ..data import synthetic
-        from ..profiles import resolve_gpu
-        from ..simulator import simulate
-        from ..space import Candidate
-        from ..workload import Goals, ModelSpec, Workload
-
-        config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
-                  "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
-                  "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "bos_token_id": 1,
-                  "eos_token_id": 2, "pad_token_id": 0}
-        wl = Workload(model=ModelSpec(name="pool-warm-up", config=config, source="local"),
-                      gpu=resolve_gpu("H100-80GB"), dataset=synthetic(vocab_size=1024, rows=16, max_len=128),
-                      goals=Goals())
-        with capture():
-            for cand in (Candidate(max_length=128, per_device_train_batch_size=2),
-                         Candidate(max_length=128, per_device_train_batch_size=2, use_lora=True)):
-                simulate(wl, cand)
-    except Exception as exc:
-        print(f"advisor pool: the forkserver's warm-up failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _running(pid: int) -> bool:
-    """True while `pid` runs (not a zombie); never reaps it (multiprocessing's own waitpid must find it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
-
-
-@contextlib.contextmanager
-def _fds_to(path: Path) -> Iterator[None]:
-    """Point this process's fds 1 and 2 at `path` for the block (children started in it inherit that)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    saved = os.dup(1), os.dup(2)
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for f in (fd, *saved):
-            os.close(f)
-
-
-# ---- the worker (runs in the child) -----------------------------------------------------------------------
-def _worker_main(conn: Any, log: str, ref: str, threads: int) -> None:
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)  # never the terminal: C-level output too
-    os.dup2(fd, 2)
-    os.close(fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the caller's; close() stops the workers
-    _die_with_parent()
-    import faulthandler
-
-    faulthandler.enable(file=sys.stderr)  # a segfault's traceback lands in the log, whose tail names the crash
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-
-    from .._messages import capture
-
-    torch.set_num_threads(threads)
-    fn = _resolve(ref)
-    workloads: collections.OrderedDict[str, Any] = collections.OrderedDict()
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):  # the pool went away
-            return
-        if msg[0] == "stop":
-            return
-        if msg[0] == "workload":
-            _, fp, blob = msg
-            workloads[fp] = pickle.loads(blob)
-            while len(workloads) > _WORKLOADS_KEPT:
-                workloads.popitem(last=False)
-            continue
-        _, task_id, fp, candidate = msg
-        retire = False
-        with capture() as said:
-            try:
-                reply = ("result", fn(workloads[fp], candidate))
-            except MemoryError as exc:  # the host ran out: answer, then leave for a fresh worker
-                reply, retire = ("memory", f"MemoryError: {exc}"), True
-            except Exception as exc:
-                reply = ("exception", _portable(exc))
-            except BaseException as exc:  # SystemExit and kin must not end the caller: a RemoteError there
-                reply = ("exception", (type(exc).__name__, str(exc)))
-        conn.send(("done", task_id, reply, dict(said)))
-        if retire:
-            return
-
-
-def _portable(exc: BaseException) -> Any:
-    """The exception itself when it survives a pickle round trip, else its type name and text."""
-    try:
-        return pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return (type(exc).__name__, str(exc))
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when the process that forked it (the forkserver) dies."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 class RemoteError(Exception):
     """An exception a worker's backend raised that could not be sent back as itself."""
 
@@ -763,5 +558,3 @@ def _close_open_pools() -> None:
             pool.close()
 
 
-if os.environ.get(_WARM_ENV) == "1":  # imported by the forkserver's preload
-    _warm_up()
