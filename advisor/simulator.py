@@ -13,7 +13,7 @@ model). The parts a caller or a test may use are re-exported here: one run at on
 `DepthRun`, `plan_depths`, `with_depth`), the batch a simulated step runs (`worst_rows`, `worst_batch`), the
 layer-by-layer build (`LayerStream`, `synthesize`, `synthesize_checked`, `NotSeparable`), the candidate as fake
 tensors run it (`runnable`) and the FlashAttention stand-in (`fake_flash_attention`, `flash_attention_names`,
-`attention_flops`, `batch_facts`, `materialise`). Those that load torch are imported on first use.
+`attention_flops`, `batch_facts`, `materialise`). Each is imported on first use.
 """
 
 from __future__ import annotations
@@ -22,25 +22,6 @@ import time
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from ._sim import (
-    DepthRun,
-    LayerStream,
-    NotSeparable,
-    batch_label,
-    check_simulable,
-    expected_time,
-    extrapolate,
-    modelled_adjustments,
-    plan_depths,
-    resolve_target,
-    runnable,
-    simulate_depth,
-    synthesize,
-    synthesize_checked,
-    with_depth,
-    worst_batch,
-    worst_rows,
-)
 from .errors import ConfigError
 from .measurement import Category, Measurement, Source, Status
 from .space import Candidate
@@ -49,11 +30,12 @@ if TYPE_CHECKING:
     from .trainers import Trainer
     from .workload import GPUSpec, Workload
 
-# the simulator's parts that import torch: re-exported from advisor._sim on first use (PEP 562)
-_LAZY = ("fake_flash_attention", "flash_attention_names", "attention_flops", "batch_facts", "materialise")
+# the simulator's parts, re-exported from advisor._sim on first use (PEP 562: importing this module loads none)
+_PARTS = ("simulate_depth", "DepthRun", "plan_depths", "with_depth", "worst_rows", "worst_batch", "runnable",
+          "LayerStream", "NotSeparable", "synthesize", "synthesize_checked", "fake_flash_attention",
+          "flash_attention_names", "attention_flops", "batch_facts", "materialise")
 
-__all__ = ["simulate", "simulate_depth", "DepthRun", "plan_depths", "with_depth", "worst_rows", "worst_batch",
-           "runnable", "LayerStream", "NotSeparable", "synthesize", "synthesize_checked", *_LAZY]
+__all__ = ["simulate", *_PARTS]
 
 
 def simulate(
@@ -75,6 +57,18 @@ def simulate(
     allocates the optimizer state lazily in its optimizer step, and from the second on each step frees and
     reallocates the same tensors (tests/test_simulate_accuracy.py checks max_steps 1 and 3 against real runs).
     """
+    from ._sim import (
+        NotSeparable,
+        batch_label,
+        check_simulable,
+        expected_time,
+        extrapolate,
+        modelled_adjustments,
+        plan_depths,
+        resolve_target,
+        runnable,
+        simulate_depth,
+    )
     from .trainers import get_trainer
 
     started = time.perf_counter()
@@ -169,7 +163,7 @@ def simulate(
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
+    if name not in _PARTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(import_module("._sim", __package__), name)
     globals()[name] = value
