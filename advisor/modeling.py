@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,3 +101,19 @@ def _first_int(value, default: int) -> int:
     if isinstance(value, list):
         value = value[0] if value else None
     return int(value) if value is not None else default
+
+
+class BatchFeed:
+    """A trainer's dataloader over pre-built batches: yields each once and drops it, so a used batch is freed as
+    the real loader's is (the simulator's fake trainer, and a real run of the same batches to compare with it)."""
+
+    def __init__(self, batches: deque) -> None:
+        self._batches = batches
+        self._n = len(batches)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        while self._batches:
+            yield self._batches.popleft()

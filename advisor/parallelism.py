@@ -151,7 +151,7 @@ def simulate_per_rank(workload: Workload, candidate: Candidate, num_gpus: int | 
                       parallelism: Parallelism | None = None, **kwargs) -> Measurement:
     """One rank's peak / reserved / device bytes and the global trained tokens per second of `candidate` on
     `num_gpus` GPUs (default: the workload's); see advisor/_sim/distributed.simulate_per_rank for the keywords."""
-    from ._sim.distributed import simulate_per_rank as run
+    from ._sim import simulate_per_rank as run
 
     return run(workload, candidate, num_gpus, parallelism, **kwargs)
 
@@ -160,14 +160,14 @@ def shard_fsdp2(model: Any, mesh: Any, parallelism: Parallelism, precision: str)
     """Shard a real model over a real process group's `mesh` exactly as the simulation shards its fake one
     (accelerate's own `fsdp2_prepare_model`; the CPU probe of several ranks uses it, since accelerate's FSDP path
     refuses a CPU process group)."""
-    from ._sim.distributed import prepare_fsdp2
+    from ._sim import prepare_fsdp2
 
     return prepare_fsdp2(model, mesh, parallelism, precision)
 
 
 def estimate_per_rank(workload: Workload, candidate: Candidate, moments: dict, parts: object) -> tuple[dict, list[str]]:
     """The estimate's moments of one rank (advisor/estimator.py calls this when the workload has several GPUs)."""
-    from ._sim.distributed import estimate_rank_moments
+    from ._sim import estimate_rank_moments
 
     return estimate_rank_moments(workload, candidate, moments, parts)
 
@@ -175,7 +175,7 @@ def estimate_per_rank(workload: Workload, candidate: Candidate, moments: dict, p
 def rank_step_time(workload: Workload, candidate: Candidate, step_s: float,
                    trained_per_step: int) -> tuple[float, int, float, str]:
     """(step seconds with the collectives' exposed time, global trained tokens per step, exposed seconds, note)."""
-    from ._sim.distributed import estimate_rank_time
+    from ._sim import estimate_rank_time
 
     return estimate_rank_time(workload, candidate, step_s, trained_per_step)
 

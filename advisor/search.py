@@ -22,9 +22,65 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._search import answer, naming, proposers
-from ._search.answer import confirmation_note
-from ._search.backends import (
+from ._search import (
+    FIDELITY_FLOOR,
+    FIDELITY_MIN_POINTS,
+    FIDELITY_SHRINK,
+    HEARTBEAT_S,
+    NO_ACCUMULATION,
+    PRUNE_FACTOR,
+    SPEC_KEY,
+    STALE_S,
+    Correction,
+    InProcessPool,
+    ProcessPool,
+    RowTokens,
+    SerialPool,
+    StudyRun,
+    StudySpace,
+    accumulation_for,
+    apply_pins,
+    build_suggestion,
+    cache_dir,
+    candidate_key,
+    cannot_win,
+    check_jobs,
+    confirmation_note,
+    confirmed_best,
+    create_study,
+    default_jobs,
+    default_space,
+    default_tokens_per_step,
+    device_bytes,
+    drop_failed_study,
+    empty_message,
+    failure_reason,
+    feasible,
+    fit_check,
+    fit_correction,
+    messages_of,
+    method_order,
+    needs_at_least,
+    next_knob,
+    no_fit_message,
+    open_cache,
+    open_given,
+    open_pool,
+    open_search_pool,
+    open_storage,
+    open_store,
+    parse_fix,
+    prestarted,
+    raise_if_backend_failed,
+    space_from_json,
+    study_names,
+    study_spec,
+    with_accumulation,
+    work,
+)
+from ._search import smallest as smallest_run
+from ._search import study_name as name_study
+from .backends import (
     FunctionBackend,
     backend_names,
     default_backend_name,
@@ -32,23 +88,6 @@ from ._search.backends import (
     register_backend,
     unregister_backend,
 )
-from ._search.evaluator import _open_pool, failure_reason
-from ._search.ledger import candidate_key, device_bytes, feasible
-from ._search.liveness import HEARTBEAT_S, STALE_S  # noqa: F401 (re-exported: tests age heartbeats by it)
-from ._search.loop import StudyRun
-from ._search.params import StudySpace, space_from_json
-from ._search.pool import check_jobs as check_jobs  # re-exported for the CLI's --jobs
-from ._search.pool import prestarted as prestarted  # re-exported: the CLI starts the workers' server early
-from ._search.space import (
-    RowTokens,
-    apply_pins,
-    default_space,
-    default_tokens_per_step,
-    method_order,
-    parse_fix,
-)
-from ._search.storage import cache_dir, open_cache, open_given, open_storage
-from ._search.worker import work
 from .errors import NoFitError, UsageError
 from .events import (
     AnsweredFromStored,
@@ -79,6 +118,18 @@ __all__ = [
     "suggest", "run_worker", "build_space", "Progress", "check_backend", "stored_studies", "stored_suggestion",
     "StoredStudy", "register_backend", "unregister_backend", "backend_names",
     "default_backend_name", "prestarted", "cache_dir", "parse_fix", "DEFAULT_TRIALS", "confirmation_note",
+    # the search's parts (advisor/_search), public for tools, benchmarks and their tests:
+    # the ledger's keys and the budget's bytes
+    "candidate_key", "device_bytes", "feasible", "needs_at_least", "PRUNE_FACTOR",
+    # the space and the effective batch
+    "default_space", "RowTokens", "default_tokens_per_step", "accumulation_for", "with_accumulation", "StudySpace",
+    # measuring through a pool (--jobs)
+    "open_pool", "open_search_pool", "SerialPool", "InProcessPool", "ProcessPool", "check_jobs", "default_jobs",
+    "messages_of", "get_backend",
+    # the estimate corrected by the measured points
+    "Correction", "fit_correction", "cannot_win", "FIDELITY_SHRINK", "FIDELITY_FLOOR", "FIDELITY_MIN_POINTS",
+    # studies: names, the stored spec, storages, heartbeats
+    "name_study", "study_spec", "open_storage", "HEARTBEAT_S", "STALE_S",
 ]
 
 DEFAULT_TRIALS = 40
@@ -189,7 +240,7 @@ def suggest(
     rows = RowTokens(workload.dataset)
     tps = default_tokens_per_step(workload, rows)
     events: list[Event] = list(ignored)
-    store, kept = naming.open_store(storage, cache, events, progress)
+    store, kept = open_store(storage, cache, events, progress)
     if not workload.goals.tokens_per_step:
         events.append(EffectiveBatch(tps))
     smallest: list[tuple[int, Candidate]] = []
@@ -198,12 +249,12 @@ def suggest(
     empty = {m: sp.why_empty() for m, sp in spaces.items()}
     if all(empty.values()):  # no method has an admissible candidate: bad input, not "nothing fits"
         why = "; ".join(f"{m.value}: {w}" for m, w in empty.items())
-        batch_blocks = workload.num_gpus > 1 and all(w and w.startswith(answer.NO_ACCUMULATION) for w in empty.values())
+        batch_blocks = workload.num_gpus > 1 and all(w and w.startswith(NO_ACCUMULATION) for w in empty.values())
         if fix and not batch_blocks:  # several GPUs: an effective batch the ranks cannot split names the batch flags
             shown = " ".join(f"--fix {k}={v}" for k, v in fix.items())
             raise UsageError(f"{shown}: leaves no admissible candidate ({why}); drop or change the --fix")
-        raise UsageError(answer.empty_message(workload, spaces, empty, rows, tps, why))
-    with _open_pool(backend_name, jobs) as pool:  # one pool for every method the search tries
+        raise UsageError(empty_message(workload, spaces, empty, rows, tps, why))
+    with open_search_pool(backend_name, jobs) as pool:  # one pool for every method the search tries
         for i, m in enumerate(order):
             space = spaces[m]
             if empty[m]:
@@ -211,34 +262,34 @@ def suggest(
                 events.append(NoAdmissible(m.value, empty[m], nxt))
                 continue
             name = study_name if study_name and len(order) == 1 else (
-                f"{study_name}-{m.value}" if study_name else naming.study_name(workload, backend_name, m, space))
-            if not study_name and naming.drop_failed_study(store, name):
+                f"{study_name}-{m.value}" if study_name else name_study(workload, backend_name, m, space))
+            if not study_name and drop_failed_study(store, name):
                 events.append(ErrorsDiscarded(m.value))
-            study = naming.create_study(store, name, naming.spec(workload, backend_name, m, space, origin), study_name)
+            study = create_study(store, name, study_spec(workload, backend_name, m, space, origin), study_name)
             run = StudyRun(workload, m, space, be, study, progress, pool=pool, jobs=pool.jobs)
             runs.append(run)
             run.run(trials=trials or DEFAULT_TRIALS, time_budget_s=time_budget_s, exhaustive=exhaustive)
             run.wait_for_running()  # workers, or another run sharing the cache: their results belong in the answer
-            answer.raise_if_backend_failed(run, backend_name, name)
-            best = answer.confirmed_best(run, events)
+            raise_if_backend_failed(run, backend_name, name)
+            best = confirmed_best(run, events)
             unmeasured = 0
             if best is None and not run.stopped_by_time:
                 # The trial budget may have run out before anything that fits was tried: ask the estimate about
                 # the whole admissible space and measure the few it says fit before escalating or giving up.
-                extra, n_fit, unmeasured = proposers.fit_check(run.space, run.ledger, run.evaluator)
+                extra, n_fit, unmeasured = fit_check(run.space, run.ledger, run.evaluator)
                 if extra:
                     events.append(FitCheck(m.value, len(run.ledger.measured), n_fit, len(extra)))
                     run.enqueue(extra, "fit-check")
                     run.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True)
-                    best = answer.confirmed_best(run, events)
-                    unmeasured = proposers.fit_check(run.space, run.ledger, run.evaluator, 0)[2]
+                    best = confirmed_best(run, events)
+                    unmeasured = fit_check(run.space, run.ledger, run.evaluator, 0)[2]
             if best is not None:
                 entry, confirmed = best
                 if not any(r.new_measurements for r in runs) and run.ledger.measured:
                     events.append(AnsweredFromStored(name))
                 elif kept:
                     events.append(StoredAs(name, storage))
-                return answer.build_suggestion(workload, runs, entry, confirmed, events, backend_name)
+                return build_suggestion(workload, runs, entry, confirmed, events, backend_name)
             if not run.ledger.measured and time_budget_s is not None and run.stopped_by_time:
                 raise NoFitError(
                     f"--time-budget {time_budget_s:g}s ended before any candidate was measured with {backend_name}; "
@@ -247,18 +298,18 @@ def suggest(
                 )
             if not run.ledger.entries:
                 events.append(EmptyStudy(m.value))
-            low = answer.smallest(run)
+            low = smallest_run(run)
             if low is not None:
                 smallest.append(low)
             nxt = order[i + 1].value if i + 1 < len(order) else None
             events.append(NothingFits(m.value, workload.limit_bytes, low[0] if low else None, len(run.ledger.measured),
                                       unmeasured, backend_name == "estimate", nxt))
     low = min(smallest, key=lambda s: s[0]) if smallest else None
-    raise NoFitError(answer.no_fit_message(workload, order, smallest, events), details={
+    raise NoFitError(no_fit_message(workload, order, smallest, events), details={
         "limit_bytes": workload.limit_bytes,
         "smallest_device_bytes": low[0] if low else None,
         "smallest_config": low[1].to_dict() if low else None,
-        "next_knob": answer.next_knob(order[-1]),
+        "next_knob": next_knob(order[-1]),
         "notes": [render(e) for e in events],
         "events": [e.to_dict() for e in events],
     })
@@ -312,7 +363,7 @@ def stored_studies(storage: str | None = None) -> list[StoredStudy]:
     store = open_given(storage).storage if storage else open_cache().storage
     out = []
     for su in optuna.get_all_study_summaries(store, include_best_trial=False):
-        spec = su.user_attrs.get(naming.SPEC_KEY)
+        spec = su.user_attrs.get(SPEC_KEY)
         if not spec:
             continue
         study = optuna.load_study(study_name=su.study_name, storage=store)
@@ -336,14 +387,14 @@ def stored_suggestion(study_name: str, storage: str | None = None, *, workload: 
 
     label = storage or "the study cache"
     store = open_given(storage).storage if storage else open_cache().storage
-    names = naming.study_names(store)
+    names = study_names(store)
     if study_name not in names:
         ours = [n for n in names if n.startswith("advisor-") or study_name in n]
         listed = f"stored: {', '.join(ours)}" if ours else "none is stored there yet"
         raise UsageError(f"--study {study_name!r}: no such study in {label} ({listed}); `advisor studies` lists "
                          "them")
     study = optuna.load_study(study_name=study_name, storage=store)
-    spec = study.user_attrs.get(naming.SPEC_KEY)
+    spec = study.user_attrs.get(SPEC_KEY)
     if spec is None:
         raise UsageError(f"--study {study_name!r}: not an advisor study (no spec attribute)")
     if workload is None:
@@ -372,10 +423,10 @@ def stored_suggestion(study_name: str, storage: str | None = None, *, workload: 
         stored = study.user_attrs.get("confirm:" + fingerprint(candidate_key(entry.candidate)))
         if stored is None:
             events.append(NoConfirmationStored())
-            return answer.build_suggestion(workload, [run], entry, entry.measurement, events, spec["backend"])
+            return build_suggestion(workload, [run], entry, entry.measurement, events, spec["backend"])
         confirmed = Measurement.from_dict(stored)
         if feasible(confirmed, run.limit):
-            return answer.build_suggestion(workload, [run], entry, confirmed, events, spec["backend"])
+            return build_suggestion(workload, [run], entry, confirmed, events, spec["backend"])
         events.append(ConfirmationFailed(entry.candidate, failure_reason(confirmed, run.limit)))
     raise NoFitError(f"--study {study_name!r}: no measured candidate fits the limit "
                      f"{workload.limit_bytes / _GiB:.2f} GiB ({len(run.ledger.measured)} measured); "
@@ -402,7 +453,7 @@ def run_worker(storage: str, study_name: str, *, workload: Workload | None = Non
         for pool in pools.values():
             pool.close()
     if not runs:
-        known = naming.study_names(store)
+        known = study_names(store)
         listed = f"studies there: {', '.join(known)}" if known else "it holds no study yet"
         raise UsageError(f"--study {study_name!r}: no such study in {storage} ({listed}); pass the --study name "
                          "given to `advisor suggest`")

@@ -242,12 +242,3 @@ def _size(n: int) -> str:
     """Bytes as the user writes them: 24GB (22.49 GiB)."""
     return f"{n / 1e9:.4g}GB ({n / 2**30:.2f} GiB)"
 
-
-def __getattr__(name: str) -> Any:
-    """`build_workload` and `context_note` resolve names, so they live in `advisor.inputs` (above these value
-    types, which no longer import the resolvers); the old import path `advisor.workload.build_workload` stays."""
-    if name in ("build_workload", "context_note", "DEFAULT_GPU"):
-        from . import inputs
-
-        return getattr(inputs, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

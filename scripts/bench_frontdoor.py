@@ -74,8 +74,9 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 def _front_door_grid(model: str, gpu: str, n: int | None):
     """The default front-door workload and its full fine-tuning grid (the first `n`), in the grid's order."""
     from advisor import search
-    from advisor._search.space import RowTokens, default_tokens_per_step
-    from advisor.workload import Goals, Method, build_workload
+    from advisor.inputs import build_workload
+    from advisor.search import RowTokens, default_tokens_per_step
+    from advisor.workload import Goals, Method
 
     wl = build_workload(model, gpu=gpu, goals=Goals())
     return wl, _grid(wl, Method.FULL, n, search, RowTokens, default_tokens_per_step)
@@ -98,7 +99,7 @@ def arm(kind: str, n: int, jobs: int) -> None:
     start = time.perf_counter()
     if kind == "serial":
         from advisor._messages import capture
-        from advisor._search.backends import get_backend
+        from advisor.backends import get_backend
 
         fn = get_backend("simulate").measure
         ms = []
@@ -106,7 +107,7 @@ def arm(kind: str, n: int, jobs: int) -> None:
             with capture():  # as the search measures: what libraries say is collected, not printed
                 ms.append(fn(wl, c))
     else:
-        from advisor._search.pool import open_pool
+        from advisor.search import open_pool
 
         with open_pool("simulate", jobs=jobs) as pool:
             futures = [pool.submit(wl, c) for c in cands]
@@ -297,12 +298,10 @@ def grid_best(model: str, gpu: str, method, memo_path: Path, budget_s: float, jo
     """(best feasible tokens/s, measured, to measure, total valid) of the method's default grid, filling the memo
     through the pool for at most `budget_s`."""
     from advisor import search
-    from advisor._search.evaluator import PRUNE_FACTOR
-    from advisor._search.ledger import candidate_key, device_bytes, feasible
-    from advisor._search.pool import open_pool
-    from advisor._search.space import RowTokens, default_tokens_per_step
     from advisor.estimator import estimate
-    from advisor.workload import Goals, build_workload
+    from advisor.inputs import build_workload
+    from advisor.search import RowTokens, candidate_key, default_tokens_per_step, device_bytes, feasible, open_pool
+    from advisor.workload import Goals
 
     wl = build_workload(model, gpu=gpu, goals=Goals())
     cands = _grid(wl, method, None, search, RowTokens, default_tokens_per_step)
@@ -314,7 +313,7 @@ def grid_best(model: str, gpu: str, method, memo_path: Path, budget_s: float, jo
         except Exception:
             e = None
         d = device_bytes(e) if e is not None else None
-        if d is not None and d > limit * PRUNE_FACTOR:
+        if d is not None and d > limit * search.PRUNE_FACTOR:
             continue  # as --exhaustive: the estimate puts it far over the limit, never measured
         ranked.append((-(e.tokens_per_second or 0.0) if e is not None and e.ok else 0.0, candidate_key(c), c))
     ranked.sort(key=lambda r: (r[0], r[1]))
@@ -384,7 +383,7 @@ def main() -> None:
     from tabulate import tabulate
 
     if ns.memo is None:
-        from advisor._search.storage import cache_dir
+        from advisor.search import cache_dir
 
         ns.memo = cache_dir() / "bench_frontdoor_grid.jsonl"
         ns.memo.parent.mkdir(parents=True, exist_ok=True)

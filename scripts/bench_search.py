@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 from advisor import search
-from advisor._search.ledger import candidate_key
-from advisor._search.space import RowTokens, default_tokens_per_step, with_accumulation
 from advisor.errors import NoFitError
 from advisor.inputs import build_workload
 from advisor.measurement import Measurement
+from advisor.search import RowTokens, candidate_key, default_tokens_per_step, with_accumulation
 from advisor.space import Candidate
 from advisor.workload import Goals
 

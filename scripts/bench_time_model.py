@@ -147,8 +147,11 @@ def calibrate() -> dict:
     different ratios solve the 2x2 system)."""
     import numpy as np
 
-    from advisor._sim.timing import _TERMS, Basis, Term, time_constants
-    from advisor.simulator import _runnable, simulate_depth
+    from advisor.costs import Basis, Term, time_constants
+    from advisor.simulator import runnable as _runnable
+    from advisor.simulator import simulate_depth
+
+    _TERMS = tuple(Term)  # the order of the model's terms
     from advisor.space import Candidate
 
     per: dict[str, dict[str, tuple]] = {}

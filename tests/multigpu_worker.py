@@ -82,11 +82,13 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
-    from advisor._sim.distributed import Parallelism, prepare_fsdp2
-    from advisor._sim.fake_step import _BatchFeed, worst_batch
+    from advisor._sim import prepare_fsdp2  # the real multi-process probe's (advisor/probing) way in
     from advisor.emit import build_sft_config, peft_config
+    from advisor.modeling import BatchFeed as _BatchFeed
     from advisor.modeling import build_model, placeholder_tokenizer
-    from advisor.simulator import _worst_rows
+    from advisor.parallelism import Parallelism
+    from advisor.simulator import worst_batch
+    from advisor.simulator import worst_rows as _worst_rows
     from advisor.space import Candidate
 
     torch.set_num_threads(1)

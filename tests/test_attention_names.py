@@ -39,7 +39,7 @@ def test_the_flash_values_are_the_names_transformers_knows():
     kernels, each passing `is_flash_attention_requested`): a name a later transformers adds fails here."""
     from transformers.utils.generic import is_flash_attention_requested
 
-    from advisor._sim.flash import flash_attention_names
+    from advisor.simulator import flash_attention_names
 
     flash = {a.value for a in Attention if a.is_flash}
     assert flash == set(flash_attention_names()) == set(FLASH_NAMES)

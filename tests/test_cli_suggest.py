@@ -131,7 +131,7 @@ def test_worker_joins_a_cli_made_auto_study(tiny_config, tmp_path, capsys):
     import optuna
 
     from advisor import search
-    from advisor._search.storage import open_storage
+    from advisor.search import open_storage
 
     search.register_backend("fake", _cli_fake)
     try:

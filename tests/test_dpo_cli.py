@@ -68,10 +68,8 @@ def test_the_python_api_builds_a_dpoconfig_and_a_snippet(tiny_config):
 
 
 def test_sft_and_dpo_studies_never_share_results(tiny_config):
-    from advisor._search import naming
-    from advisor._search.params import StudySpace
-    from advisor._search.space import RowTokens, default_space, default_tokens_per_step
     from advisor.inputs import build_workload
+    from advisor.search import RowTokens, StudySpace, default_space, default_tokens_per_step, name_study, study_spec
     from advisor.workload import Method
 
     names, spaces = {}, {}
@@ -79,9 +77,9 @@ def test_sft_and_dpo_studies_never_share_results(tiny_config):
         wl = build_workload(tiny_config, gpu="cpu", trainer=trainer)
         rows = RowTokens(wl.dataset)
         space = StudySpace(wl, default_space(wl, Method.FULL), default_tokens_per_step(wl, rows), rows)
-        names[trainer] = naming.study_name(wl, "estimate", Method.FULL, space)
+        names[trainer] = name_study(wl, "estimate", Method.FULL, space)
         spaces[trainer] = space.to_json()
-        assert naming.spec(wl, "estimate", Method.FULL, space, {})["trainer"] == trainer
+        assert study_spec(wl, "estimate", Method.FULL, space, {})["trainer"] == trainer
     assert names["sft"] != names["dpo"]
     assert "precompute_ref_log_probs" in spaces["dpo"] and "precompute_ref_log_probs" not in spaces["sft"]
     assert spaces["dpo"]["packing"] == [False]  # packing is an SFT-only key

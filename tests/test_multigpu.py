@@ -158,7 +158,7 @@ def test_llama8b_full_finetune_fits_per_rank_on_8_h100():
 def test_zero_replaces_the_model_states_with_the_closed_form(strategy, monkeypatch):
     """ZeRO (modelled, as if deepspeed were installed): the single-GPU run's activations, ZeRO's model states."""
     import advisor.parallelism as par_mod
-    from advisor._sim.distributed import zero_bytes
+    from advisor.costs import zero_bytes
     from advisor.estimator import architecture
     from advisor.measurement import Category
     from advisor.parallelism import Parallelism, simulate_per_rank

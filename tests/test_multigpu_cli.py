@@ -155,8 +155,7 @@ def test_probe_of_several_machines_is_refused_not_measured_on_one(tiny_config, t
 # ---- one GPU is unchanged -------------------------------------------------------------------------------------------
 
 def test_one_gpu_gives_the_same_pick_and_study(tiny_config, cache):
-    from advisor._search import naming
-    from advisor.search import build_space
+    from advisor.search import build_space, name_study, study_spec
 
     a = advisor.suggest(tiny_config, gpu="H100-80GB", backend="estimate", trials=6, cache=False)
     b = advisor.suggest(tiny_config, gpu="H100-80GB", backend="estimate", trials=6, cache=False, num_gpus=1)
@@ -167,16 +166,15 @@ def test_one_gpu_gives_the_same_pick_and_study(tiny_config, cache):
     assert a.workload.fingerprint() == b.workload.fingerprint()
     space = build_space(a.workload)
     assert "parallelism" not in space.values
-    spec = naming.spec(a.workload, "estimate", a.candidate.method, _study_space(a), {})
+    spec = study_spec(a.workload, "estimate", a.candidate.method, _study_space(a), {})
     assert "num_gpus" not in spec
     eight = advisor.inputs.build_workload(tiny_config, gpu="H100-80GB", num_gpus=8)
-    assert naming.spec(eight, "estimate", a.candidate.method, _study_space(a), {})["num_gpus"] == 8
-    assert "8xH100" in naming.study_name(eight, "estimate", a.candidate.method, _study_space(a))
+    assert study_spec(eight, "estimate", a.candidate.method, _study_space(a), {})["num_gpus"] == 8
+    assert "8xH100" in name_study(eight, "estimate", a.candidate.method, _study_space(a))
 
 
 def _study_space(s):
-    from advisor._search.params import StudySpace
-    from advisor._search.space import RowTokens, default_space
+    from advisor.search import RowTokens, StudySpace, default_space
 
     return StudySpace(s.workload, default_space(s.workload, s.candidate.method), 1000, RowTokens(s.workload.dataset))
 

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from advisor._search.backends import register_backend, unregister_backend
-from advisor._search.pool import (
+from advisor.backends import register_backend, unregister_backend
+from advisor.errors import ConfigError
+from advisor.measurement import Status
+from advisor.search import (
     InProcessPool,
     ProcessPool,
     check_jobs,
@@ -22,8 +24,6 @@ from advisor._search.pool import (
     messages_of,
     open_pool,
 )
-from advisor.errors import ConfigError
-from advisor.measurement import Status
 from advisor.space import Candidate
 
 BASE = dict(max_length=128, precision="fp32", optim="adamw_torch")

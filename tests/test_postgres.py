@@ -244,7 +244,7 @@ def test_a_second_leader_resumes(pg_url, budget_workload):
     seen = []
 
     def counting(w, c):
-        from advisor._search.ledger import candidate_key
+        from advisor.search import candidate_key
 
         seen.append(candidate_key(c))
         return fake_measure(w, c)

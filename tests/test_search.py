@@ -8,10 +8,9 @@ import multiprocessing as mp
 import pytest
 
 from advisor import events, search
-from advisor._search.ledger import candidate_key, needs_at_least
-from advisor._search.space import RowTokens, parse_fix
 from advisor.errors import ConfigError, NoFitError
 from advisor.measurement import Measurement
+from advisor.search import RowTokens, candidate_key, needs_at_least, parse_fix
 from advisor.space import Candidate, Precision, Quantization, WeightsDtype
 from advisor.workload import Goals, Method
 
@@ -86,7 +85,7 @@ def test_effective_batch_is_fixed(budget_workload):
 
 
 def test_accumulation_tolerance_is_robust_to_rounding():
-    from advisor._search.space import accumulation_for
+    from advisor.search import accumulation_for
 
     rows = 7.9998  # the default 1729-token step in rows of mean trained tokens
     assert accumulation_for(8, rows) == 1
@@ -308,7 +307,7 @@ def test_auto_measures_what_the_estimate_says_fits_before_escalating(tiny_worklo
     """The trial budget running out is not "nothing fits": the whole space is checked with the estimate first."""
     import dataclasses
 
-    from advisor._search.ledger import device_bytes
+    from advisor.search import device_bytes
 
     search.register_backend("fake-est", _estimate_fake)
     try:
@@ -383,7 +382,7 @@ def test_a_killed_run_leaves_no_candidate_blocked(budget_workload, tmp_path):
     import optuna
     from optuna.trial import TrialState
 
-    from advisor._search.storage import open_storage
+    from advisor.search import open_storage
 
     storage = str(tmp_path / "j.log")
     child = mp.get_context("fork").Process(target=_killed_run, args=(storage, budget_workload))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from advisor._search import fidelity
-from advisor._search.fidelity import Correction, cannot_win, fit
 from advisor.measurement import Measurement
+from advisor.search import FIDELITY_FLOOR, FIDELITY_MIN_POINTS, FIDELITY_SHRINK, Correction, cannot_win
+from advisor.search import fit_correction as fit
 
 GiB = 2**30
 
@@ -37,7 +37,7 @@ def test_the_fit_recovers_each_category_and_term_toward_the_truth():
     assert c.memory["parameters"] == pytest.approx(1.0)
     assert 1.0 < c.memory["activations"] < 1.5  # shrunk toward 1 by SHRINK pseudo-points
     n = len(ESTIMATES)
-    assert c.memory["activations"] == pytest.approx((1.5 * n + fidelity.SHRINK) / (n + fidelity.SHRINK))
+    assert c.memory["activations"] == pytest.approx((1.5 * n + FIDELITY_SHRINK) / (n + FIDELITY_SHRINK))
     assert c.time["matmul"] == pytest.approx(1.0) and 1.0 < c.time["attention"] < 2.0
     # the corrected estimate lands nearer the truth than the raw one, for a candidate not in the fit
     other = point(2, 5, 0.8, 0.8)
@@ -45,7 +45,7 @@ def test_the_fit_recovers_each_category_and_term_toward_the_truth():
     assert abs(c.device_bytes(other) - real.device_bytes) < abs(other.device_bytes - real.device_bytes)
     assert abs(c.tokens_per_second(other) - real.tokens_per_second) < abs(
         other.tokens_per_second - real.tokens_per_second)
-    assert c.points == n and c.memory_resolution >= fidelity.FLOOR and c.time_resolution >= fidelity.FLOOR
+    assert c.points == n and c.memory_resolution >= FIDELITY_FLOOR and c.time_resolution >= FIDELITY_FLOOR
 
 
 def test_identity_changes_nothing_and_an_exact_estimate_fits_as_identity():
@@ -54,7 +54,7 @@ def test_identity_changes_nothing_and_an_exact_estimate_fits_as_identity():
     assert not ident.changes and ident.device_bytes(e) == e.device_bytes
     assert ident.tokens_per_second(e) == e.tokens_per_second
     exact = fit((x, x) for x in ESTIMATES)
-    assert not exact.changes and exact.time_resolution == fidelity.FLOOR
+    assert not exact.changes and exact.time_resolution == FIDELITY_FLOOR
     failed = Measurement("oom", "simulate")
     assert fit([(e, failed)]) == Correction.identity(), "only points measured OK are fitted"
 
@@ -66,7 +66,7 @@ def test_only_what_can_still_win_is_measured():
     assert cannot_win(c, fast, c.tokens_per_second(fast) * 1.01, 100 * GiB) == "", "within the resolution"
     assert "slower than the best measured" in cannot_win(c, slow, c.tokens_per_second(fast), 100 * GiB)
     assert "over the limit" in cannot_win(c, point(40, 40, 0.3, 0.05), None, 50 * GiB)
-    few = fit((e, truth(e)) for e in ESTIMATES[:fidelity.MIN_POINTS - 1])
+    few = fit((e, truth(e)) for e in ESTIMATES[:FIDELITY_MIN_POINTS - 1])
     assert cannot_win(few, slow, 1e9, GiB) == "", "too few points: the resolution is not known, nothing skipped"
 
 

@@ -8,10 +8,10 @@ import pytest
 from test_search import LIMIT_BUDGET, fake_measure
 
 from advisor import search
-from advisor._search.evaluator import SerialPool, _open_pool
-from advisor._search.ledger import candidate_key
 from advisor.errors import UsageError
 from advisor.measurement import Status
+from advisor.search import SerialPool, candidate_key
+from advisor.search import open_search_pool as _open_pool
 from advisor.space import Candidate
 from advisor.workload import Goals
 

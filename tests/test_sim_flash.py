@@ -44,10 +44,14 @@ class _Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch):
+    from torch import Tensor
+    from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry
 
     import advisor.costs as timing
-    from advisor._sim.tracker import tensors_in
+
+    def tensors_in(tree):  # the op's output tensors in pytree order
+        return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
 
     rec = _Recorder()
     original = timing.TimingHook.__call__
@@ -144,7 +148,7 @@ def test_selective_checkpointing_saves_the_flash_kernel_as_trl_saves_the_real_on
 def test_attention_flops_count_the_pairs_the_mask_keeps(causal, left, right):
     from torch.utils.flop_counter import sdpa_flop_count
 
-    from advisor._sim.flash import attention_flops
+    from advisor.simulator import attention_flops
 
     def kept(s):  # brute force: key j for query i within the window (causal: right window 0)
         r = 0 if causal else right
@@ -224,7 +228,7 @@ def test_every_flash_name_routes_to_the_stand_in_and_is_restored():
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from advisor._sim.flash import _fake_flash_attention_forward, fake_flash_attention, flash_attention_names
+    from advisor.simulator import fake_flash_attention, flash_attention_names
 
     names = flash_attention_names()
     for name in (FLASH, "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn3",
@@ -232,10 +236,13 @@ def test_every_flash_name_routes_to_the_stand_in_and_is_restored():
         assert name in names
     assert "sdpa" not in names and "eager" not in names
     with fake_flash_attention(lambda: None):
+        # one stand-in, the simulator's own (advisor/_sim/flash.py), for every name
+        stand_in = ALL_ATTENTION_FUNCTIONS.get_interface(names[0], None)
+        assert stand_in is not flash_attention_forward and stand_in.__module__ == "advisor._sim.flash"
         for name in names:
-            assert ALL_ATTENTION_FUNCTIONS.get_interface(name, None) is _fake_flash_attention_forward
+            assert ALL_ATTENTION_FUNCTIONS.get_interface(name, None) is stand_in
             assert name in ALL_MASK_ATTENTION_FUNCTIONS
-        assert ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None) is not _fake_flash_attention_forward
+        assert ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None) is not stand_in
     assert ALL_ATTENTION_FUNCTIONS["flash_attention_2"] is flash_attention_forward
     assert FLASH not in ALL_ATTENTION_FUNCTIONS and FLASH not in ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -246,9 +253,9 @@ def test_other_flash_names_run_the_same_path(tiny_model, name):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from advisor._sim.fake_step import _materialise, batch_facts
-    from advisor._sim.flash import fake_flash_attention
     from advisor.modeling import build_model
+    from advisor.simulator import batch_facts, fake_flash_attention
+    from advisor.simulator import materialise as _materialise
 
     model = build_model(tiny_model, Candidate(weights_dtype="bfloat16"), device="meta")
     model.config._attn_implementation = name
@@ -310,8 +317,8 @@ def _favour_padding_free_sdpa(w, c):
 def test_front_door_never_pairs_padding_free_with_sdpa_on_fa_gpus(tiny_model, monkeypatch, tmp_path, gpu, fix,
                                                                   sdpa_padding_free):
     from advisor import search
-    from advisor._search.space import RowTokens
     from advisor.profiles import resolve_gpu
+    from advisor.search import RowTokens
     from advisor.space import Attention
 
     monkeypatch.setenv("ADVISOR_CACHE_DIR", str(tmp_path / "cache"))

@@ -41,10 +41,11 @@ def _real_cpu_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> 
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
-    from advisor._sim.fake_step import _BatchFeed, worst_batch
     from advisor.emit import build_sft_config, peft_config
+    from advisor.modeling import BatchFeed as _BatchFeed
     from advisor.modeling import build_model, placeholder_tokenizer
-    from advisor.simulator import _worst_rows
+    from advisor.simulator import worst_batch
+    from advisor.simulator import worst_rows as _worst_rows
 
     class RealTrainer(SFTTrainer):
         feed: deque = deque()
@@ -278,9 +279,10 @@ def _real_peak_as_trl_runs(workload: Workload, data: dict, candidate: Candidate,
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer, get_peft_config
 
-    from advisor._sim.fake_step import _BatchFeed, worst_batch
+    from advisor.modeling import BatchFeed as _BatchFeed
     from advisor.modeling import placeholder_tokenizer
-    from advisor.simulator import _worst_rows
+    from advisor.simulator import worst_batch
+    from advisor.simulator import worst_rows as _worst_rows
 
     class RealTrainer(SFTTrainer):
         feed: deque = deque()

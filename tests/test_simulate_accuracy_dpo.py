@@ -44,8 +44,8 @@ def _real_dpo_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> 
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import DPOTrainer
 
-    from advisor._sim.fake_step import _BatchFeed
     from advisor.emit import peft_config
+    from advisor.modeling import BatchFeed as _BatchFeed
     from advisor.modeling import build_model, placeholder_tokenizer
 
     dpo = get_trainer("dpo")
@@ -194,7 +194,7 @@ def _real_reward_peak(workload: Workload, candidate: Candidate, tmp_path, steps:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import RewardTrainer, get_peft_config
 
-    from advisor._sim.fake_step import _BatchFeed
+    from advisor.modeling import BatchFeed as _BatchFeed
     from advisor.modeling import placeholder_tokenizer
 
     reward = get_trainer("reward")

@@ -37,18 +37,26 @@ def _workload(config: dict, layers: int, target, data) -> Workload:
     return Workload(model=spec, gpu=target, dataset=data, goals=Goals())
 
 
-def _stream(run) -> tuple[list[int], list[int]]:
-    from advisor._sim.layers import _pairs
+def _pairs(events) -> list[int]:
+    """For each free, the index of its allocation (-1 for an allocation)."""
+    live: dict[int, int] = {}
+    out = [-1] * len(events)
+    for i, (key, delta) in enumerate(events):
+        if delta > 0:
+            live[key] = i
+        else:
+            out[i] = live.pop(key)
+    return out
 
+
+def _stream(run) -> tuple[list[int], list[int]]:
     return [d for _, d in run.stream.events], _pairs(run.stream.events)
 
 
 def _built(wl: Workload, cand: Candidate, target, depth: int):
-    from advisor._sim.layers import synthesize_checked
-
-    depths, _ = sim._depths(wl.model, (2, 3), cand)
+    depths, _ = sim.plan_depths(wl.model, (2, 3), cand)
     lo, hi = (sim.simulate_depth(wl, cand, target, n) for n in depths)
-    return synthesize_checked(lo.stream, hi.stream, depth)
+    return sim.synthesize_checked(lo.stream, hi.stream, depth)
 
 
 @pytest.fixture
@@ -64,8 +72,6 @@ def test_peak_moment_switch_is_exact(cpu_target, wide_data):
     How the switch depth was found: fake runs of every layer at 2..16 layers (`simulate_depth`), against the line
     through 2 and 3: exact up to 8 layers, -0.08% at 9, -0.88% at 10, -2.34% at 12, -4.77% at 16. At 12 layers the
     line is more than 2% low; the built stream gives the 12-layer run's peak to the byte."""
-    from advisor._sim.layers import _pairs
-
     cand = Candidate(**SWITCH)
     wl = {n: _workload(WIDE_LLAMA, n, cpu_target, wide_data) for n in (2, 3, SWITCH_DEPTH)}
     runs = {n: sim.simulate_depth(wl[n], cand, cpu_target, n) for n in wl}
@@ -93,8 +99,6 @@ STREAMS = {
 @pytest.mark.parametrize("name", sorted(STREAMS))
 def test_built_stream_is_the_full_depth_stream(name, tiny_model, cpu_target, tiny_data):
     """Event for event: the same sizes in the same order, each free of the same allocation (7 layers)."""
-    from advisor._sim.layers import _pairs
-
     cand = Candidate(**{**BASE, **STREAMS[name]})
     wl = _workload(tiny_model.config, 7 if name != "every-2" else 8, cpu_target, tiny_data)
     depth = wl.model.num_layers
@@ -122,20 +126,20 @@ def test_depths_follow_the_period(tiny_model):
     """2 and 2 + p layers, p the period of layer_types and of checkpointing every n layers; the shallow depth keeps
     the full depth's remainder so the block repeats a whole number of times."""
     deep = ModelSpec(name="t24", config={**tiny_model.config, "num_hidden_layers": 24}, source="local")
-    assert sim._depths(deep, (2, 3), Candidate())[0] == [2, 3]
-    assert sim._depths(deep, (2, 3), Candidate(checkpoint_every_n_layers=3))[0] == [3, 6]
-    assert sim._depths(deep, (2, 3), Candidate(checkpoint_every_n_layers=4))[0] == [4, 8]
+    assert sim.plan_depths(deep, (2, 3), Candidate())[0] == [2, 3]
+    assert sim.plan_depths(deep, (2, 3), Candidate(checkpoint_every_n_layers=3))[0] == [3, 6]
+    assert sim.plan_depths(deep, (2, 3), Candidate(checkpoint_every_n_layers=4))[0] == [4, 8]
     odd = ModelSpec(name="t25", config={**tiny_model.config, "num_hidden_layers": 25}, source="local")
-    assert sim._depths(odd, (2, 3), Candidate(checkpoint_every_n_layers=2))[0] == [3, 5]
-    assert sim._depths(deep, None, Candidate())[0] == [24]
+    assert sim.plan_depths(odd, (2, 3), Candidate(checkpoint_every_n_layers=2))[0] == [3, 5]
+    assert sim.plan_depths(deep, None, Candidate())[0] == [24]
     short = ModelSpec(name="t4", config={**tiny_model.config, "num_hidden_layers": 4}, source="local")
-    assert sim._depths(short, (2, 3), Candidate(checkpoint_every_n_layers=2))[0] == [4]
+    assert sim.plan_depths(short, (2, 3), Candidate(checkpoint_every_n_layers=2))[0] == [4]
 
 
 def test_a_stream_that_does_not_split_is_refused():
     """Block events not between layer 0 and the tail, or a rebuilt shallow stream that differs: NotSeparable, so
     simulate() runs every layer instead of guessing."""
-    from advisor._sim.layers import LayerStream, NotSeparable, synthesize, synthesize_checked
+    from advisor.simulator import LayerStream, NotSeparable, synthesize, synthesize_checked
 
     # layer 1's work after the tail's: not a pass over the layers
     deep = LayerStream(layers=3, events=((1, 8), (2, 8), (3, 8)), event_layers=(0, 2, 1), categories=(None,) * 3)

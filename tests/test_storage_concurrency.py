@@ -65,7 +65,7 @@ def study_trials(url: str) -> list:
     """Every trial of every study in the storage at `url`."""
     import optuna
 
-    from advisor._search.storage import open_storage
+    from advisor.search import open_storage
 
     store = open_storage(url)
     out = []

@@ -425,8 +425,9 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     import dataclasses
 
     from ..measurement import Status
-    from ..simulator import _resolve_target, simulate
+    from ..simulator import simulate
     from ..workload import check_world
+    from .modelled import resolve_target as _resolve_target
 
     parallelism = parallelism or Parallelism()
     num_gpus = workload.num_gpus if num_gpus is None else num_gpus

@@ -24,6 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..measurement import Category
+from ..modeling import BatchFeed
 from .flash import fake_flash_attention
 from .layers import install_layer_hooks
 from .shadow import IntegerShadow
@@ -202,7 +203,7 @@ def make_trainer_class(spec: Any = None):
         return None
 
     def get_train_dataloader(self):
-        return _BatchFeed(self._fake_batches)
+        return BatchFeed(self._fake_batches)
 
     namespace = {
         "__doc__": f"{base.__name__} that leaves placement alone and trains on batches handed to it.",
@@ -213,21 +214,6 @@ def make_trainer_class(spec: Any = None):
         **spec.fake_overrides(),
     }
     return type(f"Fake{base.__name__}", (base,), namespace)
-
-
-class _BatchFeed:
-    """Yields pre-built batches once each and drops them, so a used batch is freed as the real loader's is."""
-
-    def __init__(self, batches: deque) -> None:
-        self._batches = batches
-        self._n = len(batches)
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __iter__(self):
-        while self._batches:
-            yield self._batches.popleft()
 
 
 def run_fake_training(
