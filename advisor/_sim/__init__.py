@@ -56,9 +56,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "model_flops", "offload_copy_s_per_token", "optimizer_cost", "optimizer_impl", "peak_flops", "time_constants",
     )},
     # ---- one rank of N GPUs (distributed.py: advisor.parallelism, advisor.costs, the real multi-process probe) ----
-    **{name: ("distributed", name) for name in (
-        "simulate_per_rank", "estimate_rank_moments", "estimate_rank_time", "zero_bytes", "ZeroTerms",
-        "comm_time_s", "interconnect", "prepare_fsdp2",
+    **{name: ("distributed", name) for name in ("simulate_per_rank", "prepare_fsdp2")},
+    # ---- several GPUs in closed form (ranks_closed.py: ZeRO, the collectives' time, the estimate's rank) ----------
+    **{name: ("ranks_closed", name) for name in (
+        "estimate_rank_moments", "estimate_rank_time", "zero_bytes", "ZeroTerms", "comm_time_s", "interconnect",
     )},
 }
 
