@@ -145,8 +145,12 @@ def killed_then_rerun(args: list[str], env: dict[str, str], url: str) -> dict:
     assert all(t.user_attrs.get("owner") for t in running), "a trial names the process that measures it"
     rc, out, err = run_cli(args, env)
     assert rc == 0, err[-3000:]
+    trials = {t.number: t for t in study_trials(url)}
     for left in running:
-        after = {t.number: t for t in study_trials(url) if t.user_attrs.get("key") == left.user_attrs["key"]}
+        if "key" not in left.user_attrs:  # killed while its candidate was being asked for: none was claimed
+            assert trials[left.number].state is TrialState.FAIL and trials[left.number].user_attrs.get("stale")
+            continue
+        after = {t.number: t for t in trials.values() if t.user_attrs.get("key") == left.user_attrs["key"]}
         assert after[left.number].state is TrialState.FAIL and after[left.number].user_attrs.get("stale")
         assert any(t.state is TrialState.COMPLETE and t.user_attrs.get("measured") for t in after.values()), (
             "the killed trial's candidate is measured again")
