@@ -75,6 +75,7 @@ from ._search import (
     space_from_json,
     study_names,
     study_spec,
+    walk_parameters,
     with_accumulation,
     work,
 )
@@ -117,7 +118,8 @@ if TYPE_CHECKING:
 __all__ = [
     "suggest", "run_worker", "build_space", "Progress", "check_backend", "stored_studies", "stored_suggestion",
     "StoredStudy", "register_backend", "unregister_backend", "backend_names",
-    "default_backend_name", "prestarted", "cache_dir", "parse_fix", "DEFAULT_TRIALS", "confirmation_note",
+    "default_backend_name", "prestarted", "walk_parameters", "cache_dir", "parse_fix", "DEFAULT_TRIALS",
+    "confirmation_note",
     # the search's parts (advisor/_search), public for tools, benchmarks and their tests:
     # the ledger's keys and the budget's bytes
     "candidate_key", "device_bytes", "feasible", "needs_at_least", "PRUNE_FACTOR",

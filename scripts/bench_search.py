@@ -132,7 +132,6 @@ def bench(gpu: str, backend: str, share: float, memo_path: Path | None) -> list[
 
 def sweep(gpu: str, backend: str, share: float, memo_path: Path | None) -> list[list[str]]:
     """The search's reach and cost over the walk's parameters (NEIGHBOUR_PARENTS x SEEDS)."""
-    from advisor._search import proposers
 
     wl = build_workload("Qwen/Qwen2.5-0.5B", gpu=gpu, goals=Goals())
     memo = Memo(backend, gpu, memo_path)
@@ -141,18 +140,14 @@ def sweep(gpu: str, backend: str, share: float, memo_path: Path | None) -> list[
     grid_tps = grid.measurement.tokens_per_second
     budget = max(1, math.floor(share * grid_n))
     out = []
-    saved = proposers.NEIGHBOUR_PARENTS, proposers.SEEDS
-    try:
-        for parents in (1, 2, 4, 8):
-            for seeds in (2, 4, 8, 16):
-                proposers.NEIGHBOUR_PARENTS, proposers.SEEDS = parents, seeds
+    for parents in (1, 2, 4, 8):
+        for seeds in (2, 4, 8, 16):
+            with search.walk_parameters(parents=parents, seeds=seeds):
                 found, n, _ = _method("search", memo, wl, lambda b, a: search.suggest(
                     wl, backend=b, cache=False, trials=budget, fix=FIX, method="full"))
-                tps = found.measurement.tokens_per_second
-                out.append([gpu, str(parents), str(seeds), f"{tps:,.0f}", f"{tps / grid_tps:.3f}", str(n),
-                            f"{n / grid_n:.3f}"])
-    finally:
-        proposers.NEIGHBOUR_PARENTS, proposers.SEEDS = saved
+            tps = found.measurement.tokens_per_second
+            out.append([gpu, str(parents), str(seeds), f"{tps:,.0f}", f"{tps / grid_tps:.3f}", str(n),
+                        f"{n / grid_n:.3f}"])
     return out
 
 

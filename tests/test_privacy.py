@@ -17,9 +17,6 @@ ADVISOR = ROOT / "advisor"
 
 # The reaches that remain, each with why; the test fails when one goes away too, so that this list only shrinks.
 KNOWN: dict[tuple[str, str], str] = {
-    ("scripts/bench_search.py", "advisor._search.proposers"):
-        "--sweep sets the proposers' tuning constants NEIGHBOUR_PARENTS and SEEDS as module globals; they need a "
-        "parameter of the search (issue 14's proposers.py) before the script can go through advisor.search",
     ("tests/test_simulate_accuracy.py", "advisor._sim.fake_step"):
         "test_unpadded_batch_takes_the_real_path switches the fake step's real-path patches off to show they matter",
 }

@@ -39,6 +39,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "default_jobs": ("pool", "default_jobs"),
     "messages_of": ("pool", "messages_of"),
     "prestarted": ("pool", "prestarted"),  # the workers' server started ahead of the pool (the CLI's front door)
+    "walk_parameters": ("proposers", "walk_parameters"),  # a sweep's NEIGHBOUR_PARENTS x SEEDS, for a block
     # ---- the estimate corrected by measured points (fidelity.py) ---------------------------------------------------
     "Correction": ("fidelity", "Correction"),
     "fit_correction": ("fidelity", "fit"),

@@ -106,7 +106,7 @@ class Evaluator:
             return 0.0
         corr = self.correction()
         if corr.changes:
-            d = corr.device_bytes(est)
+            d = corr.device_bytes(est) if self._memory_trusted(cand) else device_bytes(est)
             if d is not None and d > self.limit * PRUNE_FACTOR:
                 return -1.0
             return corr.tokens_per_second(est)
@@ -132,7 +132,7 @@ class Evaluator:
             est = self.estimate(cand)
             d = device_bytes(est) if est is not None else None
             if not (self.prunes and est is not None and d is not None and d > self.limit * PRUNE_FACTOR):
-                why = self._cannot_win(est)
+                why = self._cannot_win(est, cand)
                 if not why:
                     return None
                 entry = Entry(cand, Measurement(Status.PRUNED, Source.ESTIMATE, peak_bytes=est.peak_bytes,
@@ -157,15 +157,22 @@ class Evaluator:
         d = device_bytes(est)
         if self.prunes and d is not None and d > self.limit * PRUNE_FACTOR:
             return False
-        return not self._cannot_win(est)
+        return not self._cannot_win(est, cand)
 
-    def _cannot_win(self, est: Measurement | None) -> str:
+    def _memory_trusted(self, cand: Candidate) -> bool:
+        """A measured candidate shares `cand`'s memory class (fidelity.memory_class): the memory correction may
+        judge it."""
+        cls = fidelity.memory_class(cand)
+        return any(fidelity.memory_class(e.candidate) == cls for e in self.ledger.measured)
+
+    def _cannot_win(self, est: Measurement | None, cand: Candidate | None = None) -> str:
         """Multi-fidelity: measure only what the corrected estimate says can still win."""
         if not self.prunes or not self.skip_losers or est is None:
             return ""
         best = self.ledger.best()
+        trusted = True if cand is None else self._memory_trusted(cand)
         return fidelity.cannot_win(self.correction(), est, best.measurement.tokens_per_second if best else None,
-                                   self.limit)
+                                   self.limit, memory_trusted=trusted)
 
     def record(self, cand: Candidate, number: int | None, m: Measurement) -> Entry:
         """A measurement of `cand` into the ledger."""

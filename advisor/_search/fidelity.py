@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..measurement import Measurement
 
 SHRINK = 2.0  # pseudo-points at ratio 1
 FLOOR = 0.02  # the resolution never claims better than 2%
 MIN_POINTS = 3  # fewer measured points: no skipping (the resolution is not known yet)
+TIE_CAP = 0.05  # the widest tie: beyond this a poor model's resolution no longer makes candidates one move
 
 
 def _ratios(pairs: list[tuple[Mapping[str, float], Mapping[str, float]]]) -> dict[str, float]:
@@ -75,13 +77,15 @@ class Correction:
         return tps / _scaled(est.time_breakdown, self.time)
 
     def ties(self, a: Measurement, b: Measurement) -> bool:
-        """Equal within the resolution in both predicted memory and predicted time."""
+        """Equal within the resolution (at most TIE_CAP) in both predicted memory and predicted time. The cap: a
+        model that misses by 50% cannot tell candidates apart at all, and calling everything a tie of what was
+        measured would end the search on its second point; such a model ties only what it predicts alike."""
         da, db = self.device_bytes(a), self.device_bytes(b)
         ta, tb = self.tokens_per_second(a), self.tokens_per_second(b)
         if da is None or db is None or not ta or not tb:
             return False
-        return (abs(da - db) <= self.memory_resolution * max(da, db)
-                and abs(ta - tb) <= self.time_resolution * max(ta, tb))
+        return (abs(da - db) <= min(self.memory_resolution, TIE_CAP) * max(da, db)
+                and abs(ta - tb) <= min(self.time_resolution, TIE_CAP) * max(ta, tb))
 
 
 def _rms(errors: list[float]) -> float:
@@ -103,13 +107,23 @@ def fit(points: Iterable[tuple[Measurement, Measurement]]) -> Correction:
     return Correction(memory, time, max(FLOOR, _rms(mem_err)), max(FLOOR, _rms(time_err)), len(pairs))
 
 
-def cannot_win(c: Correction, est: Measurement, best_tps: float | None, limit: int) -> str:
+def memory_class(cand: Any) -> tuple[Any, ...]:
+    """The knobs that change which of the estimate's memory terms apply (what is saved for backward, where, how
+    batches are laid out, which weights train): the memory correction fitted on one class is not evidence about
+    another, so a class with no measured point is never skipped for memory by the corrected estimate."""
+    return (cand.activation_checkpointing, cand.checkpoint_selective, cand.activation_offloading, cand.packing,
+            cand.effective_padding_free, cand.use_lora, cand.quantization)
+
+
+def cannot_win(c: Correction, est: Measurement, best_tps: float | None, limit: int,
+               memory_trusted: bool = True) -> str:
     """Why a candidate need not be measured (its corrected estimate is slower than the best measured by more than
-    twice the resolution, or over the limit by more than twice the memory resolution), else ''."""
+    twice the resolution, or over the limit by more than twice the memory resolution: only where its memory class
+    has a measured point, `memory_trusted`), else ''."""
     if c.points < MIN_POINTS or not est.ok:
         return ""
     d = c.device_bytes(est)
-    if d is not None and d > limit * (1.0 + 2 * c.memory_resolution):
+    if memory_trusted and d is not None and d > limit * (1.0 + 2 * c.memory_resolution):
         return (f"corrected estimate {d / 2**30:.2f} GiB, over the limit {limit / 2**30:.2f} GiB by more than the "
                 f"model's resolution ({c.memory_resolution:.1%}, {c.points} points)")
     tps = c.tokens_per_second(est)

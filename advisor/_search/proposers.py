@@ -4,7 +4,9 @@ best guesses (queued seeds), the neighbour walk of the best feasible candidates,
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import UsageError
@@ -24,6 +26,23 @@ if TYPE_CHECKING:
 NEIGHBOUR_PARENTS = 4
 SEEDS = 8
 FIT_CHECK = 4  # before giving up on a method: measure this many of the candidates the estimate says fit
+
+
+@contextlib.contextmanager
+def walk_parameters(*, parents: int | None = None, seeds: int | None = None) -> Iterator[None]:
+    """For the block, the neighbour walk's parents (NEIGHBOUR_PARENTS) and the estimate's seeds (SEEDS): what a
+    benchmark's sweep varies to show the search does not hang on them (scripts/bench_search.py --sweep)."""
+    global NEIGHBOUR_PARENTS, SEEDS
+    for name, v in (("parents", parents), ("seeds", seeds)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise UsageError(f"walk_parameters({name}={v!r}): a positive integer")
+    saved = NEIGHBOUR_PARENTS, SEEDS
+    NEIGHBOUR_PARENTS = parents if parents is not None else NEIGHBOUR_PARENTS
+    SEEDS = seeds if seeds is not None else SEEDS
+    try:
+        yield
+    finally:
+        NEIGHBOUR_PARENTS, SEEDS = saved
 
 
 def make_sampler() -> optuna.samplers.BaseSampler:
