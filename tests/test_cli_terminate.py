@@ -8,33 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-
-def _children(pid: int) -> set[int]:
-    """Live (non-zombie) descendants of `pid`, from /proc."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            parents[int(entry.name)] = int(fields[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from test_pool import _alive
+from test_pool import _descendants as _children
 
 
 def test_sigterm_stops_the_workers_and_exits_143(tiny_config, tmp_path):

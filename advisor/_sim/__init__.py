@@ -13,8 +13,7 @@ module that needs one name does not load torch for another.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from .._lazy import lazy_exports
 
 # name -> (module of this package, the name there)
 _EXPORTS: dict[str, tuple[str, str]] = {
@@ -65,15 +64,4 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    where = _EXPORTS.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f".{where[0]}", __name__), where[1])
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
