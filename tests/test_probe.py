@@ -44,6 +44,32 @@ def test_plan_scales_rows_with_accumulation_and_cycles_a_small_dataset(tiny_work
     assert len(plan.rows) == 128  # more than the 64 rows: typical rows repeat
 
 
+def test_plan_skips_the_rows_a_short_max_length_leaves_fully_masked(tiny_workload):
+    # max_length 48: the longest rows' prompts run past it, so TRL drops them (nothing trained) and a plan of the
+    # longest rows left the step with nothing to train on
+    import numpy as np
+
+    data = tiny_workload.dataset
+    cand = SMALL.replace(max_length=48)
+    trained = data.trained_after_truncation(48)
+    longest = np.argsort(-data.lengths, kind="stable")[:4]
+    assert (trained[longest] == 0).any(), "the case no longer breaks the old plan"
+    plan = plan_batches(tiny_workload, cand, steps=3, warmup=1)
+    by_row = {id(r): i for i, r in enumerate(data.rows)}
+    planned = [by_row[id(r)] for r in plan.rows]
+    assert all(trained[i] > 0 for i in planned)
+    kept = np.flatnonzero(trained > 0)
+    assert sorted(data.lengths[planned[:4]].tolist(), reverse=True) == sorted(data.lengths[kept].tolist(),
+                                                                              reverse=True)[:4]
+
+
+def test_plan_with_every_row_fully_masked_names_max_length(tiny_workload):
+    from advisor.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"max_length=4: .*raise max_length"):
+        plan_batches(tiny_workload, SMALL.replace(max_length=4), steps=3, warmup=1)
+
+
 def test_oom_messages_are_parsed():
     cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
                        "you tried to allocate 314572800 bytes. Error code 12 (Cannot allocate memory)")

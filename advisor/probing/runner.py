@@ -73,12 +73,22 @@ def plan_batches(workload: Workload, candidate: Candidate, steps: int, warmup: i
     ds = workload.dataset
     if len(ds.rows) == 0:
         raise UsageError(f"dataset {ds.name}: no rows to probe with; give a --dataset with data")
+    from ..trainers import get_trainer
+
+    # only rows TRL keeps (e.g. not those a short max_length leaves fully masked): a dropped row would leave its
+    # step short of the planned micro-batches, or with no step at all
+    kept = np.asarray(get_trainer(workload.trainer).kept_rows(workload, candidate))
+    if len(kept) == 0:
+        raise UsageError(f"max_length={candidate.max_length}: every row of dataset {ds.name} has all its trained "
+                         "tokens past it, and TRL drops fully masked rows, so nothing would train; raise max_length "
+                         "(--max-length) or use a dataset whose completions start earlier")
+    lengths = ds.lengths[kept]
     if candidate.packing and candidate.max_length:
-        mean = max(1.0, float(np.minimum(ds.lengths, candidate.max_length).mean()))
+        mean = max(1.0, float(np.minimum(lengths, candidate.max_length).mean()))
         rows_per_step *= max(1, math.ceil(candidate.max_length / mean))
     n_longest = min(2, total_steps)
     kinds = tuple([BatchKind.LONGEST] * n_longest + [BatchKind.TYPICAL] * (total_steps - n_longest))
-    order = np.argsort(-ds.lengths, kind="stable")
+    order = kept[np.argsort(-lengths, kind="stable")]
     longest_idx = order[:rows_per_step].tolist()
     rest = order[rows_per_step:]
     typical_pool = np.random.default_rng(0).permutation(rest).tolist() if len(rest) else list(longest_idx)

@@ -66,6 +66,8 @@ class Trainer(Protocol):
 
     def check_dataset(self, workload: Workload) -> None: ...  # the workload's data is what this trainer reads
 
+    def kept_rows(self, workload: Workload, candidate: Candidate) -> Any: ...  # indices of the rows TRL trains on
+
     def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]: ...  # the longest micro-batch
 
     def train_dataset(self, workload: Workload, rows: list[dict] | None = None) -> datasets.Dataset: ...
@@ -189,6 +191,12 @@ class TrlTrainer:
         return peft_config(candidate, spec)
 
     # ---- data ------------------------------------------------------------------------------------------------------
+    def kept_rows(self, workload: Workload, candidate: Candidate) -> Any:
+        """Indices (numpy) of the dataset's rows TRL's preparation keeps for this candidate: all of them."""
+        import numpy as np
+
+        return np.arange(len(workload.dataset.rows))
+
     def train_dataset(self, workload: Workload, rows: list[dict] | None = None) -> datasets.Dataset:
         return workload.dataset.to_hf(rows)
 

@@ -60,18 +60,24 @@ class SFT(TrlTrainer):
             raise ConfigError([f"dataset={workload.dataset.name}: preference data (prompt/chosen/rejected) given to "
                                "the SFT trainer; use trainer='dpo' or 'reward', or give SFT data"], context="sft")
 
-    def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]:
-        """Enough of the longest rows to fill one micro-batch (packed rows when packing).
+    def kept_rows(self, workload: Workload, candidate: Candidate) -> Any:
+        """Indices of the rows TRL keeps: with a completion-only loss, rows whose trained tokens all fall past
+        `max_length` are dropped as fully masked (SFTTrainer's "Dropping fully masked examples")."""
+        import numpy as np
 
-        Rows whose trained tokens all fall past `max_length` are skipped: TRL drops them as fully masked.
-        """
+        data = workload.dataset
+        if not data.completion_only_loss or not candidate.max_length:
+            return np.arange(len(data.rows))
+        return np.flatnonzero(data.trained_after_truncation(candidate.max_length) > 0)
+
+    def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]:
+        """Enough of the longest rows to fill one micro-batch (packed rows when packing), of the rows TRL keeps."""
         import numpy as np
 
         b = candidate.per_device_train_batch_size
         data = workload.dataset
         cap = candidate.max_length
-        kept = np.flatnonzero(data.trained_after_truncation(cap) > 0) if data.completion_only_loss else np.arange(
-            len(data.rows))
+        kept = self.kept_rows(workload, candidate)
         lengths = np.minimum(data.lengths[kept], cap) if cap else data.lengths[kept]
         order = [int(kept[i]) for i in np.argsort(-lengths, kind="stable")]
         if not candidate.packing or not cap:
