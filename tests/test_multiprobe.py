@@ -89,6 +89,35 @@ def test_a_rank_that_hangs_times_out_and_every_rank_is_killed(monkeypatch, child
     _nothing_left(children)
 
 
+@pytest.mark.slow  # the search's measurements are 2-rank probes (one candidate here): about 30 s
+def test_the_search_measures_two_ranks_through_the_cpu_probe(children):
+    """search.suggest over the `cpu` backend with num_gpus 2: each candidate is a real 2-process probe, the pick's
+    Measurement has both ranks, its tokens count both, the budget is each rank's, the answer carries the
+    accelerate config, and no process is left."""
+    from advisor import search
+    from advisor.workload import Goals, Method
+
+    # 2 ranks x 1 row x 32 tokens a step; truncation allowed (32 tokens is a short max_length for this data)
+    wl = dataclasses.replace(_workload(), goals=Goals(tokens_per_step=64, max_truncation=1.0, method=Method.FULL))
+    fix = {"max_length": "32", "per_device_train_batch_size": "1", "precision": "fp32", "optim": "adamw_torch",
+           "activation_checkpointing": "false", "parallelism": "fsdp2", "packing": "false", "padding_free": "false",
+           "group_by_length": "false", "attn_implementation": "sdpa"}
+    s = search.suggest(wl, backend="cpu", cache=False, trials=2, fix=fix, jobs=1)
+    m = s.measurement
+    assert m.status is Status.OK and m.source is Source.PROBE_CPU, m.message
+    assert s.candidate.parallelism.value == "fsdp2"
+    assert [r.rank for r in m.ranks] == [0, 1] and all(r.status is Status.OK for r in m.ranks)
+    assert m.trained_tokens_per_step == sum(r.trained_tokens_per_step for r in m.ranks)
+    # the effective batch counts both ranks: half the accumulation one GPU needs for the goal's 64 tokens a step
+    one = search.with_accumulation(s.candidate.replace(gradient_accumulation_steps=1), 64,
+                                   search.RowTokens(wl.dataset), num_gpus=1)
+    assert one.gradient_accumulation_steps == 2 * s.candidate.gradient_accumulation_steps
+    assert all(r.peak_bytes <= wl.limit_bytes for r in m.ranks)
+    launch = s.launch()
+    assert launch.config["num_processes"] == 2 and launch.config.get("fsdp_config", {}).get("fsdp_version") == 2
+    _nothing_left(children)  # one launcher of two ranks per probe, each gone
+
+
 def test_rank_results_round_trip_through_json():
     m = Measurement(status=Status.OOM, source=Source.PROBE_CPU, ranks=(
         RankResult(rank=0, status=Status.ERROR, message="stopped"), RankResult(rank=1, status=Status.OOM)))
