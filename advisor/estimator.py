@@ -109,9 +109,8 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
     device = reserved + outside_allocator_bytes(gpu) if cuda else peak
 
-    # the offloader's copies move every saved activation (the simulator's copy volume: its activations before
-    # the offload correction), not only what stays on the device
-    timed = expected_step_time(workload, arch, c, worst, activations + p.offloaded)
+    # the offloader's copies move every activation it is handed (MemoryParts.offload_volume), not only what stays
+    timed = expected_step_time(workload, arch, c, worst, p.offload_volume)
     step_time, trained_per_step = timed.step_s, int(round(timed.trained_per_step))
     terms = dict(timed.terms)
     if workload.num_gpus > 1:  # global throughput: every rank's tokens over the step with the collectives' time

@@ -89,7 +89,8 @@ def simulate(
     runs = [simulate_depth(workload, run_cand, target, n, steps=steps, original=candidate, trainer=spec)
             for n in depths]
     try:
-        combined = extrapolate(runs, depth, cuda=target.is_cuda, expandable_segments=run_cand.expandable_segments)
+        combined = extrapolate(runs, depth, cuda=target.is_cuda, expandable_segments=run_cand.expandable_segments,
+                               offloading=candidate.activation_offloading)
     except NotSeparable as e:
         layer_note = f"the {depths[0]}- and {depths[1]}-layer runs do not split into identical layers ({e}): " \
                      f"simulated at full depth"
@@ -107,7 +108,14 @@ def simulate(
     breakdown = dict(combined.breakdown)
     step_time = combined.time_s
 
-    activations_before = breakdown.get(Category.ACTIVATIONS.value, 0)
+    # what the forward saves: the activation offloader's copy volume
+    activations_saved = breakdown.get(Category.ACTIVATIONS.value, 0)
+    if combined.offload is not None:  # offloading at every moment of the stream, not at the unoffloaded peak only
+        off = combined.offload
+        delta = off.peak_bytes - peak
+        peak, allocated, reserved = peak + delta, allocated + delta, reserved + delta
+        breakdown = dict(off.by_category)
+        activations_saved = off.saved_bytes
     adjust = modelled_adjustments(candidate, workload.model, breakdown, step_time, batch_shape=combined.batch_shape,
                                    cuda=target.is_cuda)
     notes.extend(adjust.notes)
@@ -129,7 +137,7 @@ def simulate(
         )
     else:
         peak_bytes = reserved_bytes = device_bytes = peak
-    timed = expected_time(workload, candidate, target, combined.cost, activations_before) if spec.name == "sft" \
+    timed = expected_time(workload, candidate, target, combined.cost, activations_saved) if spec.name == "sft" \
         else None
     if timed is not None:
         step_time, trained, tps = timed.step_s, timed.trained_per_step, timed.tokens_per_second

@@ -47,6 +47,7 @@ class MemoryParts:
     trainable: int  # parameters that get gradients
     batch: BatchShape  # the worst micro-batch
     offloaded: int = 0  # activation offloading: saved bytes that leave the device (activations are what stays)
+    offload_volume: int = 0  # activation offloading: what the forward saves through the offloader's hooks (copied)
 
 
 def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
@@ -91,8 +92,16 @@ def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
     else:
         layer_acts = arch.layers * per_layer
         recompute = 0
-    offloaded = 0
+    offloaded = volume = 0
     if c.activation_offloading:
+        # the copies move what autograd saves through the offloader's hooks: inside a checkpointed layer torch's
+        # own hooks take precedence (only its input is seen), so the autocast weight copies those layers' matmuls
+        # save are not moved; the final norm's input and output are (the simulator counts them the same way:
+        # advisor/_sim/fake_step._SavedCounter)
+        plain = (arch.layers - math.ceil(arch.layers / c.checkpoint_every_n_layers)
+                 if c.activation_checkpointing else arch.layers)
+        cast = base_linear * 2 * plain // arch.layers if autocast and (not c.use_lora or not quant) else 0
+        volume = layer_acts + tokens * arch.hidden * (4 + act_bytes) + cast
         # TRL's offloader moves saved tensors to pinned host memory, keeping about two layers in flight; every
         # saved byte crosses PCIe twice (the copies' time counts what is moved, not what stays).
         kept_acts = min(layer_acts, 2 * max(per_layer, resid))
@@ -110,7 +119,7 @@ def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
     return MemoryParts(
         parameters=int(params), gradients=int(grads), optimizer=int(optimizer), optimizer_temporaries=int(opt_temp),
         activations=int(activations), lm_head_saved=lm_saved, lm_head_temporaries=lm_peak, recompute=int(recompute),
-        trainable=int(trainable), batch=worst, offloaded=int(offloaded),
+        trainable=int(trainable), batch=worst, offloaded=int(offloaded), offload_volume=int(volume),
     )
 
 

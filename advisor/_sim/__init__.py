@@ -33,6 +33,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "batch_label": ("modelled", "batch_label"),  # Measurement.peak_batch
     # ---- the layer-by-layer build of a deeper run's allocation stream (layers.py) ---------------------------------
     "LayerStream": ("layers", "LayerStream"),
+    "offload_peak": ("layers", "offload_peak"),  # activation offloading replayed on a whole stream
+    "OffloadPeak": ("layers", "OffloadPeak"),
     "NotSeparable": ("layers", "NotSeparable"),
     "synthesize": ("layers", "synthesize"),
     "synthesize_checked": ("layers", "synthesize_checked"),

@@ -44,6 +44,8 @@ class DepthRun:
     # the run's allocation events by decoder layer (advisor/_sim/layers.py): what a deeper run is built from
     stream: Any = field(default=None, compare=False, repr=False)
     padding_free_sequences: int = 0  # the sequences of a padding-free batch (no attention mask); 0: padded rows
+    saved_bytes: int = 0  # what one micro-batch's forward saves for backward (counted when offloading)
+    offload: Any = None  # layers.OffloadPeak: activation offloading replayed on the stream (None: not offloaded)
 
 
 def simulate_depth(
@@ -85,7 +87,7 @@ def simulate_depth(
         _record_last_step(trainer, hook, steps, candidate.gradient_accumulation_steps)
         result = run_fake_training(
             trainer, batch, steps=steps, cuda=target.is_cuda, on_op=hook, record_events=target.is_cuda,
-            num_layers=layers, spec=kind,
+            num_layers=layers, spec=kind, count_saved=(original or candidate).activation_offloading,
         )
         cost = _step_cost(trainer, hook, timed, target)
     from .layers import LayerStream
@@ -108,7 +110,19 @@ def simulate_depth(
         cost=cost,
         stream=stream,
         padding_free_sequences=0 if batch.get("attention_mask") is not None else len(result.facts.seq_lengths),
+        saved_bytes=result.saved_bytes,
+        offload=_offload(stream.events, stream.categories, layers, (original or candidate).activation_offloading,
+                         result.saved_bytes),
     )
+
+
+def _offload(events, categories, layers: int, offloading: bool, saved_bytes: int):
+    """Activation offloading over the whole stream (fake tensors run without it: its CUDA streams cannot run)."""
+    if not offloading:
+        return None
+    from .layers import offload_peak
+
+    return offload_peak(events, categories, layers, saved_bytes)
 
 
 def _record_last_step(trainer, hook, steps: int, ga: int) -> None:
@@ -234,8 +248,8 @@ def plan_depths(model: ModelSpec, layers: tuple[int, int] | None, candidate: Can
     )
 
 
-def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expandable_segments: bool = True
-                ) -> DepthRun:
+def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expandable_segments: bool = True,
+                offloading: bool = False) -> DepthRun:
     """The full depth from the two shallow runs: peaks exact on the built stream (advisor/_sim/layers.py); the step
     time linear in depth. Raises `layers.NotSeparable` where the runs do not split into identical layers."""
     if len(runs) == 1:
@@ -266,6 +280,8 @@ def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expanda
         batch_shape=hi.batch_shape,
         unpadded=hi.unpadded,
         cost=extrapolate_cost(lo.cost, hi.cost, k),  # each term is linear in the number of layers
+        saved_bytes=round(lin(lo.saved_bytes, hi.saved_bytes)),  # linear in the layers, as the step's terms
+        offload=_offload(events, cats, depth, offloading, round(lin(lo.saved_bytes, hi.saved_bytes))),
     )
 
 

@@ -28,7 +28,7 @@ from ..modeling import BatchFeed
 from .flash import fake_flash_attention
 from .layers import install_layer_hooks
 from .shadow import IntegerShadow
-from .tracker import PeakSnapshot, StorageTracker
+from .tracker import PeakSnapshot, StorageTracker, _key, _storage
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class FakeRunResult:
     events: list[tuple[int, int]] | None
     event_layers: list[int | None] | None = None  # per event, the decoder layer it belongs to (advisor/_sim/layers)
     event_categories: dict[int, Category] | None = None  # per allocation event, its last category
+    saved_bytes: int = 0  # count_saved: the most bytes one micro-batch's autograd saved, as TRL's offloader takes them
 
 
 def batch_facts(batch: dict[str, torch.Tensor], labels: torch.Tensor | None = None) -> BatchFacts:
@@ -226,6 +227,7 @@ def run_fake_training(
     record_events: bool = False,
     num_layers: int = 0,
     spec: Any = None,
+    count_saved: bool = False,
 ) -> FakeRunResult:
     """Materialise `trainer.model` (and the trainer's other models) as fake tensors, run the trainer's passes before
     training, then `trainer.train()` for `steps` optimizer steps. `spec`: the advisor.trainers.Trainer (SFT)."""
@@ -273,6 +275,9 @@ def run_fake_training(
             trainer._fake_batches = batches
             trainer.train_dataset = _Sized(steps * ga)
             _label_training_state(trainer, tracker, cuda=cuda)
+            saved = _SavedCounter(trainer, models) if count_saved else None
+            if saved is not None:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack))
             trainer.train()
         events = tracker.finish_events()
         for handle in hooks:
@@ -284,7 +289,60 @@ def run_fake_training(
         events=events,
         event_layers=tracker.event_layers,
         event_categories=tracker.event_categories,
+        saved_bytes=saved.most if saved is not None else 0,
     )
+
+
+class _SavedCounter:
+    """What activation offloading would move: the tensors autograd saves in a micro-batch's forward, through the
+    same saved-tensor hooks TRL's offloader installs (trl/models/activation_offloading.py), with its rules: one
+    copy per storage, nothing under `min_offload_size` (1024 bytes), no parameter or buffer, nothing the output head
+    saves (get_act_offloading_ctx_manager's NoOpManager around `output` / `lm_head`). Inside a checkpointed layer
+    torch's own hooks take precedence, so only the checkpoint's inputs are seen, as the offloader sees them. Fake
+    tensors cannot run the offloader itself (its CUDA streams and pinned host memory)."""
+
+    MIN_BYTES = 1024  # TRL's OffloadActivations(min_offload_size=1024)
+
+    def __init__(self, trainer: Any, models: list) -> None:
+        self.params = {_key(_storage(t)) for m in models for t in (*m.parameters(), *m.buffers())}
+        self.seen: set[int] = set()
+        self.bytes = self.most = 0
+        self.paused = 0
+        for m in models[:1]:  # the trained model, unwrapped as TRL does (accelerate's .module, PEFT's base_model)
+            inner = getattr(m, "module", m)
+            if hasattr(inner, "base_model") and hasattr(inner, "peft_config"):
+                inner = inner.base_model
+            head = getattr(inner, "output", None) if hasattr(inner, "output") else getattr(inner, "lm_head", None)
+            head = getattr(head, "linear", head)
+            if isinstance(head, torch.nn.Module):
+                head.register_forward_pre_hook(lambda *a: self._pause(1))
+                head.register_forward_hook(lambda *a: self._pause(-1), always_call=True)
+        original = trainer.training_step
+
+        def training_step(*args: Any, **kwargs: Any):
+            self.seen, self.bytes = set(), 0
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.most = max(self.most, self.bytes)
+
+        trainer.training_step = training_step
+
+    def _pause(self, by: int) -> None:
+        self.paused += by
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.paused and isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            storage = _storage(t)
+            key = _key(storage)
+            n = storage.nbytes()
+            if key not in self.params and key not in self.seen and n >= self.MIN_BYTES:
+                self.seen.add(key)
+                self.bytes += n
+        return t
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 def _outside_layers_after(trainer: Any, name: str, tracker: StorageTracker) -> None:

@@ -372,6 +372,52 @@ def stream_peak(events: Sequence[tuple[int, int]], categories: Sequence[Category
     return StreamPeak(peak, by)
 
 
+@dataclass(frozen=True)
+class OffloadPeak:
+    """Activation offloading replayed over a whole allocation stream (`offload_peak`)."""
+
+    saved_bytes: int  # what one micro-batch's forward saves (the offloader's copies move it out and back)
+    kept: int  # activation bytes left on the device: two layers in flight
+    peak_bytes: int  # the highest sum of live bytes with every activation byte beyond `kept` on the host
+    by_category: dict[str, int]  # what was on the device then
+
+
+def offload_peak(events: Sequence[tuple[int, int]], categories: Sequence[Category | None], num_layers: int,
+                 saved_bytes: int) -> OffloadPeak:
+    """The stream's peak once activation offloading moves activations to the host, keeping two decoder layers'
+    worth of what the forward saves (`saved_bytes` / num_layers, twice) on the device; at every moment, not only
+    at the peak without offloading: where the activations made that peak another moment (the optimizer step) may
+    be the new one."""
+    acts = Category.ACTIVATIONS
+    kept = 2 * saved_bytes // max(1, num_layers)
+    cat_of: dict[int, Category] = {}
+    current = live_acts = peak = 0
+    peak_at = -1
+    for i, (key, delta) in enumerate(events):
+        if delta > 0:
+            cat_of[key] = categories[i] or Category.OTHER
+        current += delta
+        if cat_of.get(key) is acts:
+            live_acts += delta
+        if delta < 0:
+            cat_of.pop(key, None)
+        on_device = current - max(0, live_acts - kept)
+        if on_device > peak:
+            peak, peak_at = on_device, i
+    live: dict[int, tuple[int, Category]] = {}
+    for i, (key, delta) in enumerate(events[: peak_at + 1]):
+        if delta > 0:
+            live[key] = (delta, categories[i] or Category.OTHER)
+        else:
+            live.pop(key, None)
+    by: dict[str, int] = {}
+    for n, cat in live.values():
+        by[cat.value] = by.get(cat.value, 0) + n
+    if by.get(acts.value, 0) > kept:
+        by[acts.value] = kept
+    return OffloadPeak(saved_bytes=saved_bytes, kept=kept, peak_bytes=peak, by_category=by)
+
+
 def install_layer_hooks(model: Any, tracker: Any, num_layers: int) -> list[Any]:
     """Tag the tracker's events with the decoder layer that runs: forward (and recomputation) by module hooks,
     backward from the moment the gradient of the layer's output is complete. Returns the hook handles."""

@@ -147,16 +147,12 @@ def modelled_adjustments(
         adj.bytes_delta -= saved
         adj.breakdown_delta[Category.OPTIMIZER.value] = -saved
         adj.notes.append(f"{candidate.optim.value}: 8-bit optimizer state modelled as 1/4 of AdamW's fp32 state")
-    if candidate.activation_offloading:
-        acts = breakdown.get(Category.ACTIVATIONS.value, 0)
-        layers = max(1, model.num_layers)
-        kept = 2 * acts // layers  # double-buffered: the layer being computed and the one in flight
-        adj.bytes_delta -= acts - kept
-        adj.breakdown_delta[Category.ACTIVATIONS.value] = kept - acts
+    if candidate.activation_offloading:  # its bytes: advisor/_sim/layers.offload_peak, on the simulated stream
         adj.notes.append(
             "activation offloading's CUDA streams cannot run on fake tensors: saved activations modelled as moved "
-            "to host except two layers in flight; their PCIe copies run on a side stream, overlapped with compute "
-            "(the step-time model's copy lane)"
+            "to host except two layers in flight, at every moment of the simulated step (the peak may move to "
+            "another moment, e.g. the optimizer step); the PCIe copies of everything the forward saved run on a "
+            "side stream, overlapped with compute (the step-time model's copy lane)"
         )
     return adj
 
