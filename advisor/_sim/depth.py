@@ -269,6 +269,7 @@ def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expanda
     peak, allocated, reserved, breakdown = _stream_peaks(
         events, cats, cuda=cuda, expandable_segments=expandable_segments
     )
+    saved = round(lin(lo.saved_bytes, hi.saved_bytes))  # linear in the layers, as the step's terms
     return DepthRun(
         layers=depth,
         peak_bytes=peak,
@@ -280,8 +281,8 @@ def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expanda
         batch_shape=hi.batch_shape,
         unpadded=hi.unpadded,
         cost=extrapolate_cost(lo.cost, hi.cost, k),  # each term is linear in the number of layers
-        saved_bytes=round(lin(lo.saved_bytes, hi.saved_bytes)),  # linear in the layers, as the step's terms
-        offload=_offload(events, cats, depth, offloading, round(lin(lo.saved_bytes, hi.saved_bytes))),
+        saved_bytes=saved,
+        offload=_offload(events, cats, depth, offloading, saved),
     )
 
 

@@ -351,25 +351,28 @@ class StreamPeak:
 
 def stream_peak(events: Sequence[tuple[int, int]], categories: Sequence[Category | None]) -> StreamPeak:
     """The highest sum of live bytes and what was live then, by category."""
-    cat_of: dict[int, Category] = {}
     current = peak = 0
     peak_at = -1
     for i, (_, delta) in enumerate(events):
         current += delta
         if current > peak:
             peak, peak_at = current, i
-    live: dict[int, int] = {}
-    for i, (key, delta) in enumerate(events[: peak_at + 1]):
+    return StreamPeak(peak, _live_by_category(events, categories, peak_at))
+
+
+def _live_by_category(events: Sequence[tuple[int, int]], categories: Sequence[Category | None],
+                      at: int) -> dict[str, int]:
+    """Bytes live just after event `at`, by category (nothing when `at` < 0)."""
+    live: dict[int, tuple[int, Category]] = {}
+    for i, (key, delta) in enumerate(events[: at + 1]):
         if delta > 0:
-            live[key] = delta
-            cat_of[key] = categories[i] or Category.OTHER
+            live[key] = (delta, categories[i] or Category.OTHER)
         else:
             live.pop(key, None)
     by: dict[str, int] = {}
-    for key, n in live.items():
-        c = cat_of[key].value
-        by[c] = by.get(c, 0) + n
-    return StreamPeak(peak, by)
+    for n, cat in live.values():
+        by[cat.value] = by.get(cat.value, 0) + n
+    return by
 
 
 @dataclass(frozen=True)
@@ -404,15 +407,7 @@ def offload_peak(events: Sequence[tuple[int, int]], categories: Sequence[Categor
         on_device = current - max(0, live_acts - kept)
         if on_device > peak:
             peak, peak_at = on_device, i
-    live: dict[int, tuple[int, Category]] = {}
-    for i, (key, delta) in enumerate(events[: peak_at + 1]):
-        if delta > 0:
-            live[key] = (delta, categories[i] or Category.OTHER)
-        else:
-            live.pop(key, None)
-    by: dict[str, int] = {}
-    for n, cat in live.values():
-        by[cat.value] = by.get(cat.value, 0) + n
+    by = _live_by_category(events, categories, peak_at)
     if by.get(acts.value, 0) > kept:
         by[acts.value] = kept
     return OffloadPeak(saved_bytes=saved_bytes, kept=kept, peak_bytes=peak, by_category=by)
