@@ -130,8 +130,9 @@ def multi_gpu_rows(a: argparse.Namespace, wl, max_length: int) -> list[dict]:
     simulation; ratios are simulated / probed, per rank (the budget applies to each) and for the global tokens/s."""
     import dataclasses
 
-    from advisor.parallelism import Layout, simulate_per_rank
+    from advisor.parallelism import Layout
     from advisor.probing import probe
+    from advisor.simulator import simulate_per_rank
 
     rows = []
     for n in a.multi_gpu:

@@ -93,7 +93,8 @@ def main() -> int:
         rank(json.loads(ns._rank))
         return 0
     from advisor.accelerate_config import accelerate_config
-    from advisor.parallelism import Layout, deepspeed_available, simulate_per_rank
+    from advisor.parallelism import Layout, deepspeed_available
+    from advisor.simulator import simulate_per_rank
     from advisor.space import Candidate
 
     if not deepspeed_available():

@@ -148,7 +148,8 @@ def test_flash_varlen_costs_the_per_sequence_causal_terms(h100_target):
     each sequence's causal tiles; sdpa with the packed row's mask pays the whole row squared."""
     import torch
 
-    from advisor.costs import Basis, BatchLayout, Term, TimingHook, attention_tile_s, time_constants
+    from advisor.costs import Basis, Term, attention_tile_s, time_constants
+    from advisor.simulator import BatchLayout, TimingHook
 
     _TERMS = tuple(Term)  # the order of the model's terms
 

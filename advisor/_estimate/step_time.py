@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._physics import DTYPE_BYTES, Architecture, knob_time, lora_parameters
 from ..space import Attention, Candidate, Precision, Quantization, WeightsDtype
 from .memory import TOKEN_CHUNK, VOCAB_CHUNK
 from .micro_batches import BatchShape
-from .modelled import knob_time
-from .shapes import DTYPE_BYTES, Architecture, lora_parameters
 
 if TYPE_CHECKING:
     from ..workload import Workload
@@ -27,7 +26,7 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
     folds, bitsandbytes' dequantisation; host ops per layer from the same counts; the optimizer as the target runs
     it. Evaluated over the same batch distribution as the simulator's, so the two backends rank alike.
     """
-    from .. import costs as tm
+    from .. import _physics as tm
 
     gpu = workload.gpu
     tc = tm.time_constants(gpu)

@@ -38,7 +38,7 @@ def expected_time(workload: Workload, candidate: Candidate, target: GPUSpec, cos
     """The expected step time over the batches the sampler makes (the worst batch stays the memory case)."""
     if cost is None:
         return None
-    from .timing import batch_distribution, evaluate, offload_copy_s_per_token, peak_flops, time_constants
+    from .._physics import batch_distribution, evaluate, offload_copy_s_per_token, peak_flops, time_constants
 
     tc = time_constants(target)
     cost = cost.with_(peak_flops=peak_flops(target, candidate.precision.value))
@@ -50,7 +50,7 @@ def expected_time(workload: Workload, candidate: Candidate, target: GPUSpec, cos
 
 def _knob_time(cost, model: ModelSpec, candidate: Candidate, target: GPUSpec):
     """The modelled knobs' step-time terms (use_kernels, checkpoint_offload): advisor/estimate.py's closed form."""
-    from ..estimator import knob_time
+    from .._physics import knob_time
 
     return knob_time(cost, model, candidate, target)
 
@@ -126,7 +126,7 @@ def modelled_adjustments(
     _modelled_knobs(adj, candidate, model, breakdown, batch_shape[0] * batch_shape[1], cuda)
     params = Category.PARAMETERS.value
     if candidate.quantization is not Quantization.NONE:
-        from ..estimator import architecture, quantized_linear_bytes
+        from .._physics import architecture, quantized_linear_bytes
 
         arch = architecture(model)
         n = arch.decoder_linear
@@ -175,7 +175,7 @@ def _modelled_knobs(adj: Adjustment, candidate: Candidate, model: ModelSpec, bre
                     tokens: int, cuda: bool) -> None:
     """The knobs fake tensors cannot run, from advisor/estimate.py's closed forms (one model for both backends):
     what each frees of the activations held at the simulated peak, noted as modelled."""
-    from ..estimator import knob_memory_savings
+    from .._physics import knob_memory_savings
 
     acts = Category.ACTIVATIONS.value
     for name in ("use_kernels", "checkpoint_offload"):
