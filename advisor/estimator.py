@@ -126,7 +126,7 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     notes = [
         f"LM head: TRL's fused tiled head, {'labelled positions only (CUDA)' if cuda else 'every position (CPU)'}",
         f"peak at the {when}",
-        f"step time: the step-time model's terms in closed form (advisor/_sim/timing.py) on {gpu.name}, expected "
+        f"step time: the step-time model's terms in closed form (advisor/_physics/timing/) on {gpu.name}, expected "
         "over the batches the sampler makes",
         *rank_notes,
     ]

@@ -144,7 +144,7 @@ def simulate(
     if timed is not None:
         step_time, trained, tps = timed.step_s, timed.trained_per_step, timed.tokens_per_second
         notes.append(
-            "time: the step-time model (advisor/_sim/timing.py) over the batches the sampler makes "
+            "time: the step-time model (advisor/_physics/timing/) over the batches the sampler makes "
             f"(worst batch {timed.worst_step_s:.4g} s a step); constants unverified until gpu_validate fits them"
         )
     else:

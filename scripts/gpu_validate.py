@@ -168,7 +168,7 @@ def predicted_probe_step_s(sim, kinds: list[str]) -> float | None:
 
 # ---- fitting the step-time model's constants to the measured step times ------------------------------------------
 
-# Each fitted multiplier scales one group of the model's terms (advisor/_sim/timing.py Term values) and is applied to
+# Each fitted multiplier scales one group of the model's terms (advisor/_physics/timing Term values) and is applied to
 # the constants behind it: matmul -> gemm efficiency (the LM head's tile GEMMs included), attention -> attention
 # efficiencies, memory_bound -> achievable bandwidth (memory-bound ops, dequantisation, the optimizer's passes,
 # copies), launch_host -> host time per op.
@@ -325,7 +325,7 @@ def run(a: argparse.Namespace) -> int:
     if a.backend == "cuda":
         out["fitted_time_constants"] = {
             **fit_time_constants(rows),
-            "applies_to": "advisor/_sim/timing.py time_constants() for this GPU profile (multipliers of the "
+            "applies_to": "advisor/_physics/timing time_constants() for this GPU profile (multipliers of the "
                           "profiles/measurements/time_constants.json values)",
         }
         f = out["fitted_time_constants"]

@@ -59,7 +59,7 @@ def _check(candidate: dict, parallelism: dict, config: dict | None = None) -> No
 
 
 def _largest_unit_bytes(candidate: dict, config: dict | None) -> int:
-    """The embedding unit plus one decoder layer, unsharded, in the dtype FSDP2 gathers (advisor/estimate.py)."""
+    """The embedding unit plus one decoder layer, unsharded, in the dtype FSDP2 gathers (_physics/ranks_closed)."""
     from advisor.estimator import architecture
 
     arch = architecture(_workload(config).model)

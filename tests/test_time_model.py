@@ -1,4 +1,4 @@
-"""The step-time model (advisor/_sim/timing.py): orderings that physics decides, on predicted times only.
+"""The step-time model (advisor/_physics/timing/): orderings that physics decides, on predicted times only.
 
 No wall-clock assertion: every number here is a prediction of the model, checked against an independent count
 (the lengths report's padding, the FLOPs of a tile, the number of passes of a recomputed forward) or an ordering

@@ -1,4 +1,4 @@
-"""Step time in closed form: the simulator's step-time model (advisor/_sim/timing.py) with its terms counted from
+"""Step time in closed form: the shared step-time model (advisor/_physics/timing/) with its terms counted from
 the architecture and the candidate, expected over the same batch distribution, so the two backends rank alike."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, worst: BatchShape, activations: int):
-    """The expected step time from the same terms as the simulator's (advisor/_sim/timing.py), in closed form.
+    """The expected step time from the same terms as the simulator's (advisor/_physics/timing/), in closed form.
 
     The micro-step's kernels are the decoder's GEMMs (forward, grad-input, weight gradient when trained, the
     recomputed forward under checkpointing; LoRA's rank-r products), attention per tile, the memory-bound ops

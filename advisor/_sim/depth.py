@@ -3,8 +3,8 @@
 
 Decoder layers are identical, so `advisor.simulator.simulate` runs two shallow depths and builds the full depth's
 allocation stream from theirs layer by layer (advisor/_sim/layers.py); its peaks are taken on that stream, on
-CUDA through the caching allocator's rules (advisor/_sim/cuda_rules.py). The step time comes from the kernels
-the fake run's ops would launch (advisor/_sim/timing/).
+CUDA through the caching allocator's rules (advisor/_physics/cuda_rules.py). The step time comes from the kernels
+the fake run's ops would launch (advisor/_sim/timing_hook.py, costed by advisor/_physics/timing/).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class DepthRun:
     breakdown: dict[str, int]
     allocated_bytes: int  # CUDA rules applied (== peak_bytes on the CPU)
     reserved_bytes: int
-    time_s: float  # predicted time of one optimizer step on the worst batch (advisor/_sim/timing/)
+    time_s: float  # predicted time of one optimizer step on the worst batch (advisor/_physics/timing/)
     trained_tokens: int  # per micro-batch
     batch_shape: tuple[int, int]
     unpadded: bool
