@@ -6,14 +6,19 @@ it runs two shallow depths and builds the full depth's allocation stream from th
 tests/test_simulate_depth.py). For a CUDA target it follows the CUDA path and replays the caching allocator's
 rules; what fake tensors cannot run is modelled and noted.
 
+`simulate_per_rank()` is one rank of N GPUs: FSDP2 on the fake process group, DDP and ZeRO as the single-GPU
+run with their model states in closed form, the collectives' time over the interconnect.
+
 This module is the simulator's public face; its parts live in the private package `advisor/_sim/` (one fake run
 at one depth and the extrapolation: `depth.py`; what is modelled instead of run: `modelled.py`; the fake step,
-the storage tracker, the allocator's rules, the layer streams, the FlashAttention stand-in, the step-time
-model). The parts a caller or a test may use are re-exported here: one run at one depth (`simulate_depth`,
-`DepthRun`, `plan_depths`, `with_depth`), the batch a simulated step runs (`worst_rows`, `worst_batch`), the
-layer-by-layer build (`LayerStream`, `synthesize`, `synthesize_checked`, `NotSeparable`), the candidate as fake
-tensors run it (`runnable`) and the FlashAttention stand-in (`fake_flash_attention`, `flash_attention_names`,
-`attention_flops`, `batch_facts`, `materialise`). Each is imported on first use.
+the storage tracker, the layer streams, the FlashAttention stand-in, the fake run's timing hook, the fake process
+group), and the physics it shares with the estimate (the allocator's rules, the step-time model, the multi-GPU
+closed forms, the modelled knobs) in `advisor/_physics/`; it never imports the estimate. The parts a caller or a
+test may use are re-exported here: one run at one depth (`simulate_depth`, `DepthRun`, `plan_depths`,
+`with_depth`), the batch a simulated step runs (`worst_rows`, `worst_batch`), the layer-by-layer build
+(`LayerStream`, `synthesize`, `synthesize_checked`, `NotSeparable`), the candidate as fake tensors run it
+(`runnable`), the FlashAttention stand-in (`fake_flash_attention`, `flash_attention_names`, `attention_flops`,
+`batch_facts`, `materialise`) and the timing hook (`TimingHook`, `BatchLayout`). Each is imported on first use.
 """
 
 from __future__ import annotations
