@@ -22,6 +22,7 @@ buffer: an accuracy test that must tell them apart needs a model whose state out
 
     python scripts/grpo_cpu_peak.py            # every case
     python scripts/grpo_cpu_peak.py grpo-full  # one case
+    python scripts/grpo_cpu_peak.py --size medium grpo-full
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ TINY_QWEN2 = {
     "max_position_embeddings": 4096, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
 }
+# A model whose training state (11.6 M parameters: 186 MB of weights, gradients and AdamW state in float32) outweighs
+# the fused LM head's 32,768-column buffer, so the cases' differences show in the peak (`--size medium`).
+MEDIUM_QWEN2 = dict(TINY_QWEN2, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=4)
+SIZES = {"tiny": TINY_QWEN2, "medium": MEDIUM_QWEN2}
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ def _live(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def run_case(case: Case) -> Peak:
+def run_case(case: Case, size: str = "tiny") -> Peak:
     import datasets
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -130,7 +136,7 @@ def run_case(case: Case) -> Peak:
         return [float(i % 3) for i in range(len(completions))]  # varied, so the advantages are not all zero
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(**TINY_QWEN2)
+    config = AutoConfig.for_model(**SIZES[size])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tok = _tokenizer(TINY_QWEN2["vocab_size"], TINY_QWEN2["pad_token_id"], TINY_QWEN2["eos_token_id"])
     dataset = datasets.Dataset.from_dict({"prompt": _prompts(case, TINY_QWEN2["vocab_size"])})
@@ -175,13 +181,19 @@ def run_case(case: Case) -> Peak:
 
 
 def main(argv: list[str]) -> int:
+    size = "tiny"
+    if argv[:1] == ["--size"]:
+        size, argv = argv[1], argv[2:]
+    if size not in SIZES:
+        print(f"--size {size}: one of {', '.join(SIZES)}", file=sys.stderr)
+        return 2
     names = argv or list(CASES)
     unknown = [n for n in names if n not in CASES]
     if unknown:
         print(f"unknown case(s) {unknown}; known: {', '.join(CASES)}", file=sys.stderr)
         return 2
     for name in names:
-        p = run_case(CASES[name])
+        p = run_case(CASES[name], size)
         forced = set(p.completion_lengths) == {CASES[name].args.get("max_completion_length",
                                                                   BASE["max_completion_length"])}
         print(f"{p.case:30s} peak {p.peak_bytes:>10,d} B = before {p.before_bytes:>9,d} + train() "
