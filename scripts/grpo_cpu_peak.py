@@ -18,7 +18,8 @@ Measured (TRL 1.16.0, torch 2.13 CPU): at this size every case peaks at 27-28.6 
 fused LM head (trl/kernels/chunked_logprob.py, ChunkedLogProbFunction: `mm_buf = torch.empty((min(N,
 TOKEN_CHUNK_SIZE), chunk_size))`, N the tokens of the batch (4 x 39), chunk_size 32,768 columns of float32 whatever
 the vocabulary: 20,447,232 bytes, in the forward and again in the backward). The cases differ by less than that
-buffer: an accuracy test that must tell them apart needs a model whose state outweighs it.
+buffer: an accuracy test that must tell them apart needs a model whose state outweighs it (`--size medium`: 170.4 MB
+full, 205.7 MB with a reference, 88.6 MB with LoRA; 65-140 s a case on 2 shared cores).
 
     python scripts/grpo_cpu_peak.py            # every case
     python scripts/grpo_cpu_peak.py grpo-full  # one case
