@@ -38,9 +38,12 @@ Result (TRL 1.16.0, transformers 5.24.0, torch 2.13 CPU; real = scripts/grpo_cpu
 
 The cost that remains: every decode step is a forward on fake tensors through the tracker. Tiny model, 4
 completions, one step: generate took 4.5 s at max_completion_length 16 and 42.7 s at 128 (0.34 s a decode step on
-2 shared cores), so 512-1024 completion tokens would take minutes per simulated step. The allocation stream of a
-decode step is affine in the step's index (DynamicCache grows by one position a step), so two short generations can
-be extrapolated to max_completion_length as depths are, while the rest of the step runs at the full length.
+2 shared cores), so 512-1024 completion tokens would take minutes per simulated step. A decode step's allocations
+should be affine in the step's index (DynamicCache grows by one position a step), so two short generations could be
+extrapolated to max_completion_length as depths are, while the rest of the step runs at the full length: NOT yet
+verified. Measured so far: the real `generate` peak (4 x 24-token prompts, sampling) did not move at all from 8 to 40
+new tokens (tiny: 309,560 B; medium: 2,804,024 B): the prefill binds there; a run at 64-320 tokens did not finish in
+10 minutes on the shared cores.
 
     python docs/spikes/grpo_fake_generate.py grpo-full [--size medium]
 """
