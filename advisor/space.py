@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import knobs as _knobs
 from ._candidate import (
     CHECKPOINT_EXTRA,
     LLAMA_LINEARS,
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [  # noqa: RUF022
     "Candidate", "SearchSpace", "RunBase", "QualityCost", "PackingStrategy", "Precision", "WeightsDtype",
-    "Quantization", "Optimizer", "Attention", "UNSUPPORTED_OPTIMIZERS", "CHECKPOINT_EXTRA", "BASE_KNOBS",
+    "Quantization", "Optimizer", "Attention", "UNSUPPORTED_OPTIMIZERS", "CHECKPOINT_EXTRA", "carried_knobs",
     "knob_value", "with_knobs", "model_linear_names", "peft_default_targets", "default_lora_targets",
 ]
 
@@ -88,9 +89,7 @@ class Candidate:
 
     def __post_init__(self) -> None:
         # Accept plain strings (YAML, --fix) and lists; store Enums and tuples so candidates hash and compare.
-        from .knobs import coerce
-
-        values, problems = coerce({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        values, problems = _knobs.coerce({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         for name, value in values.items():
             if value is not getattr(self, name):
                 object.__setattr__(self, name, value)
@@ -121,10 +120,8 @@ class Candidate:
         if not self.activation_checkpointing:
             return None
         # TRL sets use_reentrant=False when it is not given (SFTTrainer.__init__); the user's other keys are kept
-        from .knobs import checkpoint_kwargs
-
         kwargs: dict[str, Any] = {"use_reentrant": False, **(self.base.get(CHECKPOINT_EXTRA) or {})}
-        kwargs.update(checkpoint_kwargs(self))  # selective, every_n_layers, offload (advisor/knobs.py)
+        kwargs.update(_knobs.checkpoint_kwargs(self))  # selective, every_n_layers, offload (advisor/knobs.py)
         return kwargs
 
     def replace(self, **changes: Any) -> Candidate:
@@ -134,9 +131,7 @@ class Candidate:
             return self
         if "base" in changes or not changes.keys() <= _KNOB_FIELDS:
             return dataclasses.replace(self, **changes)  # the user's keys, or a name dataclasses must refuse
-        from .knobs import coerce
-
-        values, problems = coerce(changes)
+        values, problems = _knobs.coerce(changes)
         if problems:
             raise ConfigError(problems, context="invalid candidate")
         return self._with_checked({**changes, **values})  # fields that are not knobs: as given, as __post_init__
@@ -151,16 +146,13 @@ class Candidate:
     def canonical(self) -> Candidate:
         """Fields that have no effect reset to their defaults, so equivalent candidates compare equal (each knob's
         `active` in advisor/knobs.py)."""
-        from .knobs import canonical_changes
-
-        changes = canonical_changes(self)  # knob defaults: stored values already
+        changes = _knobs.canonical_changes(self)  # knob defaults: stored values already
         return self._with_checked(changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
         """Knobs as plain values; `base` only when the user's config had other keys (so the search's candidates,
         their study keys and stored baselines keep their form)."""
-        from .knobs import knob
-
+        knob = _knobs.knob
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -213,9 +205,7 @@ class Candidate:
 
     def requirements(self) -> tuple[str, ...]:
         """Packages the training run needs beyond torch/transformers/trl/peft (pip names)."""
-        from .knobs import KNOBS
-
-        out = [k.requires for k in KNOBS if k.requires and getattr(self, k.name) != k.default]
+        out = [k.requires for k in _knobs.KNOBS if k.requires and getattr(self, k.name) != k.default]
         if self.optim.needs_bitsandbytes and "bitsandbytes" not in out:
             out.append("bitsandbytes")
         if self.attn_implementation is not None and self.attn_implementation.is_flash:
@@ -257,27 +247,31 @@ def default_lora_targets(model: ModelSpec) -> tuple[str, ...]:
     return model_linear_names(model)
 
 
-# Knobs a trainer carries in the candidate's base under its config's name (advisor.trainers.dpo.DPOKnobs), searched
-# like Candidate fields: a space may name them, `knob_value` reads them and `with_knobs` sets them (False, the
-# default, is left out of the base, so a candidate without them stays as it was).
-BASE_KNOBS: dict[str, Any] = {"precompute_ref_log_probs": False}
+def carried_knobs() -> dict[str, Any]:
+    """The trainers' own knobs, carried in the candidate's base under their config's name (advisor/knobs.py
+    `carried`, e.g. DPO's precompute_ref_log_probs) -> their defaults. Searched like Candidate fields: a space may
+    name them, `knob_value` reads them and `with_knobs` sets them (the default is left out of the base, so a
+    candidate without them stays as it was)."""
+    return _knobs.carried_defaults()
 
 
 def knob_value(cand: Candidate, name: str) -> Any:
-    """A Candidate field, or a base-carried knob (BASE_KNOBS) with its default when absent."""
-    if name in BASE_KNOBS:
-        return cand.base.get(name, BASE_KNOBS[name])
+    """A Candidate field, or a carried knob with its default when absent."""
+    carried = carried_knobs()
+    if name in carried:
+        return cand.base.get(name, carried[name])
     return getattr(cand, name)
 
 
 def with_knobs(cand: Candidate, **values: Any) -> Candidate:
-    """`cand.replace(**values)` where base-carried knobs (BASE_KNOBS) go into the base."""
-    carried = {k: values.pop(k) for k in list(values) if k in BASE_KNOBS}
+    """`cand.replace(**values)` where carried knobs go into the base."""
+    defaults = carried_knobs()
+    carried = {k: values.pop(k) for k in list(values) if k in defaults}
     out = cand.replace(**values) if values else cand
     if carried:
         base = out.base.as_dict()
         for k, v in carried.items():
-            if v == BASE_KNOBS[k]:
+            if v == defaults[k]:
                 base.pop(k, None)
             else:
                 base[k] = v
@@ -296,7 +290,7 @@ class SearchSpace:
     values: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        names = ({f.name for f in dataclasses.fields(Candidate)} - {"base"}) | set(BASE_KNOBS)
+        names = ({f.name for f in dataclasses.fields(Candidate)} - {"base"}) | set(carried_knobs())
         unknown = sorted(set(self.values) - names)
         if unknown:
             raise ConfigError([f"unknown knob {k!r}" for k in unknown], context="search space")
@@ -315,7 +309,7 @@ class SearchSpace:
         """Every combination (before validity), in a stable order."""
         base = base or Candidate()
         keys = sorted(self.values)
-        if not any(k in BASE_KNOBS for k in keys):
+        if not any(k in carried_knobs() for k in keys):
             # each value checked once (a knob's check does not depend on the others), then combined unchecked
             checked: list[list[Any]] = []
             for k in keys:
@@ -355,6 +349,4 @@ class SearchSpace:
 
 
 _KNOB_FIELDS = frozenset(f.name for f in dataclasses.fields(Candidate)) - {"base"}
-
-# The knob registry checks Candidate's field block against its declarations when it is imported (advisor/knobs.py)
-from . import knobs as _knobs  # noqa: E402,F401
+_knobs.verify(Candidate)  # the field block against its declarations (advisor/knobs.py KNOBS)

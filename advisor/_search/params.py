@@ -9,7 +9,7 @@ from enum import Enum
 from typing import Any
 
 from ..errors import ConfigError
-from ..space import BASE_KNOBS, Candidate, SearchSpace, knob_value, with_knobs
+from ..space import Candidate, SearchSpace, carried_knobs, knob_value, with_knobs
 from ..workload import Workload
 from .space import BATCH_TOLERANCE, RowTokens, attention_refusal, with_accumulation
 
@@ -144,10 +144,11 @@ def space_from_json(data: Mapping[str, list[Any]]) -> SearchSpace:
         return tuple(x for x in v.split(",") if x) if k == "lora_target_modules" and isinstance(v, str) else v
 
     values = {}
+    carried = carried_knobs()
     for k, vals in data.items():
         decoded = []
         for v in vals:
             d = dec(k, v)
-            decoded.append(d if k in BASE_KNOBS else getattr(Candidate(**{k: d}), k))  # strings back to Enums
+            decoded.append(d if k in carried else getattr(Candidate(**{k: d}), k))  # strings back to Enums
         values[k] = tuple(decoded)
     return SearchSpace(values)
