@@ -32,6 +32,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ._candidate import (
+    LLAMA_LINEARS,
     Attention,
     Optimizer,
     PackingStrategy,
@@ -50,7 +51,7 @@ __all__ = [  # noqa: RUF022
     "Home", "Kind", "Memory", "Knob", "FixResult", "KNOBS", "knob", "knobs_in", "fix_names", "parse_fix_value",
     "canonical_changes", "coerce", "stand_ins", "memory_le", "ordered_names", "trial_label", "summary_rows",
     "TRL_DEFAULT", "kernels_available", "yaml_keys", "checkpoint_kwargs", "registry", "register_knobs", "value",
-    "carried_defaults", "config_knobs", "owned_rows", "verify",
+    "carried_defaults", "config_knobs", "owned_rows", "verify", "annotation",
 ]
 
 
@@ -428,9 +429,9 @@ KNOBS: tuple[Knob, ...] = (
          absent=TRL_DEFAULT),
     Knob("lora_dropout", Kind.FLOAT, 0.0, Home.LORA_CONFIG, "lora_dropout", "dropout on the adapters' input",
          bounds=(0.0, 1.0), active=_LORA, absent=TRL_DEFAULT),
-    Knob("lora_target_modules", Kind.MODULES, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                               "down_proj"),
-         Home.LORA_CONFIG, "lora_target_modules", "the adapted projections (None: PEFT's default for the model)",
+    Knob("lora_target_modules", Kind.MODULES, LLAMA_LINEARS, Home.LORA_CONFIG, "lora_target_modules",
+         "the adapted projections (None: PEFT's default for the model type, peft's "
+         "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)",
          active=_LORA, absent=None),
     Knob("quantization", Kind.ENUM, Quantization.NONE, Home.MODEL_CONFIG, "load_in_4bit",
          "bitsandbytes base weights (load_in_4bit / load_in_8bit)", enum=Quantization, trl_aliases=("load_in_8bit",),
@@ -442,7 +443,8 @@ KNOBS: tuple[Knob, ...] = (
          aliases=("torch_dtype",), short=lambda c: None if c.weights_dtype.value == "float32" else
          c.weights_dtype.value, quality="pure low-precision weights (no float32 master copy)"),
     Knob("attn_implementation", Kind.OPTIONAL_ENUM, Attention.SDPA, Home.MODEL_CONFIG, "attn_implementation",
-         "transformers' attention (None: what transformers picks)", enum=Attention, aliases=("attention",),
+         "transformers' attention (None: what transformers picks, see modeling.default_attention)", enum=Attention,
+         aliases=("attention",),
          label="attention", summary=_attn_summary, short=_attn_short, absent=None),
     Knob("precision", Kind.ENUM, Precision.BF16, Home.TRAINING_ARGUMENTS, "bf16",
          "mixed precision (TrainingArguments bf16 / fp16)",
@@ -673,7 +675,8 @@ def _rows(c: Candidate, ks: tuple[Knob, ...]) -> list[list[str]]:
 
 # ---- the check of Candidate against the registry -----------------------------------------------------------------
 
-def _expected_annotation(k: Knob) -> str:
+def annotation(k: Knob) -> str:
+    """The annotation of the Candidate field a shared knob declares (advisor/space.py derives the field)."""
     if k.kind is Kind.ENUM:
         return k.enum.__name__
     if k.kind is Kind.OPTIONAL_ENUM:
@@ -693,7 +696,7 @@ def verify(cls: type) -> None:
                         "advisor/space.py Candidate or remove the declaration")
     for name in sorted(set(fields) & set(_BY_NAME)):
         k, f = _BY_NAME[name], fields[name]
-        want = _expected_annotation(k)
+        want = annotation(k)
         if str(f.type) != want:
             problems.append(f"Candidate.{name} is annotated {f.type!r}; its declaration says {want!r}")
         if f.default is not dataclasses.MISSING and f.default != k.default:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from . import knobs as _knobs
 from ._candidate import (
     CHECKPOINT_EXTRA,
-    LLAMA_LINEARS,
     UNSUPPORTED_OPTIMIZERS,
     Attention,
     Optimizer,
@@ -33,7 +32,6 @@ from ._candidate import (
     peft_default_targets,
 )
 from .errors import ConfigError
-from .parallelism import Layout
 from .workload import Method
 
 if TYPE_CHECKING:
@@ -46,44 +44,37 @@ __all__ = [  # noqa: RUF022
 ]
 
 
+# The order of Candidate's fields (`to_dict()`, the JSON the CLI writes, baselines), as it was before the fields were
+# derived from the registry; a knob not named here follows, in registry order (advisor/knobs.py KNOBS).
+_FIELD_ORDER = (
+    "max_length", "packing", "packing_strategy", "padding_free", "pad_to_multiple_of", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "activation_checkpointing", "checkpoint_selective", "checkpoint_every_n_layers",
+    "activation_offloading", "optim", "precision", "weights_dtype", "group_by_length", "attn_implementation",
+    "use_lora", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "quantization", "expandable_segments",
+    "checkpoint_offload", "use_kernels", "parallelism",
+)
+
+
+def _knob_fields(cls: type) -> type:
+    """One field per shared knob, from its declaration (advisor/knobs.py KNOBS: name, annotation, default), then the
+    class's own (`base`): each knob is declared once, in the registry."""
+    rank = {name: i for i, name in enumerate(_FIELD_ORDER)}
+    ordered = sorted(_knobs.KNOBS, key=lambda k: rank.get(k.name, len(rank)))  # stable: new knobs in registry order
+    own = dict(cls.__dict__.get("__annotations__", {}))
+    cls.__annotations__ = {**{k.name: _knobs.annotation(k) for k in ordered}, **own}
+    for k in ordered:
+        setattr(cls, k.name, k.default)
+    return cls
+
+
 @dataclass(frozen=True)
+@_knob_fields
 class Candidate:
-    """One value for every memory knob. Field names follow SFTConfig / ModelConfig where one exists.
+    """One value for every memory knob: a field per shared knob of the registry (advisor/knobs.py `KNOBS`: its
+    name, type and default, its home in TRL, validity, `--fix` names, when it is active, memory order, labels), named
+    as TRL's config / ModelConfig name it where one exists. A trainer's own knobs (DPO's) ride in `base`.
+    Validation and `canonical()` derive from the registry too."""
 
-    Each field is declared in the knob registry (advisor/knobs.py: its home in TRL, validity, `--fix` names, when
-    it is active, memory order, labels); the registry checks this field block against its declarations when it is
-    imported, and validation and `canonical()` derive from it.
-    """
-
-    max_length: int | None = 1024
-    packing: bool = False
-    packing_strategy: PackingStrategy = PackingStrategy.BFD
-    padding_free: bool = False
-    pad_to_multiple_of: int | None = None
-    per_device_train_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    activation_checkpointing: bool = True
-    checkpoint_selective: bool = False
-    checkpoint_every_n_layers: int = 1
-    activation_offloading: bool = False
-    optim: Optimizer = Optimizer.ADAMW_TORCH_FUSED
-    precision: Precision = Precision.BF16
-    weights_dtype: WeightsDtype = WeightsDtype.FLOAT32
-    group_by_length: bool = False
-    # None: what transformers picks when `attn_implementation` is not given (see modeling.default_attention)
-    attn_implementation: Attention | None = Attention.SDPA
-    use_lora: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    # None: PEFT's default for the model type (peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
-    lora_target_modules: tuple[str, ...] | None = LLAMA_LINEARS
-    quantization: Quantization = Quantization.NONE
-    expandable_segments: bool = True
-    checkpoint_offload: bool = False
-    use_kernels: bool = False
-    # several GPUs (issue 16): how accelerate shards the model; DDP shards nothing (the single-GPU run on one)
-    parallelism: Layout = Layout.DDP
     # the user's other keys (not a knob: the search never changes it)
     base: RunBase = field(default_factory=RunBase)
 

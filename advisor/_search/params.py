@@ -34,7 +34,7 @@ class StudySpace:
         self.base = with_knobs(Candidate(), **self.fixed) if self.fixed else Candidate()
         from ..trainers import get_trainer
 
-        self.trainer = get_trainer(getattr(workload, "trainer", "sft"))
+        self.trainer = get_trainer(workload.trainer)
         self._candidates: tuple[Candidate, ...] | None = None
         self._neighbours: dict[Candidate, tuple[Candidate, ...]] = {}
 

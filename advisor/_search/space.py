@@ -192,7 +192,7 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
         from ..parallelism import search_layouts
 
         values["parallelism"] = search_layouts(workload.num_gpus)
-    trainer = getattr(workload, "trainer", "sft")
+    trainer = workload.trainer
     for k in registry():
         if k.name not in values:
             if k.search is None or (k.carried and not k.accepts(trainer)):
