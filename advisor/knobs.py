@@ -406,6 +406,8 @@ KNOBS: tuple[Knob, ...] = (
          active=_CKPT, memory=Memory.CHECKPOINTING, label="checkpoint offload",
          summary=_shown_if_on("checkpoint_offload"), short=_on("ckpt-offload", "checkpoint_offload"),
          keyed_at_default=False, absent=False, stand_in=False),
+    # no `search`: offered through --fix only; its copies run on the compute stream (always slower) and its saving
+    # is modelled at the simulated peak (advisor/_sim/modelled.py), so the search does not pick it unasked
     Knob("optim", Kind.ENUM, Optimizer.ADAMW_TORCH_FUSED, Home.TRAINING_ARGUMENTS, "optim", "the optimizer",
          enum=Optimizer, label="optim", summary=lambda c: c.optim.value, short=lambda c: c.optim.value,
          absent="adamw_torch_fused"),

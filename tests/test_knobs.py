@@ -227,6 +227,23 @@ def test_labels_come_from_the_declarations():
     assert {k.label for k in KNOBS if k.summary is not None} <= set(rows)
 
 
+def test_a_trainers_own_knob_gets_label_and_memory_order_from_its_declaration():
+    """DPO's precompute_ref_log_probs (advisor/trainers/dpo.py): the trial cell's token, the report's row, the
+    ledger's order, as a shared knob gets them."""
+    on = with_knobs(Candidate(), precompute_ref_log_probs=True)
+    off = Candidate()
+    assert knobs.trial_label(on) == knobs.trial_label(off) + " ref=precomputed"
+    assert knobs.owned_rows(on, "dpo") == [["precompute_ref_log_probs", "True"]]
+    assert knobs.owned_rows(off, "dpo") == [["precompute_ref_log_probs", "False"]]
+    assert knobs.owned_rows(on, "sft") == [] and knobs.owned_rows(on, "reward") == []
+    assert "precompute_ref_log_probs" in knobs.ordered_names()
+    assert memory_le(on, off) and not memory_le(off, on)
+    # emitted from the declaration: DPOConfig gets every one of its own knobs explicitly
+    kw = get_trainer("dpo").config_kwargs(on)
+    assert {k.key: kw[k.key] for k in knobs.registry() if k.carried and k.accepts("dpo")} == {
+        "precompute_ref_log_probs": True, "precompute_ref_batch_size": None, "sync_ref_model": False}
+
+
 def _values(k: knobs.Knob) -> list:
     if k.kind in (Kind.ENUM, Kind.OPTIONAL_ENUM):
         return [v for v in k.enum if v != k.default]

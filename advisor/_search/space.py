@@ -200,8 +200,6 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
             values[k.name] = k.search
         if not k.searched_in(trainer):
             values[k.name] = (k.default,)  # a Candidate field every candidate has: held at its default
-    # checkpoint_offload is offered through --fix only: its copies run on the compute stream (always slower) and
-    # its saving is modelled at the simulated peak (advisor/simulate.py), so the search does not pick it unasked.
     return SearchSpace(values)
 
 
