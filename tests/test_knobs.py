@@ -48,6 +48,16 @@ def test_candidate_fields_are_the_registry():
         assert getattr(Candidate(), k.name) == k.default
 
 
+def test_the_registry_is_below_candidate():
+    """knobs.py imports the value types, not space.py (whose Candidate derives its fields from KNOBS): no circle."""
+    import subprocess
+    import sys
+
+    code = "import sys, advisor.knobs; print('advisor.space' in sys.modules, 'advisor.trainers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
 def test_a_field_without_declaration_fails_loudly():
     @dataclasses.dataclass(frozen=True)
     class Grown(Candidate):
