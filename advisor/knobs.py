@@ -500,12 +500,12 @@ def register_knobs(*owned: Knob) -> tuple[Knob, ...]:
 
 
 def registry() -> tuple[Knob, ...]:
-    """Every knob of every registered trainer: the shared ones (KNOBS, Candidate's fields), then the trainers'."""
+    """Every knob of every registered trainer: the shared ones (KNOBS, Candidate's fields), then the trainers' own,
+    each registered when its trainer module is imported. This module sits below the trainers and never imports them:
+    whoever needs every trainer's knobs loads the trainer registry first (`advisor.trainers.names()`; a Workload
+    does, and so do the default space and `--fix`)."""
     global _ALL
-    if _ALL is None:  # (re)built after the built-in trainers registered their knobs
-        from .trainers import names
-
-        names()  # the built-in trainer modules, each registering its own knobs at import
+    if _ALL is None:  # (re)built after a trainer registered its knobs
         _ALL = (*KNOBS, *_OWNED.values())
     return _ALL
 

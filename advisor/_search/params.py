@@ -143,6 +143,9 @@ def space_from_json(data: Mapping[str, list[Any]]) -> SearchSpace:
     def dec(k: str, v: Any) -> Any:
         return tuple(x for x in v.split(",") if x) if k == "lora_target_modules" and isinstance(v, str) else v
 
+    from ..trainers import names
+
+    names()  # every built-in trainer registered, with its own knobs
     values = {}
     carried = carried_knobs()
     for k, vals in data.items():

@@ -141,6 +141,9 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
     declaration (advisor/knobs.py `search`, a trainer's own knob in its module), and a knob the workload's trainer
     does not search (`searched_by`, `trainers`) is held at its default."""
     from ..knobs import registry
+    from ..trainers import names
+
+    names()  # every built-in trainer registered, with its own knobs
 
     gpu, model, goals = workload.gpu, workload.model, workload.goals
     cuda = gpu.is_cuda
@@ -245,7 +248,9 @@ def fixable_fields(trainer: str | None = None) -> list[str]:
     """Every name `--fix` accepts (for `trainer`; None: for any): each knob's field name, TRL's names and aliases
     (advisor/knobs.py)."""
     from ..knobs import fix_names
+    from ..trainers import names
 
+    names()  # every built-in trainer registered, with its own knobs
     return sorted(fix_names(trainer))
 
 
@@ -253,9 +258,11 @@ def parse_fix(fix: Mapping[str, Any] | None, trainer: str | None = None) -> Pins
     """Map TRL's config / ModelConfig names to knobs; raise ConfigError naming every bad field at once. `trainer`:
     a knob that trainer's config has no field for is refused by name (None: every trainer's knobs accepted)."""
     from ..knobs import fix_names, parse_fix_value
+    from ..trainers import names
 
     if not fix:
         return Pins({})
+    names()  # every built-in trainer registered, with its own knobs
     pins: dict[str, tuple[Any, ...]] = {}
     methods: frozenset[Method] | None = None
     problems: list[str] = []
