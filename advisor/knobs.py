@@ -1,16 +1,26 @@
-"""The knob registry: every memory knob declared once.
+"""The knob registry: every memory knob of every trainer declared once.
 
-A `Knob` says what a `Candidate` field is (its kind, default and validity), where it lives in TRL 1.16 (`Home` and
-the key there), its `--fix` names and their parser, when it has an effect (`active`), how memory moves along it
-(`memory`), its report label and its quality cost. The rest derives from `KNOBS`, the way TrlParser derives flags and
-YAML keys from dataclass fields: Candidate's validation and `canonical()` (advisor/space.py), `--fix`
-(advisor/_search/space.py), both directions of emit (advisor/emit.py), the report's labels (advisor/report.py), the
-ledger's memory order (advisor/_search/ledger.py) and the stand-ins of what fake tensors cannot run
-(advisor/simulate.py). `Candidate`'s field block is checked against the registry when this module is imported: a
-field without a declaration, or a declaration without a field, fails loudly with the fix.
+A `Knob` says what it is (its kind, default and validity), which trainers accept it (`trainers`: None for the
+TrainingArguments / ModelConfig knobs every trainer shares), where it lives in TRL 1.16 (`Home` and the key there),
+its `--fix` names and their parser, its values in the default search space (`search`, and `searched_by`: the
+trainers whose space varies it; the others hold its default), when it has an effect (`active`), how memory moves
+along it (`memory`), its report label and its quality cost. The rest derives from the registry, the way TrlParser
+derives flags and YAML keys from dataclass fields: Candidate's validation and `canonical()` (advisor/space.py), the
+default space and `--fix` (advisor/_search/space.py), both directions of emit (advisor/_emit/), the report's labels
+(advisor/report.py), the ledger's memory order (advisor/_search/ledger.py) and the stand-ins of what fake tensors
+cannot run (advisor/_sim/modelled.py). `Candidate`'s field block is checked against `KNOBS` when advisor/space.py
+defines it: a field without a declaration, or a declaration without a field, fails loudly with the fix.
 
-Adding a knob: one `Knob(...)` below and one field on `Candidate`, then its memory and time in advisor/estimate.py
-and, where fake tensors cannot run it, advisor/simulate.py (see docs/architecture.md, "Where to add things").
+Two kinds of knob: the shared ones in `KNOBS` below are `Candidate` fields; a trainer's own knob (DPO's
+`precompute_ref_log_probs`) is declared in its trainer module with `carried=True` and `register_knobs`, and rides in
+the Candidate's base under its config key (so a candidate of another trainer is unchanged by it). `registry()` is
+both, in order: the shared knobs, then each trainer's.
+
+Adding a knob: a shared one is one `Knob(...)` in `KNOBS` below and one field on `Candidate` (advisor/space.py); a
+trainer's own is one `Knob(..., trainers=frozenset({NAME}), carried=True)` in its module under advisor/trainers/.
+Then its memory and time in the estimate (advisor/estimator.py, advisor/_estimate/) and, where fake tensors cannot
+run it, the simulator's stand-in (`stand_in` here, the modelled difference in advisor/_sim/modelled.py); see
+docs/architecture.md, "Where to add things".
 """
 
 from __future__ import annotations
@@ -19,36 +29,41 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError
-from .parallelism import Layout
-from .space import (
+from ._candidate import (
+    LLAMA_LINEARS,
     Attention,
-    Candidate,
     Optimizer,
     PackingStrategy,
     Precision,
     Quantization,
     WeightsDtype,
 )
+from .errors import ConfigError
+from .parallelism import Layout
 from .workload import Method
+
+if TYPE_CHECKING:
+    from .space import Candidate
 
 __all__ = [  # noqa: RUF022
     "Home", "Kind", "Memory", "Knob", "FixResult", "KNOBS", "knob", "knobs_in", "fix_names", "parse_fix_value",
     "canonical_changes", "coerce", "stand_ins", "memory_le", "ordered_names", "trial_label", "summary_rows",
-    "TRL_DEFAULT", "kernels_available", "yaml_keys", "checkpoint_kwargs",
+    "TRL_DEFAULT", "kernels_available", "yaml_keys", "checkpoint_kwargs", "registry", "register_knobs", "value",
+    "carried_defaults", "config_knobs", "owned_rows", "verify", "annotation",
 ]
 
 
 class Home(str, Enum):
-    """Where a knob lives in what `trl sft` reads."""
+    """Where a knob lives in what `trl <command>` reads."""
 
-    SFT_CONFIG = "SFTConfig"  # a field of trl.SFTConfig
+    TRAINING_ARGUMENTS = "TrainingArguments"  # a field of transformers.TrainingArguments: every trainer's config
+    TRAINER_CONFIG = "trainer config"  # a field of the trainers' own configs (SFTConfig, DPOConfig...; `trainers`)
     MODEL_CONFIG = "ModelConfig"  # a field of trl.ModelConfig (trl sft builds model_init_kwargs / quantization)
     LORA_CONFIG = "LoraConfig"  # ModelConfig's lora_* fields, which trl.get_peft_config turns into a LoraConfig
-    MODEL_INIT_KWARGS = "model_init_kwargs"  # a key of SFTConfig.model_init_kwargs (from_pretrained's kwargs)
-    CHECKPOINT_KWARGS = "activation_checkpointing_kwargs"  # a key of SFTConfig.activation_checkpointing_kwargs
+    MODEL_INIT_KWARGS = "model_init_kwargs"  # a key of the trainer config's model_init_kwargs (from_pretrained's)
+    CHECKPOINT_KWARGS = "activation_checkpointing_kwargs"  # a key of TrainingArguments' activation_checkpointing_kwargs
     ENV = "env"  # an environment variable (the YAML's `env:` block)
     ACCELERATE = "accelerate"  # the accelerate config (`accelerate launch --config_file`), not the TRL YAML
 
@@ -119,9 +134,15 @@ class Knob:
     absent: Any = None  # its value when a run config does not set its key (TRL_DEFAULT: TRL's own default)
     stand_in: Any = _NO_STAND_IN  # the value fake tensors run instead (simulate models the difference)
     requires: str | None = None  # a pip package the run needs when the knob is on
+    trainers: frozenset[str] | None = None  # the trainers whose config accepts it (None: every trainer)
+    search: tuple[Any, ...] | None = None  # its default-space values where no workload decides them (_search/space)
+    searched_by: frozenset[str] | None = None  # trainers whose default space varies it (None: all that accept it)
+    carried: bool = False  # a trainer's own knob: in the Candidate's base under `key` (== name), not a field
 
     def __post_init__(self) -> None:
         problems = []
+        if self.carried and (self.key != self.name or self.trainers is None):
+            problems.append(f"{self.name}: a carried knob is a trainer's own (`trainers`) under its config key")
         if self.kind in (Kind.ENUM, Kind.OPTIONAL_ENUM) and self.enum is None:
             problems.append(f"{self.name}: an enum knob needs `enum`")
         if self.kind is Kind.FLOAT and self.bounds is None:
@@ -204,6 +225,15 @@ class Knob:
 
     def is_active(self, c: Candidate) -> bool:
         return self.active is None or bool(self.active(c))
+
+    def accepts(self, trainer: str) -> bool:
+        """`trainer`'s config (and `trl <command>`) has this knob."""
+        return self.trainers is None or trainer in self.trainers
+
+    def searched_in(self, trainer: str) -> bool:
+        """`trainer`'s default space varies it (else the space holds its default): the trainers `searched_by`
+        names, or (None) every trainer that accepts it."""
+        return self.accepts(trainer) if self.searched_by is None else trainer in self.searched_by
 
 
 def _parse_bool(text: str) -> bool | None:
@@ -320,38 +350,52 @@ def kernels_available() -> bool:
 
 _CKPT = lambda c: c.activation_checkpointing  # noqa: E731
 _LORA = lambda c: c.use_lora  # noqa: E731
+_SFT = frozenset({"sft"})
+# the trainers whose own config (not TrainingArguments) declares max_length, pad_to_multiple_of,
+# activation_offloading and model_init_kwargs: SFTConfig, DPOConfig, RewardConfig
+_TRL_CONFIGS = frozenset({"sft", "dpo", "reward"})
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("per_device_train_batch_size", Kind.INT, 8, Home.SFT_CONFIG, "per_device_train_batch_size",
-         "rows per micro-batch", minimum=1, memory=Memory.GROWS, label="micro-batch x accumulation",
+    Knob("per_device_train_batch_size", Kind.INT, 8, Home.TRAINING_ARGUMENTS, "per_device_train_batch_size",
+         "rows per micro-batch", minimum=1, memory=Memory.GROWS, search=(1, 2, 4, 8, 16, 32, 64),
+         label="micro-batch x accumulation",
          summary=lambda c: f"{c.per_device_train_batch_size} x {c.gradient_accumulation_steps}",
          short=lambda c: f"{c.per_device_train_batch_size}x{c.gradient_accumulation_steps}", absent=8),
-    Knob("gradient_accumulation_steps", Kind.INT, 1, Home.SFT_CONFIG, "gradient_accumulation_steps",
+    Knob("gradient_accumulation_steps", Kind.INT, 1, Home.TRAINING_ARGUMENTS, "gradient_accumulation_steps",
          "micro-batches per optimizer step (derived: keeps the trained tokens per step fixed)", minimum=1,
-         absent=1),
-    Knob("max_length", Kind.OPTIONAL_INT, 1024, Home.SFT_CONFIG, "max_length",
+         absent=1, search=(1,)),
+    Knob("max_length", Kind.OPTIONAL_INT, 1024, Home.TRAINER_CONFIG, "max_length",
          "tokens per row after truncation (None: no truncation)", minimum=1, memory=Memory.GROWS,
          label="max_length", summary=lambda c: str(c.max_length), short=lambda c: f"L={c.max_length}",
-         quality="rows longer than max_length are truncated", absent=1024),
-    Knob("packing", Kind.BOOL, False, Home.SFT_CONFIG, "packing", "pack rows into max_length sequences",
+         quality="rows longer than max_length are truncated", absent=1024, trainers=_TRL_CONFIGS),
+    Knob("packing", Kind.BOOL, False, Home.TRAINER_CONFIG, "packing", "pack rows into max_length sequences",
          label="packing", summary=lambda c: c.packing_strategy.value if c.packing else "off", short=_pack_short,
-         absent=False),
-    Knob("packing_strategy", Kind.ENUM, PackingStrategy.BFD, Home.SFT_CONFIG, "packing_strategy",
+         absent=False, trainers=_SFT, search=(False, True)),
+    Knob("packing_strategy", Kind.ENUM, PackingStrategy.BFD, Home.TRAINER_CONFIG, "packing_strategy",
          "bfd / bfd_split (padding-free) or wrapped", enum=PackingStrategy, active=lambda c: c.packing,
-         quality="'wrapped' mixes examples and cuts them mid-sequence", absent="bfd"),
-    Knob("padding_free", Kind.BOOL, False, Home.SFT_CONFIG, "padding_free",
+         quality="'wrapped' mixes examples and cuts them mid-sequence", absent="bfd", trainers=_SFT,
+         # inactive where packing is held off (canonical() resets it); left free in every space so the study's
+         # parameters, and so its trials, stay what they were
+         searched_by=_TRL_CONFIGS),
+    Knob("padding_free", Kind.BOOL, False, Home.TRAINER_CONFIG, "padding_free",
          "one flattened row without padding (implied by bfd / bfd_split packing)",
          active=lambda c: not (c.packing and c.packing_strategy is not PackingStrategy.WRAPPED),
-         label="padding_free", summary=lambda c: str(c.effective_padding_free), absent=False),
-    Knob("pad_to_multiple_of", Kind.OPTIONAL_INT, None, Home.SFT_CONFIG, "pad_to_multiple_of",
-         "pad each batch's length to a multiple", minimum=1, absent=None),
-    Knob("activation_checkpointing", Kind.BOOL, True, Home.SFT_CONFIG, "activation_checkpointing",
+         label="padding_free", summary=lambda c: str(c.effective_padding_free), absent=False,
+         # DPOConfig has it, but DPOTrainer 1.16 warns and falls back to padding: searching it measures one run twice
+         trainers=frozenset({"sft", "dpo"}), search=(False, True), searched_by=_SFT),
+    Knob("pad_to_multiple_of", Kind.OPTIONAL_INT, None, Home.TRAINER_CONFIG, "pad_to_multiple_of",
+         "pad each batch's length to a multiple", minimum=1, absent=None, trainers=_TRL_CONFIGS,
+         # RewardConfig's padding rounding: tensor-core-friendly lengths (8) or FA tiles (64), measured like every
+         # knob (more padding, fewer shapes); SFT pads rows to the batch's longest (or none: padding-free), DPO
+         # concatenates chosen and rejected to the longer
+         search=(None, 8, 64), searched_by=frozenset({"reward"})),
+    Knob("activation_checkpointing", Kind.BOOL, True, Home.TRAINING_ARGUMENTS, "activation_checkpointing",
          "recompute each checkpointed layer in the backward instead of keeping its activations",
          trl_aliases=("gradient_checkpointing",), memory=Memory.CHECKPOINTING, label="activation checkpointing",
-         summary=_ckpt_summary, short=_ckpt_short, absent=True),
+         summary=_ckpt_summary, short=_ckpt_short, absent=True, search=(False, True)),
     Knob("checkpoint_selective", Kind.BOOL, False, Home.CHECKPOINT_KWARGS, "selective",
          "TRL's selective checkpointing: keep the matmul outputs, recompute the rest", aliases=("selective",),
-         active=_CKPT, memory=Memory.CHECKPOINTING, absent=False),
+         active=_CKPT, memory=Memory.CHECKPOINTING, absent=False, search=(False, True)),
     Knob("checkpoint_every_n_layers", Kind.INT, 1, Home.CHECKPOINT_KWARGS, "every_n_layers",
          "transformers checkpoints every n-th decoder layer only", minimum=1, aliases=("every_n_layers",),
          active=_CKPT, memory=Memory.CHECKPOINTING, absent=1),
@@ -362,29 +406,34 @@ KNOBS: tuple[Knob, ...] = (
          active=_CKPT, memory=Memory.CHECKPOINTING, label="checkpoint offload",
          summary=_shown_if_on("checkpoint_offload"), short=_on("ckpt-offload", "checkpoint_offload"),
          keyed_at_default=False, absent=False, stand_in=False),
-    Knob("optim", Kind.ENUM, Optimizer.ADAMW_TORCH_FUSED, Home.SFT_CONFIG, "optim", "the optimizer",
+    # no `search`: offered through --fix only; its copies run on the compute stream (always slower) and its saving
+    # is modelled at the simulated peak (advisor/_sim/modelled.py), so the search does not pick it unasked
+    Knob("optim", Kind.ENUM, Optimizer.ADAMW_TORCH_FUSED, Home.TRAINING_ARGUMENTS, "optim", "the optimizer",
          enum=Optimizer, label="optim", summary=lambda c: c.optim.value, short=lambda c: c.optim.value,
          absent="adamw_torch_fused"),
-    Knob("activation_offloading", Kind.BOOL, False, Home.SFT_CONFIG, "activation_offloading",
+    Knob("activation_offloading", Kind.BOOL, False, Home.TRAINER_CONFIG, "activation_offloading",
          "TRL moves saved activations to pinned host memory on a side stream", memory=Memory.SAVES_WHEN_ON,
          label="activation offloading", summary=lambda c: str(c.activation_offloading),
-         short=_on("offload", "activation_offloading"), absent=False, stand_in=False),
-    Knob("group_by_length", Kind.BOOL, False, Home.SFT_CONFIG, "train_sampling_strategy",
+         short=_on("offload", "activation_offloading"), absent=False, stand_in=False, trainers=_TRL_CONFIGS),
+    Knob("group_by_length", Kind.BOOL, False, Home.TRAINING_ARGUMENTS, "train_sampling_strategy",
          "TrainingArguments.train_sampling_strategy=group_by_length", label="group_by_length",
          summary=lambda c: str(c.group_by_length), short=_on("gbl", "group_by_length"),
-         extra_fix={"train_sampling_strategy": _fix_sampling}),
+         extra_fix={"train_sampling_strategy": _fix_sampling},
+         # it changes which rows share a batch, a distribution the step-time model has for SFT's rows only (the
+         # pair trainers are timed on their worst batch): for pairs it would measure one run twice
+         search=(False, True), searched_by=_SFT),
     Knob("use_lora", Kind.BOOL, False, Home.MODEL_CONFIG, "use_peft", "train LoRA adapters (trl sft --use_peft)",
          fix=_fix_plain("use_lora", _lora_methods), short=_lora_short,
          quality="LoRA adapters instead of full weights", absent=False),
     Knob("lora_r", Kind.INT, 16, Home.LORA_CONFIG, "lora_r", "LoRA rank", minimum=1, active=_LORA,
-         absent=TRL_DEFAULT),
+         absent=TRL_DEFAULT, search=(16,)),
     Knob("lora_alpha", Kind.INT, 32, Home.LORA_CONFIG, "lora_alpha", "LoRA scaling numerator", active=_LORA,
          absent=TRL_DEFAULT),
     Knob("lora_dropout", Kind.FLOAT, 0.0, Home.LORA_CONFIG, "lora_dropout", "dropout on the adapters' input",
          bounds=(0.0, 1.0), active=_LORA, absent=TRL_DEFAULT),
-    Knob("lora_target_modules", Kind.MODULES, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                               "down_proj"),
-         Home.LORA_CONFIG, "lora_target_modules", "the adapted projections (None: PEFT's default for the model)",
+    Knob("lora_target_modules", Kind.MODULES, LLAMA_LINEARS, Home.LORA_CONFIG, "lora_target_modules",
+         "the adapted projections (None: PEFT's default for the model type, peft's "
+         "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)",
          active=_LORA, absent=None),
     Knob("quantization", Kind.ENUM, Quantization.NONE, Home.MODEL_CONFIG, "load_in_4bit",
          "bitsandbytes base weights (load_in_4bit / load_in_8bit)", enum=Quantization, trl_aliases=("load_in_8bit",),
@@ -396,9 +445,11 @@ KNOBS: tuple[Knob, ...] = (
          aliases=("torch_dtype",), short=lambda c: None if c.weights_dtype.value == "float32" else
          c.weights_dtype.value, quality="pure low-precision weights (no float32 master copy)"),
     Knob("attn_implementation", Kind.OPTIONAL_ENUM, Attention.SDPA, Home.MODEL_CONFIG, "attn_implementation",
-         "transformers' attention (None: what transformers picks)", enum=Attention, aliases=("attention",),
+         "transformers' attention (None: what transformers picks, see modeling.default_attention)", enum=Attention,
+         aliases=("attention",),
          label="attention", summary=_attn_summary, short=_attn_short, absent=None),
-    Knob("precision", Kind.ENUM, Precision.BF16, Home.SFT_CONFIG, "bf16", "mixed precision (SFTConfig bf16 / fp16)",
+    Knob("precision", Kind.ENUM, Precision.BF16, Home.TRAINING_ARGUMENTS, "bf16",
+         "mixed precision (TrainingArguments bf16 / fp16)",
          enum=Precision, trl_aliases=("fp16",), label="precision / weights",
          summary=lambda c: f"{c.precision.value} / {c.weights_dtype.value}",
          extra_fix={"bf16": _fix_precision_flag, "fp16": _fix_precision_flag}),
@@ -410,7 +461,7 @@ KNOBS: tuple[Knob, ...] = (
          "(kernels-community/liger-kernels); rotary is swapped for inference only, and the SwiGLU / Linear / loss "
          "kernels only where a KernelConfig asks for them", label="hub kernels",
          summary=_shown_if_on("use_kernels"), short=_on("kernels", "use_kernels"), keyed_at_default=False,
-         absent=False, requires="kernels"),
+         absent=False, requires="kernels", trainers=_TRL_CONFIGS),
     Knob("parallelism", Kind.ENUM, Layout.DDP, Home.ACCELERATE, "distributed_type",
          "how accelerate shards the model over --num-gpus ranks: DDP (nothing sharded), FSDP2 (fsdp_version: 2; "
          "resharding after forward or not; CPUOffloadPolicy) or DeepSpeed ZeRO-2 / ZeRO-3 (optimizer / parameter "
@@ -421,16 +472,75 @@ KNOBS: tuple[Knob, ...] = (
          absent="ddp"),
 )
 
-_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
+_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}  # the Candidate fields
+_OWNED: dict[str, Knob] = {}  # the trainers' own knobs (register_knobs), carried in the Candidate's base
+_ALL: tuple[Knob, ...] | None = None
+_CARRIED: dict[str, Any] | None = None
+
+
+def register_knobs(*owned: Knob) -> tuple[Knob, ...]:
+    """Add a trainer's own knobs (its module calls this at import). A taken knob or `--fix` name is refused."""
+    global _ALL, _CARRIED
+    taken = {n for k in (*KNOBS, *_OWNED.values()) for n in (k.name, *_fix_entries(k))}
+    problems = []
+    for k in owned:
+        if not k.carried:
+            problems.append(f"{k.name}: a trainer's own knob is carried in the candidate's base (carried=True); a "
+                            "shared one is a Candidate field declared in advisor/knobs.py KNOBS")
+        clash = sorted(taken & {k.name, *_fix_entries(k)})
+        if clash:
+            problems.append(f"{k.name}: {', '.join(clash)} already taken by another knob; choose another name")
+        taken |= {k.name, *_fix_entries(k)}
+    if problems:
+        raise ConfigError(problems, context="knob registry")
+    for k in owned:
+        _OWNED[k.name] = k
+    _ALL = _CARRIED = None
+    return owned
+
+
+def registry() -> tuple[Knob, ...]:
+    """Every knob of every registered trainer: the shared ones (KNOBS, Candidate's fields), then the trainers' own,
+    each registered when its trainer module is imported. This module sits below the trainers and never imports them:
+    whoever needs every trainer's knobs loads the trainer registry first (`advisor.trainers.names()`; a Workload
+    does, and so do the default space and `--fix`)."""
+    global _ALL
+    if _ALL is None:  # (re)built after a trainer registered its knobs
+        _ALL = (*KNOBS, *_OWNED.values())
+    return _ALL
 
 
 def knob(name: str) -> Knob:
-    return _BY_NAME[name]
+    k = _BY_NAME.get(name)
+    if k is None:
+        k = {x.name: x for x in registry()}[name]
+    return k
 
 
-def knobs_in(home: Home) -> tuple[Knob, ...]:
-    return tuple(k for k in KNOBS if k.home is home)
+def knobs_in(*homes: Home) -> tuple[Knob, ...]:
+    """The shared knobs (Candidate fields) that live in `homes`, in registry order."""
+    return tuple(k for k in KNOBS if k.home in homes)
 
+
+def config_knobs(trainer: str) -> tuple[Knob, ...]:
+    """The knobs `trainer`'s config object holds as fields (TrainingArguments' and its own), in registry order."""
+    return tuple(k for k in registry() if k.home in (Home.TRAINING_ARGUMENTS, Home.TRAINER_CONFIG)
+                 and k.accepts(trainer))
+
+
+def value(c: Candidate, k: Knob) -> Any:
+    """The knob's value on `c`: its field, or (a trainer's own knob) its key in the base, its default when absent."""
+    if k.carried:
+        return c.base.get(k.key, k.default)
+    return getattr(c, k.name)
+
+
+def carried_defaults() -> dict[str, Any]:
+    """The trainers' own knobs (carried in the base) -> their defaults (a default is left out of the base)."""
+    global _CARRIED
+    if _CARRIED is None:
+        _CARRIED = {k.name: k.default for k in registry() if k.carried}
+    return _CARRIED
 
 # ---- derivations ------------------------------------------------------------------------------------------------
 
@@ -459,11 +569,11 @@ def stand_ins(c: Candidate) -> dict[str, Any]:
             if k.stand_in is not _NO_STAND_IN and getattr(c, k.name) != k.stand_in}
 
 
-_TRL_HOMES = (Home.SFT_CONFIG, Home.MODEL_CONFIG, Home.LORA_CONFIG)
+_TRL_HOMES = (Home.TRAINING_ARGUMENTS, Home.TRAINER_CONFIG, Home.MODEL_CONFIG, Home.LORA_CONFIG)
 
 
 def yaml_keys(k: Knob) -> tuple[str, ...]:
-    """The top-level keys of a `trl sft` run config this knob is read from (none for kwargs / env knobs)."""
+    """The top-level keys of a `trl <command>` run config this knob is read from (none for kwargs / env knobs)."""
     return (k.key, *k.trl_aliases) if k.home in _TRL_HOMES else ()
 
 
@@ -474,9 +584,11 @@ def _fix_entries(k: Knob) -> dict[str, Callable[[str, str], FixResult]]:
     return out
 
 
-def fix_names() -> dict[str, tuple[Knob, Callable[[str, str], FixResult]]]:
-    """Every name `--fix` accepts -> (its knob, its parser): the field name, TRL's names, the aliases."""
-    return {name: (k, parser) for k in KNOBS for name, parser in _fix_entries(k).items()}
+def fix_names(trainer: str | None = None) -> dict[str, tuple[Knob, Callable[[str, str], FixResult]]]:
+    """Every name `--fix` accepts -> (its knob, its parser): the field name, TRL's names, the aliases; of the knobs
+    `trainer` accepts (None: of every trainer's)."""
+    return {name: (k, parser) for k in registry() if trainer is None or k.accepts(trainer)
+            for name, parser in _fix_entries(k).items()}
 
 
 def _plain_parser(k: Knob) -> Callable[[str, str], FixResult]:
@@ -488,7 +600,7 @@ def _plain_parser(k: Knob) -> Callable[[str, str], FixResult]:
 
 
 def parse_fix_value(key: str, text: str) -> FixResult | None:
-    """One `--fix KEY=TEXT`; None when KEY is not a name any knob answers to."""
+    """One `--fix KEY=TEXT`; None when KEY is not a name any knob of any trainer answers to."""
     entry = fix_names().get(key)
     if entry is None:
         return None
@@ -497,13 +609,13 @@ def parse_fix_value(key: str, text: str) -> FixResult | None:
 
 def ordered_names() -> tuple[str, ...]:
     """Knobs along which memory only moves one way (as far as a failure bounds its neighbours)."""
-    return tuple(k.name for k in KNOBS if k.memory is not Memory.UNORDERED)
+    return tuple(k.name for k in registry() if k.memory is not Memory.UNORDERED)
 
 
 def memory_le(a: Candidate, b: Candidate) -> bool:
     """a needs no more memory than b along every ordered knob (the other knobs are the caller's to compare)."""
-    for k in KNOBS:
-        va, vb = getattr(a, k.name), getattr(b, k.name)
+    for k in registry():
+        va, vb = value(a, k), value(b, k)
         if k.memory is Memory.GROWS and va != vb and (va is None or vb is None or va > vb):
             return False
         if k.memory is Memory.SAVES_WHEN_ON and vb and not va:
@@ -537,25 +649,36 @@ def checkpoint_kwargs(c: Candidate) -> dict[str, Any]:
 
 
 def trial_label(c: Candidate) -> str:
-    """The trial table's candidate cell: each knob's token, in registry order."""
-    return " ".join(t for t in (k.short(c) for k in KNOBS if k.short is not None) if t)
+    """The trial table's candidate cell: each knob's token, in registry order (a trainer's own knob after the
+    shared ones, shown only where the candidate carries it)."""
+    return " ".join(t for t in (k.short(c) for k in registry() if k.short is not None) if t)
 
 
 def summary_rows(c: Candidate) -> list[list[str]]:
     """The report's (label, value) rows of the knobs, in registry order (a knob whose value is None is left out)."""
+    return _rows(c, KNOBS)
+
+
+def owned_rows(c: Candidate, trainer: str) -> list[list[str]]:
+    """The report's (label, value) rows of `trainer`'s own knobs (carried in the base), in registry order."""
+    return _rows(c, tuple(k for k in registry() if k.carried and k.accepts(trainer)))
+
+
+def _rows(c: Candidate, ks: tuple[Knob, ...]) -> list[list[str]]:
     rows = []
-    for k in KNOBS:
+    for k in ks:
         if k.summary is None:
             continue
-        value = k.summary(c)
-        if value is not None:
-            rows.append([k.label, value])
+        shown = k.summary(c)
+        if shown is not None:
+            rows.append([k.label, shown])
     return rows
 
 
 # ---- the check of Candidate against the registry -----------------------------------------------------------------
 
-def _expected_annotation(k: Knob) -> str:
+def annotation(k: Knob) -> str:
+    """The annotation of the Candidate field a shared knob declares (advisor/space.py derives the field)."""
     if k.kind is Kind.ENUM:
         return k.enum.__name__
     if k.kind is Kind.OPTIONAL_ENUM:
@@ -563,7 +686,8 @@ def _expected_annotation(k: Knob) -> str:
     return k.kind.value
 
 
-def _verify(cls: type) -> None:
+def verify(cls: type) -> None:
+    """Raise ConfigError when Candidate's field block (`cls`) and KNOBS disagree (advisor/space.py calls it)."""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "base"}
     problems = []
     for name in sorted(set(fields) - set(_BY_NAME)):
@@ -574,7 +698,7 @@ def _verify(cls: type) -> None:
                         "advisor/space.py Candidate or remove the declaration")
     for name in sorted(set(fields) & set(_BY_NAME)):
         k, f = _BY_NAME[name], fields[name]
-        want = _expected_annotation(k)
+        want = annotation(k)
         if str(f.type) != want:
             problems.append(f"Candidate.{name} is annotated {f.type!r}; its declaration says {want!r}")
         if f.default is not dataclasses.MISSING and f.default != k.default:
@@ -586,5 +710,3 @@ def _verify(cls: type) -> None:
     if problems:
         raise ConfigError(problems, context="Candidate and the knob registry disagree")
 
-
-_verify(Candidate)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import UsageError
-from .knobs import summary_rows, trial_label
+from .knobs import owned_rows, summary_rows, trial_label
 
 if TYPE_CHECKING:
     from .measurement import Measurement
@@ -35,10 +35,7 @@ def _step(m: Measurement) -> str:
 
 def _knobs(t: Trial, trainer: str = "sft") -> str:
     """The candidate cell: each knob's token (advisor/knobs.py `short`), and DPO's reference when precomputed."""
-    label = trial_label(t.candidate)
-    if trainer == "dpo" and t.candidate.base.get("precompute_ref_log_probs"):
-        label += " ref=precomputed"
-    return label
+    return trial_label(t.candidate)  # a trainer's own knob's token too (DPO's ref=precomputed)
 
 
 def _trainer_rows(s: Suggestion) -> list[list[str]]:
@@ -51,7 +48,7 @@ def _trainer_rows(s: Suggestion) -> list[list[str]]:
         from .trainers.dpo import DPOKnobs
 
         k = DPOKnobs.of(s.candidate)
-        rows.append(["precompute_ref_log_probs", str(k.precompute_ref_log_probs)])
+        rows += owned_rows(s.candidate, trainer)  # its own knobs' labels and values (advisor/trainers/dpo.py)
         rows.append(["reference", k.reference(s.candidate).value.replace("_", " ")])
     return rows
 

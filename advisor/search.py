@@ -148,8 +148,8 @@ _Space = StudySpace  # the name tests used before the split
 
 
 def build_space(workload: Workload, method: Method = Method.FULL, fix: Mapping[str, Any] | None = None) -> SearchSpace:
-    """The default space of `workload` for one method, narrowed by `fix` (SFTConfig / ModelConfig names)."""
-    return apply_pins(default_space(workload, method), parse_fix(fix))
+    """The default space of `workload` for one method, narrowed by `fix` (its trainer's config / ModelConfig names)."""
+    return apply_pins(default_space(workload, method), parse_fix(fix, workload.trainer))
 
 
 _GOALS = {g.param: g for g in Goals.declared()}
@@ -245,7 +245,7 @@ def suggest(
                                  trainer)
     backend_name = backend or default_backend_name()
     be = get_backend(backend_name)
-    pins = parse_fix(fix)
+    pins = parse_fix(fix, workload.trainer)
     order = method_order(workload.goals.method, pins)
     rows = RowTokens(workload.dataset)
     tps = default_tokens_per_step(workload, rows)

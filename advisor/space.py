@@ -15,9 +15,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import knobs as _knobs
 from ._candidate import (
     CHECKPOINT_EXTRA,
-    LLAMA_LINEARS,
     UNSUPPORTED_OPTIMIZERS,
     Attention,
     Optimizer,
@@ -32,7 +32,6 @@ from ._candidate import (
     peft_default_targets,
 )
 from .errors import ConfigError
-from .parallelism import Layout
 from .workload import Method
 
 if TYPE_CHECKING:
@@ -40,57 +39,48 @@ if TYPE_CHECKING:
 
 __all__ = [  # noqa: RUF022
     "Candidate", "SearchSpace", "RunBase", "QualityCost", "PackingStrategy", "Precision", "WeightsDtype",
-    "Quantization", "Optimizer", "Attention", "UNSUPPORTED_OPTIMIZERS", "CHECKPOINT_EXTRA", "BASE_KNOBS",
+    "Quantization", "Optimizer", "Attention", "UNSUPPORTED_OPTIMIZERS", "CHECKPOINT_EXTRA", "carried_knobs",
     "knob_value", "with_knobs", "model_linear_names", "peft_default_targets", "default_lora_targets",
 ]
 
 
+# The order of Candidate's fields (`to_dict()`, the JSON the CLI writes, baselines), as it was before the fields were
+# derived from the registry; a knob not named here follows, in registry order (advisor/knobs.py KNOBS).
+_FIELD_ORDER = (
+    "max_length", "packing", "packing_strategy", "padding_free", "pad_to_multiple_of", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "activation_checkpointing", "checkpoint_selective", "checkpoint_every_n_layers",
+    "activation_offloading", "optim", "precision", "weights_dtype", "group_by_length", "attn_implementation",
+    "use_lora", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "quantization", "expandable_segments",
+    "checkpoint_offload", "use_kernels", "parallelism",
+)
+
+
+def _knob_fields(cls: type) -> type:
+    """One field per shared knob, from its declaration (advisor/knobs.py KNOBS: name, annotation, default), then the
+    class's own (`base`): each knob is declared once, in the registry."""
+    rank = {name: i for i, name in enumerate(_FIELD_ORDER)}
+    ordered = sorted(_knobs.KNOBS, key=lambda k: rank.get(k.name, len(rank)))  # stable: new knobs in registry order
+    own = dict(cls.__dict__.get("__annotations__", {}))
+    cls.__annotations__ = {**{k.name: _knobs.annotation(k) for k in ordered}, **own}
+    for k in ordered:
+        setattr(cls, k.name, k.default)
+    return cls
+
+
 @dataclass(frozen=True)
+@_knob_fields
 class Candidate:
-    """One value for every memory knob. Field names follow SFTConfig / ModelConfig where one exists.
+    """One value for every memory knob: a field per shared knob of the registry (advisor/knobs.py `KNOBS`: its
+    name, type and default, its home in TRL, validity, `--fix` names, when it is active, memory order, labels), named
+    as TRL's config / ModelConfig name it where one exists. A trainer's own knobs (DPO's) ride in `base`.
+    Validation and `canonical()` derive from the registry too."""
 
-    Each field is declared in the knob registry (advisor/knobs.py: its home in TRL, validity, `--fix` names, when
-    it is active, memory order, labels); the registry checks this field block against its declarations when it is
-    imported, and validation and `canonical()` derive from it.
-    """
-
-    max_length: int | None = 1024
-    packing: bool = False
-    packing_strategy: PackingStrategy = PackingStrategy.BFD
-    padding_free: bool = False
-    pad_to_multiple_of: int | None = None
-    per_device_train_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    activation_checkpointing: bool = True
-    checkpoint_selective: bool = False
-    checkpoint_every_n_layers: int = 1
-    activation_offloading: bool = False
-    optim: Optimizer = Optimizer.ADAMW_TORCH_FUSED
-    precision: Precision = Precision.BF16
-    weights_dtype: WeightsDtype = WeightsDtype.FLOAT32
-    group_by_length: bool = False
-    # None: what transformers picks when `attn_implementation` is not given (see modeling.default_attention)
-    attn_implementation: Attention | None = Attention.SDPA
-    use_lora: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    # None: PEFT's default for the model type (peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
-    lora_target_modules: tuple[str, ...] | None = LLAMA_LINEARS
-    quantization: Quantization = Quantization.NONE
-    expandable_segments: bool = True
-    checkpoint_offload: bool = False
-    use_kernels: bool = False
-    # several GPUs (issue 16): how accelerate shards the model; DDP shards nothing (the single-GPU run on one)
-    parallelism: Layout = Layout.DDP
     # the user's other keys (not a knob: the search never changes it)
     base: RunBase = field(default_factory=RunBase)
 
     def __post_init__(self) -> None:
         # Accept plain strings (YAML, --fix) and lists; store Enums and tuples so candidates hash and compare.
-        from .knobs import coerce
-
-        values, problems = coerce({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        values, problems = _knobs.coerce({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         for name, value in values.items():
             if value is not getattr(self, name):
                 object.__setattr__(self, name, value)
@@ -121,10 +111,8 @@ class Candidate:
         if not self.activation_checkpointing:
             return None
         # TRL sets use_reentrant=False when it is not given (SFTTrainer.__init__); the user's other keys are kept
-        from .knobs import checkpoint_kwargs
-
         kwargs: dict[str, Any] = {"use_reentrant": False, **(self.base.get(CHECKPOINT_EXTRA) or {})}
-        kwargs.update(checkpoint_kwargs(self))  # selective, every_n_layers, offload (advisor/knobs.py)
+        kwargs.update(_knobs.checkpoint_kwargs(self))  # selective, every_n_layers, offload (advisor/knobs.py)
         return kwargs
 
     def replace(self, **changes: Any) -> Candidate:
@@ -134,9 +122,7 @@ class Candidate:
             return self
         if "base" in changes or not changes.keys() <= _KNOB_FIELDS:
             return dataclasses.replace(self, **changes)  # the user's keys, or a name dataclasses must refuse
-        from .knobs import coerce
-
-        values, problems = coerce(changes)
+        values, problems = _knobs.coerce(changes)
         if problems:
             raise ConfigError(problems, context="invalid candidate")
         return self._with_checked({**changes, **values})  # fields that are not knobs: as given, as __post_init__
@@ -151,16 +137,13 @@ class Candidate:
     def canonical(self) -> Candidate:
         """Fields that have no effect reset to their defaults, so equivalent candidates compare equal (each knob's
         `active` in advisor/knobs.py)."""
-        from .knobs import canonical_changes
-
-        changes = canonical_changes(self)  # knob defaults: stored values already
+        changes = _knobs.canonical_changes(self)  # knob defaults: stored values already
         return self._with_checked(changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
         """Knobs as plain values; `base` only when the user's config had other keys (so the search's candidates,
         their study keys and stored baselines keep their form)."""
-        from .knobs import knob
-
+        knob = _knobs.knob
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -213,9 +196,7 @@ class Candidate:
 
     def requirements(self) -> tuple[str, ...]:
         """Packages the training run needs beyond torch/transformers/trl/peft (pip names)."""
-        from .knobs import KNOBS
-
-        out = [k.requires for k in KNOBS if k.requires and getattr(self, k.name) != k.default]
+        out = [k.requires for k in _knobs.KNOBS if k.requires and getattr(self, k.name) != k.default]
         if self.optim.needs_bitsandbytes and "bitsandbytes" not in out:
             out.append("bitsandbytes")
         if self.attn_implementation is not None and self.attn_implementation.is_flash:
@@ -257,27 +238,31 @@ def default_lora_targets(model: ModelSpec) -> tuple[str, ...]:
     return model_linear_names(model)
 
 
-# Knobs a trainer carries in the candidate's base under its config's name (advisor.trainers.dpo.DPOKnobs), searched
-# like Candidate fields: a space may name them, `knob_value` reads them and `with_knobs` sets them (False, the
-# default, is left out of the base, so a candidate without them stays as it was).
-BASE_KNOBS: dict[str, Any] = {"precompute_ref_log_probs": False}
+def carried_knobs() -> dict[str, Any]:
+    """The trainers' own knobs, carried in the candidate's base under their config's name (advisor/knobs.py
+    `carried`, e.g. DPO's precompute_ref_log_probs) -> their defaults. Searched like Candidate fields: a space may
+    name them, `knob_value` reads them and `with_knobs` sets them (the default is left out of the base, so a
+    candidate without them stays as it was)."""
+    return _knobs.carried_defaults()
 
 
 def knob_value(cand: Candidate, name: str) -> Any:
-    """A Candidate field, or a base-carried knob (BASE_KNOBS) with its default when absent."""
-    if name in BASE_KNOBS:
-        return cand.base.get(name, BASE_KNOBS[name])
+    """A Candidate field, or a carried knob with its default when absent."""
+    carried = carried_knobs()
+    if name in carried:
+        return cand.base.get(name, carried[name])
     return getattr(cand, name)
 
 
 def with_knobs(cand: Candidate, **values: Any) -> Candidate:
-    """`cand.replace(**values)` where base-carried knobs (BASE_KNOBS) go into the base."""
-    carried = {k: values.pop(k) for k in list(values) if k in BASE_KNOBS}
+    """`cand.replace(**values)` where carried knobs go into the base."""
+    defaults = carried_knobs()
+    carried = {k: values.pop(k) for k in list(values) if k in defaults}
     out = cand.replace(**values) if values else cand
     if carried:
         base = out.base.as_dict()
         for k, v in carried.items():
-            if v == BASE_KNOBS[k]:
+            if v == defaults[k]:
                 base.pop(k, None)
             else:
                 base[k] = v
@@ -296,7 +281,7 @@ class SearchSpace:
     values: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        names = ({f.name for f in dataclasses.fields(Candidate)} - {"base"}) | set(BASE_KNOBS)
+        names = ({f.name for f in dataclasses.fields(Candidate)} - {"base"}) | set(carried_knobs())
         unknown = sorted(set(self.values) - names)
         if unknown:
             raise ConfigError([f"unknown knob {k!r}" for k in unknown], context="search space")
@@ -315,7 +300,7 @@ class SearchSpace:
         """Every combination (before validity), in a stable order."""
         base = base or Candidate()
         keys = sorted(self.values)
-        if not any(k in BASE_KNOBS for k in keys):
+        if not any(k in carried_knobs() for k in keys):
             # each value checked once (a knob's check does not depend on the others), then combined unchecked
             checked: list[list[Any]] = []
             for k in keys:
@@ -355,6 +340,4 @@ class SearchSpace:
 
 
 _KNOB_FIELDS = frozenset(f.name for f in dataclasses.fields(Candidate)) - {"base"}
-
-# The knob registry checks Candidate's field block against its declarations when it is imported (advisor/knobs.py)
-from . import knobs as _knobs  # noqa: E402,F401
+_knobs.verify(Candidate)  # the field block against its declarations (advisor/knobs.py KNOBS)

@@ -30,8 +30,6 @@ PHYSICS = "_physics"
 # The edges that still close a circle, each with why; the test fails on a circle they do not explain and when one
 # of them goes away (remove it here), so that this list only shrinks.
 KNOWN: dict[tuple[str, str], str] = {
-    ("space", "knobs"): "issue 22 (one knob registry): each knob is declared twice, a Knob and a Candidate field; "
-                        "Candidate's validation and coercion ask knobs.py, which imports space's value types",
     ("space", "modeling"): "Candidate.for_model asks modeling.default_attention for transformers' attention, and "
                            "modeling imports space's Attention",
     ("workload", "trainers"): "issue 22 (the trainer seam): Workload.__post_init__ checks its trainer's name in the "

@@ -13,7 +13,8 @@ from advisor.emit import build_sft_config, load_run_config, run_config_dict, to_
 from advisor.errors import ConfigError
 from advisor.knobs import KNOBS, Home, Kind, memory_le
 from advisor.search import build_space, parse_fix
-from advisor.space import Candidate
+from advisor.space import Candidate, with_knobs
+from advisor.trainers import get_trainer, names
 from advisor.workload import Goals, ModelSpec, Workload
 
 
@@ -47,13 +48,23 @@ def test_candidate_fields_are_the_registry():
         assert getattr(Candidate(), k.name) == k.default
 
 
+def test_the_registry_is_below_candidate():
+    """knobs.py imports the value types, not space.py (whose Candidate derives its fields from KNOBS): no circle."""
+    import subprocess
+    import sys
+
+    code = "import sys, advisor.knobs; print('advisor.space' in sys.modules, 'advisor.trainers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
 def test_a_field_without_declaration_fails_loudly():
     @dataclasses.dataclass(frozen=True)
     class Grown(Candidate):
         dpo_beta: float = 0.1
 
     with pytest.raises(ConfigError) as info:
-        knobs._verify(Grown)
+        knobs.verify(Grown)
     assert "Candidate.dpo_beta has no declaration in advisor/knobs.py KNOBS" in str(info.value)
 
     @dataclasses.dataclass(frozen=True)
@@ -61,7 +72,7 @@ def test_a_field_without_declaration_fails_loudly():
         use_kernels: int = 0
 
     with pytest.raises(ConfigError, match="use_kernels is annotated 'int'; its declaration says 'bool'"):
-        knobs._verify(Retyped)
+        knobs.verify(Retyped)
 
 
 @pytest.mark.parametrize("k", KNOBS, ids=[k.name for k in KNOBS])
@@ -95,8 +106,110 @@ def test_declared_once_reaches_fix_emit_readback(k, tmp_path):
     path.write_text(yaml_text)
     assert load_run_config(path).candidate == cand
     # the read-back of one knob's key alone gives it
-    if k.home is Home.SFT_CONFIG and k.kind is not Kind.ENUM and not k.extra_fix:
+    if k.home in (Home.TRAINING_ARGUMENTS, Home.TRAINER_CONFIG) and k.kind is not Kind.ENUM and not k.extra_fix:
         assert getattr(load_run_config_dict({k.key: k.plain(value), **_context(cand)}), k.name) == value
+
+
+def _accepted() -> list[tuple[str, knobs.Knob]]:
+    return [(t, k) for t in names() for k in knobs.registry() if k.accepts(t)]
+
+
+def _plain(v):
+    from enum import Enum
+
+    return v.value if isinstance(v, Enum) else v
+
+
+@pytest.mark.parametrize(("trainer", "k"), _accepted(), ids=[f"{t}-{k.name}" for t, k in _accepted()])
+def test_every_trainers_knob_round_trips_fix_yaml_trl_parser(trainer, k, tmp_path, monkeypatch):
+    """Every knob every registered trainer accepts: `--fix` pins it, the trainer's YAML carries it, `trl <command>`'s
+    own parser (the trainer's make_parser()) takes that YAML with nothing left over, and what the parser built,
+    written back, reads back to the same candidate."""
+    import yaml
+
+    tr = get_trainer(trainer)
+    value = _other_value(k)
+    cand = with_knobs(Candidate(), **{k.name: value}) if k.carried else _where_active(k, value)
+    base = with_knobs(Candidate(), **{k.name: k.default}) if k.carried else _where_active(k, k.default)
+    # --fix: its name and TRL's names pin it, for this trainer
+    for name in (k.name, *knobs.yaml_keys(k)):
+        if name in k.extra_fix:
+            continue  # TRL's spelling of another value type (bf16=true, load_in_4bit=true): tested in test_search
+        text = ",".join(value) if isinstance(value, tuple) else getattr(value, "value", value)
+        pins = parse_fix({name: str(text).lower() if isinstance(text, bool) else str(text)}, trainer)
+        assert pins.values[k.name] == (value,), name
+    if k.home is Home.ACCELERATE:  # the accelerate config, not the TRL YAML: see test_declared_once_...
+        assert tr.run_config_dict(cand, model_name_or_path="m") == tr.run_config_dict(base, model_name_or_path="m")
+        return
+    # the YAML: differs from the default's, and reads back to the candidate
+    data = tr.run_config_dict(cand, model_name_or_path="m", dataset_name="d")
+    assert data != tr.run_config_dict(base, model_name_or_path="m", dataset_name="d")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    from advisor.emit import load_run_config
+
+    assert load_run_config(path, trainer=trainer).candidate == cand
+    # trl <command>'s parser: nothing left over, every key it parsed as written; rebuilt from what it parsed, the
+    # YAML reads back to the same candidate
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)  # the parser sets the YAML's env: block; restored after the test
+    *parsed, config_left, args_left = tr.make_parser().parse_args_and_config(
+        ["--config", str(path), "--use_cpu", "True"], return_remaining_strings=True, separate_remaining_strings=True)
+    assert config_left == [] and args_left == []
+    back = {}
+    for key, written in data.items():
+        if key == "env":
+            back[key] = written
+            continue
+        owner = next(o for o in parsed if key in {f.name for f in dataclasses.fields(o)})
+        got = getattr(owner, key)
+        got = [_plain(x) for x in got] if isinstance(got, list) else _plain(got)
+        if isinstance(written, dict) and isinstance(got, dict):
+            assert {kk: got[kk] for kk in written} == written, key  # TRL may add its own (use_reentrant)
+            back[key] = written
+            continue
+        assert got == written, key
+        back[key] = got
+    path.write_text(yaml.safe_dump(back, sort_keys=False))
+    assert load_run_config(path, trainer=trainer).candidate == cand
+
+
+def test_a_knob_another_trainer_owns_is_refused_by_name():
+    with pytest.raises(ConfigError, match="--fix precompute_ref_log_probs: a knob of dpo, not of trainer 'sft'"):
+        parse_fix({"precompute_ref_log_probs": "true"}, "sft")
+    with pytest.raises(ConfigError, match="--fix packing: a knob of sft, not of trainer 'reward'"):
+        parse_fix({"packing": "true"}, "reward")
+
+
+def test_a_taken_knob_name_is_refused():
+    with pytest.raises(ConfigError, match="max_length already taken"):
+        knobs.register_knobs(knobs.Knob("max_length", Kind.INT, 1, Home.TRAINER_CONFIG, "max_length", "x",
+                                        trainers=frozenset({"x"}), carried=True))
+    with pytest.raises(ConfigError, match="a trainer's own knob is carried"):
+        knobs.register_knobs(knobs.Knob("fresh", Kind.INT, 1, Home.TRAINER_CONFIG, "fresh", "x"))
+
+
+def test_the_space_takes_each_trainers_values_from_the_declarations(dpo_workload, small_workload):
+    """What a trainer searches comes from the knobs' declarations (`search`, `searched_by`, `trainers`)."""
+    import dataclasses as dc
+
+    from advisor.workload import Method
+
+    dpo = dc.replace(dpo_workload, trainer="dpo")
+    for wl in (small_workload, dpo, dc.replace(dpo, trainer="reward")):
+        space = build_space(wl, Method.FULL).values
+        for k in knobs.registry():
+            if k.name not in space:
+                assert k.search is None or (k.carried and not k.accepts(wl.trainer)), (wl.trainer, k.name)
+            elif not k.searched_in(wl.trainer):
+                assert space[k.name] == (k.default,), (wl.trainer, k.name)
+            elif k.search is not None:
+                assert space[k.name] == k.search, (wl.trainer, k.name)
+    assert build_space(dpo, Method.FULL).values["precompute_ref_log_probs"] == (False, True)
+    assert build_space(dpo, Method.FULL, {"precompute_ref_log_probs": "true"}).values["precompute_ref_log_probs"] == (
+        True,)
+    reward = build_space(dc.replace(dpo, trainer="reward"), Method.FULL).values
+    assert reward["pad_to_multiple_of"] == (None, 8, 64) and "precompute_ref_log_probs" not in reward
 
 
 def load_run_config_dict(data):
@@ -122,6 +235,23 @@ def test_labels_come_from_the_declarations():
     # a knob at its default that is shown only when on leaves no row
     assert "hub kernels" not in dict(knobs.summary_rows(Candidate()))
     assert {k.label for k in KNOBS if k.summary is not None} <= set(rows)
+
+
+def test_a_trainers_own_knob_gets_label_and_memory_order_from_its_declaration():
+    """DPO's precompute_ref_log_probs (advisor/trainers/dpo.py): the trial cell's token, the report's row, the
+    ledger's order, as a shared knob gets them."""
+    on = with_knobs(Candidate(), precompute_ref_log_probs=True)
+    off = Candidate()
+    assert knobs.trial_label(on) == knobs.trial_label(off) + " ref=precomputed"
+    assert knobs.owned_rows(on, "dpo") == [["precompute_ref_log_probs", "True"]]
+    assert knobs.owned_rows(off, "dpo") == [["precompute_ref_log_probs", "False"]]
+    assert knobs.owned_rows(on, "sft") == [] and knobs.owned_rows(on, "reward") == []
+    assert "precompute_ref_log_probs" in knobs.ordered_names()
+    assert memory_le(on, off) and not memory_le(off, on)
+    # emitted from the declaration: DPOConfig gets every one of its own knobs explicitly
+    kw = get_trainer("dpo").config_kwargs(on)
+    assert {k.key: kw[k.key] for k in knobs.registry() if k.carried and k.accepts("dpo")} == {
+        "precompute_ref_log_probs": True, "precompute_ref_batch_size": None, "sync_ref_model": False}
 
 
 def _values(k: knobs.Knob) -> list:

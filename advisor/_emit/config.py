@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..knobs import Home, Knob, knobs_in
+from ..knobs import Home, Knob, config_knobs, knobs_in
 from ..space import Candidate, Precision, Quantization
 from .keys import base_keys
 
@@ -27,7 +27,7 @@ def sft_config_kwargs(candidate: Candidate, workload: Workload | None = None, *,
     c = candidate
     completion_only = workload.dataset.completion_only_loss if workload is not None else None
     out: dict[str, Any] = {}
-    for k in knobs_in(Home.SFT_CONFIG):
+    for k in config_knobs("sft"):  # TrainingArguments' knobs and SFTConfig's own (advisor/knobs.py)
         out.update(_write_sft(k, c))
         if k.name == "max_length":
             out["truncation_mode"] = "keep_start"

@@ -9,7 +9,7 @@ from enum import Enum
 from typing import Any
 
 from ..errors import ConfigError
-from ..space import BASE_KNOBS, Candidate, SearchSpace, knob_value, with_knobs
+from ..space import Candidate, SearchSpace, carried_knobs, knob_value, with_knobs
 from ..workload import Workload
 from .space import BATCH_TOLERANCE, RowTokens, attention_refusal, with_accumulation
 
@@ -34,7 +34,7 @@ class StudySpace:
         self.base = with_knobs(Candidate(), **self.fixed) if self.fixed else Candidate()
         from ..trainers import get_trainer
 
-        self.trainer = get_trainer(getattr(workload, "trainer", "sft"))
+        self.trainer = get_trainer(workload.trainer)
         self._candidates: tuple[Candidate, ...] | None = None
         self._neighbours: dict[Candidate, tuple[Candidate, ...]] = {}
 
@@ -143,11 +143,15 @@ def space_from_json(data: Mapping[str, list[Any]]) -> SearchSpace:
     def dec(k: str, v: Any) -> Any:
         return tuple(x for x in v.split(",") if x) if k == "lora_target_modules" and isinstance(v, str) else v
 
+    from ..trainers import names
+
+    names()  # every built-in trainer registered, with its own knobs
     values = {}
+    carried = carried_knobs()
     for k, vals in data.items():
         decoded = []
         for v in vals:
             d = dec(k, v)
-            decoded.append(d if k in BASE_KNOBS else getattr(Candidate(**{k: d}), k))  # strings back to Enums
+            decoded.append(d if k in carried else getattr(Candidate(**{k: d}), k))  # strings back to Enums
         values[k] = tuple(decoded)
     return SearchSpace(values)

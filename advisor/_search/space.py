@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 
 # TRL's defaults: per_device_train_batch_size=8, gradient_accumulation_steps=1 -> the default effective batch.
 DEFAULT_ROWS_PER_STEP = 8
-MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-DEFAULT_LORA_R = 16
 
 # ---- effective batch ---------------------------------------------------------------------------------------
 class RowTokens:
@@ -137,7 +135,16 @@ def max_length_values(dataset: TokenizedDataset, max_truncation: float) -> tuple
 
 
 def default_space(workload: Workload, method: Method) -> SearchSpace:
-    """Every quality-neutral knob free; quality-changing ones only as the workload's goals allow."""
+    """Every quality-neutral knob free; quality-changing ones only as the workload's goals allow.
+
+    The values the model, the data, the target or the goals decide are worked out here; the rest are each knob's
+    declaration (advisor/knobs.py `search`, a trainer's own knob in its module), and a knob the workload's trainer
+    does not search (`searched_by`, `trainers`) is held at its default."""
+    from ..knobs import registry
+    from ..trainers import names
+
+    names()  # every built-in trainer registered, with its own knobs
+
     gpu, model, goals = workload.gpu, workload.model, workload.goals
     cuda = gpu.is_cuda
     pairs = _pairs(workload.dataset)
@@ -162,26 +169,17 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
     every_n = tuple(n for n in (1, 2) if n <= model.num_layers)
     values: dict[str, tuple[Any, ...]] = {
         "max_length": (*lengths, None),
-        "packing": (False, True),
         "packing_strategy": tuple(strategies),
-        "padding_free": (False, True),
-        "per_device_train_batch_size": MICRO_BATCHES,
-        "activation_checkpointing": (False, True),
-        "checkpoint_selective": (False, True),
         "checkpoint_every_n_layers": every_n,
         "activation_offloading": (False, True) if cuda else (False,),
         "optim": tuple(optims),
         "precision": precision,
         "weights_dtype": tuple(weights),
-        "group_by_length": (False, True),
         "attn_implementation": tuple(attention),
         "expandable_segments": (True,) if cuda else (False,),
         "use_lora": (method in (Method.LORA, Method.QLORA),),
-        "lora_r": (DEFAULT_LORA_R,),
         "lora_target_modules": (default_lora_targets(model),),
         "quantization": (Quantization.NF4, Quantization.INT8) if method is Method.QLORA else (Quantization.NONE,),
-        "pad_to_multiple_of": (None,),
-        "gradient_accumulation_steps": (1,),
     }
     # Hub kernels (use_kernels) only where a run can load them: the optional `kernels` package importable
     # (pip install 'advisor[kernels]') and a CUDA target (transformers' mapping has no CPU training kernels).
@@ -197,15 +195,14 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
         from ..parallelism import search_layouts
 
         values["parallelism"] = search_layouts(workload.num_gpus)
-    trainer = getattr(workload, "trainer", "sft")
-    if trainer != "sft":  # pairs: no packing (an SFT-only key); padding_free falls back to padding in TRL 1.16
-        values.update({"packing": (False,), "padding_free": (False,), "group_by_length": (False,)})
-    if trainer == "dpo":  # the reference: a separate copy / the adapters disabled (LoRA) / precomputed (derived)
-        values["precompute_ref_log_probs"] = (False, True)
-    if trainer == "reward":  # RewardConfig's padding rounding: tensor-core-friendly lengths (8) or FA tiles (64),
-        values["pad_to_multiple_of"] = (None, 8, 64)  # measured like every knob (more padding, fewer shapes)
-    # checkpoint_offload is offered through --fix only: its copies run on the compute stream (always slower) and
-    # its saving is modelled at the simulated peak (advisor/simulate.py), so the search does not pick it unasked.
+    trainer = workload.trainer
+    for k in registry():
+        if k.name not in values:
+            if k.search is None or (k.carried and not k.accepts(trainer)):
+                continue  # offered through --fix only (checkpoint_offload, lora_alpha), or another trainer's own
+            values[k.name] = k.search
+        if not k.searched_in(trainer):
+            values[k.name] = (k.default,)  # a Candidate field every candidate has: held at its default
     return SearchSpace(values)
 
 
@@ -247,19 +244,25 @@ class Pins:
     methods: frozenset[Method] | None = None
 
 
-def fixable_fields() -> list[str]:
-    """Every name `--fix` accepts: each knob's field name, TRL's names and aliases (advisor/knobs.py)."""
+def fixable_fields(trainer: str | None = None) -> list[str]:
+    """Every name `--fix` accepts (for `trainer`; None: for any): each knob's field name, TRL's names and aliases
+    (advisor/knobs.py)."""
     from ..knobs import fix_names
+    from ..trainers import names
 
-    return sorted(fix_names())
+    names()  # every built-in trainer registered, with its own knobs
+    return sorted(fix_names(trainer))
 
 
-def parse_fix(fix: Mapping[str, Any] | None) -> Pins:
-    """Map SFTConfig / ModelConfig names to Candidate knobs; raise ConfigError naming every bad field at once."""
-    from ..knobs import parse_fix_value
+def parse_fix(fix: Mapping[str, Any] | None, trainer: str | None = None) -> Pins:
+    """Map TRL's config / ModelConfig names to knobs; raise ConfigError naming every bad field at once. `trainer`:
+    a knob that trainer's config has no field for is refused by name (None: every trainer's knobs accepted)."""
+    from ..knobs import fix_names, parse_fix_value
+    from ..trainers import names
 
     if not fix:
         return Pins({})
+    names()  # every built-in trainer registered, with its own knobs
     pins: dict[str, tuple[Any, ...]] = {}
     methods: frozenset[Method] | None = None
     problems: list[str] = []
@@ -274,7 +277,12 @@ def parse_fix(fix: Mapping[str, Any] | None) -> Pins:
         text = str(raw_value).lower() if isinstance(raw_value, bool) else str(raw_value)
         result = parse_fix_value(key, text)
         if result is None:
-            problems.append(f"--fix {key}: unknown field; fixable: {', '.join(fixable_fields())}")
+            problems.append(f"--fix {key}: unknown field; fixable: {', '.join(fixable_fields(trainer))}")
+            continue
+        if trainer is not None and key not in fix_names(trainer):
+            owners = ", ".join(sorted(fix_names()[key][0].trainers or ()))
+            problems.append(f"--fix {key}: a knob of {owners}, not of trainer {trainer!r} (its config has no such "
+                            f"field); drop it or use --trainer {owners.split(', ')[0]}")
             continue
         if result.problem:
             problems.append(result.problem)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from ..knobs import Home, Kind, Knob, Memory, register_knobs
 from .base import PairTrainer, base_config_keys, register
 from .base import field_names as _field_names
 from .preference import TOKEN_COLUMNS, PreferenceDataset
@@ -41,27 +41,50 @@ class Reference(str, Enum):
     PRECOMPUTED = "precomputed"  # precompute_ref_log_probs: log-probs computed before training, no model kept
 
 
-@dataclass(frozen=True)
-class DPOKnobs:
-    """DPOConfig's memory knobs that SFT has no name for."""
+_DPO = frozenset({"dpo"})
 
-    precompute_ref_log_probs: bool = False
-    precompute_ref_batch_size: int | None = None  # None: per_device_train_batch_size
-    sync_ref_model: bool = False  # TR-DPO: the separate copy is updated every ref_model_sync_steps
 
-    def __post_init__(self) -> None:
-        problems = []
-        for name in ("precompute_ref_log_probs", "sync_ref_model"):
-            if not isinstance(getattr(self, name), bool):
-                problems.append(f"{name}={getattr(self, name)!r}: must be true or false")
-        b = self.precompute_ref_batch_size
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            problems.append(f"precompute_ref_batch_size={b!r}: must be an integer >= 1 or None")
-        if problems:
-            raise ConfigError(problems, context="dpo")
+def _carried(name: str) -> Callable[[Candidate], Any]:
+    return lambda c: c.base.get(name, False)
+
+
+# DPOConfig's memory knobs that SFT has no name for, in the knob registry (advisor/knobs.py): `--fix`, the default
+# space, the memory order, the report's label and the emitted DPOConfig key all come from these declarations.
+KNOBS = register_knobs(
+    Knob("precompute_ref_log_probs", Kind.BOOL, False, Home.TRAINER_CONFIG, "precompute_ref_log_probs",
+         "DPOTrainer computes the reference's log-probs in a no-grad pass over the data before training and keeps "
+         "no reference model during it (full fine-tuning; under LoRA the reference is the policy with its adapters "
+         "disabled either way)", trainers=_DPO, carried=True, search=(False, True),
+         # on: no reference copy beside the policy, its gradients and optimizer state; the pass before training
+         # holds the weights and one no-grad batch of precompute_ref_batch_size pairs (DPOTrainer.__init__)
+         memory=Memory.SAVES_WHEN_ON, label="precompute_ref_log_probs",
+         summary=lambda c: str(_carried("precompute_ref_log_probs")(c)),
+         short=lambda c: "ref=precomputed" if _carried("precompute_ref_log_probs")(c) else None),
+    Knob("precompute_ref_batch_size", Kind.OPTIONAL_INT, None, Home.TRAINER_CONFIG, "precompute_ref_batch_size",
+         "pairs per batch of the precompute pass (None: per_device_train_batch_size)", minimum=1, trainers=_DPO,
+         carried=True, memory=Memory.GROWS),
+    Knob("sync_ref_model", Kind.BOOL, False, Home.TRAINER_CONFIG, "sync_ref_model",
+         "TR-DPO: the separate reference copy is updated every ref_model_sync_steps", trainers=_DPO, carried=True),
+)
+
+
+def _check(self: Any) -> None:
+    problems = []
+    for k in KNOBS:
+        v = getattr(self, k.name)
+        if k.kind is Kind.BOOL and not isinstance(v, bool):
+            problems.append(f"{k.name}={v!r}: must be true or false")
+        elif k.kind is not Kind.BOOL:
+            problems.extend(p for p in [k.coerce(v)[1]] if p)
+    if problems:
+        raise ConfigError(problems, context="dpo")
+
+
+class _DPOKnobsMethods:
+    """DPOConfig's memory knobs that SFT has no name for: one field per declaration in KNOBS."""
 
     @classmethod
-    def of(cls, candidate: Candidate) -> DPOKnobs:
+    def of(cls, candidate: Candidate) -> Any:
         b = candidate.base
         return cls(**{f.name: b.get(f.name, f.default) for f in dataclasses.fields(cls)})
 
@@ -85,13 +108,20 @@ class DPOKnobs:
         return self.precompute_ref_batch_size or candidate.per_device_train_batch_size
 
 
+# the fields from the declarations (one declaration per knob), validated as they are
+DPOKnobs = dataclasses.make_dataclass(
+    "DPOKnobs", [(k.name, k.kind.value, dataclasses.field(default=k.default)) for k in KNOBS],
+    bases=(_DPOKnobsMethods,), frozen=True, namespace={"__post_init__": _check, "__module__": __name__})
+DPOKnobs.__doc__ = _DPOKnobsMethods.__doc__
+
+
 def dpo_only_keys() -> set[str]:
     from trl import DPOConfig, SFTConfig
 
     return _field_names(DPOConfig) - _field_names(SFTConfig)
 
 
-_KNOB_KEYS = {f.name for f in dataclasses.fields(DPOKnobs)}
+_KNOB_KEYS = {k.key for k in KNOBS}
 
 
 def prepared_as_is(self, dataset, processing_class, args, dataset_name):
@@ -155,9 +185,7 @@ class DPO(PairTrainer):
             "fp16": c.precision is Precision.FP16,
             "train_sampling_strategy": sampling,
             "use_liger_kernel": False,
-            "precompute_ref_log_probs": k.precompute_ref_log_probs,
-            "precompute_ref_batch_size": k.precompute_ref_batch_size,
-            "sync_ref_model": k.sync_ref_model,
+            **{kn.key: getattr(k, kn.name) for kn in KNOBS},  # its own knobs, each declared once (KNOBS)
             "model_init_kwargs": model_init_kwargs(c, measured=measured),
         }
         out.update(base_config_keys(c, _field_names(self.config_class()), measured=measured, own=dpo_only_keys(),
