@@ -98,3 +98,28 @@ def test_generate_is_restored_and_ids_must_be_known():
         with pytest.raises(IncompleteGeneration, match="known tensor"):
             model.generate(input_ids=unknown, max_new_tokens=2)
     assert "generate" not in vars(model)
+
+
+def test_data_shadow_knows_data_never_weights_and_forgets_stale_values():
+    """What DataShadow carries: real CPU tensors and value-defined factories (and floats computed from them only);
+    never `empty*`, seeded random factories or meta-made tensors; a known tensor written with unknown values is
+    forgotten, so a later `.item()` is not answered from stale values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from advisor._sim import DataShadow
+
+    shadow = DataShadow()
+    with FakeTensorMode(allow_non_fake_inputs=True), shadow:
+        rewards = torch.zeros(4, 2)
+        rewards[:, 0] = torch.tensor([1.0, float("nan"), 2.0, 0.0])  # a real CPU tensor lifted into the mode
+        assert bool(torch.isnan(rewards).all(dim=1).any()) is False  # computed on the values, not guessed
+        assert bool(torch.isnan(rewards).any()) is True
+        assert shadow.real(torch.arange(5).sum()).item() == 10
+        assert shadow.real(torch.empty(3)) is None
+        assert shadow.real(torch.randn(3)) is None
+        weight = torch.empty_like(torch.empty(4, 4, device="meta"), device="cpu")  # how _materialise makes weights
+        assert shadow.real(weight) is None and shadow.real(weight @ torch.ones(4)) is None
+        counts = torch.zeros(4)
+        assert shadow.real(counts) is not None
+        counts.add_(weight[0])  # unknown values written into a known tensor
+        assert shadow.real(counts) is None
