@@ -45,6 +45,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "attention_flops": ("flash", "attention_flops"),
     "batch_facts": ("fake_step", "batch_facts"),
     "materialise": ("fake_step", "_materialise"),  # a meta model's parameters as fake tensors, ties kept
+    # ---- model.generate on fake tensors, every sequence at its maximum length (generation.py; online RL) -------
+    **{name: ("generation", name) for name in ("simulate_generate", "GenerationRun", "full_length_generate",
+                                                "IncompleteGeneration", "filler_token")},
+    "DataShadow": ("shadow", "DataShadow"),  # the shadow a generating run enters above the tracker
     # ---- the fake run's ops costed by the step-time model (timing_hook.py; the model itself: advisor._physics) -----
     **{name: ("timing_hook", name) for name in ("TimingHook", "BatchLayout")},
     # ---- one rank of N GPUs (distributed.py: advisor.simulator.simulate_per_rank, the real multi-process probe) ---

@@ -26,6 +26,13 @@ tracked. Three things break without the fixes below, in this order (each found b
    attempt that treated meta tensors as known fed uninitialised memory to multinomial ("probability tensor contains
    inf/nan").
 
+These fixes are now simulator infrastructure, which this spike uses: `DataShadow` (advisor/_sim/shadow.py) and
+`full_length_generate` (advisor/_sim/generation.py), tested by tests/test_fake_generate.py. Fix 1 no longer reads
+frames: with the prompt ids known, the value-defined factories computed for real and every sampled token a known
+filler id that is no special token, `unfinished_sequences` is known and the loop's own `.max() == 0` is computed on
+it (the ScalarOracle is not asked). Rerun with them (tiny, 2026-12-02): the same six fake peaks as below, byte for
+byte.
+
 Result (TRL 1.16.0, transformers 5.24.0, torch 2.13 CPU; real = scripts/grpo_cpu_peak.py, the allocator's events):
 
     case                          tiny: fake / real (B)        medium: fake / real (B)
@@ -64,68 +71,17 @@ warnings.simplefilter("ignore")
 import datasets  # noqa: E402
 import grpo_cpu_peak as real  # noqa: E402
 import torch  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
-from torch.utils._python_dispatch import _disable_current_modes  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-import advisor._sim.shadow as shadow_module  # noqa: E402
 from advisor._sim.fake_step import BatchFacts, ScalarOracle, _materialise, real_path_patches  # noqa: E402
-from advisor._sim.tracker import StorageTracker, tensors_in  # noqa: E402
+from advisor._sim.generation import full_length_generate  # noqa: E402
+from advisor._sim.shadow import DataShadow  # noqa: E402
+from advisor._sim.tracker import StorageTracker  # noqa: E402
 from advisor.measurement import Category  # noqa: E402
-
-_EMPTY = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.empty_strided.default,
-          torch.ops.aten.new_empty.default)
-
-
-def _shadowable(t: object) -> bool:  # fix 3: floats too (only data-derived ones ever become known)
-    return isinstance(t, torch.Tensor) and not t.dtype.is_complex and t.numel() <= shadow_module._LIMIT
-
-
-class _GenerationOracle(ScalarOracle):
-    """Fix 1: the decode loop's stop check answers from the length, not 'True'."""
-
-    def __call__(self, t: torch.Tensor) -> object:
-        if t.dtype is torch.bool:
-            frame = sys._getframe(1)
-            while frame is not None:
-                loc = frame.f_locals
-                if frame.f_code.co_name == "__call__" and "length" in loc \
-                        and type(loc.get("self")).__name__.endswith("StopCheck"):
-                    outer = frame
-                    while outer is not None and "stopping_criteria" not in outer.f_locals:
-                        outer = outer.f_back
-                    return loc["length"] >= outer.f_locals["stopping_criteria"].max_length
-                frame = frame.f_back
-        return super().__call__(t)
-
-
-class _GenerationShadow(shadow_module.IntegerShadow):
-    """Fix 2: real CPU tensors are their own shadow; factories (not empty*) are computed for real."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = tensors_in((args, kwargs))
-        for t in inputs:
-            if not isinstance(t, FakeTensor) and t.device.type == "cpu" and t not in self._real and _shadowable(t):
-                self._real[t] = t
-        if func in _EMPTY:
-            return func(*args, **kwargs)
-        if not inputs:
-            out = func(*args, **kwargs)
-            with _disable_current_modes():
-                try:
-                    real_out = func(*args, **kwargs)
-                except Exception:
-                    return out
-            for fake, value in zip(tensors_in(out), tensors_in(real_out), strict=False):
-                if _shadowable(value) and tuple(fake.shape) == tuple(value.shape):
-                    self._real[fake] = value
-            return out
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def run(case: real.Case, size: str = "tiny") -> tuple[int, float]:
-    shadow_module._shadowable = _shadowable
     config = AutoConfig.for_model(**real.SIZES[size])
     policy_dir = tempfile.mkdtemp()
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(policy_dir)  # for TRL's reference
@@ -156,9 +112,9 @@ def run(case: real.Case, size: str = "tiny") -> tuple[int, float]:
     data = datasets.Dataset.from_dict({"prompt": real._prompts(case, 1024)})
     trainer = Fake(model=model, reward_funcs=lambda completions, **_: [float(i % 3) for i in range(len(completions))],
                    args=Config(**kwargs), train_dataset=data, processing_class=tok, peft_config=peft_config)
-    tracker = StorageTracker(answer_scalar=_GenerationOracle(BatchFacts(unpadded=True, labelled=0, tokens=0,
+    tracker = StorageTracker(answer_scalar=ScalarOracle(BatchFacts(unpadded=True, labelled=0, tokens=0,
                                                                         shape=(0, 0))))
-    shadow = _GenerationShadow()
+    shadow = DataShadow()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with real_path_patches(False), mode, tracker, contextlib.ExitStack() as stack:
         stack.enter_context(shadow)
@@ -167,17 +123,7 @@ def run(case: real.Case, size: str = "tiny") -> tuple[int, float]:
             _materialise(m)
             tracker.set_category([*m.parameters(), *m.buffers()], Category.PARAMETERS)
         trainer.accelerator.device_placement = False
-        generate = trainer.model.generate
-
-        def generate_known(*args, **kw):  # fix 2: the generated ids' values, every completion at full length
-            out = generate(*args, **kw)
-            prompt = shadow.real(kw["input_ids"])
-            with _disable_current_modes():
-                filler = torch.full((out.shape[0], out.shape[1] - prompt.shape[1]), 10, dtype=prompt.dtype)
-                shadow._real[out] = torch.cat([prompt, filler], dim=1)
-            return out
-
-        trainer.model.generate = generate_known
+        stack.enter_context(full_length_generate(trainer.model, shadow))
         start = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - start
