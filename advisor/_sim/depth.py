@@ -153,7 +153,8 @@ def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec):
     size = trainable[0].element_size() if trainable else 4
     max_norm = getattr(trainer.args, "max_grad_norm", 1.0)
     opt = optimizer_cost(optimizer_impl(candidate.optim, target.is_cuda), [p.numel() for p in trainable], size, size,
-                         hook.tc, clip=bool(max_norm and max_norm > 0))
+                         hook.tc, clip=bool(max_norm and max_norm > 0),
+                         weight_decay=float(getattr(trainer.args, "weight_decay", 0.0) or 0.0))
     trained = frozen = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
