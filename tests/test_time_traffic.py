@@ -87,15 +87,21 @@ def _regather_run(reshard: bool, monkeypatch):
     return {k: v / hook.micro_steps for k, v in hook.memory_bytes.items()}, groups
 
 
-def test_fsdp2_regather_costs_its_copies_not_its_buffers_nor_the_collective(monkeypatch):
+@pytest.fixture(scope="module")
+def regather_runs():
+    with pytest.MonkeyPatch.context() as m:
+        resharded, groups = _regather_run(True, m)
+    with pytest.MonkeyPatch.context() as m:
+        kept, _ = _regather_run(False, m)
+    return resharded, kept, groups
+
+
+def test_fsdp2_regather_costs_its_copies_not_its_buffers_nor_the_collective(regather_runs):
     """Resharding after forward gathers every non-root unit again in the backward: the memory-bound bytes grow by
     exactly that re-gather's copies: the copy-in (the float32 shard cast to bf16 into the flat input, then copied into
     its slice of the all-gather buffer) and the copy-out (the all-gather buffer read, the unsharded parameters
     written). Not by the all-gather buffer the copy-in is handed (allocated, not written), not by the collective."""
-    with monkeypatch.context() as m:
-        resharded, groups = _regather_run(True, m)
-    with monkeypatch.context() as m:
-        kept, _ = _regather_run(False, m)
+    resharded, kept, groups = regather_runs
     regathered = [g for g in groups if g.post_forward_mesh_info is not None]
     assert regathered, "no FSDP2 unit resharded after forward"
     world = 2
@@ -116,3 +122,56 @@ def test_fsdp2_regather_costs_its_copies_not_its_buffers_nor_the_collective(monk
     assert total == pytest.approx(copy_in + copy_out, rel=1e-9), detail
     assert not any(k.startswith("c10d::") for k in resharded), resharded
     assert diff.get("fsdp::split_with_sizes_copy") == pytest.approx(copy_out, rel=1e-9), detail
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_closed_form_of_fsdp2_copies_equals_the_fake_run(regather_runs, reshard):
+    """The closed form both backends share for a layout's copies (ranks_closed.layout_traffic: every gather's copy-in
+    and copy-out, the reduce-scatter's copy-in) equals what the fake run's FSDP2 copies move, byte for byte."""
+    from advisor._sim.ranks_closed import layout_traffic
+    from advisor.parallelism import Parallelism
+
+    sys.path.insert(0, HERE)
+    from multigpu_worker import workload
+
+    resharded, kept, _ = regather_runs
+    run = resharded if reshard else kept
+    copies = {k: v for k, v in run.items() if k.startswith("fsdp::") or k == "aten::_foreach_copy_"}
+    cand = Candidate(max_length=128, per_device_train_batch_size=2, precision="bf16", optim="adamw_torch",
+                     activation_checkpointing=False)
+    closed = layout_traffic(workload(), cand, Parallelism(reshard_after_forward=reshard), 2)
+    assert closed.per_micro_bytes == pytest.approx(sum(copies.values()), rel=1e-9), (closed, copies)
+    assert closed.optimizer_fraction == 0.5
+
+
+@pytest.mark.slow  # two single-GPU simulations of Qwen2.5-0.5B: about 60 s on an idle 2-core host
+def test_zero3_regather_priced_alike_by_both_backends(monkeypatch):
+    """ZeRO-3 gathers every parameter in the forward and again in the backward; ZeRO-2 keeps them: the memory-bound
+    term of ZeRO-3 minus ZeRO-2's is the closed form's gathers (copy-in of the partition, copy-out of the buffer) over
+    the bandwidth, in the simulation and in the estimate alike (both add ranks_closed.layout_traffic), and the device
+    optimizer steps this rank's half in both."""
+    import advisor.parallelism as par
+    from advisor._sim.ranks_closed import layout_traffic
+    from advisor.costs import time_constants
+    from advisor.estimator import estimate
+    from advisor.inputs import build_workload
+    from advisor.parallelism import simulate_per_rank
+
+    monkeypatch.setattr(par, "deepspeed_available", lambda: True)
+    wl = build_workload("Qwen/Qwen2.5-0.5B", gpu="H100-80GB", num_gpus=2)
+    bw = time_constants(wl.gpu).mem_bw
+    knobs = dict(max_length=256, per_device_train_batch_size=2, precision="bf16", optim="adamw_torch_fused")
+    by = {}
+    for layout in ("zero2", "zero3"):
+        cand = Candidate(**knobs, parallelism=layout)
+        lt = layout_traffic(wl, cand)
+        sim = simulate_per_rank(wl, cand, parallelism=cand.parallelism.parallelism)
+        est = estimate(wl, cand)
+        by[layout] = (lt, sim.time_breakdown, est.time_breakdown)
+    (l2, s2, e2), (l3, s3, e3) = by["zero2"], by["zero3"]
+    expected = (l3.per_micro_bytes + l3.per_step_bytes - l2.per_micro_bytes - l2.per_step_bytes) / bw
+    assert expected > 0
+    detail = f"zero2 sim {s2} est {e2}; zero3 sim {s3} est {e3}; closed-form difference {expected:.6f} s"
+    assert s3["memory_bound"] - s2["memory_bound"] == pytest.approx(expected, rel=1e-6), detail
+    assert e3["memory_bound"] - e2["memory_bound"] == pytest.approx(expected, rel=1e-6), detail
+    assert l3.optimizer_fraction == l2.optimizer_fraction == 0.5

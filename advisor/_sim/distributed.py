@@ -30,7 +30,7 @@ import torch
 from ..errors import ConfigError
 from ..measurement import Category
 from ..parallelism import Parallelism, Strategy
-from .ranks_closed import _comm, _model_counts, _trainable_bytes, offload_time_s, zero_bytes
+from .ranks_closed import _comm, _model_counts, _trainable_bytes, apply_layout_traffic, offload_time_s, zero_bytes
 
 __all__ = ["fake_process_group", "fsdp2_sharding", "simulate_per_rank"]
 
@@ -352,6 +352,9 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
         m = simulate(workload, candidate, target, layers=layers, steps=steps)
         m, more = _modelled_rank(m, workload, candidate, parallelism, num_gpus)
         notes.extend(more)
+    # the layout's device copies and this rank's optimizer share (the closed form for what the fake run does not do)
+    m = apply_layout_traffic(m, workload, candidate, parallelism, num_gpus, target,
+                             gathers_simulated=parallelism.strategy is Strategy.FSDP2)
     comm = _comm(workload, candidate, parallelism, target, num_gpus, num_machines, m)
     host = offload_time_s(workload, candidate, parallelism, num_gpus) if target.is_cuda else 0.0
     if host:
