@@ -206,7 +206,7 @@ def layouts(rows: list[dict]) -> None:
     from advisor.estimator import estimate
     from advisor.inputs import build_workload
     from advisor.measurement import Status
-    from advisor.parallelism import simulate_per_rank
+    from advisor.simulator import simulate_per_rank
     from advisor.space import Candidate
 
     par.deepspeed_available = lambda: True  # ZeRO is modelled in closed form either way (no deepspeed run)

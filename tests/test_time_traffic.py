@@ -16,8 +16,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _hook(gpu: str = "H100-80GB"):
-    from advisor._sim.timing import BatchLayout, TimingHook
     from advisor.profiles import resolve_gpu
+    from advisor.simulator import BatchLayout, TimingHook
 
     hook = TimingHook(resolve_gpu(gpu), BatchLayout(2, 64, (64, 64), 126, False), "sdpa")
     hook.begin_micro(True)
@@ -29,7 +29,7 @@ def test_a_collective_adds_no_memory_bound_time():
     the communication model only; the same bytes through a device copy are memory-bound time (the check can fail)."""
     import torch
 
-    from advisor._sim.timing import _TERMS, Term
+    from advisor._physics import _TERMS, Term
 
     mem = _TERMS.index(Term.MEMORY)
     out, inp = torch.empty(1 << 20, dtype=torch.bfloat16), torch.empty(1 << 19, dtype=torch.bfloat16)
@@ -53,21 +53,21 @@ def _regather_run(reshard: bool, monkeypatch):
     micro-step, and the FSDP2 parameter groups that reshard after forward (gathered again in the backward)."""
     import dataclasses
 
-    from advisor._sim.timing import hook as hook_module
-    from advisor.parallelism import Parallelism, simulate_per_rank
+    from advisor.parallelism import Parallelism
     from advisor.profiles import resolve_gpu
+    from advisor.simulator import TimingHook, simulate_per_rank
 
     sys.path.insert(0, HERE)
     from multigpu_worker import workload
 
     hooks: list = []
-    init = hook_module.TimingHook.__init__
+    init = TimingHook.__init__
 
     def recording_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
         hooks.append(self)
 
-    monkeypatch.setattr(hook_module.TimingHook, "__init__", recording_init)
+    monkeypatch.setattr(TimingHook, "__init__", recording_init)
     groups: list = []
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -128,7 +128,7 @@ def test_fsdp2_regather_costs_its_copies_not_its_buffers_nor_the_collective(rega
 def test_closed_form_of_fsdp2_copies_equals_the_fake_run(regather_runs, reshard):
     """The closed form both backends share for a layout's copies (ranks_closed.layout_traffic: every gather's copy-in
     and copy-out, the reduce-scatter's copy-in) equals what the fake run's FSDP2 copies move, byte for byte."""
-    from advisor._sim.ranks_closed import layout_traffic
+    from advisor._physics import layout_traffic
     from advisor.parallelism import Parallelism
 
     sys.path.insert(0, HERE)
@@ -151,11 +151,11 @@ def test_zero3_regather_priced_alike_by_both_backends(monkeypatch):
     the bandwidth, in the simulation and in the estimate alike (both add ranks_closed.layout_traffic), and the device
     optimizer steps this rank's half in both."""
     import advisor.parallelism as par
-    from advisor._sim.ranks_closed import layout_traffic
+    from advisor._physics import layout_traffic
     from advisor.costs import time_constants
     from advisor.estimator import estimate
     from advisor.inputs import build_workload
-    from advisor.parallelism import simulate_per_rank
+    from advisor.simulator import simulate_per_rank
 
     monkeypatch.setattr(par, "deepspeed_available", lambda: True)
     wl = build_workload("Qwen/Qwen2.5-0.5B", gpu="H100-80GB", num_gpus=2)

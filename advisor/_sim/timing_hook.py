@@ -2,7 +2,7 @@
 batch's layout (the package docstring: "Kernels").
 
 Only device traffic is priced: what a kernel reads and writes in device memory, never a buffer it only allocates
-and never what crosses the network (the communication model prices that, advisor/_sim/ranks_closed.comm_time_s).
+and never what crosses the network (the communication model prices that, advisor/_physics/ranks_closed.comm_time_s).
 
 op family                                      how it is priced
 ---------------------------------------------  ----------------------------------------------------------------
@@ -38,13 +38,26 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .constants import _NB, _NT, _TERMS, AttentionKind, Basis, Term, time_constants
-from .kernels import attention_tile_s, attention_units, dequant_s, gemm_s, memory_s
-from .optimizer import OptimizerCost
-from .step import BatchPoint, StepCost
+from .._physics import (
+    _NB,
+    _NT,
+    _TERMS,
+    AttentionKind,
+    Basis,
+    BatchPoint,
+    OptimizerCost,
+    StepCost,
+    Term,
+    attention_tile_s,
+    attention_units,
+    dequant_s,
+    gemm_s,
+    memory_s,
+    time_constants,
+)
 
 if TYPE_CHECKING:
-    from ...workload import GPUSpec
+    from ..workload import GPUSpec
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addmm_", "addbmm"}
 _GATHERS = {"embedding", "index_select", "gather", "index", "take_along_dim"}
@@ -53,7 +66,7 @@ _NO_KERNEL = {"empty", "new_empty", "empty_like", "empty_strided", "lift_fresh",
 # ops that write their mutated argument without reading it
 _WRITE_ONLY = {"copy_", "_foreach_copy_", "fill_", "zero_", "_foreach_zero_", "_foreach_fill_", "normal_", "uniform_",
                "random_", "bernoulli_", "exponential_"}
-# the collectives' namespace: priced by the communication model only (advisor/_sim/ranks_closed.comm_time_s)
+# the collectives' namespace: priced by the communication model only (advisor/_physics/ranks_closed.comm_time_s)
 _COLLECTIVES = "c10d"
 
 
@@ -62,7 +75,7 @@ def traffic_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
     mutated arguments written once (and read unless write-only), fresh outputs written; outputs that share an
     input's storage (views, in-place results) are not counted again; a collective moves none through the memory-bound
     term; FSDP2's copy-in writes only this rank's slice of the buffer it is handed."""
-    from ..tracker import tensors_in
+    from .tracker import tensors_in
 
     if getattr(func, "namespace", "") == _COLLECTIVES:
         return 0.0
@@ -240,7 +253,7 @@ class TimingHook:
     def __call__(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if not self.recording:
             return
-        from ..tracker import tensors_in
+        from .tracker import tensors_in
 
         tc = self.tc
         self.ops += 1
@@ -412,6 +425,6 @@ class TimingHook:
 
 
 def tensors_of(tree: Any) -> list:
-    from ..tracker import tensors_in
+    from .tracker import tensors_in
 
     return tensors_in(tree)
