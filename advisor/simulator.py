@@ -191,7 +191,7 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     (`simulate`). Throughput is global: every rank's trained tokens over the step time including the
     collectives' exposed time (`comm_time_s`)."""
 
-    from ._physics import offload_time_s
+    from ._physics import apply_layout_traffic, offload_time_s
     from ._physics import rank_comm as _comm
     from ._sim import fake_process_group, fsdp2_sharding
     from ._sim import resolve_target as _resolve_target
@@ -234,6 +234,9 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
         m = simulate(workload, candidate, target, layers=layers, steps=steps)
         m, more = _modelled_rank(m, workload, candidate, parallelism, num_gpus)
         notes.extend(more)
+    # the layout's device copies and this rank's optimizer share (the closed form for what the fake run does not do)
+    m = apply_layout_traffic(m, workload, candidate, parallelism, num_gpus, target,
+                             gathers_simulated=parallelism.strategy is Strategy.FSDP2)
     comm = _comm(workload, candidate, parallelism, target, num_gpus, num_machines, m)
     host = offload_time_s(workload, candidate, parallelism, num_gpus) if target.is_cuda else 0.0
     if host:

@@ -3,6 +3,11 @@
   python scripts/bench_time_model.py                      # the reference table (simulate and estimate), L4 and H100
   python scripts/bench_time_model.py --json out.json      # also write the rows
   python scripts/bench_time_model.py --calibrate-estimate # the estimate's per-layer op and byte counts, from fake runs
+  python scripts/bench_time_model.py --layouts --json after.json [--before before.json]
+      # several GPUs: per term, simulate vs estimate for each layout (DDP, FSDP2 with and without resharding, FSDP2
+      # offload, ZeRO-2/3) on Llama-3.1-8B x 8 H100 and Qwen2.5-0.5B x 2 L4, and the pick (the fastest layout that
+      # fits, by the simulator); --before: the same rows from another revision (PYTHONPATH=<its checkout>), to print
+      # the picks before/after
 
 Reference workloads: Qwen2.5-0.5B and SmolLM2-135M full fine-tuning, Llama-3.1-8B LoRA (r 16, bf16 weights), each
 on the synthetic chat set at max_length 1024 with bf16 autocast, checkpointing and the fused AdamW, micro-batch 4
@@ -178,11 +183,84 @@ def calibrate() -> dict:
     return out
 
 
+# ---- several GPUs: the layouts per term, simulate vs estimate --------------------------------------------------------
+
+# the knobs of the 8 x H100 example's pick (README "Several GPUs", issue 24): full fine-tuning, bf16 autocast over
+# float32 weights, 1 x 3008 packed (bfd), FlashAttention 2, no checkpointing, 8-bit AdamW
+MULTI = (
+    ("meta-llama/Llama-3.1-8B", "H100-80GB", 8,
+     {"max_length": 3008, "packing": True, "packing_strategy": "bfd", "per_device_train_batch_size": 1,
+      "activation_checkpointing": False, "optim": "adamw_bnb_8bit", "precision": "bf16",
+      "attn_implementation": "kernels-community/flash-attn2", "expandable_segments": True}),
+    ("Qwen/Qwen2.5-0.5B", "L4", 2,
+     {"max_length": 1024, "per_device_train_batch_size": 4, "activation_checkpointing": True,
+      "optim": "adamw_torch_fused", "precision": "bf16", "attn_implementation": "sdpa"}),
+)
+LAYOUTS = ("ddp", "fsdp2", "fsdp2_no_reshard", "fsdp2_offload", "zero2", "zero3")
+TERMS = ("matmul", "attention", "memory_bound", "lm_head", "optimizer", "launch_host", "communication_exposed")
+
+
+def layouts(rows: list[dict]) -> None:
+    """Each layout of each multi-GPU case through both backends; ZeRO modelled as if deepspeed were installed."""
+    import advisor.parallelism as par
+    from advisor.estimator import estimate
+    from advisor.inputs import build_workload
+    from advisor.measurement import Status
+    from advisor.simulator import simulate_per_rank
+    from advisor.space import Candidate
+
+    par.deepspeed_available = lambda: True  # ZeRO is modelled in closed form either way (no deepspeed run)
+    for model, gpu, n, knobs in MULTI:
+        wl = build_workload(model, gpu=gpu, num_gpus=n)
+        for layout in LAYOUTS:
+            cand = Candidate(**knobs, parallelism=layout)
+            started = time.perf_counter()
+            sim = simulate_per_rank(wl, cand, parallelism=cand.parallelism.parallelism)
+            wall = time.perf_counter() - started
+            est = estimate(wl, cand)
+            for backend, m in (("simulate", sim), ("estimate", est)):
+                rows.append({"model": model, "gpu": gpu, "num_gpus": n, "layout": layout, "backend": backend,
+                             "fits": m.status is Status.OK, "gib": (m.device_bytes or m.peak_bytes) / 2**30,
+                             "step_time_s": m.step_time_s, "tokens_per_second": m.tokens_per_second,
+                             "terms": dict(m.time_breakdown), "wall_s": round(wall, 1) if backend == "simulate"
+                             else None})
+            print(f"  {model} x {n} {gpu} {layout}: simulated in {wall:.0f} s", file=sys.stderr, flush=True)
+
+
+def print_layouts(rows: list[dict], before: list[dict] | None) -> None:
+    head = (f"{'case':<28}{'layout':<18}{'backend':<9}{'fits':>5}{'GiB':>7}{'tok/s':>9}  "
+            + " ".join(f"{t[:8]:>8}" for t in TERMS))
+    for case in dict.fromkeys((r["model"], r["gpu"], r["num_gpus"]) for r in rows if "layout" in r):
+        print()
+        print(head)
+        print("-" * len(head))
+        mine = [r for r in rows if (r.get("model"), r.get("gpu"), r.get("num_gpus")) == case and "layout" in r]
+        name = f"{case[0].split('/')[-1]} x {case[2]} {case[1]}"
+        for r in mine:
+            parts = " ".join(f"{1e3 * r['terms'].get(t, 0.0):8.1f}" for t in TERMS)
+            print(f"{name:<28}{r['layout']:<18}{r['backend']:<9}{'yes' if r['fits'] else 'no':>5}{r['gib']:7.2f}"
+                  f"{r['tokens_per_second'] or 0:9.0f}  {parts}")
+        for label, table in (("before", before), ("after", rows)):
+            if table is None:
+                continue
+            for backend in ("simulate", "estimate"):
+                ok = [r for r in table if (r.get("model"), r.get("gpu"), r.get("num_gpus")) == case
+                      and r.get("backend") == backend and r.get("fits") and r.get("tokens_per_second")]
+                if ok:
+                    best = max(ok, key=lambda r: r["tokens_per_second"])
+                    print(f"pick {label:<6} ({backend}): {best['layout']} {best['tokens_per_second']:,.0f} tok/s, "
+                          f"{best['gib']:.2f} GiB a rank")
+    print("(terms in ms per optimizer step; the pick: the fastest layout that fits, among these knobs)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--calibrate-estimate", action="store_true",
                    help="print the estimate's per-layer counts measured on the fake run (time_constants.json)")
+    p.add_argument("--layouts", action="store_true",
+                   help="several GPUs: each layout per term, simulate vs estimate, and the pick")
+    p.add_argument("--before", help="with --layouts: rows (--json) of another revision, to print its picks too")
     a = p.parse_args(argv)
     import warnings
 
@@ -192,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     rows: list[dict] = []
-    reference(rows)
-    compare(rows)
+    if a.layouts:
+        layouts(rows)
+        print_layouts(rows, json.loads(Path(a.before).read_text()) if a.before else None)
+    else:
+        reference(rows)
+        compare(rows)
     print(f"\n({time.perf_counter() - started:.0f} s)")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -3,6 +3,7 @@ the architecture and the candidate, expected over the same batch distribution, s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,10 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
     act = 2 if (mixed or c.weights_dtype is not WeightsDtype.FLOAT32) else 4
     peak = tc.peak["fp32"] if act == 4 else tc.peak["fp16" if c.precision is Precision.FP16 else "bf16"]
     autocast = mixed and c.weights_dtype is WeightsDtype.FLOAT32
+    # FSDP2's MixedPrecisionPolicy gathers the parameters in the compute dtype: the module runs as with 16-bit weights
+    # (no autocast casts; the float32 shards are cast at the gather, in the layout's copies below)
+    fsdp2_mp = (workload.num_gpus > 1 and autocast and not c.use_lora
+                and c.parallelism.parallelism.strategy.value == "fsdp2")
     L = arch.layers
     # the coefficients are taken at the mean micro-batch of the sampler's distribution (a GEMM's efficiency, the
     # kernel floors and the LM head's tiles depend on the size); the worst batch only scales the worst-case time
@@ -86,7 +91,7 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
         add(tm.Term.ATTENTION, B_.ATTENTION, L * ((1 + f) * fwd_t + bwd_t))
     # memory-bound ops, host ops (counted on the fake run)
     cal = tc.raw["estimate"]["per_layer"]
-    key = "lora" if c.use_lora else ("autocast" if autocast else "base")
+    key = "lora" if c.use_lora else ("autocast" if autocast and not fsdp2_mp else "base")
     lo, hi = cal[key], cal[key + "_ckpt"]
 
     def at(field_a, field_b=None):
@@ -99,7 +104,14 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
                          + at("bytes_per_token", "intermediate") * arch.intermediate)
     launches = L * at("launches") + float(tc.raw["estimate"]["outside_launches"])
     add(tm.Term.MEMORY, B_.TOKENS, tm.memory_s(L * per_token * T, tc, kernels=round(launches)) / T)
-    if autocast:
+    # several GPUs: the layout's device copies (FSDP2's / ZeRO's gathers, the gradients' buckets), the closed form the
+    # simulator adds for the layouts it does not run (advisor/_physics/ranks_closed.layout_traffic)
+    layout = None
+    if workload.num_gpus > 1:
+        layout = tm.layout_traffic(workload, c)
+        ga_ = c.gradient_accumulation_steps
+        add(tm.Term.MEMORY, B_.FIXED, (layout.per_micro_bytes + layout.per_step_bytes / ga_) / tc.mem_bw)
+    if autocast and not fsdp2_mp:
         casts = arch.decoder_linear * 6.0 * (1 + f)  # fp32 read + bf16 write of every weight, per forward
         add(tm.Term.MEMORY, B_.FIXED, casts / tc.mem_bw)
     grad_bytes = 4 if c.use_lora else DTYPE_BYTES[c.weights_dtype]
@@ -107,8 +119,8 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
     ga = c.gradient_accumulation_steps
     if ga > 1:  # gradient accumulation: grad += new grad on every micro-step but the first
         add(tm.Term.MEMORY, B_.FIXED, (ga - 1) / ga * trainable * 3 * grad_bytes / tc.mem_bw)
-    if not c.use_lora:  # the embedding's dense gradient
-        add(tm.Term.MEMORY, B_.FIXED, arch.vocab * arch.hidden * grad_bytes / tc.mem_bw)
+    if not c.use_lora:  # the embedding's dense gradient (16-bit under FSDP2's mixed precision: unsharded, gathered)
+        add(tm.Term.MEMORY, B_.FIXED, arch.vocab * arch.hidden * (2 if fsdp2_mp else grad_bytes) / tc.mem_bw)
     host = (L * at("host_ops") + float(tc.raw["estimate"]["outside_launches"])) * tc.op_s
     # TRL's LM head: tiles of 4096 rows x 32768 vocabulary columns, forward, recompute, grad hidden (+ grad W)
     n = n_trained if cuda else T
@@ -122,6 +134,10 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
     host += tiles * (2 * float(tc.raw["host"]["triton_launch_us"]) * 1e-6 + 6 * tc.op_s)
     # the optimizer step as the target runs it
     opt = tm.optimizer_cost(tm.optimizer_impl(c.optim, cuda), _trainable_sizes(arch, c), grad_bytes, grad_bytes, tc)
+    if layout is not None and layout.optimizer_fraction != 1.0:  # this rank's shard, or none on the device (offload)
+        frac = layout.optimizer_fraction
+        opt = dataclasses.replace(opt, device_s=opt.device_s * frac, host_s=opt.host_s if frac else 0.0,
+                                  launches=opt.launches if frac else 0, bytes=opt.bytes * frac)
     dense = arch.decoder_linear + arch.vocab * arch.hidden  # the matmul weights (the LM head included)
     flops = tm.model_flops(lora_parameters(arch, c) if c.use_lora else dense, dense if c.use_lora else 0, L,
                            arch.q_dim)

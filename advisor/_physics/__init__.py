@@ -51,7 +51,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     # ---- several GPUs in closed form (ranks_closed.py) ------------------------------------------------------------
     **{name: ("ranks_closed", name) for name in (
         "estimate_rank_moments", "estimate_rank_time", "zero_bytes", "ZeroTerms", "comm_time_s", "CommTime",
-        "interconnect", "Interconnect", "offload_time_s",
+        "interconnect", "Interconnect", "offload_time_s", "LayoutTraffic", "layout_traffic", "apply_layout_traffic",
     )},
     # what one rank of the fake run (advisor/_sim/distributed.py) shares with the estimate's rank
     "model_counts": ("ranks_closed", "_model_counts"),  # (parameters, trainable) as the candidate trains the model

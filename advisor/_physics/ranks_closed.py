@@ -15,7 +15,7 @@ from ..measurement import Category
 from ..parallelism import Parallelism, Strategy
 
 __all__ = ["zero_bytes", "ZeroTerms", "comm_time_s", "interconnect", "Interconnect", "estimate_rank_moments",
-           "estimate_rank_time", "offload_time_s"]
+           "estimate_rank_time", "offload_time_s", "LayoutTraffic", "layout_traffic", "apply_layout_traffic"]
 
 
 # ---- ZeRO-2 / ZeRO-3 in closed form ------------------------------------------------------------------------------
@@ -170,6 +170,109 @@ def _interconnect(name: str) -> Interconnect:
     return Interconnect(intra_gbs=float(ic["intra_gbs"]), pcie_gbs=float(ic["pcie_gbs"]),
                         inter_gbs=float(ic["inter_gbs"]) if ic.get("inter_gbs") else None,
                         intra_kind=str(ic.get("intra_kind", "nvlink")))
+
+
+# ---- the device traffic a layout adds to one rank's step ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayoutTraffic:
+    """What a multi-GPU layout changes in one rank's device time, beside the collectives (`comm_time_s`).
+
+    per_micro_bytes: memory-bound bytes every micro-step adds: FSDP2's and ZeRO-3's gathers (copy-in of the shard,
+    copy-out of the gathered buffer) and the reduce-scatter's copy-in of the gradients; ZeRO-2's bucket copy.
+    per_step_bytes: once per optimizer step: DDP's bucket copies, ZeRO-2's cast of the updated shard.
+    optimizer_fraction: the share of the trainable elements the device optimizer steps on this rank (1/N sharded,
+    0 when it runs on the host)."""
+
+    per_micro_bytes: float
+    per_step_bytes: float
+    optimizer_fraction: float
+    gathers: float  # elements gathered a micro-step (forward, and backward when resharded)
+    note: str
+
+
+def layout_traffic(workload: Any, candidate: Any, parallelism: Parallelism | None = None,
+                   num_gpus: int | None = None) -> LayoutTraffic:
+    """The device copies of one rank's layout, in closed form from the model's shapes (every layer a unit, the
+    embedding, final norm and LM head the root unit, as accelerate's transformer_based_wrap shards them):
+
+    - FSDP2 (torch 2.13 _fsdp_collectives.py): each gather of P elements casts this rank's float32 shard to the
+      compute dtype into the flat input (`_foreach_copy_`: (4 + c) P / N bytes, with a MixedPrecisionPolicy),
+      copies it into its slice of the all-gather buffer (`all_gather_copy_in`: 2 c P / N) and copies the buffer out
+      into the unsharded parameters (`split_with_sizes_copy`: 2 c P); every unit is gathered in the forward, and the
+      non-root units again in the backward when resharded after forward; the reduce-scatter's copy-in reads the
+      unsharded gradients and writes its input (`chunk_cat`: 2 c T).
+    - ZeRO-3 (DeepSpeed partition_parameters.py): each parameter is gathered in the forward and again in the backward
+      (released after use): its partition copied into the flat buffer (2 c P / N) and the buffer copied out into the
+      parameter (torch.cat of the ranks' parts: 2 c P); the gradients copied into the reduce bucket (2 c T).
+    - ZeRO-2 (stage_1_and_2.py): the gradients copied into the reduce bucket every micro-step (2 c T); once a step the
+      updated float32 partition cast into the 16-bit flat group the all-gather fills in place ((4 + c) T / N).
+    - DDP (gradient_as_bucket_view=False, accelerate's default): once a step the gradients copied into the buckets
+      and the reduced buckets back (4 g T).
+    c: the compute dtype's bytes (2 under bf16/fp16), g: the gradients' (the weights' dtype).
+    """
+    from .shapes import architecture
+
+    n = workload.num_gpus if num_gpus is None else num_gpus
+    p = parallelism or candidate.parallelism.parallelism
+    if n <= 1:
+        return LayoutTraffic(0.0, 0.0, 1.0, 0.0, "")
+    arch = architecture(workload.model)
+    params, trainable = _model_counts(workload, candidate)
+    mixed = candidate.precision.value in ("bf16", "fp16")
+    weight = _weight_bytes(candidate)
+    c = 2 if mixed else weight
+    if p.strategy is Strategy.DDP:
+        g = 4 if candidate.use_lora else weight
+        return LayoutTraffic(0.0, 4.0 * g * trainable, 1.0, 0.0,
+                             "DDP: the gradients copied into the reducer's buckets and back once a step")
+    if p.strategy is Strategy.FSDP2:
+        root = arch.embedding + arch.lm_head + arch.final_norm
+        gathered = params + ((params - root) if p.reshard_after_forward else 0)
+        master = 4 if mixed else weight  # accelerate keeps FSDP2's sharded parameters in float32 under mixed precision
+        per_elem = 2 * c + (2 * c + ((master + c) if mixed else 0)) / n
+        frac = 0.0 if p.offload_params else 1.0 / n
+        return LayoutTraffic(gathered * per_elem + 2.0 * c * trainable, 0.0, frac, float(gathered),
+                             f"FSDP2: {gathered:,} elements gathered a micro-step (copy-in and copy-out), the "
+                             "gradients' reduce-scatter copy-in")
+    frac = 0.0 if p.offload_optimizer else 1.0 / n
+    if p.strategy is Strategy.ZERO3:
+        gathered = 2 * params
+        return LayoutTraffic(gathered * (2 * c + 2 * c / n) + 2.0 * c * trainable, 0.0, frac, float(gathered),
+                             f"ZeRO-3: {gathered:,} elements gathered a micro-step (forward and backward; copy-in and "
+                             "copy-out), the gradients' bucket copy")
+    return LayoutTraffic(2.0 * c * trainable, (4 + c) * trainable / n, frac, 0.0,
+                         "ZeRO-2: the gradients' bucket copy a micro-step, the updated partition's cast a step")
+
+
+def apply_layout_traffic(m: Any, workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int,
+                         target: Any, *, gathers_simulated: bool) -> Any:
+    """One rank's simulated Measurement with its layout's device traffic (`layout_traffic`): the copies added to the
+    memory-bound term (FSDP2's gathers are in the fake run already: `gathers_simulated`), the optimizer term scaled
+    to this rank's share (FSDP2's fake run steps its local shards already: not scaled again). Only on a CUDA target
+    (a CPU target's time is not the GPUs')."""
+    if not target.is_cuda or num_gpus <= 1:
+        return m
+    from .timing import time_constants
+
+    tc = time_constants(target)
+    lt = layout_traffic(workload, candidate, parallelism, num_gpus)
+    ga = candidate.gradient_accumulation_steps
+    times = dict(m.time_breakdown)
+    add = 0.0
+    if not gathers_simulated:
+        add = (ga * lt.per_micro_bytes + lt.per_step_bytes) / tc.mem_bw
+    elif lt.per_step_bytes:
+        add = lt.per_step_bytes / tc.mem_bw
+    times["memory_bound"] = times.get("memory_bound", 0.0) + add
+    opt = times.get("optimizer", 0.0)
+    share = lt.optimizer_fraction if not gathers_simulated else (0.0 if lt.optimizer_fraction == 0.0 else 1.0)
+    times["optimizer"] = opt * share
+    delta = add + opt * (share - 1.0)
+    step = (m.step_time_s or 0.0) + delta
+    return dataclasses.replace(m, time_breakdown=times, step_time_s=step if step > 0 else m.step_time_s,
+                               notes=tuple(m.notes) + (f"layout's device traffic: {add:.3g} s a step memory-bound; "
+                                                       f"optimizer x {share:.3g} ({lt.note})",))
 
 
 # ---- the estimate's closed form of one rank -------------------------------------------------------------------------

@@ -150,10 +150,13 @@ def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec):
 
     model = trainer.model
     trainable = [p for p in model.parameters() if p.requires_grad]
-    size = trainable[0].element_size() if trainable else 4
     max_norm = getattr(trainer.args, "max_grad_norm", 1.0)
-    opt = optimizer_cost(optimizer_impl(candidate.optim, target.is_cuda), [p.numel() for p in trainable], size, size,
-                         hook.tc, clip=bool(max_norm and max_norm > 0))
+    # FSDP2's parameters are DTensors: each rank's optimizer steps its local shard
+    local = [getattr(p, "_local_tensor", p) for p in trainable]
+    size = local[0].element_size() if local else 4
+    opt = optimizer_cost(optimizer_impl(candidate.optim, target.is_cuda), [p.numel() for p in local], size, size,
+                         hook.tc, clip=bool(max_norm and max_norm > 0),
+                         weight_decay=float(getattr(trainer.args, "weight_decay", 0.0) or 0.0))
     trained = frozen = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):

@@ -1,5 +1,34 @@
 """The fake run's ops costed as the kernels a GPU runs for them: TimingHook on StorageTracker.on_op, the worst
-batch's layout (the package docstring: "Kernels")."""
+batch's layout (the package docstring: "Kernels").
+
+Only device traffic is priced: what a kernel reads and writes in device memory, never a buffer it only allocates
+and never what crosses the network (the communication model prices that, advisor/_physics/ranks_closed.comm_time_s).
+
+op family                                      how it is priced
+---------------------------------------------  ----------------------------------------------------------------
+views (`is_view`), allocations (`empty*`,      host time of a view: no kernel, no bytes
+  `new_empty*`), `detach`, `alias`, `set_`,
+  `_unsafe_view`, `resize_`
+matmuls (`mm`, `addmm`, `bmm`, `baddbmm`...)   a GEMM (`gemm_s`: roofline with wave quantisation)
+attention (FlashAttention, sdpa, efficient)    per query x key tile a sequence computes
+gathers (`embedding`, `index_select`...)       the gathered rows read and written, plus the indices
+c10d collectives (`_allgather_base_`,          host time of one launch, no memory-bound time: their time is the
+  `_reduce_scatter_base_`, `allreduce_`...,    communication model's (ranks_closed.comm_time_s), with its overlap
+  fake or real)
+`fsdp.all_gather_copy_in`                      its real copy: the shard's all-gather inputs read and written into
+                                               their slice of the all-gather buffer (the buffer it is handed is
+                                               allocated, not written)
+`fsdp.split_with_sizes_copy` (copy-out),       their real copy: the source read, the `out=` tensors written
+  `fsdp.chunk_cat` (reduce-scatter copy-in)    (FSDP2's ops: once per micro-step, the FIXED basis)
+copies (`copy_`, `_foreach_copy_`,             the source read, the destination written (not read)
+  `_to_copy`)
+in-place and `out=` ops                        each input read once, each mutated argument written once (and
+                                               read, unless write-only: `copy_`, `fill_`, `zero_`, `out=`)
+everything else (elementwise, reductions)      the inputs read, the fresh outputs written; an output sharing an
+                                               input's storage (a view, an in-place result) is not traffic again
+TRL's chunked LM head (CUDA)                   its tile GEMMs in 16-bit, its Triton folds as 1.5 passes per
+                                               logits tile (`_lm_head`)
+"""
 
 from __future__ import annotations
 
@@ -34,6 +63,58 @@ _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addmm_", "addbmm"}
 _GATHERS = {"embedding", "index_select", "gather", "index", "take_along_dim"}
 _NO_KERNEL = {"empty", "new_empty", "empty_like", "empty_strided", "lift_fresh", "_local_scalar_dense", "detach",
               "alias", "_unsafe_view", "set_", "resize_", "new_empty_strided", "lift_fresh_copy"}
+# ops that write their mutated argument without reading it
+_WRITE_ONLY = {"copy_", "_foreach_copy_", "fill_", "zero_", "_foreach_zero_", "_foreach_fill_", "normal_", "uniform_",
+               "random_", "bernoulli_", "exponential_"}
+# the collectives' namespace: priced by the communication model only (advisor/_physics/ranks_closed.comm_time_s)
+_COLLECTIVES = "c10d"
+
+
+def traffic_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
+    """Bytes a memory-bound kernel reads and writes in device memory (the module docstring's table): inputs read once,
+    mutated arguments written once (and read unless write-only), fresh outputs written; outputs that share an
+    input's storage (views, in-place results) are not counted again; a collective moves none through the memory-bound
+    term; FSDP2's copy-in writes only this rank's slice of the buffer it is handed."""
+    from .tracker import tensors_in
+
+    if getattr(func, "namespace", "") == _COLLECTIVES:
+        return 0.0
+    name = func._overloadpacket.__name__
+    if getattr(func, "namespace", "") == "fsdp" and name == "all_gather_copy_in":
+        inputs = tensors_in(args[0] if args else kwargs.get("all_gather_inputs"))
+        return 2.0 * float(sum(x.numel() * x.element_size() for x in inputs))
+    reads: list = []
+    writes: list = []
+    schema = func._schema
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    bound = list(zip(positional, args, strict=False)) + [
+        (a, kwargs[a.name]) for a in schema.arguments if a.name in kwargs]
+    for arg, value in bound:
+        ts = tensors_in(value)
+        if not ts:
+            continue
+        if arg.is_out:
+            writes.extend(ts)
+        elif arg.alias_info is not None and arg.alias_info.is_write:
+            writes.extend(ts)
+            if name not in _WRITE_ONLY:
+                reads.extend(ts)
+        else:
+            reads.extend(ts)
+    seen = {_storage_key(x) for x in reads} | {_storage_key(x) for x in writes}
+    for x in tensors_in(out):
+        key = _storage_key(x)
+        if key not in seen:
+            seen.add(key)
+            writes.append(x)
+    return float(sum(x.numel() * x.element_size() for x in reads) + sum(x.numel() * x.element_size() for x in writes))
+
+
+def _storage_key(t: Any) -> int:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
 
 
 def _shape(t: Any) -> tuple[int, ...]:
@@ -125,6 +206,7 @@ class TimingHook:
         self._quant_keys: dict[int, int] | None = None
         self._attn_dims = {layout.seq}
         self._upcast: dict[int, Any] = {}
+        self.memory_bytes: dict[str, float] = {}  # memory-bound bytes by op ("namespace::name"), recorded micro-steps
         # the head's row counts: every position (CPU), or the labelled ones (CUDA), in chunks of 4096
         counts = {layout.trained, layout.tokens, layout.tokens - layout.rows}
         self._head_dims = {d for n in counts if n > 0 for d in (n, min(n, 4096), n % 4096) if d > 0}
@@ -148,6 +230,9 @@ class TimingHook:
                     s = _shape(p)
                     shapes.add(s)
                     shapes.add(s[::-1])
+                    local = getattr(p, "_local_tensor", None)
+                    if local is not None:  # an FSDP2 shard: its copies into and out of the flat buffers
+                        shapes.update({_shape(local), (local.numel(),), (p.numel(),)})
             self._param_shapes = shapes
         return self._param_shapes
 
@@ -203,9 +288,14 @@ class TimingHook:
             nbytes = float(sum(2 * x.numel() * x.element_size() for x in outs) + sum(
                 x.numel() * x.element_size() for x in ins if not x.is_floating_point()))
         else:
-            nbytes = float(sum(x.numel() * x.element_size() for x in tensors))
+            nbytes = traffic_bytes(func, args, kwargs, out)
+            if nbytes <= 0.0:  # a collective: the communication model's time (or nothing to move)
+                return
+        op = f"{getattr(func, 'namespace', 'aten')}::{name}"
+        self.memory_bytes[op] = self.memory_bytes.get(op, 0.0) + nbytes
         t = memory_s(nbytes, tc)
-        basis = self._basis(tensors)
+        # FSDP2's copy-in / copy-out / reduce-scatter copy-in move parameters: once per micro-step, not per token
+        basis = Basis.FIXED if getattr(func, "namespace", "") == "fsdp" else self._basis(tensors)
         self._add(Term.ATTENTION if basis is Basis.ATTENTION else Term.MEMORY, basis, t)
 
     def _lm_head(self, name: str, args: tuple, ins: list, outs: list) -> None:

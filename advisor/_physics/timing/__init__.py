@@ -27,10 +27,13 @@ Activation offloading's copies run on a side stream: a third lane, max(host, com
 On the CPU target host and device are one thread: their times add.
 
 Optimizer. What each `optim` really runs on the target (transformers 5 maps adamw_torch to torch's AdamW with
-foreach=None: foreach on CUDA, a per-tensor for-loop on the CPU; adamw_torch_fused to fused=True): launches
-(per tensor, per foreach call in chunks of MultiTensorApply's tensor lists, or one fused call) and the bytes
-every pass reads and writes; gradient clipping likewise. Costed analytically from the trainable tensors, not
-from the fake run (whose CPU fake tensors take the for-loop path whatever the target).
+foreach=None: foreach on CUDA, a per-tensor for-loop on the CPU; adamw_torch_fused to fused=True): launches (per
+tensor, per foreach call in chunks of MultiTensorApply's tensor lists, or one fused call) and the bytes every kernel
+reads and writes (time_constants.json optimizer.<impl>.ops, counted from torch/optim/adam.py: foreach streams the
+states once per elementwise op, fused once; bitsandbytes' 8-bit moments with their absmax); gradient clipping
+likewise. On several GPUs a rank steps its shard (FSDP2's local DTensors, ZeRO's partition). Costed analytically
+from the trainable tensors, not from the fake run (whose CPU fake tensors take the for-loop path whatever the
+target).
 
 Expectation over batches. The fake run measures the worst batch (the memory case). Its micro-step time is split
 into parts that scale with the padded tokens the device computes, with the trained tokens (the CUDA LM head
