@@ -17,6 +17,7 @@ says about its run are typed events (`advisor.events`).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from ._search import (
     StudyRun,
     StudySpace,
     accumulation_for,
+    after_failure,
     apply_pins,
     build_suggestion,
     cache_dir,
@@ -58,6 +60,7 @@ from ._search import (
     feasible,
     fit_check,
     fit_correction,
+    is_storage_failure,
     messages_of,
     method_order,
     needs_at_least,
@@ -103,12 +106,13 @@ from .events import (
     NothingFits,
     Progress,
     ShownFromStored,
+    StorageNote,
     StoredAs,
     TrialsIgnored,
     render,
 )
 from .measurement import Measurement, Source, Status
-from .space import Candidate, SearchSpace
+from .space import Candidate, PackingStrategy, SearchSpace
 from .suggestion import Suggestion
 from .workload import Goals, Method, Workload, fingerprint
 
@@ -238,11 +242,22 @@ def suggest(
     backend_name = backend or default_backend_name()
     be = get_backend(backend_name)
     pins = parse_fix(fix)
+    if PackingStrategy.WRAPPED in pins.values.get("packing_strategy", ()) and not workload.goals.allow_wrapped:
+        raise UsageError("--fix packing_strategy=wrapped: 'wrapped' packing mixes examples and cuts them "
+                         "mid-sequence, a quality cost the search takes only when allowed; add --allow-wrapped "
+                         "(suggest(allow_wrapped=True)) or drop the --fix")
     order = method_order(workload.goals.method, pins)
     rows = RowTokens(workload.dataset)
     tps = default_tokens_per_step(workload, rows)
     events: list[Event] = list(ignored)
-    store, kept = open_store(storage, cache, events, progress)
+    fallback = _STORE_FALLBACK.get()
+    if fallback is None:
+        store, kept = open_store(storage, cache, events, progress)
+    else:  # the store failed in this search's first try: memory, what it holds copied in (after_failure)
+        store, kept = fallback.storage, False
+        events.append(StorageNote(fallback.note))
+        if progress is not None:
+            progress(Progress(0, 0, None, 0.0, note=fallback.note))
     if not workload.goals.tokens_per_step:
         events.append(EffectiveBatch(tps))
     smallest: list[tuple[int, Candidate]] = []
@@ -256,7 +271,7 @@ def suggest(
             shown = " ".join(f"--fix {k}={v}" for k, v in fix.items())
             raise UsageError(f"{shown}: leaves no admissible candidate ({why}); drop or change the --fix")
         raise UsageError(empty_message(workload, spaces, empty, rows, tps, why))
-    with open_search_pool(backend_name, jobs) as pool:  # one pool for every method the search tries
+    with open_search_pool(backend_name, jobs) as pool, _StorageGuard(kept) as guard:  # one pool for every method
         for i, m in enumerate(order):
             space = spaces[m]
             if empty[m]:
@@ -306,6 +321,14 @@ def suggest(
             nxt = order[i + 1].value if i + 1 < len(order) else None
             events.append(NothingFits(m.value, workload.limit_bytes, low[0] if low else None, len(run.ledger.measured),
                                       unmeasured, backend_name == "estimate", nxt))
+    if guard.failed is not None:  # the store stopped taking writes: one line, and the search again in memory
+        token = _STORE_FALLBACK.set(after_failure(store, storage, guard.failed))
+        try:
+            return suggest(workload, backend=backend, trials=trials, time_budget_s=time_budget_s, fix=fix,
+                           storage=storage, study_name=study_name, cache=cache, exhaustive=exhaustive,
+                           progress=progress, workload_names=origin, jobs=jobs)
+        finally:
+            _STORE_FALLBACK.reset(token)
     low = min(smallest, key=lambda s: s[0]) if smallest else None
     raise NoFitError(no_fit_message(workload, order, smallest, events), details={
         "limit_bytes": workload.limit_bytes,
@@ -315,6 +338,28 @@ def suggest(
         "notes": [render(e) for e in events],
         "events": [e.to_dict() for e in events],
     })
+
+
+_STORE_FALLBACK: contextvars.ContextVar = contextvars.ContextVar("advisor_store_fallback", default=None)
+
+
+class _StorageGuard:
+    """Around a search that stores what it measures: a store that fails mid-run (a full disk) is recorded in
+    `failed` instead of raised, and suggest() answers again in memory (what was stored is read back, not
+    measured again)."""
+
+    def __init__(self, kept: bool):
+        self.kept = kept
+        self.failed: BaseException | None = None
+
+    def __enter__(self) -> _StorageGuard:
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is not None and self.kept and is_storage_failure(exc):
+            self.failed = exc
+            return True
+        return False
 
 
 def _derive_goal_parameters() -> None:

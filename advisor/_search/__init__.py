@@ -74,6 +74,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "cache_dir": ("storage", "cache_dir"),
     "open_cache": ("storage", "open_cache"),
     "open_given": ("storage", "open_given"),
+    "after_failure": ("storage", "after_failure"),
+    "is_storage_failure": ("storage", "is_storage_failure"),
     "open_storage": ("storage", "open_storage"),
     "HEARTBEAT_S": ("liveness", "HEARTBEAT_S"),
     "STALE_S": ("liveness", "STALE_S"),

@@ -211,6 +211,32 @@ def _read_only_copy(source: BaseStorage) -> BaseStorage:
     return _COPY_CLASS[0](source)
 
 
+def is_storage_failure(exc: BaseException) -> bool:
+    """A storage that stopped taking writes in the middle of a run (a full disk, a database gone read-only, an
+    I/O error), not a bug of the search: Optuna's StorageInternalError, SQLAlchemy's or sqlite3's OperationalError,
+    a journal file's OSError."""
+    import errno
+    import sqlite3
+
+    from optuna.exceptions import StorageInternalError
+    from sqlalchemy.exc import OperationalError
+
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+    return isinstance(exc, (StorageInternalError, OperationalError, sqlite3.OperationalError))
+
+
+def after_failure(storage: BaseStorage, url: str | None, exc: BaseException) -> Cache:
+    """What a run goes on with when `storage` failed mid-run: memory, with the studies still readable there
+    copied in when a run names them (what was stored stays an answer), and the one line that says so."""
+    cause = exc.__cause__ or exc.__context__ or exc
+    why = _short(cause) if not isinstance(cause, OSError) else (cause.strerror or str(cause))
+    where = f"--storage {url}" if url else _cache_origin()
+    fix = "free space there, or pass --no-cache" if not url else "free space there, or choose another --storage"
+    return Cache(_read_only_copy(storage), f"{where}: cannot store any more ({why}); answering without storing "
+                                           f"this run's measurements ({fix})", writable=False)
+
+
 def prepare_study(storage: BaseStorage, name: str) -> None:
     """Before a study is created or loaded in `storage`: copy it in from a read-only cache that holds it."""
     source = getattr(storage, "source", None)

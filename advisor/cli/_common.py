@@ -122,6 +122,18 @@ def check_writable(path: str | Path | None, flag: str) -> None:
         raise UsageError(f"{flag} {path}: not writable; choose a writable path")
 
 
+def write_output(path: str | Path, text: str, flag: str) -> None:
+    """An output file written atomically (advisor._files); a failure is a UsageError naming the flag, with
+    nothing half-written left behind."""
+    from .._files import write_atomic
+
+    try:
+        write_atomic(path, text)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot be written ({exc.strerror or exc}); nothing was written there; "
+                         "choose a path on a writable file system with free space") from None
+
+
 def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None) -> Candidate:
     """The Candidate of --config, checked against the target and the model (every problem at once)."""
     from ..emit import load_run_config

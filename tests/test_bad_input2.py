@@ -1,0 +1,224 @@
+"""Bad input, round two (issue 25): what a new user hit after issue 13. Every case here failed on main before it:
+a silent wrong answer, a traceback, a lost Ctrl-C, a message that blamed the wrong thing, or the library's own
+TypeError from the Python API. The estimate backend and the tiny model keep them fast."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from advisor.cli import main
+from advisor.errors import AdvisorError, ConfigError, UsageError
+from tests.conftest import TINY_QWEN2
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "cache"
+    monkeypatch.setenv("ADVISOR_CACHE_DIR", str(path))
+    return path
+
+
+@pytest.fixture
+def model_json(tmp_path) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_QWEN2))
+    return str(path)
+
+
+def _suggest(model: str, *more: str) -> list[str]:
+    return ["suggest", "--model", model, "--gpu", "cpu", "--backend", "estimate", "--trials", "2", *more]
+
+
+def _no_traceback(err: str) -> None:
+    assert "Traceback" not in err and "Exception ignored" not in err
+
+
+def _yaml(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---- silent wrong answers: a --config's values read as `trl sft --config` reads them ----------------------------
+def _trl_reads(path: Path, command: str = "sft") -> dict:
+    """What TRL's own parser (the TrlParser `trl <command>` builds) makes of the file: every dataclass's fields."""
+    import dataclasses
+    import importlib
+
+    parser = importlib.import_module(f"trl.scripts.{command}").make_parser()
+    # use_cpu / bf16 only so that TrainingArguments' own check passes on this CPU machine
+    parsed = parser.parse_args_and_config(["--config", str(path), "--use_cpu", "true", "--bf16", "false",
+                                           "--output_dir", str(path.parent / "out")])
+    out = {}
+    for obj in parsed:
+        out.update({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+    return out
+
+
+QUOTED = """\
+model_name_or_path: Qwen/Qwen2.5-0.5B
+gradient_checkpointing: "false"
+packing: "False"
+use_peft: "no"
+load_in_4bit: "false"
+per_device_train_batch_size: "4"
+gradient_accumulation_steps: "2"
+max_length: "none"
+learning_rate: "1e-4"
+"""
+
+
+def test_quoted_values_are_read_as_trl_reads_them(tmp_path):
+    from advisor.emit import load_run_config
+    from advisor.space import Quantization
+
+    path = _yaml(tmp_path, QUOTED)
+    trl = _trl_reads(path)  # the independent reading: TRL's parser itself
+    assert trl["gradient_checkpointing"] is False and trl["packing"] is False and trl["use_peft"] is False
+    assert trl["per_device_train_batch_size"] == 4 and trl["max_length"] is None
+    cand = load_run_config(path).candidate
+    assert cand.activation_checkpointing is trl["gradient_checkpointing"]  # main: True ("false" is truthy)
+    assert cand.packing is trl["packing"]  # main: True
+    assert cand.quantization is Quantization.NONE  # main: QLoRA nf4 from load_in_4bit: "false"
+    assert cand.per_device_train_batch_size == trl["per_device_train_batch_size"]  # main: refused ("4")
+    assert cand.gradient_accumulation_steps == trl["gradient_accumulation_steps"]
+    assert cand.max_length is None
+    assert cand.base.get("learning_rate") == trl["learning_rate"] == 1e-4  # a float, emitted as one
+
+
+def test_a_value_trl_refuses_is_refused_by_key(tmp_path):
+    from advisor.emit import load_run_config
+
+    path = _yaml(tmp_path, "gradient_checkpointing: sometimes\nper_device_train_batch_size: '4.0'\n")
+    with pytest.raises(SystemExit):  # trl sft refuses both
+        _trl_reads(path)
+    with pytest.raises(ConfigError) as info:  # main: accepted as true, then "4.0" refused alone
+        load_run_config(path)
+    assert len(info.value.problems) == 2
+    text = str(info.value)
+    assert "gradient_checkpointing='sometimes'" in text and "write true or false" in text
+    assert "per_device_train_batch_size='4.0'" in text and "whole number" in text
+
+
+def test_quoted_booleans_of_a_dpo_config_are_read_as_trl_dpo_reads_them(tmp_path):
+    from advisor.emit import load_run_config
+
+    path = _yaml(tmp_path, "precompute_ref_log_probs: 'true'\ngradient_checkpointing: 'false'\n")
+    trl = _trl_reads(path, "dpo")
+    cand = load_run_config(path, trainer="dpo").candidate
+    assert cand.activation_checkpointing is trl["gradient_checkpointing"] is False
+    assert cand.base.get("precompute_ref_log_probs") is trl["precompute_ref_log_probs"] is True
+
+
+def test_baseline_of_quoted_falses_records_what_trl_trains(tmp_path, cache, model_json, capsys):
+    path = _yaml(tmp_path, 'gradient_checkpointing: "false"\nuse_peft: "false"\nload_in_4bit: "false"\n'
+                           'max_length: 64\n')
+    out = tmp_path / "baseline.json"
+    assert main(["baseline", "--model", model_json, "--gpu", "cpu", "--config", str(path), "--backend", "estimate",
+                 "--out", str(out)]) == 0
+    cand = json.loads(out.read_text())["candidate"]
+    assert cand["activation_checkpointing"] is False  # main: true
+    assert cand["quantization"] == "none" and cand["use_lora"] is False  # main: a QLoRA 4-bit baseline
+
+
+# ---- --fix ------------------------------------------------------------------------------------------------------
+def test_conflicting_fix_of_one_knob_is_refused(model_json, cache, capsys):
+    assert main(_suggest(model_json, "--fix", "packing=true", "--fix", "packing=false")) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "--fix packing=true and --fix packing=false contradict each other" in err
+
+
+def test_fix_wrapped_without_allow_wrapped_names_the_flag(model_json, cache, capsys):
+    assert main(_suggest(model_json, "--fix", "packing_strategy=wrapped")) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "--fix packing_strategy=wrapped" in err and "--allow-wrapped" in err
+    assert main(_suggest(model_json, "--fix", "packing_strategy=wrapped", "--allow-wrapped")) == 0
+
+
+# ---- a storage that fails mid-run, an output that cannot be written -------------------------------------------
+@pytest.fixture
+def full_disk(monkeypatch):
+    """SQLite as on a full disk: every connection may not grow the file beyond what it holds (SQLITE_FULL,
+    "database or disk is full", the error a full file system gives)."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    state = {"on": False}
+
+    def limit(dbapi_connection, _record):
+        if state["on"]:
+            cur = dbapi_connection.cursor()
+            pages = cur.execute("PRAGMA page_count").fetchone()[0]
+            cur.execute(f"PRAGMA max_page_count = {pages}")
+            cur.close()
+
+    event.listen(Engine, "connect", limit)
+    yield state
+    event.remove(Engine, "connect", limit)
+
+
+def test_a_cache_that_fills_up_mid_run_costs_one_line(model_json, cache, full_disk, capsys):
+    assert main(_suggest(model_json)) == 0  # the cache exists and holds a study
+    assert (cache / "studies.sqlite3").is_file()
+    capsys.readouterr()
+    full_disk["on"] = True
+    assert main(_suggest(model_json, "--max-truncation", "0.05", "--format", "yaml")) == 0  # a new study
+    cap = capsys.readouterr()
+    _no_traceback(cap.err)
+    lines = [x for x in cap.err.splitlines() if "cannot store" in x]
+    assert len(lines) == 1 and "database or disk is full" in lines[0] and "--no-cache" in lines[0]
+    assert "per_device_train_batch_size:" in cap.out  # the answer is still printed
+
+
+def test_an_output_that_cannot_be_written_is_an_error_and_the_answer_is_kept(model_json, cache, capsys):
+    target = "/proc/advisor-run.yaml"  # passes the check before the search (/proc is a writable-looking folder)
+    assert main(_suggest(model_json, "--format", "yaml", "-o", target)) == 2
+    cap = capsys.readouterr()
+    _no_traceback(cap.err)
+    assert f"--output {target}: cannot be written" in cap.err
+    assert "per_device_train_batch_size:" in cap.out  # printed instead, not lost
+
+
+def test_output_is_written_atomically(tmp_path, monkeypatch):
+    """No space left while writing: the previous file stays whole, and no empty or temporary file is left."""
+    from advisor._files import write_atomic
+
+    target = tmp_path / "run.yaml"
+    target.write_text("old: 1\n")
+    real_fsync = os.fsync
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(OSError):
+        write_atomic(target, "new: 2\n" * 1000)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert target.read_text() == "old: 1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+    write_atomic(tmp_path / "fresh.yaml", "a: 1\n")
+    assert (tmp_path / "fresh.yaml").read_text() == "a: 1\n"
+    assert oct((tmp_path / "fresh.yaml").stat().st_mode & 0o777) != oct(0o600)  # as open() would make it
+
+
+def test_suggest_output_failing_after_the_search_leaves_no_empty_file(model_json, cache, capsys, monkeypatch,
+                                                                     tmp_path):
+    import advisor._files as files
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", no_space)
+    out = tmp_path / "run.yaml"
+    assert main(_suggest(model_json, "--format", "yaml", "-o", str(out))) == 2
+    cap = capsys.readouterr()
+    _no_traceback(cap.err)
+    assert "No space left on device" in cap.err and not out.exists()
+    assert list(tmp_path.glob(".run.yaml.*")) == []
