@@ -35,3 +35,28 @@ def write_atomic(path: str | Path, text: str) -> Path:
             pass
         raise
     return path
+
+
+def check_names(names: dict[str, object]) -> None:
+    """Each flag's value (a path or a hub id) that the file system refuses to even look up (a name longer than it
+    allows: OSError ENAMETOOLONG from every stat) is a UsageError naming the flag, before anything looks it up."""
+    import errno
+
+    from .errors import ConfigError
+
+    problems = []
+    for flag, value in names.items():
+        if not isinstance(value, (str, os.PathLike)):
+            continue
+        try:
+            os.stat(os.path.expanduser(os.fspath(value)))
+        except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:
+                text = os.fspath(value)
+                shown = text if len(text) <= 80 else f"{text[:40]}...{text[-20:]} ({len(text)} characters)"
+                problems.append(f"{flag} {shown}: longer than the file system allows for a path ({exc.strerror}); "
+                                "give a shorter path (a symbolic link or a relative path) or a hub id")
+        except ValueError:  # an embedded NUL byte
+            problems.append(f"{flag} {value!r}: not a path (it holds a NUL byte)")
+    if problems:
+        raise ConfigError(problems)

@@ -66,8 +66,7 @@ from ._search import (
     needs_at_least,
     next_knob,
     no_fit_message,
-    open_cache,
-    open_given,
+    open_for_reading,
     open_pool,
     open_search_pool,
     open_storage,
@@ -407,7 +406,7 @@ def stored_studies(storage: str | None = None) -> list[StoredStudy]:
     import optuna
     from optuna.trial import TrialState
 
-    store = open_given(storage).storage if storage else open_cache().storage
+    store = open_for_reading(storage)  # never creates a database
     out = []
     for su in optuna.get_all_study_summaries(store, include_best_trial=False):
         spec = su.user_attrs.get(SPEC_KEY)
@@ -433,7 +432,7 @@ def stored_suggestion(study_name: str, storage: str | None = None, *, workload: 
     import optuna
 
     label = storage or "the study cache"
-    store = open_given(storage).storage if storage else open_cache().storage
+    store = open_for_reading(storage)  # never creates a database
     names = study_names(store)
     if study_name not in names:
         ours = [n for n in names if n.startswith("advisor-") or study_name in n]

@@ -9,10 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-import yaml
 
 from advisor.cli import main
-from advisor.errors import AdvisorError, ConfigError, UsageError
+from advisor.errors import ConfigError, UsageError
 from tests.conftest import TINY_QWEN2
 
 
@@ -222,3 +221,104 @@ def test_suggest_output_failing_after_the_search_leaves_no_empty_file(model_json
     _no_traceback(cap.err)
     assert "No space left on device" in cap.err and not out.exists()
     assert list(tmp_path.glob(".run.yaml.*")) == []
+
+
+def test_a_sqlite_file_given_as_a_journal_is_named(model_json, cache, capsys, tmp_path):
+    db = tmp_path / "studies.sqlite3"
+    assert main(_suggest(model_json, "--storage", f"sqlite:///{db}")) == 0
+    capsys.readouterr()
+    for argv in (_suggest(model_json, "--storage", str(db)), ["studies", "--storage", str(db)],
+                 ["worker", "--storage", str(db), "--study", "x"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        _no_traceback(err)
+        assert f"is a SQLite database, not a journal file; write --storage sqlite:///{db}" in err, argv
+    text = tmp_path / "notes.txt"
+    text.write_text("these are my notes\n")
+    assert main(["studies", "--storage", str(text)]) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "is not an Optuna journal file" in err and text.read_text() == "these are my notes\n"
+
+
+def test_read_only_commands_never_create_a_database(cache, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv in (["studies", "--storage", "sqlite:///typo.db"], ["report", "--study", "x", "--storage",
+                                                                 "sqlite:///typo.db"],
+                 ["studies", "--storage", "typo.log"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        _no_traceback(err)
+        assert "typo" in err and "no such" in err
+    assert main(["studies"]) == 0  # no cache yet: nothing stored, and none made
+    assert "no stored search" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [] and not cache.exists()
+
+
+def test_studies_of_a_corrupt_cache_says_so(cache, capsys):
+    cache.mkdir()
+    (cache / "studies.sqlite3").write_bytes(b"not a database at all\n" * 100)
+    assert main(["studies"]) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "studies.sqlite3: cannot be read" in err and "not a database" in err
+
+
+@pytest.mark.parametrize("flag", ["--model", "--dataset", "--tokenizer", "--config"])
+def test_a_path_longer_than_the_file_system_allows_names_the_flag(model_json, cache, capsys, flag):
+    long = "x" * 300 + ".jsonl"
+    argv = ["suggest", "--gpu", "cpu", "--backend", "estimate", "--model", model_json]
+    argv = [*argv[:-2], flag, long] if flag == "--model" else [*argv, flag, long]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert f"{flag} xxxx" in err and "longer than the file system allows" in err
+
+
+def test_a_long_path_through_the_python_api_names_the_parameter(model_json):
+    import advisor
+
+    with pytest.raises(UsageError, match="--dataset .* longer than the file system allows"):
+        advisor.suggest(model_json, gpu="cpu", dataset="d" * 400, backend="estimate", cache=False)
+
+
+# ---- Ctrl-C ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def swallowed_interrupt():
+    """A backend that measures with the estimate, and on its second call receives Ctrl-C inside a weakref callback
+    (where SQLAlchemy's pool has many): Python prints "Exception ignored in ..." and drops the KeyboardInterrupt."""
+    import signal
+    import weakref
+
+    from advisor.estimator import estimate
+    from advisor.search import register_backend, unregister_backend
+
+    calls = []
+
+    def measure(workload, candidate):
+        calls.append(candidate)
+        if len(calls) == 2:
+            class Held:
+                pass
+
+            held = Held()
+            ref = weakref.ref(held, lambda _ref: signal.raise_signal(signal.SIGINT))
+            del held
+            assert ref() is None
+        return estimate(workload, candidate)
+
+    register_backend("swallowed", measure, cost=2)
+    yield calls
+    unregister_backend("swallowed")
+
+
+def test_ctrl_c_swallowed_in_a_weakref_callback_still_ends_the_run(model_json, cache, capsys, swallowed_interrupt):
+    argv = ["suggest", "--model", model_json, "--gpu", "cpu", "--backend", "swallowed", "--trials", "8",
+            "--jobs", "1"]
+    assert main(argv) == 130  # main: the search went on to 8 trials and exited 0
+    err = capsys.readouterr().err
+    assert "interrupted; finished trials are kept" in err and "Exception ignored" not in err
+    assert len(swallowed_interrupt) == 2  # ended at the next safe point
+    assert main(["studies", "--json"]) == 0
+    studies = json.loads(capsys.readouterr().out)["studies"]
+    assert [s["trials"] for s in studies if s["backend"] == "swallowed"] == [2]  # what was measured stays

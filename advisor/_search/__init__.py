@@ -75,6 +75,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "open_cache": ("storage", "open_cache"),
     "open_given": ("storage", "open_given"),
     "after_failure": ("storage", "after_failure"),
+    "open_for_reading": ("storage", "open_for_reading"),
     "is_storage_failure": ("storage", "is_storage_failure"),
     "open_storage": ("storage", "open_storage"),
     "HEARTBEAT_S": ("liveness", "HEARTBEAT_S"),

@@ -78,6 +78,10 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     model = ns.model
     dataset = getattr(ns, "dataset", None)
     config_path = getattr(ns, "config", None)
+    from .._files import check_names
+
+    check_names({"--model": model, "--dataset": dataset, "--tokenizer": getattr(ns, "tokenizer", None),
+                 "--config": config_path})
     if config_path and (model is None or dataset is None):
         from ..emit import load_run_config
 
