@@ -322,3 +322,85 @@ def test_ctrl_c_swallowed_in_a_weakref_callback_still_ends_the_run(model_json, c
     assert main(["studies", "--json"]) == 0
     studies = json.loads(capsys.readouterr().out)["studies"]
     assert [s["trials"] for s in studies if s["backend"] == "swallowed"] == [2]  # what was measured stays
+
+
+# ---- messages that blamed the wrong thing -----------------------------------------------------------------------
+@pytest.fixture
+def baseline_file(tmp_path, cache, model_json, capsys):
+    config = _yaml(tmp_path, "max_length: 64\n")
+    out = tmp_path / "baseline.json"
+    assert main(["baseline", "--model", model_json, "--gpu", "cpu", "--config", str(config), "--backend", "estimate",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    return out, config
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("gpu", "H1OO", "no such GPU profile"),
+    ("dataset", "nosuch.jsonl", "no such file"),
+])
+def test_check_of_a_hand_edited_baseline_names_the_file_and_its_key(baseline_file, capsys, key, value, says):
+    path, config = baseline_file
+    data = json.loads(path.read_text())
+    data["workload"][key] = value
+    path.write_text(json.dumps(data))
+    assert main(["check", "--baseline", str(path), "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert f"--baseline {path}: workload.{key} " in err and says in err
+    assert f"--{key}" not in err  # check has no such flag
+
+
+def test_a_bad_model_in_a_config_names_the_config_key(tmp_path, cache, capsys):
+    config = _yaml(tmp_path, f"model_name_or_path: {tmp_path / 'no-such-model'}/\n")
+    assert main(["suggest", "--config", str(config), "--gpu", "cpu", "--backend", "estimate"]) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert f"--config {config}: model_name_or_path " in err and "--model" not in err
+
+
+def test_a_bad_dataset_in_a_config_names_the_config_key(tmp_path, cache, model_json, capsys):
+    config = _yaml(tmp_path, f"model_name_or_path: {model_json}\ndataset_name: ./nothere.jsonl\n")
+    assert main(["suggest", "--config", str(config), "--gpu", "cpu", "--backend", "estimate"]) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert f"--config {config}: dataset_name ./nothere.jsonl: no such file" in err and "--dataset" not in err
+
+
+def test_preference_rows_lacking_rejected_are_named_not_the_chat_template(tmp_path, cache, model_json, capsys,
+                                                                         tiny_tokenizer):
+    rows = [{"prompt": "hello world", "chosen": "the quick brown fox", "rejected": "the lazy dog"} for _ in range(8)]
+    del rows[5]["rejected"]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["suggest", "--model", model_json, "--tokenizer", str(tiny_tokenizer), "--trainer", "dpo",
+                 "--dataset", str(data), "--gpu", "cpu", "--backend", "estimate", "--trials", "2"]) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "row 5 lacks the column(s) 'rejected'" in err and "chat template" not in err
+
+
+def test_a_latin1_file_is_called_latin1_not_binary(tmp_path, cache, model_json, capsys):
+    data = tmp_path / "latin.jsonl"
+    data.write_bytes("".join(json.dumps({"text": "café crème"}, ensure_ascii=False) + "\n"
+                             for _ in range(4)).encode("latin-1"))
+    assert main(["suggest", "--model", model_json, "--dataset", str(data), "--gpu", "cpu", "--backend",
+                 "estimate"]) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "another encoding than UTF-8" in err and "binary" not in err and "iconv -f latin1 -t utf-8" in err
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_utf8_file_with_a_bom_is_read_as_datasets_reads_it(tmp_path, suffix):
+    import datasets
+
+    from advisor.data import read_raw
+
+    rows = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10]}]
+    text = ("".join(json.dumps(r) + "\n" for r in rows) if suffix == ".jsonl" else json.dumps(rows))
+    data = tmp_path / f"bom{suffix}"
+    data.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    theirs = datasets.load_dataset("json", data_files=str(data), split="train")  # the independent reading
+    raw = read_raw(str(data))
+    assert [raw.rows[i] for i in range(len(raw.rows))] == [dict(r) for r in theirs]

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import ConfigError, UsageError
 from ..inputs import build_workload
 from ..measurement import Measurement
 from ..space import Candidate
@@ -95,12 +95,41 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     offline = decide_offline(model, dataset, getattr(ns, "tokenizer", None))  # once, before anything waits on it
     if offline:
         print(f"advisor: {offline}", file=sys.stderr)
-    wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
-                        sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
-                        num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"))
+    from_config = {flag: f"--config {config_path}: {key}" for flag, key, given in (
+        ("--model", "model_name_or_path", ns.model), ("--dataset", "dataset_name", getattr(ns, "dataset", None)))
+        if given is None and config_path}  # a value the config wrote, not a flag: its error names the key
+    try:
+        wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
+                            sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
+                            num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"))
+    except UsageError as exc:
+        if not from_config:
+            raise
+        raise reattribute(exc, from_config) from None
     for note in workload_notes(wl):
         print(f"advisor: {note}", file=sys.stderr)
     return wl
+
+
+def reattribute(exc: UsageError, names: dict[str, str]) -> UsageError:
+    """The same error, naming where the value was written (a baseline's key, a --config key) instead of the flag
+    the library names (`--model`, `--gpu`, ...) when the user gave no such flag. Same class, same exit code."""
+    import re as _re
+
+    def reword(text: str) -> str:
+        for flag, where in names.items():  # the first mention in full, later ones (a fix) by the key alone
+            pattern = _re.escape(flag) + r"(?![\w-])"
+            text = _re.sub(pattern, where, text, count=1)
+            text = _re.sub(pattern, where.rpartition(": ")[2], text)
+        return text
+
+    if isinstance(exc, ConfigError):
+        return ConfigError([reword(p) for p in exc.problems])
+    try:
+        out = type(exc)(reword(str(exc)))
+    except TypeError:  # a subclass with another constructor
+        out = UsageError(reword(str(exc)))
+    return out
 
 
 def workload_notes(wl: Workload) -> tuple[str, ...]:
