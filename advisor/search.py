@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -91,7 +92,7 @@ from .backends import (
     register_backend,
     unregister_backend,
 )
-from .errors import NoFitError, UsageError
+from .errors import ConfigError, NoFitError, UsageError
 from .events import (
     AnsweredFromStored,
     ConfirmationFailed,
@@ -113,7 +114,7 @@ from .events import (
 from .measurement import Measurement, Source, Status
 from .space import Candidate, PackingStrategy, SearchSpace
 from .suggestion import Suggestion
-from .workload import Goals, Method, Workload, fingerprint
+from .workload import Goals, Method, Workload, fingerprint, parse_fraction, parse_size
 
 if TYPE_CHECKING:
     pass
@@ -150,12 +151,75 @@ def build_space(workload: Workload, method: Method = Method.FULL, fix: Mapping[s
 _GOALS = {g.param: g for g in Goals.declared()}
 
 
+_PATHLIKE = (str, os.PathLike)
+_KINDS: dict[str, tuple[tuple[type, ...], str]] = {  # suggest()'s parameter -> (accepted types, what to pass)
+    "model": ((*_PATHLIKE, Workload), "a hub id or a local directory / config.json path (str), or a Workload"),
+    "gpu": ((str,), "a GPU profile name such as 'H100-80GB', 'L4' or 'cpu' (`advisor gpus` lists them)"),
+    "dataset": (_PATHLIKE, "a hub id or a local .jsonl/.json/.parquet/.csv file or directory (str)"),
+    "backend": ((str,), "a backend name such as 'estimate' or 'simulate'"),
+    "trials": ((int,), "a whole number of trials, e.g. trials=40"),
+    "time_budget_s": ((int, float), "seconds, e.g. time_budget_s=600"),
+    "fix": ((Mapping,), "a mapping of field to value, e.g. fix={'optim': 'adamw_torch'}"),
+    "storage": (_PATHLIKE, "an Optuna RDB URL such as 'sqlite:///studies.db' or a journal file path"),
+    "jobs": ((int,), "a whole number of parallel measurements, e.g. jobs=2"),
+    "num_gpus": ((int,), "a whole number of GPUs, e.g. num_gpus=8"),
+    "num_machines": ((int,), "a whole number of machines, e.g. num_machines=2"),
+    "trainer": ((str,), "a trainer name: 'sft', 'dpo' or 'reward'"),
+}
+
+
+def _check_parameters(**given: Any) -> None:
+    """A parameter of the wrong type is a ConfigError naming it, the value and what to pass (every one at once),
+    not the TypeError / AttributeError of wherever the value is first used."""
+    problems = []
+    for name, value in given.items():
+        kinds, what = _KINDS[name]
+        if value is None and name != "model":
+            continue
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            problems.append(f"{name}={value!r}: expected {what}, got {type(value).__name__}")
+            continue
+        if name == "fix":
+            keys = [k for k in value if not isinstance(k, str)]
+            if keys:
+                problems.append(f"fix={value!r}: the keys are field names (str), got {keys[0]!r}")
+    fix = given.get("fix")
+    if isinstance(fix, (list, tuple)) and all(isinstance(x, str) and "=" in x for x in fix):
+        shown = {x.partition("=")[0].strip(): x.partition("=")[2].strip() for x in fix}
+        problems = [p if not p.startswith("fix=") else p + f"; write fix={shown!r}" for p in problems]
+    if problems:
+        raise ConfigError(problems, context="suggest()")
+
+
 def _goal_args(given: Mapping[str, Any]) -> dict[str, Any]:
-    """suggest()'s goal keywords (one per `Goals` field, by its `param` name) as Goals field values."""
+    """suggest()'s goal keywords (one per `Goals` field, by its `param` name) as Goals field values; a size or a
+    fraction may be written as the CLI takes it ('40GB', '5%')."""
     unknown = sorted(set(given) - set(_GOALS))
     if unknown:
         raise UsageError(f"suggest(): unknown parameter(s) {', '.join(unknown)}; the goals are "
                          f"{', '.join(_GOALS)}")
+    problems = []
+    for k, v in given.items():
+        g = _GOALS[k]
+        if v is None:
+            continue
+        try:
+            if g.kind == "size" and isinstance(v, str):
+                given = {**given, k: parse_size(v, flag=k)}
+            elif g.kind == "fraction" and isinstance(v, str):
+                given = {**given, k: parse_fraction(v, flag=k)}
+        except UsageError as exc:
+            problems.append(str(exc))
+            continue
+        v = given[k]
+        ok = {"size": (int,), "int": (int,), "fraction": (int, float), "switch": (bool,), "choice": (str,)}[g.kind]
+        if (isinstance(v, bool) and g.kind != "switch") or not isinstance(v, ok):
+            example = {"size": "an int of bytes or a size such as '40GB'", "int": "a whole number",
+                       "fraction": "a number such as 0.05 or '5%'", "switch": "True or False",
+                       "choice": f"one of {', '.join(g.choices)}"}[g.kind]
+            problems.append(f"{k}={v!r}: expected {example}, got {type(v).__name__}")
+    if problems:
+        raise ConfigError(problems, context="suggest()")
     out = {_GOALS[k].name: v for k, v in given.items()}
     method = out.get("method")
     try:
@@ -225,6 +289,10 @@ def suggest(
     workload and join it. `trainer`: the TRL trainer ("sft", "dpo", "reward"; default: the Workload's, else
     "sft"); the dataset is read as that trainer reads it, and the suggestion builds that trainer's config.
     """
+    _check_parameters(model=model, gpu=gpu, dataset=dataset, backend=backend, trials=trials,
+                      time_budget_s=time_budget_s, fix=fix, storage=storage, jobs=jobs, num_gpus=num_gpus,
+                      num_machines=num_machines, trainer=trainer)
+    model, dataset, storage = (os.fspath(v) if isinstance(v, os.PathLike) else v for v in (model, dataset, storage))
     goals = _goal_args(goals)
     if trials is not None and trials < 1:
         raise UsageError(f"--trials {trials}: must be >= 1")

@@ -404,3 +404,33 @@ def test_a_utf8_file_with_a_bom_is_read_as_datasets_reads_it(tmp_path, suffix):
     theirs = datasets.load_dataset("json", data_files=str(data), split="train")  # the independent reading
     raw = read_raw(str(data))
     assert [raw.rows[i] for i in range(len(raw.rows))] == [dict(r) for r in theirs]
+
+
+# ---- the Python API with a value of the wrong type ---------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,says", [
+    ({"model": 123}, "model=123: expected a hub id or a local directory"),
+    ({"gpu": 80}, "gpu=80: expected a GPU profile name"),
+    ({"trials": "4"}, "trials='4': expected a whole number of trials"),
+    ({"fix": ["optim=sgd"]}, "fix=['optim=sgd']: expected a mapping of field to value, e.g. fix={'optim': "
+                             "'adamw_torch'}, got list; write fix={'optim': 'sgd'}"),
+    ({"dataset": 5}, "dataset=5: expected a hub id or a local"),
+    ({"memory_budget": "4XB"}, "memory_budget '4XB': not a size"),
+    ({"headroom": [0.1]}, "headroom=[0.1]: expected a number such as 0.05 or '5%'"),
+    ({"allow_wrapped": "yes"}, "allow_wrapped='yes': expected True or False"),
+])
+def test_a_parameter_of_the_wrong_type_is_named(model_json, kwargs, says):
+    import advisor
+
+    args = {"model": model_json, "gpu": "cpu", **kwargs}
+    with pytest.raises(advisor.AdvisorError) as info:  # main: the library's own TypeError / AttributeError
+        advisor.suggest(args.pop("model"), backend="estimate", cache=False, **args)
+    assert isinstance(info.value, ConfigError)
+    assert says in str(info.value)
+
+
+def test_memory_budget_takes_the_clis_syntax(model_json):
+    import advisor
+
+    s = advisor.suggest(Path(model_json), gpu="cpu", memory_budget="4GB", headroom="10%", backend="estimate",
+                        trials=2, cache=False)
+    assert s.workload.goals.memory_budget_bytes == 4 * 10**9 and s.workload.goals.headroom == pytest.approx(0.1)
