@@ -58,8 +58,9 @@ class Baseline:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
-        return path
+        from ._files import write_atomic
+
+        return write_atomic(path, json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
 
 
 _REQUIRED = ("peak_bytes", "breakdown", "backend", "source", "workload", "candidate", "versions", "created")

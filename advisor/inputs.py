@@ -36,6 +36,9 @@ def build_workload(
     trainer: str = "sft",
 ) -> Workload:
     """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
+    from ._files import check_names
+
+    check_names({"--model": model, "--dataset": dataset, "--tokenizer": tokenizer})
     notes: list[str] = []
     offline_note = decide_offline(model, dataset, tokenizer)
     if offline_note:

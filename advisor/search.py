@@ -25,7 +25,9 @@ pick, the Suggestion, the no-fit message). What the search says about its run ar
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -47,6 +49,7 @@ from ._search import (
     StudyRun,
     StudySpace,
     accumulation_for,
+    after_failure,
     apply_pins,
     build_suggestion,
     cache_dir,
@@ -66,13 +69,13 @@ from ._search import (
     feasible,
     fit_check,
     fit_correction,
+    is_storage_failure,
     messages_of,
     method_order,
     needs_at_least,
     next_knob,
     no_fit_message,
-    open_cache,
-    open_given,
+    open_for_reading,
     open_pool,
     open_search_pool,
     open_storage,
@@ -97,7 +100,7 @@ from .backends import (
     register_backend,
     unregister_backend,
 )
-from .errors import NoFitError, UsageError
+from .errors import ConfigError, NoFitError, UsageError
 from .events import (
     AnsweredFromStored,
     ConfirmationFailed,
@@ -111,14 +114,15 @@ from .events import (
     NothingFits,
     Progress,
     ShownFromStored,
+    StorageNote,
     StoredAs,
     TrialsIgnored,
     render,
 )
 from .measurement import Measurement, Source, Status
-from .space import Candidate, SearchSpace
+from .space import Candidate, PackingStrategy, SearchSpace
 from .suggestion import Suggestion
-from .workload import Goals, Method, Workload, fingerprint
+from .workload import Goals, Method, Workload, fingerprint, parse_fraction, parse_size
 
 if TYPE_CHECKING:
     pass
@@ -155,12 +159,75 @@ def build_space(workload: Workload, method: Method = Method.FULL, fix: Mapping[s
 _GOALS = {g.param: g for g in Goals.declared()}
 
 
+_PATHLIKE = (str, os.PathLike)
+_KINDS: dict[str, tuple[tuple[type, ...], str]] = {  # suggest()'s parameter -> (accepted types, what to pass)
+    "model": ((*_PATHLIKE, Workload), "a hub id or a local directory / config.json path (str), or a Workload"),
+    "gpu": ((str,), "a GPU profile name such as 'H100-80GB', 'L4' or 'cpu' (`advisor gpus` lists them)"),
+    "dataset": (_PATHLIKE, "a hub id or a local .jsonl/.json/.parquet/.csv file or directory (str)"),
+    "backend": ((str,), "a backend name such as 'estimate' or 'simulate'"),
+    "trials": ((int,), "a whole number of trials, e.g. trials=40"),
+    "time_budget_s": ((int, float), "seconds, e.g. time_budget_s=600"),
+    "fix": ((Mapping,), "a mapping of field to value, e.g. fix={'optim': 'adamw_torch'}"),
+    "storage": (_PATHLIKE, "an Optuna RDB URL such as 'sqlite:///studies.db' or a journal file path"),
+    "jobs": ((int,), "a whole number of parallel measurements, e.g. jobs=2"),
+    "num_gpus": ((int,), "a whole number of GPUs, e.g. num_gpus=8"),
+    "num_machines": ((int,), "a whole number of machines, e.g. num_machines=2"),
+    "trainer": ((str,), "a trainer name: 'sft', 'dpo' or 'reward'"),
+}
+
+
+def _check_parameters(**given: Any) -> None:
+    """A parameter of the wrong type is a ConfigError naming it, the value and what to pass (every one at once),
+    not the TypeError / AttributeError of wherever the value is first used."""
+    problems = []
+    for name, value in given.items():
+        kinds, what = _KINDS[name]
+        if value is None and name != "model":
+            continue
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            problems.append(f"{name}={value!r}: expected {what}, got {type(value).__name__}")
+            continue
+        if name == "fix":
+            keys = [k for k in value if not isinstance(k, str)]
+            if keys:
+                problems.append(f"fix={value!r}: the keys are field names (str), got {keys[0]!r}")
+    fix = given.get("fix")
+    if isinstance(fix, (list, tuple)) and all(isinstance(x, str) and "=" in x for x in fix):
+        shown = {x.partition("=")[0].strip(): x.partition("=")[2].strip() for x in fix}
+        problems = [p if not p.startswith("fix=") else p + f"; write fix={shown!r}" for p in problems]
+    if problems:
+        raise ConfigError(problems, context="suggest()")
+
+
 def _goal_args(given: Mapping[str, Any]) -> dict[str, Any]:
-    """suggest()'s goal keywords (one per `Goals` field, by its `param` name) as Goals field values."""
+    """suggest()'s goal keywords (one per `Goals` field, by its `param` name) as Goals field values; a size or a
+    fraction may be written as the CLI takes it ('40GB', '5%')."""
     unknown = sorted(set(given) - set(_GOALS))
     if unknown:
         raise UsageError(f"suggest(): unknown parameter(s) {', '.join(unknown)}; the goals are "
                          f"{', '.join(_GOALS)}")
+    problems = []
+    for k, v in given.items():
+        g = _GOALS[k]
+        if v is None:
+            continue
+        try:
+            if g.kind == "size" and isinstance(v, str):
+                given = {**given, k: parse_size(v, flag=k)}
+            elif g.kind == "fraction" and isinstance(v, str):
+                given = {**given, k: parse_fraction(v, flag=k)}
+        except UsageError as exc:
+            problems.append(str(exc))
+            continue
+        v = given[k]
+        ok = {"size": (int,), "int": (int,), "fraction": (int, float), "switch": (bool,), "choice": (str,)}[g.kind]
+        if (isinstance(v, bool) and g.kind != "switch") or not isinstance(v, ok):
+            example = {"size": "an int of bytes or a size such as '40GB'", "int": "a whole number",
+                       "fraction": "a number such as 0.05 or '5%'", "switch": "True or False",
+                       "choice": f"one of {', '.join(g.choices)}"}[g.kind]
+            problems.append(f"{k}={v!r}: expected {example}, got {type(v).__name__}")
+    if problems:
+        raise ConfigError(problems, context="suggest()")
     out = {_GOALS[k].name: v for k, v in given.items()}
     method = out.get("method")
     try:
@@ -230,6 +297,10 @@ def suggest(
     workload and join it. `trainer`: the TRL trainer ("sft", "dpo", "reward"; default: the Workload's, else
     "sft"); the dataset is read as that trainer reads it, and the suggestion builds that trainer's config.
     """
+    _check_parameters(model=model, gpu=gpu, dataset=dataset, backend=backend, trials=trials,
+                      time_budget_s=time_budget_s, fix=fix, storage=storage, jobs=jobs, num_gpus=num_gpus,
+                      num_machines=num_machines, trainer=trainer)
+    model, dataset, storage = (os.fspath(v) if isinstance(v, os.PathLike) else v for v in (model, dataset, storage))
     goals = _goal_args(goals)
     if trials is not None and trials < 1:
         raise UsageError(f"--trials {trials}: must be >= 1")
@@ -246,11 +317,22 @@ def suggest(
     backend_name = backend or default_backend_name()
     be = get_backend(backend_name)
     pins = parse_fix(fix, workload.trainer)
+    if PackingStrategy.WRAPPED in pins.values.get("packing_strategy", ()) and not workload.goals.allow_wrapped:
+        raise UsageError("--fix packing_strategy=wrapped: 'wrapped' packing mixes examples and cuts them "
+                         "mid-sequence, a quality cost the search takes only when allowed; add --allow-wrapped "
+                         "(suggest(allow_wrapped=True)) or drop the --fix")
     order = method_order(workload.goals.method, pins)
     rows = RowTokens(workload.dataset)
     tps = default_tokens_per_step(workload, rows)
     events: list[Event] = list(ignored)
-    store, kept = open_store(storage, cache, events, progress)
+    fallback = _STORE_FALLBACK.get()
+    if fallback is None:
+        store, kept = open_store(storage, cache, events, progress)
+    else:  # the store failed in this search's first try: memory, what it holds copied in (after_failure)
+        store, kept = fallback.storage, False
+        events.append(StorageNote(fallback.note))
+        if progress is not None:
+            progress(Progress(0, 0, None, 0.0, note=fallback.note))
     if not workload.goals.tokens_per_step:
         events.append(EffectiveBatch(tps))
     smallest: list[tuple[int, Candidate]] = []
@@ -264,7 +346,7 @@ def suggest(
             shown = " ".join(f"--fix {k}={v}" for k, v in fix.items())
             raise UsageError(f"{shown}: leaves no admissible candidate ({why}); drop or change the --fix")
         raise UsageError(empty_message(workload, spaces, empty, rows, tps, why))
-    with open_search_pool(backend_name, jobs) as pool:  # one pool for every method the search tries
+    with open_search_pool(backend_name, jobs) as pool, _StorageGuard(kept) as guard:  # one pool for every method
         for i, m in enumerate(order):
             space = spaces[m]
             if empty[m]:
@@ -314,6 +396,14 @@ def suggest(
             nxt = order[i + 1].value if i + 1 < len(order) else None
             events.append(NothingFits(m.value, workload.limit_bytes, low[0] if low else None, len(run.ledger.measured),
                                       unmeasured, backend_name == "estimate", nxt))
+    if guard.failed is not None:  # the store stopped taking writes: one line, and the search again in memory
+        token = _STORE_FALLBACK.set(after_failure(store, storage, guard.failed))
+        try:
+            return suggest(workload, backend=backend, trials=trials, time_budget_s=time_budget_s, fix=fix,
+                           storage=storage, study_name=study_name, cache=cache, exhaustive=exhaustive,
+                           progress=progress, workload_names=origin, jobs=jobs)
+        finally:
+            _STORE_FALLBACK.reset(token)
     low = min(smallest, key=lambda s: s[0]) if smallest else None
     raise NoFitError(no_fit_message(workload, order, smallest, events), details={
         "limit_bytes": workload.limit_bytes,
@@ -323,6 +413,28 @@ def suggest(
         "notes": [render(e) for e in events],
         "events": [e.to_dict() for e in events],
     })
+
+
+_STORE_FALLBACK: contextvars.ContextVar = contextvars.ContextVar("advisor_store_fallback", default=None)
+
+
+class _StorageGuard:
+    """Around a search that stores what it measures: a store that fails mid-run (a full disk) is recorded in
+    `failed` instead of raised, and suggest() answers again in memory (what was stored is read back, not
+    measured again)."""
+
+    def __init__(self, kept: bool):
+        self.kept = kept
+        self.failed: BaseException | None = None
+
+    def __enter__(self) -> _StorageGuard:
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is not None and self.kept and is_storage_failure(exc):
+            self.failed = exc
+            return True
+        return False
 
 
 def _derive_goal_parameters() -> None:
@@ -370,7 +482,7 @@ def stored_studies(storage: str | None = None) -> list[StoredStudy]:
     import optuna
     from optuna.trial import TrialState
 
-    store = open_given(storage).storage if storage else open_cache().storage
+    store = open_for_reading(storage)  # never creates a database
     out = []
     for su in optuna.get_all_study_summaries(store, include_best_trial=False):
         spec = su.user_attrs.get(SPEC_KEY)
@@ -396,7 +508,7 @@ def stored_suggestion(study_name: str, storage: str | None = None, *, workload: 
     import optuna
 
     label = storage or "the study cache"
-    store = open_given(storage).storage if storage else open_cache().storage
+    store = open_for_reading(storage)  # never creates a database
     names = study_names(store)
     if study_name not in names:
         ours = [n for n in names if n.startswith("advisor-") or study_name in n]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -95,6 +96,31 @@ class GPUSpec:
     @property
     def is_cuda(self) -> bool:
         return self.kind == "cuda"
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, flag: str = "--memory-budget") -> int:
+    """'40GB', '40GiB', '81559MiB', '4e10' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise UsageError(f"{flag} {text!r}: not a size; write e.g. 40GB, 40GiB or 42949672960")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UsageError(f"{flag} {text!r}: must be positive")
+    return value
+
+
+def parse_fraction(text: str, flag: str) -> float:
+    """'5%' or '0.05' -> 0.05."""
+    s = str(text).strip()
+    try:
+        return float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: not a fraction; write e.g. 5% or 0.05") from None
 
 
 @dataclass(frozen=True)

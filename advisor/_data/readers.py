@@ -58,10 +58,18 @@ def read_raw(spec: str) -> RawRows:
 
 
 def _not_text(path: Path, exc: UnicodeDecodeError) -> DatasetError:
-    head = path.read_bytes()[:4]
+    head = path.read_bytes()[:8192]
     kind = {b"\x1f\x8b": "gzip-compressed", b"PK": "a zip archive", b"PAR1": "a parquet file",
             b"\x28\xb5": "zstd-compressed"}
-    what = next((v for k, v in kind.items() if head.startswith(k)), "binary")
+    what = next((v for k, v in kind.items() if head.startswith(k)), None)
+    if what is None and b"\x00" not in head:  # text, in another encoding: say which, and how to convert it
+        sample = head[max(0, exc.start - 20):exc.start + 20].decode("cp1252", errors="replace")
+        return DatasetError(
+            f"--dataset {path}: text in another encoding than UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset "
+            f"{exc.start}, ...{sample!r}... read as Latin-1 / Windows-1252); datasets and TRL read UTF-8 only: "
+            f"convert it, e.g. iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}"
+        )
+    what = what or "binary"
     return DatasetError(
         f"--dataset {path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}; the file "
         f"looks {what}); a {path.suffix} dataset must be UTF-8 JSON: decompress it, or give the right suffix "
@@ -78,7 +86,7 @@ def _read_jsonl(path: Path) -> tuple[list[Any], list[int]]:
 
 def _read_jsonl_text(path: Path) -> tuple[list[Any], list[int]]:
     rows, lines, invalid = [], [], []
-    with path.open(encoding="utf-8") as fh:
+    with path.open(encoding="utf-8-sig") as fh:  # a byte-order mark, which datasets reads too, is skipped
         for number, text in enumerate(fh, start=1):
             if not text.strip():
                 continue
@@ -97,7 +105,7 @@ def _read_jsonl_text(path: Path) -> tuple[list[Any], list[int]]:
 
 def _read_json(path: Path) -> RawRows:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except UnicodeDecodeError as exc:
         raise _not_text(path, exc) from None
     except json.JSONDecodeError as exc:

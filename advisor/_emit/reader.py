@@ -4,7 +4,10 @@ simulated, a misspelt key or a value the advisor cannot measure is a ConfigError
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import enum
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -45,7 +48,7 @@ class RunConfig:
 def candidate_from_run_dict(data: dict[str, Any], *, source: str = "config") -> Candidate:
     """Map SFTConfig / ModelConfig keys to a Candidate over a base of the other keys; unset knobs take TRL 1.16's
     defaults. A key that changes memory and is not simulated is a ConfigError naming it."""
-    d = dict(data)
+    d = typed_run_dict(data, source=source)
     problems: list[str] = []
     base: dict[str, Any] = {}
     fields_ = trl_fields()
@@ -127,6 +130,57 @@ def candidate_from_run_dict(data: dict[str, Any], *, source: str = "config") -> 
         return Candidate(**fields)
     except ConfigError as exc:
         raise ConfigError(exc.problems, context=source) from None
+
+
+@functools.cache
+def _trl_parser(command: str) -> Any:
+    """The TrlParser `trl <command>` builds (trl/scripts/<command>.py), only to read values as it reads them."""
+    from ..trainers import get_trainer
+
+    return get_trainer(command).make_parser()
+
+
+def _converts(action: argparse.Action) -> bool:
+    """An action whose type turns a YAML string into another value: TRL's booleans (string_to_bool), integers and
+    floats (with TRL's 'none'/'null' for `T | None`), a choice's Enum. A str, dict or dataclass type is left as
+    written: the reader checks those itself."""
+    kind = action.type
+    if kind in (int, float):
+        return True
+    return callable(kind) and not isinstance(kind, type)
+
+
+def typed_run_dict(data: dict[str, Any], *, trainer: str = "sft", source: str = "config") -> dict[str, Any]:
+    """The config's values as `trl <trainer> --config` reads them: TrlParser.set_defaults_with_config makes every
+    YAML value an argparse default, and argparse converts a default that is a string with the field's type at the
+    end of parse_args (so `packing: "false"` trains without packing, `per_device_train_batch_size: "4"` is 4 and
+    `gradient_checkpointing: sometimes` is refused); a value of another type is taken as it is. A string TRL
+    refuses is a ConfigError naming the key, the value and the fix."""
+    parser = _trl_parser(trainer)
+    actions: dict[str, argparse.Action] = {}
+    for a in parser._actions:  # the field's own action, not its `--no_<field>` complement (store_false, no type)
+        if a.type is not None or a.dest not in actions:
+            actions[a.dest] = a
+    out: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in data.items():
+        action = actions.get(key)
+        if action is None or not isinstance(value, str) or not _converts(action):
+            out[key] = value
+            continue
+        try:
+            typed = parser._get_value(action, value)
+        except argparse.ArgumentError as exc:
+            name = getattr(action.type, "__name__", "")
+            fix = ("write true or false" if name == "string_to_bool" else
+                   "write a whole number, e.g. 4" if name == "int" else
+                   "write a number, e.g. 0.5" if name == "float" else "write a value trl accepts")
+            problems.append(f"{key}={value!r}: trl {trainer} --config refuses it ({exc.message}); {fix}")
+            continue
+        out[key] = typed.value if isinstance(typed, enum.Enum) else typed
+    if problems:
+        raise ConfigError(problems, context=source)
+    return out
 
 
 def _read_mapping(value: Any, name: str, problems: list[str]) -> dict[str, Any]:
@@ -227,6 +281,7 @@ def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: must be a YAML mapping of trl sft keys, got {type(data).__name__}")
     env = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
+    data = typed_run_dict(data, trainer=trainer, source=f"--config {path}")
     if trainer != "sft":
         from ..trainers import get_trainer
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._interrupt import requested as interrupt_requested
 from ..events import Converged, Event, NoNewCandidate, Progress, Seeded, TimeBudget, describe
 from ..measurement import Measurement
 from ..space import Candidate
@@ -242,6 +243,17 @@ class StudyRun:
                                            describe(entry.candidate) if entry else ""))
 
         while True:
+            if interrupt_requested():  # a Ctrl-C swallowed where it landed (a weakref callback): end here
+                measured = 0  # what finished measuring is told (it stays), the rest is failed for a rerun
+                while measured < len(batch) and batch[measured].pending is not None \
+                        and batch[measured].pending.future.done():
+                    measured += 1
+                if measured:
+                    told(self._finish(batch[:measured]))
+                for f in batch[measured:]:
+                    f.beat.close()
+                    liveness.fail(self.study, f.trial)
+                raise KeyboardInterrupt
             if len(batch) >= self.jobs:
                 told(self._finish(batch))
                 batch = []

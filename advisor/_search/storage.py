@@ -211,6 +211,32 @@ def _read_only_copy(source: BaseStorage) -> BaseStorage:
     return _COPY_CLASS[0](source)
 
 
+def is_storage_failure(exc: BaseException) -> bool:
+    """A storage that stopped taking writes in the middle of a run (a full disk, a database gone read-only, an
+    I/O error), not a bug of the search: Optuna's StorageInternalError, SQLAlchemy's or sqlite3's OperationalError,
+    a journal file's OSError."""
+    import errno
+    import sqlite3
+
+    from optuna.exceptions import StorageInternalError
+    from sqlalchemy.exc import OperationalError
+
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+    return isinstance(exc, (StorageInternalError, OperationalError, sqlite3.OperationalError))
+
+
+def after_failure(storage: BaseStorage, url: str | None, exc: BaseException) -> Cache:
+    """What a run goes on with when `storage` failed mid-run: memory, with the studies still readable there
+    copied in when a run names them (what was stored stays an answer), and the one line that says so."""
+    cause = exc.__cause__ or exc.__context__ or exc
+    why = _short(cause) if not isinstance(cause, OSError) else (cause.strerror or str(cause))
+    where = f"--storage {url}" if url else _cache_origin()
+    fix = "free space there, or pass --no-cache" if not url else "free space there, or choose another --storage"
+    return Cache(_read_only_copy(storage), f"{where}: cannot store any more ({why}); answering without storing "
+                                           f"this run's measurements ({fix})", writable=False)
+
+
 def prepare_study(storage: BaseStorage, name: str) -> None:
     """Before a study is created or loaded in `storage`: copy it in from a read-only cache that holds it."""
     source = getattr(storage, "source", None)
@@ -274,6 +300,7 @@ def open_storage(url: str | None) -> BaseStorage:
                              "postgresql://USER@HOST/DB or a journal file path") from None
     path = Path(url).expanduser()
     fix = "choose a writable file path, e.g. ./advisor-journal.log, or an RDB URL such as sqlite:///studies.db"
+    _check_journal(url, path)
     if not path.parent.exists():
         raise UsageError(f"--storage {url!r}: directory {path.parent} does not exist; create it or {fix}")
     if path.is_dir():
@@ -283,3 +310,85 @@ def open_storage(url: str | None) -> BaseStorage:
     except OSError as exc:  # /proc, a read-only mount, no permission
         raise UsageError(f"--storage {url!r}: cannot create or open the journal file "
                          f"({exc.strerror or exc}); {fix}") from None
+
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _check_journal(url: str, path: Path) -> None:
+    """A --storage without a scheme is an Optuna journal file: an existing file that is a SQLite database, or not
+    a journal at all, is named as such (Optuna would fail reading it with a UnicodeDecodeError / JSONDecodeError)."""
+    if not path.is_file():
+        return
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return  # open_storage's own checks say why it cannot be opened
+    if head.startswith(_SQLITE_MAGIC):
+        raise UsageError(f"--storage {url}: is a SQLite database, not a journal file; write --storage "
+                         f"sqlite:///{path.resolve()} (a path without a scheme is read as an Optuna journal file)")
+    first = head.split(b"\n", 1)[0].strip()
+    if not first:
+        return  # empty: a new journal
+    try:
+        import json
+
+        json.loads(first.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError included
+        raise UsageError(f"--storage {url}: is not an Optuna journal file (its first line is not a journal "
+                         "record); give a new file name, a journal a previous run wrote, or an RDB URL such as "
+                         "sqlite:///studies.db") from None
+
+
+def open_for_reading(url: str | None) -> BaseStorage:
+    """The store of a read-only command (`advisor studies`, `advisor report`): never creates a database or a
+    journal (a typo is an error naming it, not a new empty file), reads a SQLite file read-only, and says so when
+    the file cannot be read instead of calling it empty. None: the study cache (nothing stored yet: empty)."""
+    import optuna
+    from optuna.storages import InMemoryStorage, JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if url is None:
+        db = cache_dir() / _DB_NAME
+        if not db.exists():
+            return InMemoryStorage()  # no search stored yet
+        return _read_sqlite(db, f"{_cache_origin()}: {_DB_NAME}",
+                            "move it aside (the next `advisor suggest` starts a new cache) or set $ADVISOR_CACHE_DIR")
+    if "://" in url:
+        db = _sqlite_file(url)
+        if db is not None:
+            if not db.is_file():
+                raise UsageError(f"--storage {url}: no such database file {db}; check the path (`advisor suggest "
+                                 "--storage` makes one)")
+            return _read_sqlite(db, f"--storage {url}", "check the path")
+        try:
+            return _rdb(url, read_only=True)
+        except Exception as exc:
+            raise UsageError(f"--storage {url!r}: cannot open ({_short(exc)}); check the URL") from None
+    path = Path(url).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--storage {url}: no such journal file; check the path (`advisor suggest --storage` "
+                         "makes one)")
+    _check_journal(url, path)
+    try:
+        return JournalStorage(JournalFileBackend(str(path)))
+    except Exception as exc:  # a journal that cannot be replayed
+        raise UsageError(f"--storage {url}: cannot be read as an Optuna journal ({_short(exc)})") from None
+
+
+def _read_sqlite(db: Path, label: str, fix: str) -> BaseStorage:
+    """A SQLite file opened read-only, checked by reading it (a corrupt or foreign file is an error, not empty)."""
+    import optuna
+
+    try:
+        with open(db, "rb") as fh:
+            head = fh.read(len(_SQLITE_MAGIC))
+        if head and head != _SQLITE_MAGIC:
+            raise ValueError("file is not a database")
+        store = _rdb(f"sqlite:///file:{db.resolve()}?mode=ro&uri=true", read_only=True)
+        optuna.get_all_study_summaries(store, include_best_trial=False)
+    except Exception as exc:
+        raise UsageError(f"{label}: cannot be read ({_short(exc)}); {fix}") from None
+    return store

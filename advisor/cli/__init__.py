@@ -16,6 +16,7 @@ import traceback
 import warnings
 from typing import Any
 
+from .. import _interrupt as interrupt
 from ..errors import AdvisorError
 
 
@@ -67,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module=r"(transformers|trl|peft|torch)\.")
     previous = _terminate_as_interrupt()
+    restore_int = _interrupt_never_lost()
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        if interrupt.requested():  # a Ctrl-C swallowed where it landed, after the last safe point
+            raise KeyboardInterrupt
+        return code
     except AdvisorError as exc:
         if args.debug:
             traceback.print_exc()
@@ -83,6 +88,40 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        restore_int()
+
+
+def _interrupt_never_lost() -> Any:
+    """SIGINT for the command's duration: KeyboardInterrupt as Python raises it, and the request recorded
+    (advisor._interrupt) so that one swallowed where it landed (a weakref callback, a __del__) still ends the run
+    at the search's next safe point, or when the command returns; such a swallowed one is not printed as
+    "Exception ignored in ...". Returns what restores the previous handlers."""
+    interrupt.clear()
+    previous_hook = sys.unraisablehook
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        interrupt.request()
+        raise KeyboardInterrupt
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and interrupt.requested():
+            return  # recorded: the run ends at the next safe point
+        previous_hook(unraisable)
+
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started to ignore it (nohup, `&`): keep that
+            return lambda: None
+        previous = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:  # not the main thread
+        return lambda: None
+    sys.unraisablehook = hook
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
+        interrupt.clear()
+
+    return restore
 
 
 class _Terminated(BaseException):

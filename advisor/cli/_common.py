@@ -6,40 +6,15 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import ConfigError, UsageError
 from ..inputs import build_workload
 from ..measurement import Measurement
 from ..space import Candidate
-from ..workload import Goals, Workload
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str, flag: str = "--memory-budget") -> int:
-    """'40GB', '40GiB', '81559MiB', '4e10' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS:
-        raise UsageError(f"{flag} {text!r}: not a size; write e.g. 40GB, 40GiB or 42949672960")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise UsageError(f"{flag} {text!r}: must be positive")
-    return value
-
-
-def parse_fraction(text: str, flag: str) -> float:
-    """'5%' or '0.05' -> 0.05."""
-    s = str(text).strip()
-    try:
-        return float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
-    except ValueError:
-        raise UsageError(f"{flag} {text!r}: not a fraction; write e.g. 5% or 0.05") from None
+from ..workload import Goals, Workload, parse_fraction, parse_size  # noqa: F401 (the CLI's)
 
 
 def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
@@ -78,6 +53,10 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     model = ns.model
     dataset = getattr(ns, "dataset", None)
     config_path = getattr(ns, "config", None)
+    from .._files import check_names
+
+    check_names({"--model": model, "--dataset": dataset, "--tokenizer": getattr(ns, "tokenizer", None),
+                 "--config": config_path})
     if config_path and (model is None or dataset is None):
         from ..emit import load_run_config
 
@@ -91,12 +70,41 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     offline = decide_offline(model, dataset, getattr(ns, "tokenizer", None))  # once, before anything waits on it
     if offline:
         print(f"advisor: {offline}", file=sys.stderr)
-    wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
-                        sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
-                        num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"))
+    from_config = {flag: f"--config {config_path}: {key}" for flag, key, given in (
+        ("--model", "model_name_or_path", ns.model), ("--dataset", "dataset_name", getattr(ns, "dataset", None)))
+        if given is None and config_path}  # a value the config wrote, not a flag: its error names the key
+    try:
+        wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
+                            sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
+                            num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"))
+    except UsageError as exc:
+        if not from_config:
+            raise
+        raise reattribute(exc, from_config) from None
     for note in workload_notes(wl):
         print(f"advisor: {note}", file=sys.stderr)
     return wl
+
+
+def reattribute(exc: UsageError, names: dict[str, str]) -> UsageError:
+    """The same error, naming where the value was written (a baseline's key, a --config key) instead of the flag
+    the library names (`--model`, `--gpu`, ...) when the user gave no such flag. Same class, same exit code."""
+    import re as _re
+
+    def reword(text: str) -> str:
+        for flag, where in names.items():  # the first mention in full, later ones (a fix) by the key alone
+            pattern = _re.escape(flag) + r"(?![\w-])"
+            text = _re.sub(pattern, where, text, count=1)
+            text = _re.sub(pattern, where.rpartition(": ")[2], text)
+        return text
+
+    if isinstance(exc, ConfigError):
+        return ConfigError([reword(p) for p in exc.problems])
+    try:
+        out = type(exc)(reword(str(exc)))
+    except TypeError:  # a subclass with another constructor
+        out = UsageError(reword(str(exc)))
+    return out
 
 
 def workload_notes(wl: Workload) -> tuple[str, ...]:
@@ -120,6 +128,18 @@ def check_writable(path: str | Path | None, flag: str) -> None:
         raise UsageError(f"{flag} {path}: the folder {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable; choose a writable path")
+
+
+def write_output(path: str | Path, text: str, flag: str) -> None:
+    """An output file written atomically (advisor._files); a failure is a UsageError naming the flag, with
+    nothing half-written left behind."""
+    from .._files import write_atomic
+
+    try:
+        write_atomic(path, text)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot be written ({exc.strerror or exc}); nothing was written there; "
+                         "choose a path on a writable file system with free space") from None
 
 
 def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None) -> Candidate:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..backends import backend_names
+from ..errors import UsageError
 from ..inputs import WorkloadRef
 from ..regress import DEFAULT_BACKEND, record_baseline
 from ..render import baseline_text
@@ -42,7 +43,11 @@ def run(ns: argparse.Namespace) -> int:
     ref = WorkloadRef.of(workload, model=ns.model, gpu=ns.gpu, dataset=ns.dataset, tokenizer=ns.tokenizer,
                          sample=ns.sample)
     baseline = record_baseline(workload, candidate, backend=ns.backend, config_path=ns.config, ref=ref)
-    path = baseline.save(ns.out)
+    try:
+        path = baseline.save(ns.out)
+    except OSError as exc:  # after the measurement: say so, leave no half-written file (Baseline.save is atomic)
+        raise UsageError(f"--out {ns.out}: cannot be written ({exc.strerror or exc}); nothing was written there; "
+                         "choose a path on a writable file system with free space") from None
     if ns.json:
         print(emit_json({"baseline": str(path), **baseline.to_dict()}))
         return 0

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from ..baseline import load_baseline
+from ..errors import UsageError
 from ..regress import DEFAULT_TOLERANCE, check, parse_tolerance
 from ..render import check_markdown, check_text, check_verdict
 from ._common import add_config_arg, emit_json
@@ -35,7 +36,13 @@ def run(ns: argparse.Namespace) -> int:
         from ..emit import load_run_config
 
         candidate = load_run_config(ns.config, trainer=baseline.workload.trainer).candidate  # the baseline's
-    result = check(baseline, candidate=candidate, tolerance=tolerance)
+    try:
+        result = check(baseline, candidate=candidate, tolerance=tolerance)
+    except UsageError as exc:  # the workload rebuilt from the baseline's names: check has no --model / --gpu
+        from ._common import reattribute
+
+        raise reattribute(exc, {f"--{k}": f"--baseline {ns.baseline}: workload.{k}"
+                                for k in ("model", "gpu", "dataset", "tokenizer", "sample")}) from None
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         with open(summary, "a", encoding="utf-8") as fh:

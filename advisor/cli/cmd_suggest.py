@@ -9,7 +9,15 @@ from typing import Any
 
 from ..backends import backend_names
 from ..errors import BackendError, NoFitError, UsageError
-from ._common import add_workload_args, check_writable, emit_json, parse_fraction, parse_size, workload_from_args
+from ._common import (
+    add_workload_args,
+    check_writable,
+    emit_json,
+    parse_fraction,
+    parse_size,
+    workload_from_args,
+    write_output,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -106,15 +114,20 @@ def goals_from_args(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_fixes(items: list[str]) -> dict[str, str]:
-    out, bad = {}, []
+    out, bad, twice = {}, [], []
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             bad.append(item)
+        elif key.strip() in out and out[key.strip()] != value.strip():  # not the last one silently
+            twice.append(f"--fix {key.strip()}={out[key.strip()]} and --fix {key.strip()}={value.strip()} "
+                         "contradict each other; keep one")
         else:
             out[key.strip()] = value.strip()
     if bad:
         raise UsageError(f"--fix {', '.join(map(repr, bad))}: write FIELD=VALUE, e.g. --fix optim=adamw_torch")
+    if twice:
+        raise UsageError("; ".join(twice))
     return out
 
 
@@ -166,13 +179,18 @@ def run(ns: argparse.Namespace) -> int:
     text = {"yaml": s.to_yaml, "python": s.to_python, "json": lambda: emit_json(s.to_json_dict())}.get(fmt)
     config_text = text() if text else s.to_yaml()
     if ns.output:
-        Path(ns.output).write_text(config_text if text else s.to_yaml())
+        try:
+            write_output(ns.output, config_text if text else s.to_yaml(), "--output")
+        except UsageError:
+            print(config_text if text else s.to_yaml(), end="")  # the search's answer is not lost with the file
+            raise
     if ns.plot:
         from ..report import plot
 
         plot(s, ns.plot)
     if ns.accelerate_output:
-        Path(ns.accelerate_output).write_text(s.accelerate_yaml(ns.accelerate_output, ns.output or "run.yaml"))
+        write_output(ns.accelerate_output, s.accelerate_yaml(ns.accelerate_output, ns.output or "run.yaml"),
+                     "--accelerate-output")
     if fmt == "table":
         from ..report import render_report, render_summary
 
@@ -220,7 +238,10 @@ def next_step(ns: argparse.Namespace, s) -> str:
                f"trl {s.trainer.command} --config {shlex.quote(ns.output)}")
         lines.append(f"  {run}{data}")
     else:
-        cache = "" if ns.no_cache else "    # the same search: answered from the stored study"
+        from ..events import StorageNote
+
+        unstored = ns.no_cache or any(isinstance(e, StorageNote) for e in s.events)  # memory, or read-only
+        cache = "" if unstored else "    # the same search: answered from the stored study"
         more = " --accelerate-output accelerate.yaml" if world and not ns.accelerate_output else ""
         lines.append(f"  {shlex.join(['advisor', 'suggest', *_same_search(ns)])} --format yaml -o run.yaml{more}"
                      f"{cache}")

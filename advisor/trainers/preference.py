@@ -152,16 +152,18 @@ def missing_columns(row: Any) -> list[str]:
 
 def check_preference_rows(rows: Sequence[Any], label: str, trainer: str = "dpo") -> None:
     """ConfigError naming the missing columns when the data is not preference data (e.g. an SFT dataset)."""
-    first = rows[0] if len(rows) else {}
-    missing = missing_columns(first)
-    if missing:
-        have = sorted(first) if isinstance(first, dict) else type(first).__name__
-        raise ConfigError(
-            [f"dataset={label}: the {trainer} trainer reads preference data, and the rows lack the column(s) "
-             f"{', '.join(repr(c) for c in missing)} (row 0 has {have}); give prompt/chosen/rejected rows "
-             "(plain or conversational), or use trainer='sft' for this dataset"],
-            context=f"trainer={trainer}",
-        )
+    for i, row in enumerate(rows if len(rows) else [{}]):  # every row: one lacking 'rejected' is named, not TRL's
+        missing = missing_columns(row)
+        if missing:
+            have = sorted(row) if isinstance(row, dict) else type(row).__name__
+            which = "the rows lack" if i == 0 else f"row {i} lacks"
+            raise ConfigError(
+                [f"dataset={label}: the {trainer} trainer reads preference data, and {which} the column(s) "
+                 f"{', '.join(repr(c) for c in missing)} (row {i} has {have}); give prompt/chosen/rejected rows "
+                 "(plain or conversational)" + (", or use trainer='sft' for this dataset" if i == 0 else
+                                                f", or remove row {i}")],
+                context=f"trainer={trainer}",
+            )
 
 
 def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None = None,
@@ -211,9 +213,11 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[l
         with progress_bars(False):
             prepared = DPOTrainer._prepare_dataset(trainer_like, hf, tok, args, "train")
     except Exception as exc:  # TRL/transformers raise ValueError, TemplateError, KeyError...
+        hint = ("; a conversational dataset needs a tokenizer with a chat template (--tokenizer PATH)"
+                if is_conversational(hf[0]) else "")
         raise DatasetError(
-            f"--dataset {spec}: TRL could not tokenize it ({str(exc).strip().splitlines()[0] if str(exc) else exc}); "
-            "a conversational dataset needs a tokenizer with a chat template (--tokenizer PATH)"
+            f"--dataset {spec}: TRL could not tokenize it ({str(exc).strip().splitlines()[0] if str(exc) else exc})"
+            + hint
         ) from exc
     out = [{c: list(prepared[i][c]) for c in TOKEN_COLUMNS} for i in range(len(prepared))]
     return out, bool(is_conversational(hf[0]))
