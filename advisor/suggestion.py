@@ -179,12 +179,14 @@ class Suggestion:
     # ---- several GPUs (issue 16): the accelerate config beside the TRL config ---------------------------------
     def launch(self, config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml") -> LaunchConfig:
         """The accelerate config of this pick (its `parallelism` on the workload's num_gpus / num_machines) and the
-        commands that launch it (`accelerate launch --config_file ...`, `trl sft --accelerate_config ...`)."""
+        commands that launch it (`accelerate launch --config_file ... -m trl.scripts.<command>`, `trl <command>
+        --accelerate_config ...`), for this suggestion's trainer."""
         from .accelerate_config import accelerate_config
 
         wl = self.workload
         return accelerate_config(self.candidate, self.candidate.parallelism.parallelism, wl.num_gpus,
-                                 wl.num_machines, config_file=config_file, trl_config_file=trl_config_file)
+                                 wl.num_machines, config_file=config_file, trl_config_file=trl_config_file,
+                                 command=self.trainer.command)
 
     def accelerate_yaml(self, config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml") -> str:
         """A file for `accelerate launch --config_file FILE`, headed by what was chosen and how to launch it."""
