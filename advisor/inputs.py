@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .data import TokenizedDataset, load_dataset
+from .data import TokenizedDataset
 from .errors import ConfigError
 from .profiles import decide_offline, detect_gpu, resolve_gpu, resolve_model
 from .workload import Goals, Method, ModelSpec, Workload, check_budget, check_world
@@ -52,13 +52,12 @@ def build_workload(
         target = resolve_gpu(gpu)
     check_budget(goals or Goals(), target)  # before the dataset is read and tokenized
     check_world(num_gpus, num_machines)
-    if trainer == "sft":
-        data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
-    else:  # the trainer reads its own data (preference pairs for DPO / Reward), refusing others by their columns
-        from .trainers import get_trainer
+    from .trainers import get_trainer
 
-        data = get_trainer(trainer).load_dataset(dataset, spec, tokenizer)
-    context = context_note(spec, data, pairs=trainer != "sft")
+    # the trainer reads its own data (chat rows for SFT, preference pairs for DPO / Reward), refusing others by
+    # their columns; `sample` draws the same seeded sample whatever the trainer
+    data = get_trainer(trainer).load_dataset(dataset, spec, tokenizer, sample=sample, seed=seed)
+    context = context_note(spec, data, pairs=hasattr(data, "rejected_lengths"))
     if context:
         notes.append(context)
     return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),

@@ -112,7 +112,7 @@ def _preference(ns: argparse.Namespace, model, max_truncation: float) -> int:
     from ..trainers import get_trainer
     from ..trainers.preference import preference_length_report
 
-    data = get_trainer(ns.trainer).load_dataset(ns.dataset, model, ns.tokenizer)
+    data = get_trainer(ns.trainer).load_dataset(ns.dataset, model, ns.tokenizer, sample=ns.sample, seed=ns.seed)
     report = preference_length_report(data, max_lengths=ns.max_length, max_truncation=max_truncation)
     if ns.json:
         print(emit_json(report.to_dict()))

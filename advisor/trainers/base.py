@@ -61,8 +61,10 @@ class Trainer(Protocol):
     def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any: ...  # LoraConfig or None
 
     # ---- data ------------------------------------------------------------------------------------------------
-    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> Any: ...
-    # None: the built-in synthetic set; else a local file / directory / hub id, prepared as this trainer does
+    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
+                     sample: int | None = None, seed: int = 0, progress: bool = False) -> Any: ...
+    # None: the built-in synthetic set; else a local file / directory / hub id, prepared as this trainer does;
+    # `sample`: a seeded random sample of that many rows (pairs)
 
     def check_dataset(self, workload: Workload) -> None: ...  # the workload's data is what this trainer reads
 
@@ -229,10 +231,11 @@ class PairTrainer(TrlTrainer):
 
     config_label: str  # "DPO" in "remove it from the DPO config"
 
-    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> Any:
+    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
+                     sample: int | None = None, seed: int = 0, progress: bool = False) -> Any:
         from .preference import load_preferences
 
-        return load_preferences(spec, model, tokenizer, trainer=self.name)
+        return load_preferences(spec, model, tokenizer, trainer=self.name, sample=sample, seed=seed)
 
     def check_dataset(self, workload: Workload) -> None:
         from .preference import PreferenceDataset, check_preference_rows

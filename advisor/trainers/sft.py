@@ -47,10 +47,11 @@ class SFT(TrlTrainer):
         return None  # advisor.emit.candidate_from_run_dict checks every SFT key itself
 
     # ---- data ----------------------------------------------------------------------------------------------------
-    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> Any:
+    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
+                     sample: int | None = None, seed: int = 0, progress: bool = False) -> Any:
         from ..data import load_dataset
 
-        return load_dataset(spec, model, tokenizer=tokenizer)
+        return load_dataset(spec, model, tokenizer=tokenizer, sample=sample, seed=seed, progress=progress)
 
     def check_dataset(self, workload: Workload) -> None:
         from ..data import TokenizedDataset
