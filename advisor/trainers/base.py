@@ -51,7 +51,21 @@ class Trainer(Protocol):
                      **overrides: Any) -> Any: ...
 
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
-                        dataset_name: str | None = None) -> dict[str, Any]: ...  # the `trl <command>` YAML's keys
+                        dataset_name: str | None = None, workload: Workload | None = None
+                        ) -> dict[str, Any]: ...  # the `trl <command>` YAML's keys
+
+    # ---- emission: one writer (advisor/_emit/writer.py) for every trainer's config object, YAML and snippet ----
+    def emit_kwargs(self, candidate: Candidate, workload: Workload | None = None
+                    ) -> dict[str, Any]: ...  # the config kwargs as emitted: the YAML's, the snippet's, trl_config's
+
+    def trl_config(self, candidate: Candidate, workload: Workload | None = None, **overrides: Any
+                   ) -> Any: ...  # `<Config>(**emit_kwargs)`, its model_init_kwargs with the quantization
+
+    def to_yaml(self, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None,
+                workload: Workload | None = None, header: str | None = None) -> str: ...  # `trl <command>`'s file
+
+    def to_python(self, candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None = None,
+                  workload: Workload | None = None) -> str: ...  # `<Config>` + `<Trainer>` + LoRA + 4-bit
 
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None: ...  # keys of others
 
@@ -150,6 +164,8 @@ class TrlTrainer:
     command: str
     config_name: str  # e.g. "SFTConfig": trl.<config_name>
     trainer_name: str  # e.g. "SFTTrainer"
+    example_dataset: str  # a hub id of this trainer's kind of data, for the YAML's dataset_name placeholder
+    data_hint: str  # what the snippet's train.jsonl holds, in words
 
     # ---- TRL's classes --------------------------------------------------------------------------------------------
     def config_class(self) -> type:
@@ -180,6 +196,45 @@ class TrlTrainer:
         kwargs["output_dir"] = overrides.pop("output_dir", kwargs.get("output_dir", f"advisor-{self.name}"))
         kwargs.update(overrides)
         return self.config_class()(**kwargs)
+
+    # ---- emission: the one writer (advisor/_emit/writer.py) -------------------------------------------------------
+    def emit_kwargs(self, candidate: Candidate, workload: Workload | None = None) -> dict[str, Any]:
+        """The config kwargs as emitted (the user's neutral keys kept): what the YAML, the snippet and
+        `trl_config` carry."""
+        return self.config_kwargs(candidate)
+
+    def trl_config(self, candidate: Candidate, workload: Workload | None = None, **overrides: Any) -> Any:
+        """`<Config>(**emit_kwargs)` through its constructor; its `model_init_kwargs` carry the BitsAndBytesConfig
+        when quantized, so `<Trainer>(model=<id>, args=config, peft_config=...)` loads the pick quantized."""
+        from ..emit import quantization_config
+
+        kwargs = self.emit_kwargs(candidate, workload)
+        qc = quantization_config(candidate)
+        if qc is not None:
+            kwargs["model_init_kwargs"] = {**kwargs.get("model_init_kwargs", {}), "quantization_config": qc}
+        kwargs["output_dir"] = overrides.pop("output_dir", kwargs.get("output_dir", f"advisor-{self.name}"))
+        kwargs.update(overrides)
+        return self.config_class()(**kwargs)
+
+    def to_yaml(self, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None,
+                workload: Workload | None = None, header: str | None = None) -> str:
+        """The file `trl <command> --config` reads, through the one writer."""
+        from ..emit import write_yaml
+
+        data = self.run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
+                                    workload=workload)
+        return write_yaml(data, header=header, command=self.command, example_dataset=self.example_dataset)
+
+    def to_python(self, candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None = None,
+                  workload: Workload | None = None) -> str:
+        """A snippet that trains the candidate with this trainer's TRL classes, through the one writer: the same
+        config kwargs as the YAML, this trainer's LoraConfig, the BitsAndBytesConfig when quantized."""
+        from ..emit import write_python
+
+        return write_python(candidate, config_name=self.config_name, trainer_name=self.trainer_name,
+                            kwargs=self.emit_kwargs(candidate, workload), peft=self.peft_config(candidate),
+                            model_name_or_path=model_name_or_path, dataset_name=dataset_name,
+                            default_output_dir=f"advisor-{self.name}", data_hint=self.data_hint)
 
     # ---- the model ---------------------------------------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
@@ -230,6 +285,8 @@ class PairTrainer(TrlTrainer):
     config is not SFTConfig, so SFT-only keys in its YAML are refused by name (`config_label` names the file)."""
 
     config_label: str  # "DPO" in "remove it from the DPO config"
+    example_dataset = "trl-lib/ultrafeedback_binarized"
+    data_hint = "your prompt/chosen/rejected pairs"
 
     def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
                      sample: int | None = None, seed: int = 0, progress: bool = False) -> Any:
@@ -256,37 +313,6 @@ class PairTrainer(TrlTrainer):
 
     def shadows_integers(self) -> bool:
         return True  # the pairs' losses index by data-dependent masks
-
-
-def python_snippet(trainer: Trainer, candidate: Candidate, *, model_name_or_path: str,
-                   dataset_name: str | None = None) -> str:
-    """A snippet that trains `candidate` with `trainer`'s TRL classes (DPOConfig + DPOTrainer, RewardConfig +
-    RewardTrainer): every memory-relevant field explicit, the LoraConfig when LoRA, the env vars first."""
-    from ..emit import env_vars, peft_config
-
-    cfg, cls = trainer.config_class().__name__, trainer.trainer_class().__name__
-    kw = trainer.config_kwargs(candidate)
-    output_dir = kw.pop("output_dir", f"advisor-{trainer.name}")
-    lines = ["import os", ""]
-    for k, v in env_vars(candidate).items():
-        lines.append(f"os.environ.setdefault({k!r}, {v!r})  # before torch initialises CUDA")
-    lines += ["", "from datasets import load_dataset", f"from trl import {cfg}, {cls}"]
-    if candidate.use_lora:
-        lines.append("from peft import LoraConfig")
-    load = f"load_dataset({dataset_name!r}, split=\"train\")" if dataset_name else \
-        'load_dataset("json", data_files="train.jsonl", split="train")  # your prompt/chosen/rejected pairs'
-    lines += ["", f"dataset = {load}", f"config = {cfg}(", f"    output_dir={output_dir!r},"]
-    lines += [f"    {k}={v!r}," for k, v in kw.items()]
-    lines.append(")")
-    args = [f"    model={model_name_or_path!r},", "    args=config,", "    train_dataset=dataset,"]
-    if candidate.use_lora:
-        lc = peft_config(candidate)
-        lines.append(f"peft_config = LoraConfig(r={lc.r}, lora_alpha={lc.lora_alpha}, "
-                     f"lora_dropout={lc.lora_dropout!r}, target_modules={sorted(lc.target_modules)!r}, "
-                     f"bias=\"none\", task_type={lc.task_type!r})")
-        args.append("    peft_config=peft_config,")
-    lines += [f"trainer = {cls}(", *args, ")", "trainer.train()"]
-    return "\n".join(lines) + "\n"
 
 
 def field_names(cls: type) -> set[str]:

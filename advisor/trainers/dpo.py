@@ -165,19 +165,12 @@ class DPO(PairTrainer):
         return out
 
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
-                        dataset_name: str | None = None) -> dict[str, Any]:
+                        dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
         """The keys `trl dpo --config FILE` accepts: ScriptArguments, DPOConfig and ModelConfig, and `env:`."""
         from .base import run_config_for
 
         return run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
                               output_dir="advisor-dpo")
-
-    def to_yaml(self, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None
-                ) -> str:
-        import yaml
-
-        return yaml.safe_dump(self.run_config_dict(candidate, model_name_or_path=model_name_or_path,
-                                                   dataset_name=dataset_name), sort_keys=False)
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
         """A `trl dpo` config read into a Candidate: the shared keys as advisor.emit reads them, DPO's own keys

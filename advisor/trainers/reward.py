@@ -73,7 +73,7 @@ class Reward(PairTrainer):
         return out
 
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
-                        dataset_name: str | None = None) -> dict[str, Any]:
+                        dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
         """The keys `trl reward --config FILE` accepts; LoRA with `lora_task_type: SEQ_CLS` (the score head)."""
         from .base import run_config_for
 

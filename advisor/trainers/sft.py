@@ -25,6 +25,7 @@ class SFT(TrlTrainer):
     name = "sft"
     command = "sft"
     config_name, trainer_name = "SFTConfig", "SFTTrainer"
+    example_dataset, data_hint = "trl-lib/Capybara", "your data"
 
     # ---- rules, config ------------------------------------------------------------------------------------------
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
@@ -37,11 +38,19 @@ class SFT(TrlTrainer):
 
         return sft_config_kwargs(candidate, workload, measured=measured)
 
+    def emit_kwargs(self, candidate: Candidate, workload: Workload | None = None) -> dict[str, Any]:
+        """SFTConfig's kwargs as emitted: `completion_only_loss` as the user wrote it, else explicit for the
+        synthetic set (pre-tokenized prompt/completion), else TRL's own default (None)."""
+        kw = self.config_kwargs(candidate)
+        kw["completion_only_loss"] = candidate.base.get("completion_only_loss", completion_only_loss(workload))
+        return kw
+
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
-                        dataset_name: str | None = None) -> dict[str, Any]:
+                        dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
         from ..emit import run_config_dict
 
-        return run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name)
+        return run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
+                               completion_only_loss=completion_only_loss(workload))
 
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
         return None  # advisor.emit.candidate_from_run_dict checks every SFT key itself
@@ -105,6 +114,15 @@ class SFT(TrlTrainer):
 
     def labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["labels"]
+
+
+def completion_only_loss(workload: Workload | None) -> bool | None:
+    """What the emitted config says of `completion_only_loss`: explicit for the synthetic set (pre-tokenized
+    prompt/completion, which TRL cannot tell apart), TRL's own default (None) for real data."""
+    if workload is None:
+        return None
+    ds = workload.dataset
+    return ds.completion_only_loss if ds.source == "synthetic" else None
 
 
 SFT_TRAINER = register(SFT())
