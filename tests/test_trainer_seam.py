@@ -105,3 +105,24 @@ def test_qlora_snippet_and_trl_config_carry_the_4bit_config_as_the_yaml_does(tra
     qc = config.model_init_kwargs["quantization_config"]
     assert qc.load_in_4bit and qc.bnb_4bit_quant_type == want.bnb_4bit_quant_type
     assert qc.bnb_4bit_compute_dtype == want.bnb_4bit_compute_dtype
+
+
+def test_registering_a_taken_name_is_refused_and_choices_come_from_the_registry():
+    from advisor.cli import _common
+    from advisor.errors import ConfigError
+    from advisor.trainers import DEFAULT, choices, get_trainer, names, register
+    from advisor.trainers.sft import SFT
+
+    assert set(choices()) == set(names()) and DEFAULT in choices()
+    sft = get_trainer("sft")
+    assert register(sft) is sft  # the same object again (a module imported twice) is no new declaration
+    with pytest.raises(ConfigError, match=r"name='sft': already registered \(advisor\.trainers\.sft\.SFT\)"):
+        register(SFT())
+    assert get_trainer("sft") is sft
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    _common.add_workload_args(parser)
+    action = next(a for a in parser._actions if a.dest == "trainer")
+    assert tuple(action.choices) == choices() and action.default == DEFAULT

@@ -115,16 +115,31 @@ _REGISTRY: dict[str, Trainer] = {}
 
 
 def register(trainer: Trainer) -> Trainer:
-    """Add a trainer under its `name` (a module registers its own at import)."""
+    """Add a trainer under its `name` (a module registers its own at import). A name already taken by another
+    trainer is refused (ConfigError naming it): one declaration per trainer, as `trl <command>` has one script."""
     if not isinstance(trainer, Trainer):
         raise TypeError(f"{trainer!r} does not implement advisor.trainers.Trainer")
-    _REGISTRY[trainer.name] = trainer
+    name = getattr(trainer, "name", None)
+    if not name or not isinstance(name, str):
+        raise ConfigError([f"name={name!r}: a trainer is registered under a non-empty name"], context="trainer")
+    taken = _REGISTRY.get(name)
+    if taken is not None and taken is not trainer:
+        raise ConfigError([f"name={name!r}: already registered ({type(taken).__module__}."
+                           f"{type(taken).__qualname__}); give the new trainer another name"], context="trainer")
+    _REGISTRY[name] = trainer
     return trainer
 
 
 def names() -> tuple[str, ...]:
+    """Every registered trainer's name, the built-ins first (their modules are imported)."""
     _load_builtin()
     return tuple(_REGISTRY)
+
+
+def choices() -> tuple[str, ...]:
+    """The names `--trainer` accepts: the built-ins' (declared in `_BUILTIN`, not imported: the CLI's parser stays
+    as cheap to build) and any other registered so far."""
+    return (*_BUILTIN, *(n for n in _REGISTRY if n not in _BUILTIN))
 
 
 def get_trainer(name: str | Trainer = "sft") -> Trainer:
@@ -139,7 +154,8 @@ def get_trainer(name: str | Trainer = "sft") -> Trainer:
                           context="trainer") from None
 
 
-_BUILTIN = ("sft", "dpo", "reward")
+_BUILTIN = ("sft", "dpo", "reward")  # the built-in trainers' modules, each registering the trainer of its name
+DEFAULT = _BUILTIN[0]  # the trainer a workload is for unless it names another (--trainer's default)
 
 
 def _load_builtin() -> None:
