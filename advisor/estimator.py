@@ -54,10 +54,9 @@ __all__ = [  # noqa: RUF022
 
 def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     """Peak memory by category and step time of `candidate`; status ok (the search decides what fits)."""
-    if getattr(workload, "trainer", "sft") == "dpo":
-        return _estimate_dpo(workload, candidate)
-    if getattr(workload, "trainer", "sft") == "reward":
-        return _estimate_reward(workload, candidate)
+    own = _trainer(workload).closed_form()  # DPO's / Reward's approximation over the SFT closed form, or None
+    if own is not None:
+        return own(workload, candidate)
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
@@ -146,6 +145,12 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
 
 # ---- DPO (approximate) -----------------------------------------------------------------------------------------
 _PAIR_ROWS: dict[int, tuple[Any, Any]] = {}  # id(preference data) -> (the data, its rows as SFT rows)
+
+
+def _trainer(workload: Workload) -> Any:
+    from .trainers import get_trainer
+
+    return get_trainer(workload.trainer)
 
 
 def _pair_rows(data: Any) -> Any:

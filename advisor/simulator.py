@@ -137,7 +137,7 @@ def simulate(
         )
     else:
         peak_bytes = reserved_bytes = device_bytes = peak
-    timed = expected_time(workload, candidate, target, combined.cost, activations_saved) if spec.name == "sft" \
+    timed = expected_time(workload, candidate, target, combined.cost, activations_saved) if spec.timed_over_batches \
         else None
     if timed is not None:
         step_time, trained, tps = timed.step_s, timed.trained_per_step, timed.tokens_per_second

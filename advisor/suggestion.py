@@ -224,10 +224,8 @@ class Suggestion:
 
     @property
     def truncated_fraction(self) -> float:
-        c = self.candidate
-        if hasattr(self.workload.dataset, "rejected_lengths"):  # preference pairs: the worse of chosen / rejected
-            return max(self.workload.dataset.truncated_fraction(c.max_length))
-        return self.workload.dataset.truncated_fraction(c.max_length, c.packing, c.packing_strategy.value)
+        c = self.candidate  # for pairs: the worse of chosen / rejected (the Dataset protocol's truncated share)
+        return self.workload.dataset.truncated_share(c.max_length, c.packing, c.packing_strategy.value)
 
     def report(self) -> str:
         from .report import render_report

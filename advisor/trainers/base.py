@@ -30,6 +30,8 @@ class Trainer(Protocol):
 
     name: str  # the registry name: "sft", "dpo", "reward"
     command: str  # `trl <command> --config FILE` parses what `run_config_dict` emits
+    timed_over_batches: bool  # the simulator's step time is the step-time model over the sampler's batches (SFT);
+    # else the worst batch's step
 
     # ---- TRL's classes --------------------------------------------------------------------------------------
     def config_class(self) -> type: ...  # trl.SFTConfig, trl.DPOConfig, ...
@@ -69,6 +71,9 @@ class Trainer(Protocol):
 
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None: ...  # keys of others
 
+    def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config"
+                                ) -> Candidate: ...  # a `trl <command>` config read back
+
     # ---- the model --------------------------------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any: ...  # random weights
 
@@ -81,6 +86,10 @@ class Trainer(Protocol):
     # `sample`: a seeded random sample of that many rows (pairs)
 
     def check_dataset(self, workload: Workload) -> None: ...  # the workload's data is what this trainer reads
+
+    def dataset_from_rows(self, name: str, source: str, rows: tuple[dict, ...], *, dataset_name: str | None = None,
+                          completion_only_loss: bool | None = None) -> Any: ...
+    # the dataset of prepared rows a probe's job carries (the child rebuilds its workload from them)
 
     def kept_rows(self, workload: Workload, candidate: Candidate) -> Any: ...  # indices of the rows TRL trains on
 
@@ -108,7 +117,15 @@ class Trainer(Protocol):
 
     def shadows_integers(self) -> bool: ...  # the step indexes by data-dependent masks (_sim/shadow.py)
 
+    def closed_form(self) -> Callable[[Workload, Candidate], Any] | None: ...
+    # the estimate backend's closed form of this trainer's step (advisor.estimator), None: the SFT closed form
+
     def notes(self, candidate: Candidate) -> list[str]: ...  # what the Measurement's notes say of this trainer
+
+    # ---- what the report says of this trainer's pick ------------------------------------------------------------
+    def report_rows(self, candidate: Candidate) -> list[list[str]]: ...  # [label, value] rows of the summary
+
+    def label_suffix(self, candidate: Candidate) -> str: ...  # added to a trial's knob tokens (" ref=precomputed")
 
 
 _REGISTRY: dict[str, Trainer] = {}
@@ -158,11 +175,17 @@ _BUILTIN = ("sft", "dpo", "reward")  # the built-in trainers' modules, each regi
 DEFAULT = _BUILTIN[0]  # the trainer a workload is for unless it names another (--trainer's default)
 
 
+_LOADED: list[bool] = []
+
+
 def _load_builtin() -> None:
+    if _LOADED:  # the estimate asks for its trainer on every call
+        return
     import importlib
 
     for name in _BUILTIN:  # each module registers its trainer at import
         importlib.import_module(f"{__package__}.{name}")
+    _LOADED.append(True)
 
 
 @contextlib.contextmanager
@@ -178,6 +201,7 @@ class TrlTrainer:
 
     name: str
     command: str
+    timed_over_batches = False
     config_name: str  # e.g. "SFTConfig": trl.<config_name>
     trainer_name: str  # e.g. "SFTTrainer"
     example_dataset: str  # a hub id of this trainer's kind of data, for the YAML's dataset_name placeholder
@@ -212,6 +236,12 @@ class TrlTrainer:
         kwargs["output_dir"] = overrides.pop("output_dir", kwargs.get("output_dir", f"advisor-{self.name}"))
         kwargs.update(overrides)
         return self.config_class()(**kwargs)
+
+    def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
+        """A `trl <command>` config read back into a Candidate: the keys as advisor.emit reads SFT's."""
+        from ..emit import candidate_from_run_dict
+
+        return candidate_from_run_dict(data, source=source)
 
     # ---- emission: the one writer (advisor/_emit/writer.py) -------------------------------------------------------
     def emit_kwargs(self, candidate: Candidate, workload: Workload | None = None) -> dict[str, Any]:
@@ -292,8 +322,19 @@ class TrlTrainer:
     def shadows_integers(self) -> bool:
         return False
 
+    def closed_form(self) -> Callable | None:
+        return None
+
     def notes(self, candidate: Candidate) -> list[str]:
         return []
+
+    # ---- the report --------------------------------------------------------------------------------------------------
+    def report_rows(self, candidate: Candidate) -> list[list[str]]:
+        """The summary's rows of this trainer: which TRL trainer runs."""
+        return [["trainer", f"{self.name} ({self.trainer_name})"]]
+
+    def label_suffix(self, candidate: Candidate) -> str:
+        return ""
 
 
 class PairTrainer(TrlTrainer):
@@ -316,6 +357,12 @@ class PairTrainer(TrlTrainer):
         data = workload.dataset
         if not isinstance(data, PreferenceDataset):
             check_preference_rows(list(data.rows[:1]), data.name, self.name)
+
+    def dataset_from_rows(self, name: str, source: str, rows: tuple[dict, ...], *, dataset_name: str | None = None,
+                          completion_only_loss: bool | None = None) -> Any:
+        from .preference import PreferenceDataset
+
+        return PreferenceDataset(name=name, source=source, rows=rows, dataset_name=dataset_name)
 
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
         """An SFT-only key in this trainer's config is refused by name (`trl <command>` would pass it on silently)."""

@@ -266,6 +266,20 @@ class DPO(PairTrainer):
 
         return [(real, run)]
 
+    def closed_form(self) -> Callable:
+        from ..estimator import _estimate_dpo
+
+        return _estimate_dpo  # the SFT closed form of the 2B sequences, plus the reference
+
+    def report_rows(self, candidate: Candidate) -> list[list[str]]:
+        """The trainer, and how the reference is held (derived: LoRA, precompute_ref_log_probs)."""
+        k = DPOKnobs.of(candidate)
+        return [*super().report_rows(candidate), ["precompute_ref_log_probs", str(k.precompute_ref_log_probs)],
+                ["reference", k.reference(candidate).value.replace("_", " ")]]
+
+    def label_suffix(self, candidate: Candidate) -> str:
+        return " ref=precomputed" if candidate.base.get("precompute_ref_log_probs") else ""
+
     def notes(self, candidate: Candidate) -> list[str]:
         k = DPOKnobs.of(candidate)
         ref = k.reference(candidate)

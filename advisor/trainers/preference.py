@@ -96,6 +96,25 @@ class PreferenceDataset:
             return np.arange(len(self.rows))
         return np.flatnonzero(self.prompt_lengths < max_length)
 
+    unit = "pairs"  # the Dataset protocol's word for one row
+
+    def truncated_share(self, max_length: int | None, packing: bool = False, strategy: str = "bfd") -> float:
+        """The Dataset protocol's truncated share: the worse of the chosen and the rejected completions' (pairs
+        are not packed)."""
+        return max(self.truncated_fraction(max_length))
+
+    def trained_tokens(self, max_length: int | None) -> np.ndarray:
+        """The Dataset protocol's trained tokens per pair: the chosen and the rejected completion tokens within
+        `max_length` (keep_start); 0 for a pair TRL drops (its prompt fills max_length)."""
+        p = self.prompt_lengths
+        if max_length is None:
+            return (self.chosen_lengths - p) + (self.rejected_lengths - p)
+        out = np.zeros(len(self.rows), dtype=np.int64)
+        keep = self.kept(max_length)
+        for full in (self.chosen_lengths, self.rejected_lengths):
+            out[keep] += np.minimum(full[keep], max_length) - p[keep]
+        return out
+
     def truncated_fraction(self, max_length: int | None) -> tuple[float, float]:
         """Shares of the chosen and of the rejected completion tokens that `max_length` cuts off (kept pairs)."""
         if max_length is None:

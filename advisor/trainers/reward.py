@@ -161,6 +161,11 @@ class Reward(PairTrainer):
         """Every real token is scored (no LM head; the score is read at the last one)."""
         return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
 
+    def closed_form(self) -> Any:
+        from ..estimator import _estimate_reward
+
+        return _estimate_reward  # the SFT closed form of the 2B sequences, without the LM head's logits
+
     # ---- the fake step's hooks: none; what the notes say -----------------------------------------------------------
     def notes(self, candidate: Candidate) -> list[str]:
         out = ["reward: RewardTrainer's own step on fake tensors (a one-label sequence classifier; 2B sequences a "

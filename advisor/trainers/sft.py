@@ -26,6 +26,7 @@ class SFT(TrlTrainer):
     command = "sft"
     config_name, trainer_name = "SFTConfig", "SFTTrainer"
     example_dataset, data_hint = "trl-lib/Capybara", "your data"
+    timed_over_batches = True  # the step-time model over the sampler's batches (advisor/_sim/timing)
 
     # ---- rules, config ------------------------------------------------------------------------------------------
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
@@ -69,6 +70,13 @@ class SFT(TrlTrainer):
         if not isinstance(workload.dataset, TokenizedDataset):
             raise ConfigError([f"dataset={workload.dataset.name}: preference data (prompt/chosen/rejected) given to "
                                "the SFT trainer; use trainer='dpo' or 'reward', or give SFT data"], context="sft")
+
+    def dataset_from_rows(self, name: str, source: str, rows: tuple[dict, ...], *, dataset_name: str | None = None,
+                          completion_only_loss: bool | None = None) -> Any:
+        from ..data import TokenizedDataset
+
+        return TokenizedDataset(name=name, source=source, rows=rows, completion_only_loss=completion_only_loss,
+                                dataset_name=dataset_name)
 
     def kept_rows(self, workload: Workload, candidate: Candidate) -> Any:
         """Indices of the rows TRL keeps: with a completion-only loss, rows whose trained tokens all fall past
@@ -114,6 +122,10 @@ class SFT(TrlTrainer):
 
     def labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["labels"]
+
+    # ---- the report ------------------------------------------------------------------------------------------------
+    def report_rows(self, candidate: Candidate) -> list[list[str]]:
+        return []  # the default trainer: the summary names none
 
 
 def completion_only_loss(workload: Workload | None) -> bool | None:
