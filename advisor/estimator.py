@@ -53,10 +53,15 @@ __all__ = [  # noqa: RUF022
 
 
 def estimate(workload: Workload, candidate: Candidate) -> Measurement:
-    """Peak memory by category and step time of `candidate`; status ok (the search decides what fits)."""
-    own = _trainer(workload).closed_form()  # DPO's / Reward's approximation over the SFT closed form, or None
-    if own is not None:
-        return own(workload, candidate)
+    """Peak memory by category and step time of `candidate`; status ok (the search decides what fits). What the
+    step's phases reserve outside PyTorch's allocator (Category.OUTSIDE_ALLOCATOR) is in its device bytes."""
+    trainer = _trainer(workload)
+    own = trainer.closed_form()  # DPO's / Reward's approximation over the SFT closed form, or None
+    m = own(workload, candidate) if own is not None else _sft_closed_form(workload, candidate)
+    return m.plus_outside_allocator(trainer.outside_allocator_bytes(candidate, workload.gpu.memory_bytes))
+
+
+def _sft_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda

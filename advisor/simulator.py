@@ -148,6 +148,10 @@ def simulate(
     else:
         trained = combined.trained_tokens * candidate.gradient_accumulation_steps
         tps = trained / step_time if step_time > 0 else None
+    outside = spec.outside_allocator_bytes(candidate, workload.gpu.memory_bytes)  # the phases' (0: SFT, DPO, Reward)
+    if outside:
+        device_bytes += outside
+        breakdown[Category.OUTSIDE_ALLOCATOR.value] = breakdown.get(Category.OUTSIDE_ALLOCATOR.value, 0) + outside
     status = Status.OK if device_bytes <= workload.budget_bytes else Status.OOM
     b, s = combined.batch_shape
     return Measurement(
@@ -167,6 +171,7 @@ def simulate(
         message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes),
         wall_time_s=time.perf_counter() - started,
+        outside_allocator_bytes=int(outside),
     )
 
 

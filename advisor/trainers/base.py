@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from ..space import Candidate
     from ..workload import GPUSpec, ModelSpec, Workload
+    from .phases import Phase
 
 
 @runtime_checkable
@@ -121,6 +122,13 @@ class Trainer(Protocol):
     # the estimate backend's closed form of this trainer's step (advisor.estimator), None: the SFT closed form
 
     def notes(self, candidate: Candidate) -> list[str]: ...  # what the Measurement's notes say of this trainer
+
+    # ---- the step as phases (advisor/trainers/phases.py) -----------------------------------------------------
+    def phases(self, candidate: Candidate) -> tuple[Phase, ...]: ...
+    # SFT, DPO, Reward: one training phase; online RL: generate, score, train. What a phase reserves outside
+    # PyTorch's allocator the estimate and the simulator add to device bytes (Category.OUTSIDE_ALLOCATOR).
+
+    def outside_allocator_bytes(self, candidate: Candidate, card_bytes: int) -> int: ...
 
     # ---- what the report says of this trainer's pick ------------------------------------------------------------
     def report_rows(self, candidate: Candidate) -> list[list[str]]: ...  # [label, value] rows of the summary
@@ -327,6 +335,20 @@ class TrlTrainer:
 
     def notes(self, candidate: Candidate) -> list[str]:
         return []
+
+    # ---- the step as phases ------------------------------------------------------------------------------------------
+    def phases(self, candidate: Candidate) -> tuple[Phase, ...]:
+        """One training phase: the policy, its gradients and optimizer state, the activations."""
+        from .phases import training_phase
+
+        return (training_phase(),)
+
+    def outside_allocator_bytes(self, candidate: Candidate, card_bytes: int) -> int:
+        """What the step's phases reserve outside PyTorch's allocator on a card of `card_bytes` (0 for SFT, DPO
+        and Reward; colocated vLLM's share for online RL)."""
+        from .phases import outside_allocator_bytes
+
+        return outside_allocator_bytes(self.phases(candidate), card_bytes)
 
     # ---- the report --------------------------------------------------------------------------------------------------
     def report_rows(self, candidate: Candidate) -> list[list[str]]:

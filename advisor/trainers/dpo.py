@@ -266,6 +266,14 @@ class DPO(PairTrainer):
 
         return [(real, run)]
 
+    def phases(self, candidate: Candidate) -> tuple:
+        """One training phase; the reference resident beside the policy when it is a separate copy (LoRA runs the
+        policy with its adapters disabled; precompute_ref_log_probs keeps no model)."""
+        from .phases import Resident, training_phase
+
+        ref = DPOKnobs.of(candidate).reference(candidate)
+        return (training_phase(Resident.REFERENCE) if ref is Reference.SEPARATE_COPY else training_phase(),)
+
     def closed_form(self) -> Callable:
         from ..estimator import _estimate_dpo
 
