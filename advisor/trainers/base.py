@@ -4,8 +4,12 @@ A trainer is one module (`sft.py`, `dpo.py`, `reward.py`), the way TRL pairs `<n
 `<name>_trainer.py` with `trl/scripts/<name>.py`. Everything the rest of the advisor does differently per trainer
 goes through the `Trainer` protocol: which TRL classes run, how a Candidate becomes their config, which rows make
 the worst batch and how the collator builds it, what the fake step must change on the trainer class (the hooks
-`advisor/_sim/fake_step.py` applies), which models besides the policy the step runs, and which `trl <command>`
-parses the emitted YAML. The private packages (`_sim`, `_search`) import this; this never imports them.
+`advisor/_sim/fake_step.py` applies), which models besides the policy the step runs, which `trl <command>`
+parses the emitted YAML, and the step's phases (`phases.py`: what each holds on the device, and what it reserves
+outside PyTorch's allocator). Its config object, YAML and Python snippet are written by one writer
+(`TrlTrainer.trl_config` / `to_yaml` / `to_python` over advisor/_emit/writer.py), quantization included. Nothing
+outside this package asks a trainer's name: the rest of the advisor calls the protocol. The private packages
+(`_sim`, `_search`) import this; this never imports them.
 """
 
 from __future__ import annotations
