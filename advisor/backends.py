@@ -69,7 +69,7 @@ def _estimate(workload: Workload, candidate: Candidate) -> Measurement:
 
 def _simulate(workload: Workload, candidate: Candidate) -> Measurement:
     if workload.num_gpus > 1:  # one rank of N (issue 16), the candidate's parallelism
-        from .parallelism import simulate_per_rank
+        from .simulator import simulate_per_rank
 
         return simulate_per_rank(workload, candidate, parallelism=candidate.parallelism.parallelism)
     from .simulator import simulate

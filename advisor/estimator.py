@@ -1,8 +1,9 @@
 """The analytic estimate: peak memory by category and step time of one candidate, in microseconds.
 
 It follows the path TRL 1.16's SFTTrainer really takes (the fused, tiled LM head of `trl/kernels/chunked_logprob.py`;
-the parts are counted in `advisor/_estimate/`: the architecture, the micro-batches, the memory parts, the step-time
-terms and the knobs modelled in closed form). Here they are placed at the moments of a training step; the peak is
+the parts are counted in `advisor/_estimate/`: the micro-batches, the memory parts and the step-time terms; the
+architecture, the knobs modelled in closed form and the step-time model itself come from the physics package
+`advisor/_physics/`, which the simulator shares). Here they are placed at the moments of a training step; the peak is
 the largest:
 - the end of the forward (activations saved for backward, the autocast weight cache, the LM head's tiles and,
   when gradients accumulate over micro-batches, the previous micro-batches' gradients);
@@ -10,7 +11,7 @@ the largest:
 - the optimizer step (every gradient, the optimizer state and the optimizer's own temporaries).
 Backward lies between them: activations are freed layer by layer as gradients appear.
 
-Step time: the simulator's step-time model (advisor/_sim/timing.py) with its terms in closed form
+Step time: the step-time model both backends share (advisor/_physics/timing/) with its terms in closed form
 (`_estimate/step_time.py`), expected over the same batch distribution, so the two backends rank alike. DPO and
 reward modelling are approximated from the SFT estimate of their pairs (below).
 """
@@ -20,22 +21,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._estimate import (
-    DTYPE_BYTES,
     LM_HEAD_FP32_VECTORS,
     RESERVED_FACTOR,
     TOKEN_CHUNK,
     VOCAB_CHUNK,
-    Architecture,
     BatchShape,
     MemoryParts,
     MiB,
-    architecture,
     expected_step_time,
+    memory_parts,
+    outside_allocator_bytes,
+)
+from ._physics import (
+    DTYPE_BYTES,
+    Architecture,
+    architecture,
     knob_memory_savings,
     knob_time,
     lora_parameters,
-    memory_parts,
-    outside_allocator_bytes,
     quantized_linear_bytes,
 )
 from .measurement import Category, Measurement, Source, Status
@@ -105,9 +108,9 @@ def _sft_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
     moments = {"end of the forward": forward_end, "start of the backward": backward_start, "optimizer step": step_end}
     rank_notes: list[str] = []
     if workload.num_gpus > 1:  # one rank of N: the model states sharded as the candidate's parallelism shards them
-        from .parallelism import estimate_per_rank
+        from ._physics import estimate_rank_moments
 
-        moments, rank_notes = estimate_per_rank(workload, c, moments, p)
+        moments, rank_notes = estimate_rank_moments(workload, c, moments, p)
     when, moment = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     peak = int(sum(moment.values()))
     reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
@@ -118,15 +121,16 @@ def _sft_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
     step_time, trained_per_step = timed.step_s, int(round(timed.trained_per_step))
     terms = dict(timed.terms)
     if workload.num_gpus > 1:  # global throughput: every rank's tokens over the step with the collectives' time
-        from .parallelism import rank_step_time
+        from ._physics import estimate_rank_time
 
-        step_time, trained_per_step, exposed, comm_note = rank_step_time(workload, c, step_time, trained_per_step)
+        step_time, trained_per_step, exposed, comm_note = estimate_rank_time(workload, c, step_time,
+                                                                              trained_per_step)
         terms["communication_exposed"] = exposed
         rank_notes.append(comm_note)
     notes = [
         f"LM head: TRL's fused tiled head, {'labelled positions only (CUDA)' if cuda else 'every position (CPU)'}",
         f"peak at the {when}",
-        f"step time: the step-time model's terms in closed form (advisor/_sim/timing.py) on {gpu.name}, expected "
+        f"step time: the step-time model's terms in closed form (advisor/_physics/timing/) on {gpu.name}, expected "
         "over the batches the sampler makes",
         *rank_notes,
     ]

@@ -85,7 +85,7 @@ class Measurement:
     tokens_per_second: float | None = None
     trained_tokens_per_step: int | None = None
     peak_batch: str | None = None
-    # predicted seconds per optimizer step by term (advisor/_sim/timing.py Term values; they sum to step_time_s)
+    # predicted seconds per optimizer step by term (advisor/_physics/timing Term values; they sum to step_time_s)
     time_breakdown: dict[str, float] = field(default_factory=dict)
     mfu: float | None = None  # model FLOPs utilisation against the target's dense peak (predicted or measured)
     worst_step_time_s: float | None = None  # one optimizer step on the worst batch at every micro-step

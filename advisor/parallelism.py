@@ -1,9 +1,14 @@
-"""Several GPUs (issue 16): the parallelism knobs, one rank's simulation, and the split of the effective batch.
+"""Several GPUs (issue 16): the value types of how the ranks share the model. A leaf: it imports no backend.
 
-`Parallelism` holds the multi-GPU knobs beside a `Candidate` (kept apart from it until the knob registry of
-advisor/space.py takes them): the strategy accelerate launches (DDP, FSDP2, DeepSpeed ZeRO-2 / ZeRO-3), FSDP2's
-resharding after forward, and CPU offload of parameters / optimizer state. `simulate_per_rank` predicts one rank's
-memory and the global throughput (advisor/_sim/distributed.py); `advisor.accelerate_config` emits the launch.
+`Strategy` is what accelerate launches (DDP, FSDP2, DeepSpeed ZeRO-2 / ZeRO-3) and `Parallelism` one strategy with
+FSDP2's resharding after forward and CPU offload of parameters / optimizer state (`problems()`: what cannot run as
+written). `Layout` is the `parallelism` knob of a Candidate (advisor/knobs.py, written to the accelerate config by
+advisor/accelerate_config.py): one value per valid combination, so the search explores one categorical;
+`search_layouts` are those the default space explores on N GPUs and `layout_problems` why a layout cannot run on
+N. `accumulation_for` splits an effective batch over the ranks. What one rank holds and how fast it runs is
+predicted by the backends: the simulator's `advisor.simulator.simulate_per_rank` (FSDP2 on fake tensors), the
+closed forms both backends share in advisor/_physics/ranks_closed.py (ZeRO's model states, the collectives' time,
+the estimate's rank).
 """
 
 from __future__ import annotations
@@ -11,17 +16,11 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 
-if TYPE_CHECKING:
-    from .measurement import Measurement
-    from .space import Candidate
-    from .workload import Workload
-
-__all__ = ["Strategy", "Parallelism", "Layout", "deepspeed_available", "simulate_per_rank", "estimate_per_rank",
-           "rank_step_time", "accumulation_for", "shard_fsdp2"]
+__all__ = ["Strategy", "Parallelism", "Layout", "layout_problems", "search_layouts", "deepspeed_available",
+           "accumulation_for"]
 
 
 class Strategy(str, Enum):
@@ -39,7 +38,7 @@ class Strategy(str, Enum):
 
 @dataclass(frozen=True)
 class Parallelism:
-    """The multi-GPU knobs of one candidate (held beside the Candidate until the knob registry takes them)."""
+    """One strategy and its settings: what a `Layout` value stands for."""
 
     strategy: Strategy = Strategy.FSDP2
     reshard_after_forward: bool = True  # FSDP2 (ZeRO-3's equivalent is always on)
@@ -145,39 +144,6 @@ def search_layouts(num_gpus: int) -> tuple[Layout, ...]:
 def deepspeed_available() -> bool:
     """DeepSpeed is an optional extra (`pip install advisor[deepspeed]`)."""
     return importlib.util.find_spec("deepspeed") is not None
-
-
-def simulate_per_rank(workload: Workload, candidate: Candidate, num_gpus: int | None = None,
-                      parallelism: Parallelism | None = None, **kwargs) -> Measurement:
-    """One rank's peak / reserved / device bytes and the global trained tokens per second of `candidate` on
-    `num_gpus` GPUs (default: the workload's); see advisor/_sim/distributed.simulate_per_rank for the keywords."""
-    from ._sim import simulate_per_rank as run
-
-    return run(workload, candidate, num_gpus, parallelism, **kwargs)
-
-
-def shard_fsdp2(model: Any, mesh: Any, parallelism: Parallelism, precision: str) -> Any:
-    """Shard a real model over a real process group's `mesh` exactly as the simulation shards its fake one
-    (accelerate's own `fsdp2_prepare_model`; the CPU probe of several ranks uses it, since accelerate's FSDP path
-    refuses a CPU process group)."""
-    from ._sim import prepare_fsdp2
-
-    return prepare_fsdp2(model, mesh, parallelism, precision)
-
-
-def estimate_per_rank(workload: Workload, candidate: Candidate, moments: dict, parts: object) -> tuple[dict, list[str]]:
-    """The estimate's moments of one rank (advisor/estimator.py calls this when the workload has several GPUs)."""
-    from ._sim import estimate_rank_moments
-
-    return estimate_rank_moments(workload, candidate, moments, parts)
-
-
-def rank_step_time(workload: Workload, candidate: Candidate, step_s: float,
-                   trained_per_step: int) -> tuple[float, int, float, str]:
-    """(step seconds with the collectives' exposed time, global trained tokens per step, exposed seconds, note)."""
-    from ._sim import estimate_rank_time
-
-    return estimate_rank_time(workload, candidate, step_s, trained_per_step)
 
 
 def accumulation_for(global_rows: int, per_device_rows: int, num_gpus: int) -> int:

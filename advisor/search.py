@@ -2,17 +2,25 @@
 
 Objective: trained tokens per second at a fixed effective batch (micro-batch x accumulation is a knob, the
 trained tokens per optimizer step are not). Constraint (`Trial.set_constraint`): device bytes <= the limit.
-Proposals come, in order, from the study's queue (the estimate's best guesses, or every candidate with
-`exhaustive`), from the neighbours of the best candidate so far, and from TPE. Each distinct candidate is
-measured once (our ledger; TPE repeats points), a measured failure bounds its larger neighbours, and the
-estimate prunes candidates far over the limit before a costlier backend sees them.
+Methods are tried in order (`--method auto`: full, then LoRA, then QLoRA), one study each, until one has a
+confirmed pick. Within one study proposals come, in order, from the study's queue: stored results of a cheaper
+backend, the estimate's seeds (one per plateau of ties), or every candidate with `exhaustive`; then, when the
+estimate prunes for a costlier backend, the multi-fidelity frontier (the unmeasured candidate the corrected
+estimate ranks fastest among those that can still win), the search ending with a `Converged` event when none is
+left; without an estimate, or with the estimate as the backend, the neighbour walk over plateaus of ties and TPE
+(the study's sampler). Each distinct candidate is measured once (our ledger; TPE repeats points), a measured
+failure bounds its larger neighbours, and the estimate prunes candidates far over the limit before a costlier
+backend sees them. Measurements run through a pool (`jobs` at a time: in-process, or warm worker processes);
+`run_worker` joins a shared study from another process.
 
-This module is the public API; the parts live in `advisor/_search/`: `loop` (ask / evaluate / tell),
-`proposers` (stored results, estimate seeds, the neighbour walk, TPE), `evaluator` (dedup, bounds, pruning, the
-pool), `fidelity` (the estimate corrected by measured points), `liveness` (heartbeats, owners, stale trials),
-`worker` (a worker's side of a shared study), `naming` (study names, specs, opening the store), `params` (the
-space as Optuna sees it) and `answer` (the confirmed pick, the Suggestion, the no-fit message). What the search
-says about its run are typed events (`advisor.events`).
+This module is the public API; the parts live in `advisor/_search/`: `loop` (one method's ask / evaluate / tell),
+`proposers` (stored results, estimate seeds, the frontier, the neighbour walk, TPE, the fit check), `evaluator`
+(dedup, bounds, pruning, the pool), `pool` / `pool_child` / `forkserver` (the warm worker processes), `fidelity`
+(the estimate corrected by measured points), `ledger` (what was measured, the bounds of failures), `liveness`
+(heartbeats, owners, stale trials), `worker` (a worker's side of a shared study), `naming` (study names, specs,
+opening the store), `storage` (SQLite, RDB URLs, journal files), `space` (the default space, `--fix` pins, the
+accumulation that keeps the effective batch), `params` (the space as Optuna sees it) and `answer` (the confirmed
+pick, the Suggestion, the no-fit message). What the search says about its run are typed events (`advisor.events`).
 """
 
 from __future__ import annotations

@@ -6,24 +6,31 @@ it runs two shallow depths and builds the full depth's allocation stream from th
 tests/test_simulate_depth.py). For a CUDA target it follows the CUDA path and replays the caching allocator's
 rules; what fake tensors cannot run is modelled and noted.
 
+`simulate_per_rank()` is one rank of N GPUs: FSDP2 on the fake process group, DDP and ZeRO as the single-GPU
+run with their model states in closed form, the collectives' time over the interconnect.
+
 This module is the simulator's public face; its parts live in the private package `advisor/_sim/` (one fake run
 at one depth and the extrapolation: `depth.py`; what is modelled instead of run: `modelled.py`; the fake step,
-the storage tracker, the allocator's rules, the layer streams, the FlashAttention stand-in, the step-time
-model). The parts a caller or a test may use are re-exported here: one run at one depth (`simulate_depth`,
-`DepthRun`, `plan_depths`, `with_depth`), the batch a simulated step runs (`worst_rows`, `worst_batch`), the
-layer-by-layer build (`LayerStream`, `synthesize`, `synthesize_checked`, `NotSeparable`), the candidate as fake
-tensors run it (`runnable`) and the FlashAttention stand-in (`fake_flash_attention`, `flash_attention_names`,
-`attention_flops`, `batch_facts`, `materialise`). Each is imported on first use.
+the storage tracker, the layer streams, the FlashAttention stand-in, the fake run's timing hook, the fake process
+group), and the physics it shares with the estimate (the allocator's rules, the step-time model, the multi-GPU
+closed forms, the modelled knobs) in `advisor/_physics/`; it never imports the estimate. The parts a caller or a
+test may use are re-exported here: one run at one depth (`simulate_depth`, `DepthRun`, `plan_depths`,
+`with_depth`), the batch a simulated step runs (`worst_rows`, `worst_batch`), the layer-by-layer build
+(`LayerStream`, `synthesize`, `synthesize_checked`, `NotSeparable`), the candidate as fake tensors run it
+(`runnable`), the FlashAttention stand-in (`fake_flash_attention`, `flash_attention_names`, `attention_flops`,
+`batch_facts`, `materialise`) and the timing hook (`TimingHook`, `BatchLayout`). Each is imported on first use.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
 from .measurement import Category, Measurement, Source, Status
+from .parallelism import Parallelism, Strategy
 from .space import Candidate
 
 if TYPE_CHECKING:
@@ -33,9 +40,9 @@ if TYPE_CHECKING:
 # the simulator's parts, re-exported from advisor._sim on first use (PEP 562: importing this module loads none)
 _PARTS = ("simulate_depth", "DepthRun", "plan_depths", "with_depth", "worst_rows", "worst_batch", "runnable",
           "LayerStream", "NotSeparable", "synthesize", "synthesize_checked", "fake_flash_attention",
-          "flash_attention_names", "attention_flops", "batch_facts", "materialise")
+          "flash_attention_names", "attention_flops", "batch_facts", "materialise", "TimingHook", "BatchLayout")
 
-__all__ = ["simulate", *_PARTS]
+__all__ = ["simulate", "simulate_per_rank", "shard_fsdp2", *_PARTS]
 
 
 def simulate(
@@ -126,7 +133,7 @@ def simulate(
         breakdown[cat] = breakdown.get(cat, 0) + delta
 
     if target.is_cuda:
-        from ._sim import context_bytes, cublas_workspace_bytes
+        from ._physics import context_bytes, cublas_workspace_bytes
 
         ws = cublas_workspace_bytes(target.compute_capability)
         peak_bytes, reserved_bytes = allocated + ws, reserved + ws
@@ -142,7 +149,7 @@ def simulate(
     if timed is not None:
         step_time, trained, tps = timed.step_s, timed.trained_per_step, timed.tokens_per_second
         notes.append(
-            "time: the step-time model (advisor/_sim/timing.py) over the batches the sampler makes "
+            "time: the step-time model (advisor/_physics/timing/) over the batches the sampler makes "
             f"(worst batch {timed.worst_step_s:.4g} s a step); constants unverified until gpu_validate fits them"
         )
     else:
@@ -173,6 +180,131 @@ def simulate(
         wall_time_s=time.perf_counter() - started,
         outside_allocator_bytes=int(outside),
     )
+
+
+# ---- one rank's Measurement ----------------------------------------------------------------------------------------
+
+def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None,
+                      parallelism: Parallelism | None = None, *, num_machines: int | None = None, gpu: Any = None,
+                      layers: tuple[int, int] | None = (2, 3), steps: int = 2) -> Any:
+    """One rank's Measurement of `candidate` trained on `num_gpus` GPUs (of `num_machines` machines; both default to
+    the workload's).
+
+    FSDP2 is simulated on fake tensors (the fake process group, accelerate's sharding, TRL's train()); DDP is the
+    single-GPU simulation plus DDP's gradient buckets; ZeRO-2/3 replace the single-GPU run's model states with their
+    closed form (`zero_bytes`). The CUDA allocator replay, the context and the workspace are the single-GPU path's
+    (`simulate`). Throughput is global: every rank's trained tokens over the step time including the
+    collectives' exposed time (`comm_time_s`)."""
+
+    from ._physics import offload_time_s
+    from ._physics import rank_comm as _comm
+    from ._sim import fake_process_group, fsdp2_sharding
+    from ._sim import resolve_target as _resolve_target
+    from .workload import check_world
+
+    parallelism = parallelism or Parallelism()
+    num_gpus = workload.num_gpus if num_gpus is None else num_gpus
+    num_machines = workload.num_machines if num_machines is None else num_machines
+    check_world(num_gpus, num_machines)
+    parallelism.check(num_gpus)
+    target = _resolve_target(gpu, workload)
+    notes: list[str] = []
+    if num_gpus == 1:
+        return simulate(workload, candidate, target, layers=layers, steps=steps)
+    if parallelism.strategy is Strategy.FSDP2:
+        # at full depth: FSDP2's prefetch pairs each layer's gathered parameters with the next layer's work, which
+        # the layer-by-layer extrapolation (advisor/_sim/layers.py) does not split (NotSeparable)
+        with fake_process_group(num_gpus) as mesh, fsdp2_sharding(mesh, parallelism, candidate.precision.value):
+            m = simulate(workload, candidate, target, layers=None, steps=steps)
+        notes.append(
+            f"FSDP2 on {num_gpus} ranks run on fake tensors: the fake process group and accelerate's "
+            f"fsdp2_prepare_model (reshard_after_forward={parallelism.reshard_after_forward}, cpu offload="
+            f"{parallelism.offload_params}) at full depth; all-gather and reduce-scatter buffers counted (as "
+            "temporaries, the gathered parameters as parameters); NCCL's internal buffers are not"
+        )
+        notes.append("checked against real 2-process gloo runs on the CPU (tests/test_multigpu.py, "
+                     "tests/test_multiprobe.py): the same peak within 0.15%; some rank-runs read higher by an FSDP "
+                     "unit's bytes, frees made on gloo's worker threads that the CPU profiler does not see (with it "
+                     "off the heap does not grow by them: advisor/probing/meters.memory_profiler), not memory a run "
+                     "holds")
+        if target.is_cuda:
+            notes.append("FSDP2 all-gathers and reduce-scatters on its own CUDA streams, whose blocks the caching "
+                         "allocator keeps in per-stream pools; the replay keeps one pool, so reserved bytes may be "
+                         "somewhat higher on the GPU")
+        if parallelism.offload_params:
+            notes.append("CPU offload: the sharded parameters, gradients, optimizer state and the optimizer step live "
+                         "in host memory and are not counted; the host-to-device copies of one unit's shards before "
+                         "its all-gather (a no-op on fake CPU tensors) are not counted either")
+    else:
+        m = simulate(workload, candidate, target, layers=layers, steps=steps)
+        m, more = _modelled_rank(m, workload, candidate, parallelism, num_gpus)
+        notes.extend(more)
+    comm = _comm(workload, candidate, parallelism, target, num_gpus, num_machines, m)
+    host = offload_time_s(workload, candidate, parallelism, num_gpus) if target.is_cuda else 0.0
+    if host:
+        notes.append(f"CPU offload: {host:.3g} s a step added (the host optimizer step and the gradients' copies, "
+                     "advisor/_physics/ranks_closed.offload_time_s)")
+    step = (m.step_time_s or 0.0) + comm.exposed_s + host
+    trained = (m.trained_tokens_per_step or 0) * num_gpus
+    notes.append(
+        f"communication: all-gather {comm.all_gather_s:.3g} s, reduce {comm.reduce_s:.3g} s a step over the "
+        f"{comm.link} link, {comm.exposed_s:.3g} s not hidden by compute; throughput counts all {num_gpus} ranks"
+    )
+    device = m.device_bytes or m.peak_bytes
+    status = m.status if m.status is not Status.OK else (
+        Status.OK if device <= workload.budget_bytes else Status.OOM)
+    times = dict(m.time_breakdown)
+    times["communication_exposed"] = comm.exposed_s
+    return dataclasses.replace(
+        m, status=status, step_time_s=step if step > 0 else None,
+        tokens_per_second=trained / step if step > 0 else None, trained_tokens_per_step=trained,
+        time_breakdown=times, notes=tuple(m.notes) + tuple(notes),
+        message="" if status is Status.OK else f"device peak {device} B over budget {workload.budget_bytes} B per rank",
+    )
+
+
+def _modelled_rank(m: Any, workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int):
+    """DDP and ZeRO from the single-GPU simulation: the model states at its peak replaced by theirs."""
+    from ._physics import model_counts as _model_counts
+    from ._physics import trainable_bytes as _trainable_bytes
+    from ._physics import zero_bytes
+
+    br = dict(m.breakdown)
+    grads = br.get(Category.GRADIENTS.value, 0)
+    notes: list[str] = []
+    if parallelism.strategy is Strategy.DDP:
+        delta = _trainable_bytes(workload, candidate)
+        br[Category.GRADIENTS.value] = grads + delta
+        notes.append("DDP: modelled as the single-GPU run plus the reducer's gradient buckets (one more copy of the "
+                     "trainable gradients: accelerate's default gradient_as_bucket_view=False)")
+    else:
+        stage = 2 if parallelism.strategy is Strategy.ZERO2 else 3
+        params, trainable = _model_counts(workload, candidate)
+        # DeepSpeed casts the module to bf16/fp16 when mixed precision is on (fp32 master weights in the optimizer)
+        mixed = candidate.precision.value in ("bf16", "fp16")
+        terms = zero_bytes(stage, params, trainable, num_gpus, param_bytes=2 if mixed else 4, mixed=mixed,
+                           offload_params=parallelism.offload_params, offload_optimizer=parallelism.offload_optimizer)
+        old = sum(br.get(c.value, 0) for c in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER))
+        br[Category.PARAMETERS.value] = terms.parameters + terms.buffers
+        br[Category.GRADIENTS.value] = terms.gradients
+        br[Category.OPTIMIZER.value] = terms.optimizer_state
+        delta = terms.total - old
+        notes.append(f"DeepSpeed ZeRO-{stage}: modelled in closed form (advisor/_physics/ranks_closed.zero_bytes: "
+                     "the ZeRO paper's model-state terms, DeepSpeed's default bucket sizes); activations from the "
+                     "simulation")
+    return dataclasses.replace(
+        m, peak_bytes=m.peak_bytes + delta, reserved_bytes=m.reserved_bytes + delta,
+        device_bytes=(m.device_bytes + delta) if m.device_bytes else None, breakdown=br,
+    ), notes
+
+
+def shard_fsdp2(model: Any, mesh: Any, parallelism: Parallelism, precision: str) -> Any:
+    """Shard a real model over a real process group's `mesh` exactly as the simulation shards its fake one
+    (accelerate's own `fsdp2_prepare_model`; the CPU probe of several ranks uses it, since accelerate's FSDP path
+    refuses a CPU process group)."""
+    from ._sim import prepare_fsdp2
+
+    return prepare_fsdp2(model, mesh, parallelism, precision)
 
 
 def __getattr__(name: str) -> Any:

@@ -130,8 +130,9 @@ def multi_gpu_rows(a: argparse.Namespace, wl, max_length: int) -> list[dict]:
     simulation; ratios are simulated / probed, per rank (the budget applies to each) and for the global tokens/s."""
     import dataclasses
 
-    from advisor.parallelism import Layout, simulate_per_rank
+    from advisor.parallelism import Layout
     from advisor.probing import probe
+    from advisor.simulator import simulate_per_rank
 
     rows = []
     for n in a.multi_gpu:
@@ -167,7 +168,7 @@ def predicted_probe_step_s(sim, kinds: list[str]) -> float | None:
 
 # ---- fitting the step-time model's constants to the measured step times ------------------------------------------
 
-# Each fitted multiplier scales one group of the model's terms (advisor/_sim/timing.py Term values) and is applied to
+# Each fitted multiplier scales one group of the model's terms (advisor/_physics/timing Term values) and is applied to
 # the constants behind it: matmul -> gemm efficiency (the LM head's tile GEMMs included), attention -> attention
 # efficiencies, memory_bound -> achievable bandwidth (memory-bound ops, dequantisation, the optimizer's passes,
 # copies), launch_host -> host time per op.
@@ -324,7 +325,7 @@ def run(a: argparse.Namespace) -> int:
     if a.backend == "cuda":
         out["fitted_time_constants"] = {
             **fit_time_constants(rows),
-            "applies_to": "advisor/_sim/timing.py time_constants() for this GPU profile (multipliers of the "
+            "applies_to": "advisor/_physics/timing time_constants() for this GPU profile (multipliers of the "
                           "profiles/measurements/time_constants.json values)",
         }
         f = out["fitted_time_constants"]

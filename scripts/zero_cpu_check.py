@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-2 / ZeRO-3 run for real on 2 CPU ranks (gloo) through the accelerate config the advisor emits,
-against the per-rank simulation's closed form (advisor/_sim/ranks_closed.zero_bytes).
+against the per-rank simulation's closed form (advisor/_physics/ranks_closed.zero_bytes).
 
     pip install deepspeed      (the optional extra; DS_BUILD_OPS=0 is enough: its CPU accelerator uses gloo)
     python scripts/zero_cpu_check.py [--stages 2 3] [--steps 2]
@@ -93,7 +93,8 @@ def main() -> int:
         rank(json.loads(ns._rank))
         return 0
     from advisor.accelerate_config import accelerate_config
-    from advisor.parallelism import Layout, deepspeed_available, simulate_per_rank
+    from advisor.parallelism import Layout, deepspeed_available
+    from advisor.simulator import simulate_per_rank
     from advisor.space import Candidate
 
     if not deepspeed_available():

@@ -33,7 +33,8 @@ def _workload(config: dict | None = None):
 
 
 def _check(candidate: dict, parallelism: dict, config: dict | None = None) -> None:
-    from advisor.parallelism import Parallelism, simulate_per_rank
+    from advisor.parallelism import Parallelism
+    from advisor.simulator import simulate_per_rank
 
     real = _real_per_rank(candidate, parallelism, config)
     sim = simulate_per_rank(_workload(config), Candidate(**candidate), 2, Parallelism(**parallelism), gpu="cpu")
@@ -58,7 +59,7 @@ def _check(candidate: dict, parallelism: dict, config: dict | None = None) -> No
 
 
 def _largest_unit_bytes(candidate: dict, config: dict | None) -> int:
-    """The embedding unit plus one decoder layer, unsharded, in the dtype FSDP2 gathers (advisor/estimate.py)."""
+    """The embedding unit plus one decoder layer, unsharded, in the dtype FSDP2 gathers (_physics/ranks_closed)."""
     from advisor.estimator import architecture
 
     arch = architecture(_workload(config).model)
@@ -92,8 +93,7 @@ def test_fsdp2_two_ranks_matrix(name):
 def test_sharding_halves_the_model_states():
     """Against the single-GPU simulation: optimizer state 1/2 per rank; the peak is never higher than one GPU's."""
     from advisor.measurement import Category
-    from advisor.parallelism import simulate_per_rank
-    from advisor.simulator import simulate
+    from advisor.simulator import simulate, simulate_per_rank
 
     wl = _workload()
     cand = Candidate(**BASE)
@@ -108,7 +108,8 @@ def test_sharding_halves_the_model_states():
 def test_cpu_offload_keeps_the_model_states_on_the_host():
     """FSDP2's CPUOffloadPolicy: the sharded parameters, gradients, optimizer state and step leave the device."""
     from advisor.measurement import Category
-    from advisor.parallelism import Parallelism, simulate_per_rank
+    from advisor.parallelism import Parallelism
+    from advisor.simulator import simulate_per_rank
 
     wl = _workload()
     cand = Candidate(**SMALL_BATCH)
@@ -122,8 +123,8 @@ def test_cpu_offload_keeps_the_model_states_on_the_host():
 def test_ddp_adds_the_reducers_buckets():
     """DDP (modelled): the single-GPU run plus one more copy of the trainable gradients, named in the notes."""
     from advisor.estimator import architecture
-    from advisor.parallelism import Parallelism, simulate_per_rank
-    from advisor.simulator import simulate
+    from advisor.parallelism import Parallelism
+    from advisor.simulator import simulate, simulate_per_rank
 
     wl = _workload()
     cand = Candidate(**SMALL_BATCH)
@@ -140,7 +141,8 @@ def test_llama8b_full_finetune_fits_per_rank_on_8_h100():
     from advisor.accelerate_config import accelerate_config
     from advisor.inputs import build_workload
     from advisor.measurement import Status
-    from advisor.parallelism import Parallelism, simulate_per_rank
+    from advisor.parallelism import Parallelism
+    from advisor.simulator import simulate_per_rank
 
     wl = build_workload("meta-llama/Llama-3.1-8B", gpu="H100-80GB", num_gpus=8)
     cand = Candidate(max_length=2048, per_device_train_batch_size=1, precision="bf16", optim="adamw_torch",
@@ -161,8 +163,8 @@ def test_zero_replaces_the_model_states_with_the_closed_form(strategy, monkeypat
     from advisor.costs import zero_bytes
     from advisor.estimator import architecture
     from advisor.measurement import Category
-    from advisor.parallelism import Parallelism, simulate_per_rank
-    from advisor.simulator import simulate
+    from advisor.parallelism import Parallelism
+    from advisor.simulator import simulate, simulate_per_rank
 
     monkeypatch.setattr(par_mod, "deepspeed_available", lambda: True)
     wl = _workload()

@@ -44,7 +44,8 @@ def _nothing_left(children) -> None:
 @pytest.mark.slow  # two gloo ranks of TRL's train() and the fake-tensor simulation: about 40 s on an idle 2-core host
 def test_two_rank_cpu_probe_matches_the_per_rank_simulation(children):
     from advisor.estimator import architecture
-    from advisor.parallelism import Parallelism, simulate_per_rank
+    from advisor.parallelism import Parallelism
+    from advisor.simulator import simulate_per_rank
 
     wl = _workload()
     m = probe(wl, SMALL, "cpu", steps=2, warmup=1, timeout_s=120)

@@ -122,8 +122,8 @@ def test_nothing_outside_a_private_package_imports_its_insides():
 def test_the_private_packages_declare_their_surface():
     """Each private package says what the rest may use, and every declared name resolves to a module inside it."""
     packages = _private_packages()
-    assert {"advisor._sim", "advisor._search"} <= set(packages)
-    for pkg in ("advisor._sim", "advisor._search"):
+    assert {"advisor._sim", "advisor._search", "advisor._physics"} <= set(packages)
+    for pkg in ("advisor._sim", "advisor._search", "advisor._physics"):
         declared = _declared(packages[pkg] / "__init__.py")
         assert declared, f"{pkg}/__init__.py declares no __all__"
         module = __import__(pkg, fromlist=["__all__"])
@@ -135,14 +135,16 @@ def test_the_private_packages_declare_their_surface():
 
 def test_the_check_sees_every_kind_of_reach():
     """The walk resolves absolute, relative and package-level imports (a check that cannot fail proves nothing)."""
-    probe = ("from ._sim.timing import Term\nfrom ._search import naming\nfrom ._sim import not_declared\n"
-             "import advisor._search.pool\nfrom ._sim import replay\nfrom . import costs\n")
+    probe = ("from ._physics.timing import Term\nfrom ._search import naming\nfrom ._sim import not_declared\n"
+             "import advisor._search.pool\nfrom ._physics import replay\nfrom . import costs\n"
+             "from ._physics import ranks_closed\n")
     deeper = "from .._sim.layers import LayerStream\nfrom .._search import candidate_key\n"
     inside = "from .timing import Term\nfrom ..ledger import candidate_key\n"
     found = _offences({"advisor/_probe.py": probe, "advisor/cli/_probe.py": deeper,
                        "advisor/_search/x/_probe.py": inside})
     assert {(f[0], f[2]) for f in found if f[0].endswith("_probe.py")} == {
-        *(("advisor/_probe.py", m) for m in ("advisor._sim.timing", "advisor._search.naming",
-                                             "advisor._sim.not_declared", "advisor._search.pool")),
+        *(("advisor/_probe.py", m) for m in ("advisor._physics.timing", "advisor._search.naming",
+                                             "advisor._sim.not_declared", "advisor._search.pool",
+                                             "advisor._physics.ranks_closed")),
         ("advisor/cli/_probe.py", "advisor._sim.layers"),
     }

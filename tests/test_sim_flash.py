@@ -48,7 +48,7 @@ def recorder(monkeypatch):
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry
 
-    import advisor.costs as timing
+    import advisor.simulator as timing
 
     def tensors_in(tree):  # the op's output tensors in pytree order
         return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]

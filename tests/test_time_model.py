@@ -1,4 +1,4 @@
-"""The step-time model (advisor/_sim/timing.py): orderings that physics decides, on predicted times only.
+"""The step-time model (advisor/_physics/timing/): orderings that physics decides, on predicted times only.
 
 No wall-clock assertion: every number here is a prediction of the model, checked against an independent count
 (the lengths report's padding, the FLOPs of a tile, the number of passes of a recomputed forward) or an ordering
@@ -148,7 +148,8 @@ def test_flash_varlen_costs_the_per_sequence_causal_terms(h100_target):
     each sequence's causal tiles; sdpa with the packed row's mask pays the whole row squared."""
     import torch
 
-    from advisor.costs import Basis, BatchLayout, Term, TimingHook, attention_tile_s, time_constants
+    from advisor.costs import Basis, Term, attention_tile_s, time_constants
+    from advisor.simulator import BatchLayout, TimingHook
 
     _TERMS = tuple(Term)  # the order of the model's terms
 

@@ -13,10 +13,16 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .._physics import (
+    DTYPE_BYTES,
+    Architecture,
+    architecture,
+    knob_memory_savings,
+    lora_parameters,
+    quantized_linear_bytes,
+)
 from ..space import Attention, Candidate, Optimizer, Precision, Quantization, WeightsDtype
 from .micro_batches import BatchShape, batches
-from .modelled import knob_memory_savings
-from .shapes import DTYPE_BYTES, Architecture, architecture, lora_parameters, quantized_linear_bytes
 
 if TYPE_CHECKING:
     from ..workload import GPUSpec, Workload
@@ -200,7 +206,7 @@ def _lm_head_bytes(
 def outside_allocator_bytes(gpu: GPUSpec) -> int:
     """CUDA context + cuBLAS workspace: the same calibrated constants the simulator uses
     (profiles/measurements/cuda_constants.json)."""
-    from ..costs import context_bytes, cublas_workspace_bytes
+    from .._physics import context_bytes, cublas_workspace_bytes
 
     return context_bytes(gpu.compute_capability) + cublas_workspace_bytes(gpu.compute_capability)
 

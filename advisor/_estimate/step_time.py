@@ -1,4 +1,4 @@
-"""Step time in closed form: the simulator's step-time model (advisor/_sim/timing.py) with its terms counted from
+"""Step time in closed form: the shared step-time model (advisor/_physics/timing/) with its terms counted from
 the architecture and the candidate, expected over the same batch distribution, so the two backends rank alike."""
 
 from __future__ import annotations
@@ -8,18 +8,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._physics import DTYPE_BYTES, Architecture, knob_time, lora_parameters
 from ..space import Attention, Candidate, Precision, Quantization, WeightsDtype
 from .memory import TOKEN_CHUNK, VOCAB_CHUNK
 from .micro_batches import BatchShape
-from .modelled import knob_time
-from .shapes import DTYPE_BYTES, Architecture, lora_parameters
 
 if TYPE_CHECKING:
     from ..workload import Workload
 
 
 def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, worst: BatchShape, activations: int):
-    """The expected step time from the same terms as the simulator's (advisor/_sim/timing.py), in closed form.
+    """The expected step time from the same terms as the simulator's (advisor/_physics/timing/), in closed form.
 
     The micro-step's kernels are the decoder's GEMMs (forward, grad-input, weight gradient when trained, the
     recomputed forward under checkpointing; LoRA's rank-r products), attention per tile, the memory-bound ops
@@ -27,7 +26,7 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
     folds, bitsandbytes' dequantisation; host ops per layer from the same counts; the optimizer as the target runs
     it. Evaluated over the same batch distribution as the simulator's, so the two backends rank alike.
     """
-    from .. import costs as tm
+    from .. import _physics as tm
 
     gpu = workload.gpu
     tc = tm.time_constants(gpu)

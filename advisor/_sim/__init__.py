@@ -1,10 +1,11 @@
-"""The simulator's private package: fake-tensor training runs, the storage tracker, the CUDA allocator's rules, the
-step-time model and one rank of a multi-GPU run.
+"""The simulator's private package: fake-tensor training runs, the storage tracker, the fake run's ops observed for
+the step-time model, and one rank of a multi-GPU run on the fake process group. The physics it shares with the
+estimate (the model's shapes, the allocator's rules, the step-time model, the multi-GPU closed forms, the modelled
+knobs) lives in advisor._physics, below both; nothing here imports the estimate.
 
 Only the names in `__all__` may be used outside this package (`from advisor._sim import X`, or `from ._sim
 import X` inside advisor); its modules are its insides, free to change. The public ways in are
-`advisor.simulator` (`simulate` and the simulator's parts), `advisor.costs` (the step-time model, the CUDA memory
-outside the allocator, the multi-GPU closed forms) and `advisor.parallelism`. tests/test_privacy.py fails on an
+`advisor.simulator` (`simulate`, `simulate_per_rank` and the simulator's parts). tests/test_privacy.py fails on an
 import of a module of this package from outside it.
 
 Each name is imported from its module on first use (PEP 562), so importing the package costs nothing and a
@@ -44,24 +45,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "attention_flops": ("flash", "attention_flops"),
     "batch_facts": ("fake_step", "batch_facts"),
     "materialise": ("fake_step", "_materialise"),  # a meta model's parameters as fake tensors, ties kept
-    # ---- the CUDA caching allocator and the memory outside it (cuda_rules.py) -------------------------------------
-    "cuda_constants": ("cuda_rules", "constants"),
-    "context_bytes": ("cuda_rules", "context_bytes"),
-    "cublas_workspace_bytes": ("cuda_rules", "cublas_workspace_bytes"),
-    "replay": ("cuda_rules", "replay"),
-    "round_size": ("cuda_rules", "round_size"),
-    # ---- the step-time model (timing/) ----------------------------------------------------------------------------
-    **{name: ("timing", name) for name in (
-        "Basis", "BatchDistribution", "BatchLayout", "BatchPoint", "OptimizerImpl", "StepCost", "Term", "TimingHook",
-        "attention_kind", "attention_tile_s", "batch_distribution", "dequant_s", "evaluate", "gemm_s", "memory_s",
-        "model_flops", "offload_copy_s_per_token", "optimizer_cost", "optimizer_impl", "peak_flops", "time_constants",
-    )},
-    # ---- one rank of N GPUs (distributed.py: advisor.parallelism, advisor.costs, the real multi-process probe) ----
-    **{name: ("distributed", name) for name in ("simulate_per_rank", "prepare_fsdp2")},
-    # ---- several GPUs in closed form (ranks_closed.py: ZeRO, the collectives' time, the estimate's rank) ----------
-    **{name: ("ranks_closed", name) for name in (
-        "estimate_rank_moments", "estimate_rank_time", "zero_bytes", "ZeroTerms", "comm_time_s", "interconnect",
-    )},
+    # ---- the fake run's ops costed by the step-time model (timing_hook.py; the model itself: advisor._physics) -----
+    **{name: ("timing_hook", name) for name in ("TimingHook", "BatchLayout")},
+    # ---- one rank of N GPUs (distributed.py: advisor.simulator.simulate_per_rank, the real multi-process probe) ---
+    **{name: ("distributed", name) for name in ("fake_process_group", "fsdp2_sharding", "prepare_fsdp2")},
 }
 
 __all__ = sorted(_EXPORTS)

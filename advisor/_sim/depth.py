@@ -3,8 +3,8 @@
 
 Decoder layers are identical, so `advisor.simulator.simulate` runs two shallow depths and builds the full depth's
 allocation stream from theirs layer by layer (advisor/_sim/layers.py); its peaks are taken on that stream, on
-CUDA through the caching allocator's rules (advisor/_sim/cuda_rules.py). The step time comes from the kernels
-the fake run's ops would launch (advisor/_sim/timing/).
+CUDA through the caching allocator's rules (advisor/_physics/cuda_rules.py). The step time comes from the kernels
+the fake run's ops would launch (advisor/_sim/timing_hook.py, costed by advisor/_physics/timing/).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from ..space import Candidate
 from ..workload import GPUSpec, ModelSpec, Workload
 
 if TYPE_CHECKING:
+    from .._physics import StepCost
     from ..trainers import Trainer
-    from .timing import StepCost
 
 __all__ = ["DepthRun", "simulate_depth", "with_depth", "plan_depths", "extrapolate", "worst_rows", "worst_batch"]
 
@@ -36,7 +36,7 @@ class DepthRun:
     breakdown: dict[str, int]
     allocated_bytes: int  # CUDA rules applied (== peak_bytes on the CPU)
     reserved_bytes: int
-    time_s: float  # predicted time of one optimizer step on the worst batch (advisor/_sim/timing/)
+    time_s: float  # predicted time of one optimizer step on the worst batch (advisor/_physics/timing/)
     trained_tokens: int  # per micro-batch
     batch_shape: tuple[int, int]
     unpadded: bool
@@ -60,7 +60,7 @@ def simulate_depth(
 
     from ..trainers import get_trainer
     from .fake_step import make_trainer_class, run_fake_training
-    from .timing import TimingHook, layout_of
+    from .timing_hook import TimingHook, layout_of
 
     kind = get_trainer(trainer)
     spec = with_depth(workload.model, layers)
@@ -146,7 +146,7 @@ def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec):
     runs them, and the model FLOPs for the MFU."""
     import torch
 
-    from .timing import model_flops, optimizer_cost, optimizer_impl
+    from .._physics import model_flops, optimizer_cost, optimizer_impl
 
     model = trainer.model
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -169,7 +169,7 @@ def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec):
 
 
 def _worst_step_s(cost) -> float:
-    from .timing import BatchDistribution, evaluate
+    from .._physics import BatchDistribution, evaluate
 
     return evaluate(cost, BatchDistribution.single(cost.worst)).step_s
 
@@ -182,7 +182,7 @@ def _stream_peaks(events: list, categories: list, *, cuda: bool, expandable_segm
     top = stream_peak(events, categories)
     allocated = reserved = top.peak_bytes
     if cuda:
-        from .cuda_rules import replay
+        from .._physics import replay
 
         peaks = replay(events, expandable_segments=expandable_segments)
         allocated, reserved = peaks.allocated, peaks.reserved
@@ -254,8 +254,8 @@ def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expanda
     time linear in depth. Raises `layers.NotSeparable` where the runs do not split into identical layers."""
     if len(runs) == 1:
         return runs[0]
+    from .._physics import extrapolate_cost
     from .layers import NotSeparable, synthesize_checked
-    from .timing import extrapolate_cost
 
     lo, hi = runs
     k = (depth - lo.layers) / (hi.layers - lo.layers)

@@ -1,5 +1,6 @@
-"""One rank of a multi-GPU run, simulated on fake tensors (ZeRO, the collectives' time and the estimate's rank in
-closed form: ranks_closed.py).
+"""One rank of a multi-GPU run on fake tensors: the fake process group and FSDP2's sharding, which
+advisor/simulator.simulate_per_rank runs TRL's train() under (ZeRO, the collectives' time and the estimate's rank are
+closed forms: advisor/_physics/ranks_closed.py).
 
 FSDP2 runs for real on fake tensors: `torch.distributed` with the `fake` backend (FakeStore, world size N) and
 accelerate's own `fsdp2_prepare_model` (each decoder layer, then the embedding and the tail [final norm, LM head]
@@ -20,7 +21,6 @@ PyTorch's allocator) is not counted: the device bytes are low by them (the notes
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -29,10 +29,9 @@ import torch
 
 from ..errors import ConfigError
 from ..measurement import Category
-from ..parallelism import Parallelism, Strategy
-from .ranks_closed import _comm, _model_counts, _trainable_bytes, offload_time_s, zero_bytes
+from ..parallelism import Parallelism
 
-__all__ = ["fake_process_group", "fsdp2_sharding", "simulate_per_rank"]
+__all__ = ["fake_process_group", "fsdp2_sharding", "prepare_fsdp2"]
 
 
 # ---- the fake process group -------------------------------------------------------------------------------------
@@ -294,119 +293,3 @@ def _tracked_storage_resizes() -> Iterator[None]:
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)
-
-
-# ---- one rank's Measurement ----------------------------------------------------------------------------------------
-
-def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None,
-                      parallelism: Parallelism | None = None, *, num_machines: int | None = None, gpu: Any = None,
-                      layers: tuple[int, int] | None = (2, 3), steps: int = 2) -> Any:
-    """One rank's Measurement of `candidate` trained on `num_gpus` GPUs (of `num_machines` machines; both default to
-    the workload's).
-
-    FSDP2 is simulated on fake tensors (the fake process group, accelerate's sharding, TRL's train()); DDP is the
-    single-GPU simulation plus DDP's gradient buckets; ZeRO-2/3 replace the single-GPU run's model states with their
-    closed form (`zero_bytes`). The CUDA allocator replay, the context and the workspace are the single-GPU path's
-    (advisor/simulate.py). Throughput is global: every rank's trained tokens over the step time including the
-    collectives' exposed time (`comm_time_s`)."""
-
-    from ..measurement import Status
-    from ..simulator import simulate
-    from ..workload import check_world
-    from .modelled import resolve_target as _resolve_target
-
-    parallelism = parallelism or Parallelism()
-    num_gpus = workload.num_gpus if num_gpus is None else num_gpus
-    num_machines = workload.num_machines if num_machines is None else num_machines
-    check_world(num_gpus, num_machines)
-    parallelism.check(num_gpus)
-    target = _resolve_target(gpu, workload)
-    notes: list[str] = []
-    if num_gpus == 1:
-        return simulate(workload, candidate, target, layers=layers, steps=steps)
-    if parallelism.strategy is Strategy.FSDP2:
-        # at full depth: FSDP2's prefetch pairs each layer's gathered parameters with the next layer's work, which
-        # the layer-by-layer extrapolation (advisor/_sim/layers.py) does not split (NotSeparable)
-        with fake_process_group(num_gpus) as mesh, fsdp2_sharding(mesh, parallelism, candidate.precision.value):
-            m = simulate(workload, candidate, target, layers=None, steps=steps)
-        notes.append(
-            f"FSDP2 on {num_gpus} ranks run on fake tensors: the fake process group and accelerate's "
-            f"fsdp2_prepare_model (reshard_after_forward={parallelism.reshard_after_forward}, cpu offload="
-            f"{parallelism.offload_params}) at full depth; all-gather and reduce-scatter buffers counted (as "
-            "temporaries, the gathered parameters as parameters); NCCL's internal buffers are not"
-        )
-        notes.append("checked against real 2-process gloo runs on the CPU (tests/test_multigpu.py, "
-                     "tests/test_multiprobe.py): the same peak within 0.15%; some rank-runs read higher by an FSDP "
-                     "unit's bytes, frees made on gloo's worker threads that the CPU profiler does not see (with it "
-                     "off the heap does not grow by them: advisor/probing/meters.memory_profiler), not memory a run "
-                     "holds")
-        if target.is_cuda:
-            notes.append("FSDP2 all-gathers and reduce-scatters on its own CUDA streams, whose blocks the caching "
-                         "allocator keeps in per-stream pools; the replay keeps one pool, so reserved bytes may be "
-                         "somewhat higher on the GPU")
-        if parallelism.offload_params:
-            notes.append("CPU offload: the sharded parameters, gradients, optimizer state and the optimizer step live "
-                         "in host memory and are not counted; the host-to-device copies of one unit's shards before "
-                         "its all-gather (a no-op on fake CPU tensors) are not counted either")
-    else:
-        m = simulate(workload, candidate, target, layers=layers, steps=steps)
-        m, more = _modelled_rank(m, workload, candidate, parallelism, num_gpus)
-        notes.extend(more)
-    comm = _comm(workload, candidate, parallelism, target, num_gpus, num_machines, m)
-    host = offload_time_s(workload, candidate, parallelism, num_gpus) if target.is_cuda else 0.0
-    if host:
-        notes.append(f"CPU offload: {host:.3g} s a step added (the host optimizer step and the gradients' copies, "
-                     "advisor/_sim/distributed.offload_time_s)")
-    step = (m.step_time_s or 0.0) + comm.exposed_s + host
-    trained = (m.trained_tokens_per_step or 0) * num_gpus
-    notes.append(
-        f"communication: all-gather {comm.all_gather_s:.3g} s, reduce {comm.reduce_s:.3g} s a step over the "
-        f"{comm.link} link, {comm.exposed_s:.3g} s not hidden by compute; throughput counts all {num_gpus} ranks"
-    )
-    device = m.device_bytes or m.peak_bytes
-    status = m.status if m.status is not Status.OK else (
-        Status.OK if device <= workload.budget_bytes else Status.OOM)
-    times = dict(m.time_breakdown)
-    times["communication_exposed"] = comm.exposed_s
-    return dataclasses.replace(
-        m, status=status, step_time_s=step if step > 0 else None,
-        tokens_per_second=trained / step if step > 0 else None, trained_tokens_per_step=trained,
-        time_breakdown=times, notes=tuple(m.notes) + tuple(notes),
-        message="" if status is Status.OK else f"device peak {device} B over budget {workload.budget_bytes} B per rank",
-    )
-
-
-def _modelled_rank(m: Any, workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int):
-    """DDP and ZeRO from the single-GPU simulation: the model states at its peak replaced by theirs."""
-
-    br = dict(m.breakdown)
-    grads = br.get(Category.GRADIENTS.value, 0)
-    notes: list[str] = []
-    if parallelism.strategy is Strategy.DDP:
-        delta = _trainable_bytes(workload, candidate)
-        br[Category.GRADIENTS.value] = grads + delta
-        notes.append("DDP: modelled as the single-GPU run plus the reducer's gradient buckets (one more copy of the "
-                     "trainable gradients: accelerate's default gradient_as_bucket_view=False)")
-    else:
-        stage = 2 if parallelism.strategy is Strategy.ZERO2 else 3
-        params, trainable = _model_counts(workload, candidate)
-        # DeepSpeed casts the module to bf16/fp16 when mixed precision is on (fp32 master weights in the optimizer)
-        mixed = candidate.precision.value in ("bf16", "fp16")
-        terms = zero_bytes(stage, params, trainable, num_gpus, param_bytes=2 if mixed else 4, mixed=mixed,
-                           offload_params=parallelism.offload_params, offload_optimizer=parallelism.offload_optimizer)
-        old = sum(br.get(c.value, 0) for c in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER))
-        br[Category.PARAMETERS.value] = terms.parameters + terms.buffers
-        br[Category.GRADIENTS.value] = terms.gradients
-        br[Category.OPTIMIZER.value] = terms.optimizer_state
-        delta = terms.total - old
-        notes.append(f"DeepSpeed ZeRO-{stage}: modelled in closed form (advisor/_sim/distributed.zero_bytes: the ZeRO "
-                     "paper's model-state terms, DeepSpeed's default bucket sizes); activations from the simulation")
-    return dataclasses.replace(
-        m, peak_bytes=m.peak_bytes + delta, reserved_bytes=m.reserved_bytes + delta,
-        device_bytes=(m.device_bytes + delta) if m.device_bytes else None, breakdown=br,
-    ), notes
-
-
-
-
-

@@ -31,7 +31,7 @@ def run(ns: argparse.Namespace) -> int:
     candidate = candidate_from_args(ns, workload)
     layers = None if ns.full_depth else (2, 3)
     if workload.num_gpus > 1:  # one rank of N, sharded as --parallelism says (issue 16)
-        from ..parallelism import simulate_per_rank
+        from ..simulator import simulate_per_rank
 
         m = simulate_per_rank(workload, candidate, parallelism=candidate.parallelism.parallelism, layers=layers)
     else:

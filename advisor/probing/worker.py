@@ -360,7 +360,8 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         callbacks=[_callback(meter)],
     )
     if cpu_fsdp2:  # accelerate's own fsdp2_prepare_model on the gloo mesh, before train() builds the optimizer
-        from ..parallelism import Layout, shard_fsdp2
+        from ..parallelism import Layout
+        from ..simulator import shard_fsdp2
 
         shard_fsdp2(trainer.model, mesh, Layout(layout).parallelism, candidate.precision.value)
         notes.append(f"FSDP2 on {world} CPU ranks (gloo): accelerate's fsdp2_prepare_model applied to the loaded "

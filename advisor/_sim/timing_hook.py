@@ -9,13 +9,26 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .constants import _NB, _NT, _TERMS, AttentionKind, Basis, Term, time_constants
-from .kernels import attention_tile_s, attention_units, dequant_s, gemm_s, memory_s
-from .optimizer import OptimizerCost
-from .step import BatchPoint, StepCost
+from .._physics import (
+    _NB,
+    _NT,
+    _TERMS,
+    AttentionKind,
+    Basis,
+    BatchPoint,
+    OptimizerCost,
+    StepCost,
+    Term,
+    attention_tile_s,
+    attention_units,
+    dequant_s,
+    gemm_s,
+    memory_s,
+    time_constants,
+)
 
 if TYPE_CHECKING:
-    from ...workload import GPUSpec
+    from ..workload import GPUSpec
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addmm_", "addbmm"}
 _GATHERS = {"embedding", "index_select", "gather", "index", "take_along_dim"}
@@ -155,7 +168,7 @@ class TimingHook:
     def __call__(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if not self.recording:
             return
-        from ..tracker import tensors_in
+        from .tracker import tensors_in
 
         tc = self.tc
         self.ops += 1
@@ -322,6 +335,6 @@ class TimingHook:
 
 
 def tensors_of(tree: Any) -> list:
-    from ..tracker import tensors_in
+    from .tracker import tensors_in
 
     return tensors_in(tree)

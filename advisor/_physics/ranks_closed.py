@@ -189,7 +189,7 @@ def estimate_rank_moments(workload: Any, candidate: Any, moments: dict, parts: A
     - ZeRO-2 / ZeRO-3: `zero_bytes` (its sources in its docstring); DeepSpeed runs the module in bf16/fp16, so
       autocast's cache is not held either.
     The activations are the single-GPU micro-batch's (data parallel: each rank runs its own micro-batch)."""
-    from ..estimator import architecture
+    from .shapes import architecture
 
     n = workload.num_gpus
     p = candidate.parallelism.parallelism
@@ -292,7 +292,7 @@ def offload_time_s(workload: Any, candidate: Any, parallelism: Parallelism, num_
 
 def _model_counts(workload: Any, candidate: Any) -> tuple[int, int]:
     """(parameters, trainable parameters) of the model as the candidate trains it (advisor/estimate.py's shapes)."""
-    from ..estimator import architecture, lora_parameters
+    from .shapes import architecture, lora_parameters
 
     arch = architecture(workload.model)
     if candidate.use_lora:

@@ -45,8 +45,9 @@ Every constant is in profiles/measurements/time_constants.json with its source, 
 scripts/gpu_validate.sh fits it on a GPU.
 
 The package: constants.py (terms, bases, TimeConstants), kernels.py (GEMM, memory, attention, dequantisation),
-optimizer.py, step.py (StepCost, evaluate), hook.py (TimingHook over the fake run's ops), sampler.py
-(batch_distribution). Everything is imported from here: `advisor._sim.timing`.
+optimizer.py, step.py (StepCost, evaluate), sampler.py (batch_distribution). The fake run's ops are observed by
+advisor/_sim/timing_hook.py (TimingHook), the estimate counts the same terms in closed form
+(advisor/_estimate/step_time.py). Outside advisor/_physics everything is imported from `advisor._physics`.
 """
 
 from .constants import (
@@ -59,7 +60,6 @@ from .constants import (
     raw_constants,
     time_constants,
 )
-from .hook import BatchLayout, TimingHook, layout_of, tensors_of
 from .kernels import (
     attention_kind,
     attention_tile_s,
@@ -80,7 +80,6 @@ __all__ = [
     "AttentionKind",
     "Basis",
     "BatchDistribution",
-    "BatchLayout",
     "BatchPoint",
     "OptimizerCost",
     "OptimizerImpl",
@@ -89,7 +88,6 @@ __all__ = [
     "StepTime",
     "Term",
     "TimeConstants",
-    "TimingHook",
     "_TERMS",
     "attention_kind",
     "attention_tile_s",
@@ -102,7 +100,6 @@ __all__ = [
     "fitted_multipliers",
     "full_tiles",
     "gemm_s",
-    "layout_of",
     "memory_s",
     "model_flops",
     "offload_copy_s_per_token",
@@ -111,6 +108,5 @@ __all__ = [
     "peak_flops",
     "raw_constants",
     "sampler_spec",
-    "tensors_of",
     "time_constants",
 ]

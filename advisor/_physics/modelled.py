@@ -1,5 +1,6 @@
 """Knobs modelled in closed form: what fake tensors cannot run (Hub kernels' RMSNorm, the offloaded checkpoints),
-their device bytes saved and their time; the simulator takes the same numbers (`simulator._modelled_knobs`)."""
+their device bytes saved and their time; the simulator takes the same numbers (advisor/_sim/modelled.py
+`_modelled_knobs`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def knob_memory_savings(model: ModelSpec, c: Candidate, tokens: int, cuda: bool)
 def knob_time(cost, model: ModelSpec, c: Candidate, gpu: GPUSpec):
     """The step-time model's cost with the modelled knobs' terms: the offloaded checkpoints' copies on the compute
     stream, Liger's fused RMSNorm in place of torch's elementwise ops."""
-    from .. import costs as tm
+    from . import timing as tm
 
     tc = tm.time_constants(gpu)
     dev = cost.device.copy()

@@ -1,0 +1,64 @@
+"""The physics both predicting backends share, below them: the estimate (advisor/estimator.py with _estimate/) and
+the simulator (advisor/simulator.py with _sim/) depend on this package and never on each other.
+
+- `shapes.py`: the model's shapes and parameter counts read from its transformers config, the adapters' and the
+  quantized weights' sizes.
+- `modelled.py`: the knobs fake tensors cannot run (Hub kernels' RMSNorm, offloaded checkpoints) in closed form:
+  the device bytes each frees and its step-time terms; the estimate counts them, the simulator adds them to its
+  fake run (advisor/_sim/modelled.py) with a note saying they are modelled.
+- `cuda_rules.py`: the CUDA caching allocator's rules (rounding, the replay of allocation events into reserved
+  bytes) and the memory outside it (CUDA context, cuBLAS workspace; profiles/measurements/cuda_constants.json).
+- `timing/`: the step-time model: its terms, bases and constants (profiles/measurements/time_constants.json),
+  the kernels' cost (GEMMs by tile and wave, attention per tile, memory-bound ops, dequantisation, offload
+  copies), the optimizer as the target runs it, a step's cost and its expectation over the batches the sampler
+  really makes (`batch_distribution`). Each backend fills a `StepCost` its own way: the estimate counts the terms
+  from the shapes (_estimate/step_time.py), the simulator observes the fake run's ops (_sim/timing_hook.py).
+- `ranks_closed.py`: several GPUs in closed form: ZeRO-2/3's model states per rank, the collectives' time over the
+  interconnect, CPU offload's host step, and the estimate's moments and step time of one rank.
+
+Only the names in `__all__` may be used outside this package (`from ._physics import X` inside advisor);
+`advisor.costs` is the public way in for scripts and tests. tests/test_privacy.py fails on an import of a module of
+this package from outside it; tests/test_imports.py on the estimate and the simulator reaching each other.
+
+Each name is imported from its module on first use (PEP 562), so importing the package costs nothing.
+"""
+
+from __future__ import annotations
+
+from .._lazy import lazy_exports
+
+# name -> (module of this package, the name there)
+_EXPORTS: dict[str, tuple[str, str]] = {
+    # ---- the model's shapes (shapes.py) ---------------------------------------------------------------------------
+    **{name: ("shapes", name) for name in (
+        "Architecture", "architecture", "lora_parameters", "quantized_linear_bytes", "DTYPE_BYTES",
+    )},
+    # ---- the knobs fake tensors cannot run, in closed form (modelled.py) -------------------------------------------
+    **{name: ("modelled", name) for name in ("knob_memory_savings", "knob_time")},
+    # ---- the CUDA caching allocator and the memory outside it (cuda_rules.py) -------------------------------------
+    "cuda_constants": ("cuda_rules", "constants"),
+    **{name: ("cuda_rules", name) for name in ("context_bytes", "cublas_workspace_bytes", "replay", "round_size")},
+    # ---- the step-time model (timing/) ----------------------------------------------------------------------------
+    **{name: ("timing", name) for name in (
+        "AttentionKind", "Basis", "BatchDistribution", "BatchPoint", "OptimizerCost", "OptimizerImpl", "SamplerSpec",
+        "StepCost", "StepTime", "Term", "TimeConstants", "_TERMS", "attention_kind", "attention_tile_s",
+        "attention_units", "batch_distribution", "causal_tiles", "dequant_s", "evaluate", "extrapolate_cost",
+        "fitted_multipliers", "full_tiles", "gemm_s", "memory_s", "model_flops", "offload_copy_s_per_token",
+        "optimizer_cost", "optimizer_impl", "peak_flops", "raw_constants", "sampler_spec", "time_constants",
+    )},
+    # the cost matrix's sizes (terms x bases), which the fake run's timing hook (advisor/_sim/timing_hook.py) fills
+    **{name: ("timing.constants", name) for name in ("_NB", "_NT")},
+    # ---- several GPUs in closed form (ranks_closed.py) ------------------------------------------------------------
+    **{name: ("ranks_closed", name) for name in (
+        "estimate_rank_moments", "estimate_rank_time", "zero_bytes", "ZeroTerms", "comm_time_s", "CommTime",
+        "interconnect", "Interconnect", "offload_time_s",
+    )},
+    # what one rank of the fake run (advisor/_sim/distributed.py) shares with the estimate's rank
+    "model_counts": ("ranks_closed", "_model_counts"),  # (parameters, trainable) as the candidate trains the model
+    "trainable_bytes": ("ranks_closed", "_trainable_bytes"),
+    "rank_comm": ("ranks_closed", "_comm"),  # one step's collectives on the workload's target
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -1,0 +1,232 @@
+"""vLLM's memory terms against vLLM's own rules, on hand-worked cases with real configs (profiles/models/) and real
+cards (profiles/gpus/). Every expected number below is worked out by hand in the comment above it, from the rule
+named in advisor/_vllm.py's docstring (vLLM's file and function)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from advisor._vllm import (
+    BLOCK_SIZE,
+    Mode,
+    Pool,
+    PoolSplit,
+    Refusal,
+    Refused,
+    Sleep,
+    Started,
+    asleep,
+    derived_max_model_len,
+    kv_layout,
+    min_utilization,
+    start,
+    training_gpu_peak,
+    vllm_dtype,
+)
+from advisor.errors import ConfigError
+
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+GiB = 2**30
+
+
+def _config(name: str) -> dict:
+    return json.loads((PROFILES / "models" / name / "config.json").read_text())
+
+
+def _total(gpu: str) -> int:
+    return int(yaml.safe_load((PROFILES / "gpus" / f"{gpu}.yaml").read_text())["memory"])
+
+
+H100 = _total("h100-sxm")  # 85,520,809,984 bytes (NVML's 81,559 MiB)
+QWEN05 = _config("Qwen/Qwen2.5-0.5B")
+# Qwen2.5-0.5B's parameters: embedding 151,936 x 896 = 136,134,656 (tied head); per layer q 896x896+896 = 803,712,
+# k and v 896x128+128 = 114,816 each, o 896x896 = 802,816, MLP 3 x 896 x 4,864 = 13,074,432, two norms 1,792:
+# 14,912,384 x 24 = 357,897,216; final norm 896. Total 494,032,768, in bf16 (its config's dtype, which vLLM keeps).
+QWEN05_WEIGHTS = 494_032_768 * 2
+ACT, NON_TORCH = 1 * GiB, GiB // 2  # the profile run's inputs (measured on a device in practice): round numbers
+
+
+def test_h100_profile_is_what_the_cases_assume():
+    assert H100 == 85_520_809_984
+    assert QWEN05["num_hidden_layers"] == 24 and QWEN05["num_key_value_heads"] == 2
+    assert QWEN05["hidden_size"] // QWEN05["num_attention_heads"] == 64
+
+
+def test_qwen05_kv_bytes_per_token_and_page():
+    layout = kv_layout(QWEN05)
+    # 24 layers x 2 KV heads x (64 + 64) x 2 bytes (bf16) = 12,288 bytes a token; a 16-token page of every layer
+    assert layout.dtype == "bfloat16"
+    assert layout.bytes_per_token == 12_288
+    assert layout.page_bytes() == 16 * 12_288 == 196_608
+    # vLLM's max_model_len is the model's own (max_position_embeddings 32,768) when TRL's vllm_max_model_length is
+    # None: one request is cdiv(32,768, 16) = 2,048 pages = 402,653,184 bytes
+    assert derived_max_model_len(QWEN05) == 32_768
+    assert layout.sequence_bytes(32_768) == 2_048 * 196_608 == 402_653_184
+    # a sequence of 1,000 tokens takes 63 whole pages, not 62.5
+    assert layout.sequence_bytes(1_000) == 63 * 196_608
+
+
+def test_qwen05_on_h100_at_0_3_splits_the_pool():
+    pool = Pool(H100, 0.3)
+    # requested_memory = 85,520,809,984 x 0.3 = 25,656,242,995.2 -> 25,656,242,996 bytes
+    assert pool.requested_bytes == 25_656_242_996
+    outcome = start(pool, free_at_startup=H100 - 3 * GiB, weights_bytes=QWEN05_WEIGHTS, activation_bytes=ACT,
+                    non_torch_bytes=NON_TORCH, layout=kv_layout(QWEN05), max_model_len=derived_max_model_len(QWEN05))
+    assert isinstance(outcome, Started)
+    # KV = 25,656,242,996 - 988,065,536 - 1,073,741,824 - 536,870,912 = 23,057,564,724 bytes
+    assert outcome.split.kv_cache_bytes == 23_057_564_724
+    # 23,057,564,724 // 196,608 = 117,276 pages of 16 tokens: 1,876,416 tokens; 57 full 32,768-token sequences
+    assert outcome.kv_blocks == 117_276
+    assert outcome.full_length_sequences == 57
+    assert outcome.split.pool_bytes == pool.requested_bytes
+
+
+def test_free_memory_under_the_pool_is_a_typed_refusal():
+    # the training process holds Qwen2.5-0.5B in float32 (1,976,131,072 bytes) and a 0.5 GiB CUDA context when vLLM
+    # snapshots the device: 83,007,808,000 bytes free; 0.99 asks for ceil(84,665,601,884.16) = 84,665,601,885
+    free = H100 - 494_032_768 * 4 - GiB // 2
+    outcome = start(Pool(H100, 0.99), free_at_startup=free, weights_bytes=QWEN05_WEIGHTS, activation_bytes=ACT,
+                    non_torch_bytes=NON_TORCH, layout=kv_layout(QWEN05), max_model_len=32_768)
+    assert isinstance(outcome, Refused)
+    assert outcome.cause is Refusal.POOL_EXCEEDS_FREE
+    assert (outcome.needed_bytes, outcome.available_bytes) == (84_665_601_885, free)
+    assert "Worker.init_device" in outcome.message and "vllm_gpu_memory_utilization" in outcome.message
+    # at 0.97 (82,955,185,685 bytes) the same process fits: vLLM starts
+    assert isinstance(start(Pool(H100, 0.97), free_at_startup=free, weights_bytes=QWEN05_WEIGHTS,
+                            activation_bytes=ACT, non_torch_bytes=NON_TORCH, layout=kv_layout(QWEN05),
+                            max_model_len=32_768), Started)
+
+
+def test_a_pool_that_cannot_hold_one_full_length_sequence_is_a_typed_refusal():
+    llama = _config("meta-llama/Llama-3.1-8B")
+    layout = kv_layout(llama)
+    # 32 layers x 8 KV heads x (128 + 128) x 2 bytes = 131,072 bytes a token; the model's own max_model_len 131,072
+    # needs 8,192 pages of 2,097,152 bytes = 17,179,869,184 bytes (16 GiB) for one request
+    assert layout.bytes_per_token == 131_072
+    assert derived_max_model_len(llama) == 131_072
+    one = layout.sequence_bytes(131_072)
+    assert one == 16 * GiB
+    # at 0.3 of an H100 with 8.03 B bf16 weights (16,060,522,496 bytes), 1 GiB of activations, 0.5 GiB non-torch:
+    # KV = 25,656,242,996 - 16,060,522,496 - 1,610,612,736 = 7,985,107,764; less the null block (2,097,152)
+    weights = 8_030_261_248 * 2
+    outcome = start(Pool(H100, 0.3), free_at_startup=H100 - GiB, weights_bytes=weights, activation_bytes=ACT,
+                    non_torch_bytes=NON_TORCH, layout=layout, max_model_len=derived_max_model_len(llama))
+    assert isinstance(outcome, Refused) and outcome.cause is Refusal.SEQUENCE_DOES_NOT_FIT
+    assert outcome.needed_bytes == one
+    assert outcome.available_bytes == 7_985_107_764 - 2_097_152
+    assert "max_model_len=131072" in outcome.message and "vllm_max_model_length" in outcome.message
+    # TRL's vllm_max_model_length=4096 makes one request 256 pages (536,870,912 bytes): it starts
+    fits = start(Pool(H100, 0.3), free_at_startup=H100 - GiB, weights_bytes=weights, activation_bytes=ACT,
+                 non_torch_bytes=NON_TORCH, layout=layout, max_model_len=derived_max_model_len(llama, 4096))
+    assert isinstance(fits, Started) and fits.sequence_bytes == 256 * 2_097_152
+
+
+def test_a_pool_smaller_than_its_weights_leaves_no_kv_memory():
+    outcome = start(Pool(H100, 0.1), free_at_startup=H100, weights_bytes=8_030_261_248 * 2, activation_bytes=ACT,
+                    non_torch_bytes=NON_TORCH, layout=kv_layout(_config("meta-llama/Llama-3.1-8B")),
+                    max_model_len=4096)
+    assert isinstance(outcome, Refused) and outcome.cause is Refusal.NO_KV_MEMORY
+    assert outcome.available_bytes < 0
+
+
+def test_sliding_window_layers_of_gemma2():
+    gemma = _config("google/gemma-2-2b")
+    # float32 in its config: vLLM's "auto" downcasts it to bfloat16 where the card has it, and never to float16
+    assert vllm_dtype(gemma) == "bfloat16"
+    assert vllm_dtype(gemma, supports_bf16=False) == "float32"
+    layout = kv_layout(gemma)
+    assert sum(layer.sliding_window is not None for layer in layout.layers) == 13  # even layers of 26
+    # a layer: 4 KV heads x (256 + 256) x 2 bytes = 4,096 bytes a token, 65,536 a page.
+    # max_model_len 8,192: a full layer 512 pages (33,554,432 bytes); a sliding one min(4,095 + 4,096, 8,192) =
+    # 8,191 tokens -> 512 + 1 pages (33,619,968). 13 of each: 873,267,200 bytes
+    assert layout.sequence_bytes(8_192) == 13 * 33_554_432 + 13 * 33_619_968 == 873_267_200
+    # at 2,048 tokens the window does not bind: 128 pages, and 129 for a sliding layer (the window's start)
+    assert layout.sequence_bytes(2_048) == 13 * 128 * 65_536 + 13 * 129 * 65_536
+
+
+def test_tensor_parallel_splits_kv_heads_and_mla_stores_one_latent():
+    assert kv_layout(QWEN05, tensor_parallel_size=2).bytes_per_token == 24 * 1 * 128 * 2
+    assert kv_layout(QWEN05, tensor_parallel_size=4).bytes_per_token == 24 * 1 * 128 * 2  # at least one head a rank
+    mla = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128, "hidden_size": 7168,
+           "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16", "max_position_embeddings": 163840}
+    # (512 + 64) x 2 bytes per layer and token, no separate V
+    assert kv_layout(mla).bytes_per_token == 61 * 576 * 2
+
+
+def test_sleep_lowers_the_peak_by_the_smaller_of_pool_and_training_activations():
+    split = PoolSplit(pool_bytes=20 * GiB, weights_bytes=GiB, activation_bytes=GiB, non_torch_bytes=0)
+    state = 10 * GiB
+    for activations in (4 * GiB, 30 * GiB):  # under the pool, and over it
+        awake = training_gpu_peak(Mode.COLOCATE, training_state_bytes=state, training_activation_bytes=activations,
+                                  split=split, sleep=Sleep.OFF)
+        slept = training_gpu_peak(Mode.COLOCATE, training_state_bytes=state, training_activation_bytes=activations,
+                                  split=split, sleep=Sleep.LEVEL_2)
+        assert awake.peak_bytes == state + split.pool_bytes + activations
+        assert awake.peak_bytes - slept.peak_bytes == min(split.pool_bytes, activations)
+    # what stays asleep (non-torch memory, CUDA graphs) is not given back: the drop is min(pool - kept, activations)
+    kept = PoolSplit(pool_bytes=20 * GiB, weights_bytes=GiB, activation_bytes=GiB, non_torch_bytes=2 * GiB)
+    awake = training_gpu_peak(Mode.COLOCATE, training_state_bytes=state, training_activation_bytes=30 * GiB,
+                              split=kept)
+    slept = training_gpu_peak(Mode.COLOCATE, training_state_bytes=state, training_activation_bytes=30 * GiB,
+                              split=kept, sleep=Sleep.LEVEL_2)
+    assert awake.peak_bytes - slept.peak_bytes == 18 * GiB
+    assert slept.vllm_during_training_bytes == 2 * GiB
+
+
+def test_sleep_levels_keep_the_weights_on_the_host_or_nowhere():
+    split = PoolSplit(pool_bytes=20 * GiB, weights_bytes=3 * GiB, activation_bytes=GiB, non_torch_bytes=GiB // 2)
+    one, two = asleep(split, Sleep.LEVEL_1), asleep(split, Sleep.LEVEL_2)
+    assert one.device_bytes == two.device_bytes == GiB // 2
+    assert one.host_bytes == 3 * GiB and two.host_bytes == 0  # level 1 backs the weights up in CPU memory
+    assert one.released_bytes == two.released_bytes == 20 * GiB - GiB // 2
+    assert asleep(split, Sleep.OFF).device_bytes == 20 * GiB
+
+
+def test_server_mode_counts_no_pool_on_the_training_gpus():
+    split = PoolSplit(pool_bytes=20 * GiB, weights_bytes=GiB, activation_bytes=GiB, non_torch_bytes=0)
+    served = training_gpu_peak(Mode.SERVER, training_state_bytes=10 * GiB, training_activation_bytes=4 * GiB,
+                               split=split)
+    generated = training_gpu_peak(Mode.GENERATE, training_state_bytes=10 * GiB, training_activation_bytes=4 * GiB)
+    assert served.peak_bytes == generated.peak_bytes == 14 * GiB
+    assert served.vllm_during_training_bytes == 0
+    with pytest.raises(ConfigError, match="colocate"):
+        training_gpu_peak(Mode.COLOCATE, training_state_bytes=0, training_activation_bytes=0)
+
+
+def test_smallest_utilization_holds_the_generation_batch_and_one_lower_does_not():
+    layout = kv_layout(QWEN05)
+    common = dict(weights_bytes=QWEN05_WEIGHTS, activation_bytes=ACT, non_torch_bytes=NON_TORCH, layout=layout)
+    # 64 completions at once (per_device_train_batch_size 8 x steps_per_generation 8) of 512 + 1,024 tokens: each
+    # 96 pages (18,874,368 bytes), 1,207,959,552 bytes and the null block; with vllm_max_model_length=2048 one
+    # request of 2,048 (25,165,824 bytes) binds less
+    need = min_utilization(H100, sequences=64, sequence_length=1_536, max_model_len=2_048, **common)
+    assert need.binding == "generation batch"
+    assert need.kv_bytes == 64 * 96 * 196_608 + 196_608
+    assert need.pool_bytes == QWEN05_WEIGHTS + ACT + NON_TORCH + need.kv_bytes
+    # pool 3,806,834,432 bytes = 0.0445 of the card: 0.05 as emitted
+    assert need.value == 0.05 and 0.04 < need.exact <= 0.05
+    started = start(Pool(H100, need.value), free_at_startup=H100, max_model_len=2_048, **common)
+    assert isinstance(started, Started) and started.split.kv_cache_bytes >= need.kv_bytes
+    lower = start(Pool(H100, need.value - 0.01), free_at_startup=H100, max_model_len=2_048, **common)
+    assert isinstance(lower, Refused) or lower.split.kv_cache_bytes < need.kv_bytes
+    # 8 completions (768 pages) without vllm_max_model_length: the model's 32,768-token request (2,048 pages) binds
+    wide = min_utilization(H100, sequences=8, sequence_length=1_536, max_model_len=32_768, **common)
+    assert wide.binding == "one max_model_len sequence"
+    assert wide.kv_bytes == 2_048 * 196_608 + 196_608
+
+
+def test_bad_inputs_name_the_setting():
+    with pytest.raises(ConfigError, match="vllm_gpu_memory_utilization=1.2"):
+        Pool(H100, 1.2)
+    with pytest.raises(ConfigError, match="vllm_max_model_length=65536 exceeds the model's 32768"):
+        derived_max_model_len(QWEN05, 65_536)
+    with pytest.raises(ConfigError, match="exceeds vllm_max_model_length=1024"):
+        min_utilization(H100, weights_bytes=0, activation_bytes=0, non_torch_bytes=0, layout=kv_layout(QWEN05),
+                        sequences=1, sequence_length=2_000, max_model_len=1_024)
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        kv_layout({"model_type": "x", "num_attention_heads": 2, "hidden_size": 8})
+    assert BLOCK_SIZE == 16
