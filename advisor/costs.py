@@ -23,6 +23,12 @@ _NAMES = (
     "cuda_constants", "dequant_s", "evaluate", "gemm_s", "memory_s", "model_flops", "offload_copy_s_per_token",
     "optimizer_cost", "optimizer_impl", "peak_flops", "replay", "round_size", "time_constants",
     "zero_bytes", "ZeroTerms", "comm_time_s", "interconnect",
+    # vLLM's memory in closed form (advisor/_physics/vllm.py), prefixed vllm_
+    "vllm_BLOCK_SIZE", "vllm_Mode", "vllm_Pool", "vllm_PoolSplit", "vllm_Refusal", "vllm_Refused", "vllm_Sleep",
+    "vllm_Started", "vllm_asleep", "vllm_derived_max_model_len", "vllm_kv_layout", "vllm_min_utilization",
+    "vllm_start", "vllm_training_gpu_peak", "vllm_dtype", "vllm_KVLayout", "vllm_LayerKV",
+    "vllm_batch_kv_bytes", "vllm_UtilizationNeed", "vllm_Asleep", "vllm_DevicePeak", "vllm_TRL_SLEEP_LEVEL",
+    "vllm_TRL_MAX_NUM_BATCHED_TOKENS", "vllm_NULL_BLOCKS",
 )
 
 __all__ = [*_NAMES]

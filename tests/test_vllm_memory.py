@@ -1,6 +1,6 @@
 """vLLM's memory terms against vLLM's own rules, on hand-worked cases with real configs (profiles/models/) and real
 cards (profiles/gpus/). Every expected number below is worked out by hand in the comment above it, from the rule
-named in advisor/_vllm.py's docstring (vLLM's file and function)."""
+named in advisor/_physics/vllm.py's docstring (vLLM's file and function)."""
 
 from __future__ import annotations
 
@@ -10,24 +10,25 @@ from pathlib import Path
 import pytest
 import yaml
 
-from advisor._vllm import (
-    BLOCK_SIZE,
-    Mode,
-    Pool,
-    PoolSplit,
-    Refusal,
-    Refused,
-    Sleep,
-    Started,
-    asleep,
-    derived_max_model_len,
-    kv_layout,
-    min_utilization,
-    start,
-    training_gpu_peak,
-    vllm_dtype,
-)
+from advisor import costs
 from advisor.errors import ConfigError
+
+# vLLM's closed form, exported by the physics package with a vllm_ prefix (advisor/_physics/vllm.py)
+BLOCK_SIZE = costs.vllm_BLOCK_SIZE
+Mode = costs.vllm_Mode
+Pool = costs.vllm_Pool
+PoolSplit = costs.vllm_PoolSplit
+Refusal = costs.vllm_Refusal
+Refused = costs.vllm_Refused
+Sleep = costs.vllm_Sleep
+Started = costs.vllm_Started
+asleep = costs.vllm_asleep
+derived_max_model_len = costs.vllm_derived_max_model_len
+kv_layout = costs.vllm_kv_layout
+min_utilization = costs.vllm_min_utilization
+start = costs.vllm_start
+training_gpu_peak = costs.vllm_training_gpu_peak
+vllm_dtype = costs.vllm_dtype
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 GiB = 2**30

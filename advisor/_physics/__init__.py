@@ -57,6 +57,15 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "model_counts": ("ranks_closed", "_model_counts"),  # (parameters, trainable) as the candidate trains the model
     "trainable_bytes": ("ranks_closed", "_trainable_bytes"),
     "rank_comm": ("ranks_closed", "_comm"),  # one step's collectives on the workload's target
+    # ---- vLLM's memory in closed form (vllm.py), for online RL's generation engine: its names are generic there
+    # (start, Pool, Mode, ...), so each is exported here as "vllm_<name>" ("vllm_dtype" as itself)
+    **{name: ("vllm", name if name == "vllm_dtype" else name.removeprefix("vllm_")) for name in (
+        "vllm_BLOCK_SIZE", "vllm_Mode", "vllm_Pool", "vllm_PoolSplit", "vllm_Refusal", "vllm_Refused",
+        "vllm_Sleep", "vllm_Started", "vllm_asleep", "vllm_derived_max_model_len", "vllm_kv_layout",
+        "vllm_min_utilization", "vllm_start", "vllm_training_gpu_peak", "vllm_dtype", "vllm_KVLayout",
+        "vllm_LayerKV", "vllm_batch_kv_bytes", "vllm_UtilizationNeed", "vllm_Asleep", "vllm_DevicePeak",
+        "vllm_TRL_SLEEP_LEVEL", "vllm_TRL_MAX_NUM_BATCHED_TOKENS", "vllm_NULL_BLOCKS"
+    )},
 }
 
 __all__ = sorted(_EXPORTS)

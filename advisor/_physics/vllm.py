@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 BLOCK_SIZE = 16  # vllm/config/cache.py CacheConfig.block_size default on CUDA (tokens per KV page)
 TRL_MAX_NUM_BATCHED_TOKENS = 4096  # trl/generation/vllm_generation.py: LLM(max_num_batched_tokens=4096)
