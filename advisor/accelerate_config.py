@@ -19,18 +19,22 @@ __all__ = ["LaunchConfig", "accelerate_config"]
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """An accelerate config as a dict and as YAML, and the commands that launch TRL's SFT with it."""
+    """An accelerate config as a dict and as YAML, and the commands that launch a TRL trainer (`trl <command>`) with
+    it."""
 
     config: dict[str, Any]
     yaml: str
-    command: str  # accelerate launch --config_file ... -m trl.scripts.sft --config ...
-    trl_command: str  # the same through TRL's CLI: trl sft --config ... --accelerate_config ...
+    command: str  # accelerate launch --config_file ... -m trl.scripts.<command> --config ...
+    trl_command: str  # the same through TRL's CLI: trl <command> --config ... --accelerate_config ...
     chosen: str  # what was chosen, in words: "FSDP2, reshard after forward", "DeepSpeed ZeRO-3, optimizer offload"
 
 
 def accelerate_config(candidate: Any, parallelism: Parallelism, num_gpus: int, num_machines: int = 1, *,
-                      config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml") -> LaunchConfig:
-    """The accelerate config that launches `candidate` with `parallelism` on `num_gpus` GPUs over `num_machines`."""
+                      config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml",
+                      command: str = "sft") -> LaunchConfig:
+    """The accelerate config that launches `candidate` with `parallelism` on `num_gpus` GPUs over `num_machines`;
+    the commands run `trl <command>` (the trainer's: `Trainer.command`, e.g. "dpo"), whose script is
+    `trl.scripts.<command>`."""
     from .workload import check_world
 
     check_world(num_gpus, num_machines)
@@ -92,8 +96,8 @@ def accelerate_config(candidate: Any, parallelism: Parallelism, num_gpus: int, n
         launch += ["--machine_rank", "$MACHINE_RANK", "--main_process_ip", "$MAIN_PROCESS_IP",
                    "--main_process_port", "29500"]
     cmd = " ".join(shlex.quote(a) if not a.startswith("$") else a for a in
-                   launch + ["-m", "trl.scripts.sft", "--config", trl_config_file])
-    trl_cmd = " ".join(shlex.quote(a) for a in ["trl", "sft", "--config", trl_config_file, "--accelerate_config",
+                   launch + ["-m", f"trl.scripts.{command}", "--config", trl_config_file])
+    trl_cmd = " ".join(shlex.quote(a) for a in ["trl", command, "--config", trl_config_file, "--accelerate_config",
                                                  config_file])
     if num_machines > 1:
         trl_cmd += " --machine_rank $MACHINE_RANK --main_process_ip $MAIN_PROCESS_IP --main_process_port 29500"

@@ -27,6 +27,7 @@ from ._data import (
     TOKENIZER_FILES,
     BadRow,
     DataFormat,
+    Dataset,
     RawRows,
     TokenizedDataset,
     check_row,
@@ -47,7 +48,8 @@ if TYPE_CHECKING:
     from .workload import ModelSpec
 
 __all__ = [  # noqa: RUF022
-    "TokenizedDataset", "BadRow", "DataFormat", "load_dataset", "load_tokenizer", "synthetic", "synthetic_lengths",
+    "Dataset", "TokenizedDataset", "BadRow", "DataFormat", "load_dataset", "load_tokenizer", "synthetic",
+    "synthetic_lengths",
     "progress_bars", "read_raw", "RawRows", "LOCAL_SUFFIXES", "TOKENIZER_FILES", "SYNTHETIC_ROWS",
     "SYNTHETIC_SEED", "SYNTHETIC_MEDIAN", "SYNTHETIC_SIGMA", "SYNTHETIC_MIN", "SYNTHETIC_MAX",
 ]

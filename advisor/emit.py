@@ -33,10 +33,12 @@ from ._emit import (
     to_python,
     to_yaml,
     trl_fields,
+    write_python,
+    write_yaml,
 )
 
 __all__ = [  # noqa: RUF022
     "KEY_USES", "KeyUse", "RunConfig", "build_sft_config", "candidate_from_run_dict", "env_vars", "load_run_config",
     "model_init_kwargs", "peft_config", "quantization_config", "run_config_dict", "sft_config_kwargs", "to_python",
-    "to_yaml", "trl_fields",
+    "to_yaml", "trl_fields", "write_python", "write_yaml",
 ]

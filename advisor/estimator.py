@@ -43,6 +43,7 @@ from ._physics import (
 )
 from .measurement import Category, Measurement, Source, Status
 from .space import Precision, WeightsDtype
+from .trainers.phases import ClosedForm
 
 if TYPE_CHECKING:
     from .space import Candidate
@@ -56,11 +57,14 @@ __all__ = [  # noqa: RUF022
 
 
 def estimate(workload: Workload, candidate: Candidate) -> Measurement:
-    """Peak memory by category and step time of `candidate`; status ok (the search decides what fits)."""
-    if getattr(workload, "trainer", "sft") == "dpo":
-        return _estimate_dpo(workload, candidate)
-    if getattr(workload, "trainer", "sft") == "reward":
-        return _estimate_reward(workload, candidate)
+    """Peak memory by category and step time of `candidate`; status ok (the search decides what fits). What the
+    step's phases reserve outside PyTorch's allocator (Category.OUTSIDE_ALLOCATOR) is in its device bytes."""
+    trainer = _trainer(workload)
+    m = _CLOSED_FORMS[trainer.closed_form](workload, candidate)  # the kind the trainer declares
+    return m.plus_outside_allocator(trainer.outside_allocator_bytes(candidate, workload.gpu.memory_bytes))
+
+
+def _sft_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
@@ -152,6 +156,12 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
 _PAIR_ROWS: dict[int, tuple[Any, Any]] = {}  # id(preference data) -> (the data, its rows as SFT rows)
 
 
+def _trainer(workload: Workload) -> Any:
+    from .trainers import get_trainer
+
+    return get_trainer(workload.trainer)
+
+
 def _pair_rows(data: Any) -> Any:
     """Preference pairs as SFT rows: prompt + chosen and prompt + rejected, each its own row, the completion
     trained. A micro-batch of 2B such rows pads as DPO's B pairs do (chosen and rejected share the batch)."""
@@ -230,3 +240,12 @@ def _estimate_reward(workload: Workload, candidate: Candidate) -> Measurement:
              "logits left out (a one-label score head)", *m.notes)
     return dataclasses.replace(m, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device, breakdown=breakdown,
                                peak_batch=f"{c.per_device_train_batch_size} pairs ({m.peak_batch})", notes=notes)
+
+
+# The closed form of each kind of step a trainer declares (advisor/trainers/phases.py ClosedForm): the trainers
+# name the kind and never import the estimate.
+_CLOSED_FORMS = {
+    ClosedForm.ROWS: _sft_closed_form,
+    ClosedForm.PAIRS_WITH_REFERENCE: _estimate_dpo,
+    ClosedForm.PAIRS_SCORED: _estimate_reward,
+}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .data import TokenizedDataset, load_dataset
+from .data import Dataset
 from .errors import ConfigError
 from .profiles import decide_offline, detect_gpu, resolve_gpu, resolve_model
 from .workload import Goals, Method, ModelSpec, Workload, check_budget, check_world
@@ -55,20 +55,19 @@ def build_workload(
         target = resolve_gpu(gpu)
     check_budget(goals or Goals(), target)  # before the dataset is read and tokenized
     check_world(num_gpus, num_machines)
-    if trainer == "sft":
-        data = load_dataset(dataset, spec, tokenizer=tokenizer, sample=sample, seed=seed)
-    else:  # the trainer reads its own data (preference pairs for DPO / Reward), refusing others by their columns
-        from .trainers import get_trainer
+    from .trainers import get_trainer
 
-        data = get_trainer(trainer).load_dataset(dataset, spec, tokenizer)
-    context = context_note(spec, data, pairs=trainer != "sft")
+    # the trainer reads its own data (chat rows for SFT, preference pairs for DPO / Reward), refusing others by
+    # their columns; `sample` draws the same seeded sample whatever the trainer
+    data = get_trainer(trainer).load_dataset(dataset, spec, tokenizer, sample=sample, seed=seed)
+    context = context_note(spec, data)
     if context:
         notes.append(context)
     return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
                     num_gpus=num_gpus, num_machines=num_machines, trainer=trainer)
 
 
-def context_note(model: ModelSpec, data: TokenizedDataset, pairs: bool = False) -> str | None:
+def context_note(model: ModelSpec, data: Dataset) -> str | None:
     """Say when rows are longer than the model's context: max_length cannot keep them whole."""
     ctx = model.max_position_embeddings
     if ctx is None or not len(data.lengths):
@@ -76,8 +75,8 @@ def context_note(model: ModelSpec, data: TokenizedDataset, pairs: bool = False) 
     over = int((data.lengths > ctx).sum())
     if not over:
         return None
-    if pairs:  # preference data: the longer of prompt + chosen and prompt + rejected
-        return (f"{over} of {len(data.lengths)} pairs have a sequence longer than {model.name}'s context "
+    if data.unit != "rows":  # pairs (prompts): the longest sequence of each (prompt + chosen, prompt + rejected)
+        return (f"{over} of {len(data.lengths)} {data.unit} have a sequence longer than {model.name}'s context "
                 f"(max_position_embeddings {ctx}; the longest has {int(data.lengths.max())} tokens): max_length "
                 f"stays <= {ctx}, so those sequences are truncated")
     return (f"{over} of {len(data.lengths)} rows are longer than {model.name}'s context (max_position_embeddings "

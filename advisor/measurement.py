@@ -41,6 +41,9 @@ class Category(str, Enum):
     LM_HEAD = "lm_head_and_loss"
     TEMPORARIES = "temporaries"
     OTHER = "other"
+    # reserved outside PyTorch's caching allocator by a phase of the step (colocated vLLM's share of the card,
+    # advisor.trainers.phases): never in peak / reserved bytes, always in device bytes
+    OUTSIDE_ALLOCATOR = "outside_allocator"
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ class Measurement:
     # a run on several ranks (a multi-process probe): each rank's own result; the fields above are the run's (the
     # peaks the highest rank's, the throughput over all ranks)
     ranks: tuple[RankResult, ...] = ()
+    # reserved outside PyTorch's allocator by a phase of the step (Category.OUTSIDE_ALLOCATOR): part of
+    # device_bytes when that is known, added to reserved / peak bytes by `budget_bytes` when it is not
+    outside_allocator_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", Status(self.status))
@@ -107,12 +113,26 @@ class Measurement:
 
     @property
     def budget_bytes(self) -> int | None:
-        """The bytes a memory budget applies to: the device's (what NVML shows), else the allocator's reserved,
-        else its allocated peak; None when the backend reported none of them."""
-        for v in (self.device_bytes, self.reserved_bytes, self.peak_bytes):
+        """The bytes a memory budget applies to: the device's (what NVML shows, with what is reserved outside the
+        allocator), else the allocator's reserved, else its allocated peak, plus what is reserved outside the
+        allocator; None when the backend reported none of them."""
+        if self.device_bytes is not None:
+            return int(self.device_bytes)
+        for v in (self.reserved_bytes, self.peak_bytes):
             if v is not None:
-                return int(v)
+                return int(v) + self.outside_allocator_bytes
         return None
+
+    def plus_outside_allocator(self, nbytes: int) -> Measurement:
+        """This prediction with `nbytes` reserved outside PyTorch's allocator (what the step's phases reserve):
+        in device bytes, in the breakdown as Category.OUTSIDE_ALLOCATOR; itself when there are none."""
+        if not nbytes:
+            return self
+        key = Category.OUTSIDE_ALLOCATOR.value
+        return dataclasses.replace(
+            self, outside_allocator_bytes=self.outside_allocator_bytes + int(nbytes),
+            device_bytes=None if self.device_bytes is None else self.device_bytes + int(nbytes),
+            breakdown={**self.breakdown, key: self.breakdown.get(key, 0) + int(nbytes)})
 
     def fits(self, limit_bytes: int) -> bool:
         """True when the run succeeded and its budget bytes are within `limit_bytes`."""
@@ -132,6 +152,8 @@ class Measurement:
             data["ranks"] = [{**r, "status": Status(r["status"]).value} for r in data["ranks"]]
         else:  # one process: the dict is as before ranks existed
             del data["ranks"]
+        if not self.outside_allocator_bytes:  # as before phases reserved memory outside the allocator
+            del data["outside_allocator_bytes"]
         return data
 
     @classmethod

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
-from .knobs import owned_rows, summary_rows, trial_label
+from .knobs import summary_rows, trial_label
 
 if TYPE_CHECKING:
     from .measurement import Measurement
@@ -33,24 +33,16 @@ def _step(m: Measurement) -> str:
     return f"{m.step_time_s:.4f}" + (f" ({parts}{mfu})" if parts or mfu else "")
 
 
-def _knobs(t: Trial, trainer: str = "sft") -> str:
-    """The candidate cell: each knob's token (advisor/knobs.py `short`), and DPO's reference when precomputed."""
-    return trial_label(t.candidate)  # a trainer's own knob's token too (DPO's ref=precomputed)
+def _knobs(t: Trial, trainer: Any) -> str:
+    """The candidate cell: each knob's token (advisor/knobs.py `short`), a trainer's own knobs included (DPO's
+    ref=precomputed is its knob's token)."""
+    return trial_label(t.candidate)
 
 
 def _trainer_rows(s: Suggestion) -> list[list[str]]:
-    """The trainer, and for DPO how the reference is held (derived: LoRA, precompute_ref_log_probs)."""
-    trainer = getattr(s.workload, "trainer", "sft")
-    if trainer == "sft":
-        return []
-    rows = [["trainer", f"{trainer} ({s.trainer.trainer_class().__name__})"]]
-    if trainer == "dpo":
-        from .trainers.dpo import DPOKnobs
-
-        k = DPOKnobs.of(s.candidate)
-        rows += owned_rows(s.candidate, trainer)  # its own knobs' labels and values (advisor/trainers/dpo.py)
-        rows.append(["reference", k.reference(s.candidate).value.replace("_", " ")])
-    return rows
+    """What the trainer says of the pick (`Trainer.report_rows`: the trainer, its own knobs' rows from their
+    declarations, and for DPO how the reference is held)."""
+    return s.trainer.report_rows(s.candidate)
 
 
 def time_lines(m: Measurement) -> list[str]:
@@ -74,7 +66,7 @@ def trial_rows(s: Suggestion) -> list[list[str]]:
     for t in sorted(s.trials, key=lambda t: -(t.measurement.tokens_per_second or 0) if t.measurement.feasible(limit)
                     else float("inf")):
         m = t.measurement
-        rows.append(["" if t.number is None else str(t.number), _knobs(t, getattr(s.workload, "trainer", "sft")),
+        rows.append(["" if t.number is None else str(t.number), _knobs(t, s.trainer),
                      _gib(m.budget_bytes),
                      _tps(m.tokens_per_second), m.status.value,
                      m.source.value + (" (stored)" if t.cached else ""), t.reason])

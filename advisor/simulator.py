@@ -144,7 +144,7 @@ def simulate(
         )
     else:
         peak_bytes = reserved_bytes = device_bytes = peak
-    timed = expected_time(workload, candidate, target, combined.cost, activations_saved) if spec.name == "sft" \
+    timed = expected_time(workload, candidate, target, combined.cost, activations_saved) if spec.timed_over_batches \
         else None
     if timed is not None:
         step_time, trained, tps = timed.step_s, timed.trained_per_step, timed.tokens_per_second
@@ -155,6 +155,10 @@ def simulate(
     else:
         trained = combined.trained_tokens * candidate.gradient_accumulation_steps
         tps = trained / step_time if step_time > 0 else None
+    outside = spec.outside_allocator_bytes(candidate, workload.gpu.memory_bytes)  # the phases' (0: SFT, DPO, Reward)
+    if outside:
+        device_bytes += outside
+        breakdown[Category.OUTSIDE_ALLOCATOR.value] = breakdown.get(Category.OUTSIDE_ALLOCATOR.value, 0) + outside
     status = Status.OK if device_bytes <= workload.budget_bytes else Status.OOM
     b, s = combined.batch_shape
     return Measurement(
@@ -174,6 +178,7 @@ def simulate(
         message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes),
         wall_time_s=time.perf_counter() - started,
+        outside_allocator_bytes=int(outside),
     )
 
 

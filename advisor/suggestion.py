@@ -55,58 +55,50 @@ class Suggestion:
         return str(spec.local_dir) if spec.source == "local" and spec.local_dir else spec.name
 
     def sft_config(self, **overrides: Any) -> SFTConfig:
-        """A trl.SFTConfig that can be built where it is called.
-
-        On a machine with no accelerator (no CUDA, MPS or XPU device) transformers refuses bf16/fp16 unless
-        `use_cpu=True`; it is then set, with a UserWarning that says so (pass `use_cpu` to decide yourself).
-        Its `model_init_kwargs` carry the quantization too, so `SFTTrainer(model=<id>, args=s.sft_config(),
-        peft_config=s.peft_config())` loads a QLoRA pick quantized.
-        """
-        if self.trainer.name != "sft":
-            from .errors import UsageError
-
-            raise UsageError(f"sft_config(): this suggestion is for trainer={self.trainer.name!r}; use trl_config() "
-                             f"(a {self.trainer.config_class().__name__})")
-        overrides.setdefault("model_init_kwargs", self.model_init_kwargs)
-        overrides.setdefault("completion_only_loss", self._completion_only_loss)
-        if "use_cpu" not in overrides and self.candidate.precision.value != "fp32" and not _has_accelerator():
-            import warnings
-
-            overrides["use_cpu"] = True
-            warnings.warn(
-                f"no GPU (or other accelerator) here: sft_config() sets use_cpu=True, so this "
-                f"{self.candidate.precision.value} configuration for {self.workload.gpu.name} can be built and "
-                "would train on the CPU; on the target GPU it is built without use_cpu (or pass use_cpu=False)",
-                UserWarning, stacklevel=2,
-            )
-        return emit.build_sft_config(self.candidate, self.workload, **overrides)
+        """A trl.SFTConfig (a suggestion made with trainer="sft"): `trl_config()`, refused for another trainer."""
+        return self._config_named("SFTConfig", "sft_config", overrides)
 
     @property
     def trainer(self) -> Any:
         """The TRL trainer this suggestion is for (advisor.trainers; the workload's)."""
         from .trainers import get_trainer
 
-        return get_trainer(getattr(self.workload, "trainer", "sft"))
+        return get_trainer(self.workload.trainer)
 
     def trl_config(self, **overrides: Any) -> Any:
-        """The trainer's TRL config: an SFTConfig (`sft_config`), a DPOConfig, a RewardConfig; `use_cpu` as in
-        `sft_config` where no accelerator is here."""
-        if self.trainer.name == "sft":
-            return self.sft_config(**overrides)
+        """The trainer's TRL config (an SFTConfig, a DPOConfig, a RewardConfig: `Trainer.trl_config`) that can be
+        built where it is called; its `model_init_kwargs` carry the quantization, so `<Trainer>(model=<id>,
+        args=s.trl_config(), peft_config=s.peft_config())` loads a QLoRA pick quantized.
+
+        On a machine with no accelerator (no CUDA, MPS or XPU device) transformers refuses bf16/fp16 unless
+        `use_cpu=True`; it is then set, with a UserWarning that says so (pass `use_cpu` to decide yourself).
+        """
         if "use_cpu" not in overrides and self.candidate.precision.value != "fp32" and not _has_accelerator():
+            import warnings
+
             overrides["use_cpu"] = True
-        return self.trainer.build_config(self.candidate, self.workload, **overrides)
+            warnings.warn(
+                f"no GPU (or other accelerator) here: trl_config() sets use_cpu=True, so this "
+                f"{self.candidate.precision.value} configuration for {self.workload.gpu.name} can be built and "
+                "would train on the CPU; on the target GPU it is built without use_cpu (or pass use_cpu=False)",
+                UserWarning, stacklevel=2,
+            )
+        return self.trainer.trl_config(self.candidate, self.workload, **overrides)
 
     def dpo_config(self, **overrides: Any) -> Any:
-        """A trl.DPOConfig (a suggestion made with trainer="dpo")."""
-        if self.trainer.name != "dpo":
+        """A trl.DPOConfig (a suggestion made with trainer="dpo"): `trl_config()`, refused for another trainer."""
+        return self._config_named("DPOConfig", "dpo_config", overrides)
+
+    def _config_named(self, config_name: str, method: str, overrides: dict[str, Any]) -> Any:
+        if self.trainer.config_class().__name__ != config_name:
             from .errors import UsageError
 
-            raise UsageError(f"dpo_config(): this suggestion is for trainer={self.trainer.name!r}; use trl_config()")
+            raise UsageError(f"{method}(): this suggestion is for trainer={self.trainer.name!r}; use trl_config() "
+                             f"(a {self.trainer.config_class().__name__})")
         return self.trl_config(**overrides)
 
     def peft_config(self) -> LoraConfig | None:
-        return emit.peft_config(self.candidate, self.workload.model)
+        return self.trainer.peft_config(self.candidate, self.workload.model)
 
     @property
     def model_init_kwargs(self) -> dict[str, Any]:
@@ -121,35 +113,18 @@ class Suggestion:
     def env(self) -> dict[str, str]:
         return emit.env_vars(self.candidate)
 
-    @property
-    def _completion_only_loss(self) -> bool | None:
-        """Explicit for the synthetic set (pre-tokenized prompt/completion); TRL's own default for real data."""
-        ds = self.workload.dataset
-        return ds.completion_only_loss if ds.source == "synthetic" else None
+    def _emit_args(self) -> dict[str, Any]:
+        return {"model_name_or_path": self.model_name_or_path, "dataset_name": self.workload.dataset.dataset_name,
+                "workload": self.workload}
 
     def run_config(self) -> dict[str, Any]:
-        if self.trainer.name != "sft":  # `trl dpo` / `trl reward`'s keys
-            return self.trainer.run_config_dict(self.candidate, model_name_or_path=self.model_name_or_path,
-                                                dataset_name=self.workload.dataset.dataset_name)
-        return emit.run_config_dict(
-            self.candidate,
-            model_name_or_path=self.model_name_or_path,
-            dataset_name=self.workload.dataset.dataset_name,
-            completion_only_loss=self._completion_only_loss,
-        )
+        """The keys of the trainer's `trl <command> --config` file."""
+        return self.trainer.run_config_dict(self.candidate, **self._emit_args())
 
     def to_yaml(self) -> str:
-        """A file for `trl sft --config FILE`, headed by a comment: the target, the predicted peak and how it was
-        obtained, and how to run it."""
-        if self.trainer.name != "sft":
-            import yaml
-
-            header = "\n".join(f"# {line}" if line else "#" for line in self.yaml_header().splitlines())
-            return header + "\n" + yaml.safe_dump(self.run_config(), sort_keys=False)
-        return emit.to_yaml(
-            self.candidate, header=self.yaml_header(), model_name_or_path=self.model_name_or_path,
-            dataset_name=self.workload.dataset.dataset_name, completion_only_loss=self._completion_only_loss,
-        )
+        """A file for `trl <command> --config FILE`, headed by a comment: the target, the predicted peak and how it
+        was obtained, and how to run it."""
+        return self.trainer.to_yaml(self.candidate, header=self.yaml_header(), **self._emit_args())
 
     def yaml_header(self) -> str:
         from . import __version__
@@ -179,12 +154,14 @@ class Suggestion:
     # ---- several GPUs (issue 16): the accelerate config beside the TRL config ---------------------------------
     def launch(self, config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml") -> LaunchConfig:
         """The accelerate config of this pick (its `parallelism` on the workload's num_gpus / num_machines) and the
-        commands that launch it (`accelerate launch --config_file ...`, `trl sft --accelerate_config ...`)."""
+        commands that launch it (`accelerate launch --config_file ... -m trl.scripts.<command>`, `trl <command>
+        --accelerate_config ...`), for this suggestion's trainer."""
         from .accelerate_config import accelerate_config
 
         wl = self.workload
         return accelerate_config(self.candidate, self.candidate.parallelism.parallelism, wl.num_gpus,
-                                 wl.num_machines, config_file=config_file, trl_config_file=trl_config_file)
+                                 wl.num_machines, config_file=config_file, trl_config_file=trl_config_file,
+                                 command=self.trainer.command)
 
     def accelerate_yaml(self, config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml") -> str:
         """A file for `accelerate launch --config_file FILE`, headed by what was chosen and how to launch it."""
@@ -199,15 +176,8 @@ class Suggestion:
         return self.launch(config_file, trl_config_file).command
 
     def to_python(self) -> str:
-        if self.trainer.name != "sft":
-            from .trainers.base import python_snippet
-
-            return python_snippet(self.trainer, self.candidate, model_name_or_path=self.model_name_or_path,
-                                  dataset_name=self.workload.dataset.dataset_name)
-        return emit.to_python(
-            self.candidate, model_name_or_path=self.model_name_or_path,
-            dataset_name=self.workload.dataset.dataset_name, completion_only_loss=self._completion_only_loss,
-        )
+        """A snippet that trains the pick with the trainer's TRL classes (the YAML's kwargs, LoRA, quantization)."""
+        return self.trainer.to_python(self.candidate, **self._emit_args())
 
     def to_json_dict(self) -> dict[str, Any]:
         m = self.measurement
@@ -254,10 +224,8 @@ class Suggestion:
 
     @property
     def truncated_fraction(self) -> float:
-        c = self.candidate
-        if hasattr(self.workload.dataset, "rejected_lengths"):  # preference pairs: the worse of chosen / rejected
-            return max(self.workload.dataset.truncated_fraction(c.max_length))
-        return self.workload.dataset.truncated_fraction(c.max_length, c.packing, c.packing_strategy.value)
+        c = self.candidate  # for pairs: the worse of chosen / rejected (the Dataset protocol's truncated share)
+        return self.workload.dataset.truncated_share(c.max_length, c.packing, c.packing_strategy.value)
 
     def report(self) -> str:
         from .report import render_report

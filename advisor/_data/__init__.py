@@ -2,7 +2,7 @@
 statistics, the synthetic set, the raw readers, the row formats and checks, TRL's tokenization. Import from here,
 never from the modules inside."""
 
-from .dataset import BadRow, DataFormat, TokenizedDataset, replace_dataset
+from .dataset import BadRow, DataFormat, Dataset, TokenizedDataset, replace_dataset
 from .readers import LOCAL_SUFFIXES, RawRows, first_line, list_problems, read_raw
 from .rows import check_row, columns, detect_format
 from .synthetic_set import (
@@ -18,7 +18,7 @@ from .synthetic_set import (
 from .tokenize import TOKENIZER_FILES, load_tokenizer, prepare_with_trl, progress_bars
 
 __all__ = [  # noqa: RUF022
-    "TokenizedDataset", "BadRow", "DataFormat", "replace_dataset",
+    "Dataset", "TokenizedDataset", "BadRow", "DataFormat", "replace_dataset",
     "RawRows", "read_raw", "LOCAL_SUFFIXES", "list_problems", "first_line",
     "detect_format", "check_row", "columns",
     "synthetic", "synthetic_lengths", "SYNTHETIC_ROWS", "SYNTHETIC_SEED", "SYNTHETIC_MEDIAN", "SYNTHETIC_SIGMA",

@@ -8,7 +8,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -45,9 +45,45 @@ class BadRow:
         return {"index": self.index, "line": self.line, "field": self.field, "reason": self.reason}
 
 
+@runtime_checkable
+class Dataset(Protocol):
+    """What the advisor reads of a trainer's prepared data, whatever its kind: chat rows (TokenizedDataset, SFT),
+    preference pairs (advisor.trainers.preference.PreferenceDataset: DPO, Reward), prompts (online RL, later: a
+    row is a prompt, `lengths` the prompt plus its longest completion, the trained tokens the completions').
+    A trainer's `load_dataset` returns one; the search, the estimate, the length report and the Suggestion use
+    only these members."""
+
+    name: str
+    source: Literal["synthetic", "local", "hub"]
+    rows: tuple[dict[str, list[int]], ...]
+    dataset_name: str | None  # what `trl <command> --dataset_name` takes, when there is one
+    notes: tuple[str, ...]
+    population: int | None  # rows (pairs, prompts) in the whole source when `rows` is a seeded sample of it
+    unit: str  # what one row is, in words: "rows", "pairs", "prompts"
+
+    @property
+    def lengths(self) -> np.ndarray: ...  # per row, the longest sequence the collator pads (before truncation)
+
+    @property
+    def synthetic(self) -> bool: ...
+
+    @property
+    def sampled(self) -> bool: ...
+
+    @property
+    def fingerprint(self) -> str: ...  # what identifies the data in a study's name
+
+    def truncated_share(self, max_length: int | None, packing: bool = False, strategy: str = "bfd") -> float: ...
+    # the share of trained tokens `max_length` keeps from the loss (for pairs: the worse of chosen and rejected)
+
+    def trained_tokens(self, max_length: int | None) -> np.ndarray: ...  # per row, trained tokens after truncation
+
+    def to_hf(self, rows: Any = None) -> datasets.Dataset: ...
+
+
 @dataclass(frozen=True, eq=False)
 class TokenizedDataset:
-    """Rows as SFTTrainer's prepared dataset holds them, before truncation and packing."""
+    """Rows as SFTTrainer's prepared dataset holds them, before truncation and packing (a `Dataset`)."""
 
     name: str
     source: Literal["synthetic", "local", "hub"]
@@ -119,6 +155,16 @@ class TokenizedDataset:
             return 0.0
         kept = self.trained_after_truncation(max_length).sum()
         return float(1.0 - kept / self.total_trained)
+
+    unit = "rows"  # the Dataset protocol's word for one row
+
+    def truncated_share(self, max_length: int | None, packing: bool = False, strategy: str = "bfd") -> float:
+        """The Dataset protocol's truncated share: `truncated_fraction`."""
+        return self.truncated_fraction(max_length, packing, strategy)
+
+    def trained_tokens(self, max_length: int | None) -> np.ndarray:
+        """The Dataset protocol's trained tokens per row: `trained_after_truncation`."""
+        return self.trained_after_truncation(max_length)
 
     def trained_tokens_per_row(self, candidate: Candidate) -> float:
         """Mean trained tokens in one micro-batch row (one example, or one packed row)."""

@@ -282,17 +282,12 @@ def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
         raise UsageError(f"--config {path}: must be a YAML mapping of trl sft keys, got {type(data).__name__}")
     env = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
     data = typed_run_dict(data, trainer=trainer, source=f"--config {path}")
-    if trainer != "sft":
-        from ..trainers import get_trainer
+    from ..trainers import get_trainer
 
-        kind = get_trainer(trainer)
-        kind.check_run_keys(data, source=f"--config {path}")
-        _check_keys(data, path, extra={f.name for f in dataclasses.fields(kind.config_class())})
-        read = getattr(kind, "candidate_from_run_dict", None)
-        cand = (read or candidate_from_run_dict)(data, source=f"--config {path}")
-    else:
-        _check_keys(data, path)
-        cand = candidate_from_run_dict(data, source=f"--config {path}")
+    kind = get_trainer(trainer)  # its keys (another trainer's, e.g. `packing` in a DPO config, are refused by name)
+    kind.check_run_keys(data, source=f"--config {path}")
+    _check_keys(data, path, extra={f.name for f in dataclasses.fields(kind.config_class())})
+    cand = kind.candidate_from_run_dict(data, source=f"--config {path}")
     return RunConfig(
         candidate=cand,
         model_name_or_path=data.get("model_name_or_path"),

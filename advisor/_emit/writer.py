@@ -1,5 +1,7 @@
-"""The files a Candidate is written as: the YAML `trl sft --config` accepts (`run_config_dict`, `to_yaml`) and a
-Python snippet that trains with it (`to_python`)."""
+"""The files a Candidate is written as: the YAML `trl <command> --config` accepts and a Python snippet that trains
+with it. `write_yaml` / `write_python` are the one writer every trainer's emission goes through
+(advisor/trainers/base.py `TrlTrainer.to_yaml` / `to_python`); `run_config_dict`, `to_yaml` and `to_python` are
+SFT's keys and files."""
 
 from __future__ import annotations
 
@@ -78,10 +80,19 @@ def run_config_dict(
 def to_yaml(candidate: Candidate, *, header: str | None = None, **kwargs: Any) -> str:
     """The `trl sft --config` file; `header` becomes leading `#` comment lines, and without a dataset_name a
     commented placeholder says where `trl sft` takes it from."""
-    body = yaml.safe_dump(run_config_dict(candidate, **kwargs), sort_keys=False)
-    if kwargs.get("dataset_name") is None:
-        placeholder = ("# dataset_name: trl-lib/Capybara   # your dataset: a hub id or a local dataset directory "
-                       "(or pass --dataset_name to trl sft)\n")
+    return write_yaml(run_config_dict(candidate, **kwargs), header=header, command="sft",
+                      example_dataset="trl-lib/Capybara")
+
+
+def write_yaml(run_dict: dict[str, Any], *, header: str | None = None, command: str,
+               example_dataset: str) -> str:
+    """Every trainer's `trl <command> --config` file from its keys (`Trainer.run_config_dict`): `header` becomes
+    leading `#` comment lines, and without a dataset_name a commented placeholder (`example_dataset`, a hub id of
+    the trainer's kind of data) says where `trl <command>` takes it from."""
+    body = yaml.safe_dump(run_dict, sort_keys=False)
+    if run_dict.get("dataset_name") is None:
+        placeholder = (f"# dataset_name: {example_dataset}   # your dataset: a hub id or a local dataset directory "
+                       f"(or pass --dataset_name to trl {command})\n")
         lines = body.splitlines(keepends=True)
         at = 1 if lines and lines[0].startswith("model_name_or_path:") else 0
         body = "".join(lines[:at]) + placeholder + "".join(lines[at:])
@@ -92,32 +103,43 @@ def to_yaml(candidate: Candidate, *, header: str | None = None, **kwargs: Any) -
 
 def to_python(candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None = None,
               completion_only_loss: bool | None = None) -> str:
-    """A snippet that trains with this configuration."""
+    """A snippet that trains with this configuration (SFTConfig + SFTTrainer)."""
     c = candidate
     kw = sft_config_kwargs(c)
     kw["completion_only_loss"] = c.base.get("completion_only_loss", completion_only_loss)
-    output_dir = kw.pop("output_dir", "advisor-sft")
+    return write_python(c, config_name="SFTConfig", trainer_name="SFTTrainer", kwargs=kw, peft=peft_config(c),
+                        model_name_or_path=model_name_or_path, dataset_name=dataset_name,
+                        default_output_dir="advisor-sft", data_hint="your data")
+
+
+def write_python(candidate: Candidate, *, config_name: str, trainer_name: str, kwargs: dict[str, Any], peft: Any,
+                 model_name_or_path: str, dataset_name: str | None, default_output_dir: str, data_hint: str) -> str:
+    """Every trainer's snippet: the env vars first, `<config_name>(**kwargs)` (the same kwargs the trainer's config
+    object and YAML carry), the trainer's LoraConfig (`peft`) when LoRA, the BitsAndBytesConfig when quantized (as
+    `trl <command>` passes `get_quantization_config(model_args)` to the trainer), and `<trainer_name>(...)`."""
+    c = candidate
+    kw = dict(kwargs)
+    output_dir = kw.pop("output_dir", default_output_dir)
     lines = ["import os", ""]
     for k, v in env_vars(c).items():
         lines.append(f"os.environ.setdefault({k!r}, {v!r})  # before torch initialises CUDA")
-    lines += ["", "from datasets import load_dataset", "from trl import SFTConfig, SFTTrainer"]
-    if c.use_lora:
+    lines += ["", "from datasets import load_dataset", f"from trl import {config_name}, {trainer_name}"]
+    if peft is not None:
         lines.append("from peft import LoraConfig")
     if c.quantization is not Quantization.NONE:
         lines.append("from transformers import BitsAndBytesConfig")
-    lines += ["", "config = SFTConfig(", f"    output_dir={output_dir!r},"]
+    load = f"load_dataset({dataset_name!r}, split=\"train\")" if dataset_name else \
+        f'load_dataset("json", data_files="train.jsonl", split="train")  # {data_hint}'
+    lines += ["", f"dataset = {load}", f"config = {config_name}(", f"    output_dir={output_dir!r},"]
     lines += [f"    {k}={v!r}," for k, v in kw.items()]
     lines.append(")")
     args = [f"    model={model_name_or_path!r},", "    args=config,", "    train_dataset=dataset,"]
-    load = f"load_dataset({dataset_name!r}, split=\"train\")" if dataset_name else \
-        'load_dataset("json", data_files="train.jsonl", split="train")  # your data'
-    lines.insert(lines.index("config = SFTConfig("), f"dataset = {load}")
-    if c.use_lora:
-        lc = peft_config(c)
+    if peft is not None:
+        lc = peft
         extra = "".join(f", {k}={getattr(lc, k)!r}" for k in ("use_rslora", "use_dora", "modules_to_save")
                         if getattr(lc, k) not in (None, False))
         lines.append(
-            f"peft_config = LoraConfig(r={c.lora_r}, lora_alpha={c.lora_alpha}, lora_dropout={c.lora_dropout!r}, "
+            f"peft_config = LoraConfig(r={lc.r}, lora_alpha={lc.lora_alpha}, lora_dropout={lc.lora_dropout!r}, "
             f"target_modules={peft_targets(c)!r}, bias=\"none\", task_type={lc.task_type!r}{extra})"
         )
         args.append("    peft_config=peft_config,")
@@ -132,5 +154,5 @@ def to_python(candidate: Candidate, *, model_name_or_path: str, dataset_name: st
         else:
             lines.append("quantization_config = BitsAndBytesConfig(load_in_8bit=True)")
         args.append("    quantization_config=quantization_config,")
-    lines += ["trainer = SFTTrainer(", *args, ")", "trainer.train()", ""]
+    lines += [f"trainer = {trainer_name}(", *args, ")", "trainer.train()", ""]
     return "\n".join(lines)

@@ -39,9 +39,12 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
                    help="with --num-gpus N > 1 and --config: how accelerate shards the model (the accelerate config "
                         "`advisor suggest --accelerate-output` writes; default ddp, accelerate's MULTI_GPU). "
                         "suggest searches it: pin it there with --fix parallelism=VALUE")
-    g.add_argument("--trainer", choices=("sft", "dpo", "reward"), default="sft",
-                   help="the TRL trainer: sft (default), dpo or reward (preference data: prompt/chosen/rejected; "
-                   "default: the built-in synthetic preference set); --config is then a trl dpo / trl reward file")
+    from ..trainers import DEFAULT, choices
+
+    g.add_argument("--trainer", choices=choices(), default=DEFAULT,
+                   help=f"the TRL trainer, one of {', '.join(choices())} (default {DEFAULT}); --dataset is that "
+                   "trainer's data (dpo, reward: prompt/chosen/rejected pairs; default: the built-in synthetic set of "
+                   "its kind); --config is then a `trl <trainer>` file")
 
 
 def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -145,19 +148,19 @@ def write_output(path: str | Path, text: str, flag: str) -> None:
 def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None) -> Candidate:
     """The Candidate of --config, checked against the target and the model (every problem at once)."""
     from ..emit import load_run_config
+    from ..trainers import DEFAULT
 
-    cand = load_run_config(ns.config, trainer=getattr(ns, "trainer", "sft")).candidate
+    cand = load_run_config(ns.config, trainer=getattr(ns, "trainer", DEFAULT)).candidate
     layout = getattr(ns, "parallelism", None)
     if layout is not None:  # the accelerate side of the run (not in the TRL YAML)
         cand = cand.replace(parallelism=layout)
-    if workload is not None and workload.trainer != "sft":  # that trainer's rules (DPO: no packing, ...)
+    if workload is not None:  # the trainer's rules (SFT: the candidate's own; DPO: no packing, ...)
         from ..errors import ConfigError
         from ..trainers import get_trainer
 
         problems = get_trainer(workload.trainer).problems(cand, workload.gpu, workload.model)
         if problems:
             raise ConfigError(problems, context=f"--config {ns.config}")
-    if workload is not None:
         cand.check(workload.gpu, workload.model)
         from ..parallelism import layout_problems
 

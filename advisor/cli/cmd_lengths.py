@@ -34,9 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..data import load_dataset
-    from ..lengths import MICRO_BATCHES, length_report, plot_lengths
     from ..profiles import resolve_model
+    from ..trainers import get_trainer
 
     max_truncation = parse_fraction(ns.max_truncation, "--max-truncation")
     check_writable(ns.plot, "--plot")
@@ -44,10 +43,20 @@ def run(ns: argparse.Namespace) -> int:
     if bad:
         raise UsageError(f"--max-length / --micro-batch {bad}: must be positive integers, e.g. --max-length 1024")
     model = resolve_model(ns.model)
-    if ns.trainer != "sft":  # preference pairs: prompt + chosen and prompt + rejected
-        return _preference(ns, model, max_truncation)
-    data = load_dataset(ns.dataset, model, tokenizer=ns.tokenizer, sample=ns.sample, seed=ns.seed,
-                        progress=sys.stderr.isatty())
+    # the trainer reads its own data; the report is that of its kind of data (rows, pairs)
+    data = get_trainer(ns.trainer).load_dataset(ns.dataset, model, ns.tokenizer, sample=ns.sample, seed=ns.seed,
+                                                progress=sys.stderr.isatty())
+    report_of = _REPORTS.get(data.unit)
+    if report_of is None:
+        raise UsageError(f"--trainer {ns.trainer}: `advisor lengths` has no report for {data.unit} yet; use "
+                         "`advisor suggest`, which reads them")
+    return report_of(ns, data, max_truncation)
+
+
+def _rows(ns: argparse.Namespace, data, max_truncation: float) -> int:
+    """Chat rows (SFT): percentiles, truncation, padding per micro-batch and packing fill per max_length."""
+    from ..lengths import MICRO_BATCHES, length_report, plot_lengths
+
     report = length_report(data, max_lengths=ns.max_length, micro_batches=tuple(ns.micro_batch or MICRO_BATCHES),
                            max_truncation=max_truncation, seed=ns.seed)
     marker = ns.max_length[0] if ns.max_length else report.suggested_max_length
@@ -104,15 +113,14 @@ def _text(report, marker: int) -> str:
     return "\n".join(lines)
 
 
-def _preference(ns: argparse.Namespace, model, max_truncation: float) -> int:
-    """`advisor lengths --trainer dpo|reward`: the lengths of prompt + chosen and prompt + rejected, and for each
-    max_length the chosen and the rejected tokens it cuts off (apart) and the pairs it drops."""
+def _preference(ns: argparse.Namespace, data, max_truncation: float) -> int:
+    """Preference pairs (`advisor lengths --trainer dpo|reward`): the lengths of prompt + chosen and prompt +
+    rejected, and for each max_length the chosen and the rejected tokens it cuts off (apart) and the pairs it
+    drops."""
     from tabulate import tabulate
 
-    from ..trainers import get_trainer
     from ..trainers.preference import preference_length_report
 
-    data = get_trainer(ns.trainer).load_dataset(ns.dataset, model, ns.tokenizer)
     report = preference_length_report(data, max_lengths=ns.max_length, max_truncation=max_truncation)
     if ns.json:
         print(emit_json(report.to_dict()))
@@ -135,3 +143,7 @@ def _preference(ns: argparse.Namespace, model, max_truncation: float) -> int:
     lines += [f"note: {n}" for n in report.notes]
     print("\n".join(lines))
     return 0
+
+
+# the length report of each kind of data (the Dataset protocol's `unit`)
+_REPORTS = {"rows": _rows, "pairs": _preference}

@@ -227,8 +227,7 @@ def next_step(ns: argparse.Namespace, s) -> str:
     if ds.dataset_name:
         data = ""  # the YAML names it
     elif ds.synthetic:
-        example = "trl-lib/Capybara" if s.workload.trainer == "sft" else "trl-lib/ultrafeedback_binarized"
-        data = f" --dataset_name <your dataset, e.g. {example}>"
+        data = f" --dataset_name <your dataset, e.g. {s.trainer.example_dataset}>"
     else:
         data = f" --dataset_name <a hub id or directory for {ds.name}>"
     lines = ["Next:"]
@@ -253,11 +252,13 @@ def next_step(ns: argparse.Namespace, s) -> str:
                      f"{s.workload.num_gpus} x {s.workload.gpu.name}; a real probe of several GPUs is not supported "
                      "yet)")
     elif not s.measured_on_target:
+        from ..trainers import DEFAULT as DEFAULT_TRAINER
+
         wl = s.workload
         probe = shlex.join(["advisor", "probe", "--model", _absolute(ns.model) or s.model_name_or_path,
                             "--config", "run.yaml", "--gpu", wl.gpu.name, *(["--dataset", ns.dataset] if ns.dataset
                                                                            else []),
-                            *(["--trainer", wl.trainer] if wl.trainer != "sft" else []),
+                            *(["--trainer", wl.trainer] if wl.trainer != DEFAULT_TRAINER else []),
                             "--backend", "cuda" if wl.gpu.is_cuda else "cpu"])
         lines.append(f"  (the numbers above are {s.measurement.source.value} predictions for {wl.gpu.name}; on "
                      f"{'that GPU' if wl.gpu.is_cuda else 'this machine'}, `{probe}` measures real steps)")

@@ -132,7 +132,6 @@ def job_dict(
         "workload": WorkloadRef.of(workload).to_dict(),
         "trainer": workload.trainer,
         "dataset": {
-            **({"kind": "preference"} if workload.trainer != "sft" else {}),  # prompt/chosen/rejected token rows
             "name": ds.name,
             "source": ds.source,
             "completion_only_loss": getattr(ds, "completion_only_loss", True),

@@ -147,8 +147,8 @@ def _fault(fault: str, where: str) -> None:
 
 
 def _rebuild(job: dict[str, Any]):
-    from ..data import TokenizedDataset
     from ..space import Candidate
+    from ..trainers import DEFAULT, get_trainer
     from ..workload import Goals, GPUSpec, ModelSpec, Workload
 
     m = job["model"]
@@ -157,15 +157,11 @@ def _rebuild(job: dict[str, Any]):
     gpu_fields = dict(job["gpu"])
     gpu_fields["aliases"] = tuple(gpu_fields.get("aliases") or ())
     d = job["dataset"]
-    if d.get("kind") == "preference":  # prompt_ids / chosen_ids / rejected_ids rows (DPO, Reward)
-        from ..trainers.preference import PreferenceDataset
-
-        dataset = PreferenceDataset(name=d["name"], source=d["source"], rows=tuple(d["rows"]),
-                                    dataset_name=d.get("dataset_name"))
-    else:
-        dataset = TokenizedDataset(name=d["name"], source=d["source"], rows=tuple(d["rows"]),
-                                   completion_only_loss=d["completion_only_loss"], dataset_name=d.get("dataset_name"))
-    workload = Workload(model=spec, gpu=GPUSpec(**gpu_fields), dataset=dataset, goals=Goals(**job["goals"]))
+    trainer = get_trainer(job.get("trainer") or DEFAULT)
+    dataset = trainer.dataset_from_rows(d["name"], d["source"], tuple(d["rows"]), dataset_name=d.get("dataset_name"),
+                                        completion_only_loss=d.get("completion_only_loss"))
+    workload = Workload(model=spec, gpu=GPUSpec(**gpu_fields), dataset=dataset, goals=Goals(**job["goals"]),
+                        trainer=trainer.name)
     return workload, Candidate.from_dict(job["candidate"])
 
 
@@ -244,9 +240,9 @@ def _trainer_class(meter: StepMeter, kind=None, shard: tuple[int, int] | None = 
     micro-batch (shape and trained tokens) before training on it. `shard` (rank, world): the trainer's accelerator
     is single-process, so its sampler yields this rank's micro-batches as accelerate's BatchSamplerShard deals
     them (micro-batch k of the sequential order to rank k mod N)."""
-    from ..trainers import get_trainer
+    from ..trainers import DEFAULT, get_trainer
 
-    kind = get_trainer(kind or "sft")
+    kind = get_trainer(kind or DEFAULT)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         meter.micro_batch({**inputs, "labels": kind.labels(inputs)})
@@ -323,7 +319,7 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     cpu_fsdp2 = world > 1 and not cuda and layout != "ddp"
     mesh = _gloo_mesh(world) if cpu_fsdp2 else None
     workload, candidate = _rebuild(job)
-    kind = get_trainer(job.get("trainer", "sft"))
+    kind = get_trainer(workload.trainer)
     spec = workload.model
     notes: list[str] = []
     sampler = ctx = None

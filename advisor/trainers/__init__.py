@@ -1,5 +1,5 @@
 """TRL trainers behind one seam: `get_trainer("sft" | "dpo" | "reward")` (see base.py for the protocol)."""
 
-from .base import Trainer, get_trainer, names, register
+from .base import DEFAULT, Trainer, choices, get_trainer, names, register
 
-__all__ = ["Trainer", "get_trainer", "names", "register"]
+__all__ = ["DEFAULT", "Trainer", "choices", "get_trainer", "names", "register"]

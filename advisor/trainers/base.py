@@ -4,8 +4,12 @@ A trainer is one module (`sft.py`, `dpo.py`, `reward.py`), the way TRL pairs `<n
 `<name>_trainer.py` with `trl/scripts/<name>.py`. Everything the rest of the advisor does differently per trainer
 goes through the `Trainer` protocol: which TRL classes run, how a Candidate becomes their config, which rows make
 the worst batch and how the collator builds it, what the fake step must change on the trainer class (the hooks
-`advisor/_sim/fake_step.py` applies), which models besides the policy the step runs, and which `trl <command>`
-parses the emitted YAML. The private packages (`_sim`, `_search`) import this; this never imports them.
+`advisor/_sim/fake_step.py` applies), which models besides the policy the step runs, which `trl <command>`
+parses the emitted YAML, and the step's phases (`phases.py`: what each holds on the device, and what it reserves
+outside PyTorch's allocator). Its config object, YAML and Python snippet are written by one writer
+(`TrlTrainer.trl_config` / `to_yaml` / `to_python` over advisor/_emit/writer.py), quantization included. Nothing
+outside this package asks a trainer's name: the rest of the advisor calls the protocol. The private packages
+(`_sim`, `_search`) import this; this never imports them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..errors import ConfigError
+from .phases import ClosedForm
 
 if TYPE_CHECKING:
     import datasets
@@ -22,6 +27,7 @@ if TYPE_CHECKING:
 
     from ..space import Candidate
     from ..workload import GPUSpec, ModelSpec, Workload
+    from .phases import Phase
 
 
 @runtime_checkable
@@ -30,6 +36,8 @@ class Trainer(Protocol):
 
     name: str  # the registry name: "sft", "dpo", "reward"
     command: str  # `trl <command> --config FILE` parses what `run_config_dict` emits
+    timed_over_batches: bool  # the simulator's step time is the step-time model over the sampler's batches (SFT);
+    # else the worst batch's step
 
     # ---- TRL's classes --------------------------------------------------------------------------------------
     def config_class(self) -> type: ...  # trl.SFTConfig, trl.DPOConfig, ...
@@ -51,9 +59,26 @@ class Trainer(Protocol):
                      **overrides: Any) -> Any: ...
 
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
-                        dataset_name: str | None = None) -> dict[str, Any]: ...  # the `trl <command>` YAML's keys
+                        dataset_name: str | None = None, workload: Workload | None = None
+                        ) -> dict[str, Any]: ...  # the `trl <command>` YAML's keys
+
+    # ---- emission: one writer (advisor/_emit/writer.py) for every trainer's config object, YAML and snippet ----
+    def emit_kwargs(self, candidate: Candidate, workload: Workload | None = None
+                    ) -> dict[str, Any]: ...  # the config kwargs as emitted: the YAML's, the snippet's, trl_config's
+
+    def trl_config(self, candidate: Candidate, workload: Workload | None = None, **overrides: Any
+                   ) -> Any: ...  # `<Config>(**emit_kwargs)`, its model_init_kwargs with the quantization
+
+    def to_yaml(self, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None,
+                workload: Workload | None = None, header: str | None = None) -> str: ...  # `trl <command>`'s file
+
+    def to_python(self, candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None = None,
+                  workload: Workload | None = None) -> str: ...  # `<Config>` + `<Trainer>` + LoRA + 4-bit
 
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None: ...  # keys of others
+
+    def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config"
+                                ) -> Candidate: ...  # a `trl <command>` config read back
 
     # ---- the model --------------------------------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any: ...  # random weights
@@ -61,10 +86,16 @@ class Trainer(Protocol):
     def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any: ...  # LoraConfig or None
 
     # ---- data ------------------------------------------------------------------------------------------------
-    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> Any: ...
-    # None: the built-in synthetic set; else a local file / directory / hub id, prepared as this trainer does
+    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
+                     sample: int | None = None, seed: int = 0, progress: bool = False) -> Any: ...
+    # None: the built-in synthetic set; else a local file / directory / hub id, prepared as this trainer does;
+    # `sample`: a seeded random sample of that many rows (pairs)
 
     def check_dataset(self, workload: Workload) -> None: ...  # the workload's data is what this trainer reads
+
+    def dataset_from_rows(self, name: str, source: str, rows: tuple[dict, ...], *, dataset_name: str | None = None,
+                          completion_only_loss: bool | None = None) -> Any: ...
+    # the dataset of prepared rows a probe's job carries (the child rebuilds its workload from them)
 
     def kept_rows(self, workload: Workload, candidate: Candidate) -> Any: ...  # indices of the rows TRL trains on
 
@@ -92,23 +123,50 @@ class Trainer(Protocol):
 
     def shadows_integers(self) -> bool: ...  # the step indexes by data-dependent masks (_sim/shadow.py)
 
+    closed_form: ClosedForm  # how the estimate counts this trainer's step (advisor/estimator.py maps the kind)
+
     def notes(self, candidate: Candidate) -> list[str]: ...  # what the Measurement's notes say of this trainer
+
+    # ---- the step as phases (advisor/trainers/phases.py) -----------------------------------------------------
+    def phases(self, candidate: Candidate) -> tuple[Phase, ...]: ...
+    # SFT, DPO, Reward: one training phase; online RL: generate, score, train. What a phase reserves outside
+    # PyTorch's allocator the estimate and the simulator add to device bytes (Category.OUTSIDE_ALLOCATOR).
+
+    def outside_allocator_bytes(self, candidate: Candidate, card_bytes: int) -> int: ...
+
+    # ---- what the report says of this trainer's pick ------------------------------------------------------------
+    def report_rows(self, candidate: Candidate) -> list[list[str]]: ...  # [label, value] rows of the summary
 
 
 _REGISTRY: dict[str, Trainer] = {}
 
 
 def register(trainer: Trainer) -> Trainer:
-    """Add a trainer under its `name` (a module registers its own at import)."""
+    """Add a trainer under its `name` (a module registers its own at import). A name already taken by another
+    trainer is refused (ConfigError naming it): one declaration per trainer, as `trl <command>` has one script."""
     if not isinstance(trainer, Trainer):
         raise TypeError(f"{trainer!r} does not implement advisor.trainers.Trainer")
-    _REGISTRY[trainer.name] = trainer
+    name = getattr(trainer, "name", None)
+    if not name or not isinstance(name, str):
+        raise ConfigError([f"name={name!r}: a trainer is registered under a non-empty name"], context="trainer")
+    taken = _REGISTRY.get(name)
+    if taken is not None and taken is not trainer:
+        raise ConfigError([f"name={name!r}: already registered ({type(taken).__module__}."
+                           f"{type(taken).__qualname__}); give the new trainer another name"], context="trainer")
+    _REGISTRY[name] = trainer
     return trainer
 
 
 def names() -> tuple[str, ...]:
+    """Every registered trainer's name, the built-ins first (their modules are imported)."""
     _load_builtin()
     return tuple(_REGISTRY)
+
+
+def choices() -> tuple[str, ...]:
+    """The names `--trainer` accepts: the built-ins' (declared in `_BUILTIN`, not imported: the CLI's parser stays
+    as cheap to build) and any other registered so far."""
+    return (*_BUILTIN, *(n for n in _REGISTRY if n not in _BUILTIN))
 
 
 def get_trainer(name: str | Trainer = "sft") -> Trainer:
@@ -123,14 +181,21 @@ def get_trainer(name: str | Trainer = "sft") -> Trainer:
                           context="trainer") from None
 
 
-_BUILTIN = ("sft", "dpo", "reward")
+_BUILTIN = ("sft", "dpo", "reward")  # the built-in trainers' modules, each registering the trainer of its name
+DEFAULT = _BUILTIN[0]  # the trainer a workload is for unless it names another (--trainer's default)
+
+
+_LOADED: list[bool] = []
 
 
 def _load_builtin() -> None:
+    if _LOADED:  # the estimate asks for its trainer on every call
+        return
     import importlib
 
     for name in _BUILTIN:  # each module registers its trainer at import
         importlib.import_module(f"{__package__}.{name}")
+    _LOADED.append(True)
 
 
 @contextlib.contextmanager
@@ -146,8 +211,11 @@ class TrlTrainer:
 
     name: str
     command: str
+    timed_over_batches = False
     config_name: str  # e.g. "SFTConfig": trl.<config_name>
     trainer_name: str  # e.g. "SFTTrainer"
+    example_dataset: str  # a hub id of this trainer's kind of data, for the YAML's dataset_name placeholder
+    data_hint: str  # what the snippet's train.jsonl holds, in words
 
     # ---- TRL's classes --------------------------------------------------------------------------------------------
     def config_class(self) -> type:
@@ -178,6 +246,51 @@ class TrlTrainer:
         kwargs["output_dir"] = overrides.pop("output_dir", kwargs.get("output_dir", f"advisor-{self.name}"))
         kwargs.update(overrides)
         return self.config_class()(**kwargs)
+
+    def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
+        """A `trl <command>` config read back into a Candidate: the keys as advisor.emit reads SFT's."""
+        from ..emit import candidate_from_run_dict
+
+        return candidate_from_run_dict(data, source=source)
+
+    # ---- emission: the one writer (advisor/_emit/writer.py) -------------------------------------------------------
+    def emit_kwargs(self, candidate: Candidate, workload: Workload | None = None) -> dict[str, Any]:
+        """The config kwargs as emitted (the user's neutral keys kept): what the YAML, the snippet and
+        `trl_config` carry."""
+        return self.config_kwargs(candidate)
+
+    def trl_config(self, candidate: Candidate, workload: Workload | None = None, **overrides: Any) -> Any:
+        """`<Config>(**emit_kwargs)` through its constructor; its `model_init_kwargs` carry the BitsAndBytesConfig
+        when quantized, so `<Trainer>(model=<id>, args=config, peft_config=...)` loads the pick quantized."""
+        from ..emit import quantization_config
+
+        kwargs = self.emit_kwargs(candidate, workload)
+        qc = quantization_config(candidate)
+        if qc is not None:
+            kwargs["model_init_kwargs"] = {**kwargs.get("model_init_kwargs", {}), "quantization_config": qc}
+        kwargs["output_dir"] = overrides.pop("output_dir", kwargs.get("output_dir", f"advisor-{self.name}"))
+        kwargs.update(overrides)
+        return self.config_class()(**kwargs)
+
+    def to_yaml(self, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None,
+                workload: Workload | None = None, header: str | None = None) -> str:
+        """The file `trl <command> --config` reads, through the one writer."""
+        from ..emit import write_yaml
+
+        data = self.run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
+                                    workload=workload)
+        return write_yaml(data, header=header, command=self.command, example_dataset=self.example_dataset)
+
+    def to_python(self, candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None = None,
+                  workload: Workload | None = None) -> str:
+        """A snippet that trains the candidate with this trainer's TRL classes, through the one writer: the same
+        config kwargs as the YAML, this trainer's LoraConfig, the BitsAndBytesConfig when quantized."""
+        from ..emit import write_python
+
+        return write_python(candidate, config_name=self.config_name, trainer_name=self.trainer_name,
+                            kwargs=self.emit_kwargs(candidate, workload), peft=self.peft_config(candidate),
+                            model_name_or_path=model_name_or_path, dataset_name=dataset_name,
+                            default_output_dir=f"advisor-{self.name}", data_hint=self.data_hint)
 
     # ---- the model ---------------------------------------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
@@ -219,8 +332,32 @@ class TrlTrainer:
     def shadows_integers(self) -> bool:
         return False
 
+    closed_form = ClosedForm.ROWS
+
     def notes(self, candidate: Candidate) -> list[str]:
         return []
+
+    # ---- the step as phases ------------------------------------------------------------------------------------------
+    def phases(self, candidate: Candidate) -> tuple[Phase, ...]:
+        """One training phase: the policy, its gradients and optimizer state, the activations."""
+        from .phases import training_phase
+
+        return (training_phase(),)
+
+    def outside_allocator_bytes(self, candidate: Candidate, card_bytes: int) -> int:
+        """What the step's phases reserve outside PyTorch's allocator on a card of `card_bytes` (0 for SFT, DPO
+        and Reward; colocated vLLM's share for online RL)."""
+        from .phases import outside_allocator_bytes
+
+        return outside_allocator_bytes(self.phases(candidate), card_bytes)
+
+    # ---- the report --------------------------------------------------------------------------------------------------
+    def report_rows(self, candidate: Candidate) -> list[list[str]]:
+        """The summary's rows of this trainer: which TRL trainer runs, then its own knobs (their labels and values
+        from their declarations in the knob registry)."""
+        from ..knobs import owned_rows
+
+        return [["trainer", f"{self.name} ({self.trainer_name})"], *owned_rows(candidate, self.name)]
 
 
 class PairTrainer(TrlTrainer):
@@ -228,11 +365,14 @@ class PairTrainer(TrlTrainer):
     config is not SFTConfig, so SFT-only keys in its YAML are refused by name (`config_label` names the file)."""
 
     config_label: str  # "DPO" in "remove it from the DPO config"
+    example_dataset = "trl-lib/ultrafeedback_binarized"
+    data_hint = "your prompt/chosen/rejected pairs"
 
-    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> Any:
+    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
+                     sample: int | None = None, seed: int = 0, progress: bool = False) -> Any:
         from .preference import load_preferences
 
-        return load_preferences(spec, model, tokenizer, trainer=self.name)
+        return load_preferences(spec, model, tokenizer, trainer=self.name, sample=sample, seed=seed)
 
     def check_dataset(self, workload: Workload) -> None:
         from .preference import PreferenceDataset, check_preference_rows
@@ -240,6 +380,12 @@ class PairTrainer(TrlTrainer):
         data = workload.dataset
         if not isinstance(data, PreferenceDataset):
             check_preference_rows(list(data.rows[:1]), data.name, self.name)
+
+    def dataset_from_rows(self, name: str, source: str, rows: tuple[dict, ...], *, dataset_name: str | None = None,
+                          completion_only_loss: bool | None = None) -> Any:
+        from .preference import PreferenceDataset
+
+        return PreferenceDataset(name=name, source=source, rows=rows, dataset_name=dataset_name)
 
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
         """An SFT-only key in this trainer's config is refused by name (`trl <command>` would pass it on silently)."""
@@ -253,37 +399,6 @@ class PairTrainer(TrlTrainer):
 
     def shadows_integers(self) -> bool:
         return True  # the pairs' losses index by data-dependent masks
-
-
-def python_snippet(trainer: Trainer, candidate: Candidate, *, model_name_or_path: str,
-                   dataset_name: str | None = None) -> str:
-    """A snippet that trains `candidate` with `trainer`'s TRL classes (DPOConfig + DPOTrainer, RewardConfig +
-    RewardTrainer): every memory-relevant field explicit, the LoraConfig when LoRA, the env vars first."""
-    from ..emit import env_vars, peft_config
-
-    cfg, cls = trainer.config_class().__name__, trainer.trainer_class().__name__
-    kw = trainer.config_kwargs(candidate)
-    output_dir = kw.pop("output_dir", f"advisor-{trainer.name}")
-    lines = ["import os", ""]
-    for k, v in env_vars(candidate).items():
-        lines.append(f"os.environ.setdefault({k!r}, {v!r})  # before torch initialises CUDA")
-    lines += ["", "from datasets import load_dataset", f"from trl import {cfg}, {cls}"]
-    if candidate.use_lora:
-        lines.append("from peft import LoraConfig")
-    load = f"load_dataset({dataset_name!r}, split=\"train\")" if dataset_name else \
-        'load_dataset("json", data_files="train.jsonl", split="train")  # your prompt/chosen/rejected pairs'
-    lines += ["", f"dataset = {load}", f"config = {cfg}(", f"    output_dir={output_dir!r},"]
-    lines += [f"    {k}={v!r}," for k, v in kw.items()]
-    lines.append(")")
-    args = [f"    model={model_name_or_path!r},", "    args=config,", "    train_dataset=dataset,"]
-    if candidate.use_lora:
-        lc = peft_config(candidate)
-        lines.append(f"peft_config = LoraConfig(r={lc.r}, lora_alpha={lc.lora_alpha}, "
-                     f"lora_dropout={lc.lora_dropout!r}, target_modules={sorted(lc.target_modules)!r}, "
-                     f"bias=\"none\", task_type={lc.task_type!r})")
-        args.append("    peft_config=peft_config,")
-    lines += [f"trainer = {cls}(", *args, ")", "trainer.train()"]
-    return "\n".join(lines) + "\n"
 
 
 def field_names(cls: type) -> set[str]:

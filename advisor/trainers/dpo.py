@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..knobs import Home, Kind, Knob, Memory, register_knobs
 from .base import PairTrainer, base_config_keys, register
 from .base import field_names as _field_names
+from .phases import ClosedForm
 from .preference import TOKEN_COLUMNS, PreferenceDataset
 
 if TYPE_CHECKING:
@@ -193,19 +194,12 @@ class DPO(PairTrainer):
         return out
 
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
-                        dataset_name: str | None = None) -> dict[str, Any]:
+                        dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
         """The keys `trl dpo --config FILE` accepts: ScriptArguments, DPOConfig and ModelConfig, and `env:`."""
         from .base import run_config_for
 
         return run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
                               output_dir="advisor-dpo")
-
-    def to_yaml(self, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None
-                ) -> str:
-        import yaml
-
-        return yaml.safe_dump(self.run_config_dict(candidate, model_name_or_path=model_name_or_path,
-                                                   dataset_name=dataset_name), sort_keys=False)
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
         """A `trl dpo` config read into a Candidate: the shared keys as advisor.emit reads them, DPO's own keys
@@ -300,6 +294,21 @@ class DPO(PairTrainer):
             torch.cat([c for c, _ in kept]), torch.cat([r for _, r in kept])
 
         return [(real, run)]
+
+    def phases(self, candidate: Candidate) -> tuple:
+        """One training phase; the reference resident beside the policy when it is a separate copy (LoRA runs the
+        policy with its adapters disabled; precompute_ref_log_probs keeps no model)."""
+        from .phases import Resident, training_phase
+
+        ref = DPOKnobs.of(candidate).reference(candidate)
+        return (training_phase(Resident.REFERENCE) if ref is Reference.SEPARATE_COPY else training_phase(),)
+
+    closed_form = ClosedForm.PAIRS_WITH_REFERENCE  # the SFT closed form of the 2B sequences, plus the reference
+
+    def report_rows(self, candidate: Candidate) -> list[list[str]]:
+        """The trainer, and how the reference is held (derived: LoRA, precompute_ref_log_probs)."""
+        k = DPOKnobs.of(candidate)
+        return [*super().report_rows(candidate), ["reference", k.reference(candidate).value.replace("_", " ")]]
 
     def notes(self, candidate: Candidate) -> list[str]:
         k = DPOKnobs.of(candidate)

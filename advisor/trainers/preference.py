@@ -51,6 +51,7 @@ class PreferenceDataset:
     dataset_name: str | None = None
     notes: tuple[str, ...] = ()
     conversational: bool | None = None
+    population: int | None = None  # the file's pairs when `rows` is a seeded sample of them (--sample), else None
     prompt_lengths: np.ndarray = field(init=False, repr=False)
     chosen_lengths: np.ndarray = field(init=False, repr=False)  # prompt + chosen
     rejected_lengths: np.ndarray = field(init=False, repr=False)  # prompt + rejected
@@ -65,7 +66,6 @@ class PreferenceDataset:
 
     # what a Workload reads of its dataset
     completion_only_loss = True
-    population = None
     bad_rows: tuple = ()
 
     @property
@@ -74,7 +74,7 @@ class PreferenceDataset:
 
     @property
     def sampled(self) -> bool:
-        return False
+        return self.population is not None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -95,6 +95,25 @@ class PreferenceDataset:
         if max_length is None:
             return np.arange(len(self.rows))
         return np.flatnonzero(self.prompt_lengths < max_length)
+
+    unit = "pairs"  # the Dataset protocol's word for one row
+
+    def truncated_share(self, max_length: int | None, packing: bool = False, strategy: str = "bfd") -> float:
+        """The Dataset protocol's truncated share: the worse of the chosen and the rejected completions' (pairs
+        are not packed)."""
+        return max(self.truncated_fraction(max_length))
+
+    def trained_tokens(self, max_length: int | None) -> np.ndarray:
+        """The Dataset protocol's trained tokens per pair: the chosen and the rejected completion tokens within
+        `max_length` (keep_start); 0 for a pair TRL drops (its prompt fills max_length)."""
+        p = self.prompt_lengths
+        if max_length is None:
+            return (self.chosen_lengths - p) + (self.rejected_lengths - p)
+        out = np.zeros(len(self.rows), dtype=np.int64)
+        keep = self.kept(max_length)
+        for full in (self.chosen_lengths, self.rejected_lengths):
+            out[keep] += np.minimum(full[keep], max_length) - p[keep]
+        return out
 
     def truncated_fraction(self, max_length: int | None) -> tuple[float, float]:
         """Shares of the chosen and of the rejected completion tokens that `max_length` cuts off (kept pairs)."""
@@ -167,23 +186,44 @@ def check_preference_rows(rows: Sequence[Any], label: str, trainer: str = "dpo")
 
 
 def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None = None,
-                     trainer: str = "dpo") -> PreferenceDataset:
-    """None: the synthetic set. Else the file / directory / hub id, tokenized by DPOTrainer's own preparation."""
+                     trainer: str = "dpo", sample: int | None = None, seed: int = 0) -> PreferenceDataset:
+    """None: the synthetic set. Else the file / directory / hub id, tokenized by DPOTrainer's own preparation.
+    `sample`: a seeded random sample of that many pairs, drawn as advisor.data.load_dataset draws rows (the same
+    indices for the same file size and seed), so `--sample N` reads N pairs whatever the trainer."""
+    from ..errors import DatasetError
+
+    if sample is not None and sample <= 0:
+        raise DatasetError(f"--sample {sample}: must be a positive number of pairs, e.g. --sample 2000")
     if spec is None:
-        return synthetic_preferences(model.vocab_size)
+        data = synthetic_preferences(model.vocab_size)
+        if sample is not None:
+            import dataclasses
+
+            note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} pairs)"
+            data = dataclasses.replace(data, notes=data.notes + (note,))
+        return data
     from ..data import load_tokenizer, read_raw
 
     raw = read_raw(spec)
-    rows = [raw.rows[i] for i in range(len(raw.rows))]
+    population = len(raw.rows)
+    indices = range(population)
+    sampled = sample is not None and sample < population
+    if sampled:
+        indices = np.sort(np.random.default_rng(seed).choice(population, size=sample, replace=False))
+    rows = [raw.rows[int(i)] for i in indices]
     check_preference_rows(rows, raw.label, trainer)
+    kept = {"population": population if sampled else None,
+            "notes": (f"a seeded random sample (seed {seed}) of {len(rows)} of {population} pairs",) if sampled
+            else ()}
     if all(rows[0].get(c) is not None for c in TOKEN_COLUMNS):
         prepared = [{c: list(r[c]) for c in TOKEN_COLUMNS} for r in rows]
         return PreferenceDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
-                                 dataset_name=spec if raw.source == "hub" else None)
+                                 dataset_name=spec if raw.source == "hub" else None, **kept)
     tok = load_tokenizer(tokenizer, model)
     prepared, conversational = prepare_with_trl(rows, tok, spec)
     return PreferenceDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
-                             dataset_name=spec if raw.source == "hub" else None, conversational=conversational)
+                             dataset_name=spec if raw.source == "hub" else None, conversational=conversational,
+                             **kept)
 
 
 def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[list[dict[str, list[int]]], bool]:

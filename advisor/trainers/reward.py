@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .base import PairTrainer, base_config_keys, register
 from .base import field_names as _field_names
+from .phases import ClosedForm
 from .preference import PreferenceDataset
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class Reward(PairTrainer):
         return out
 
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
-                        dataset_name: str | None = None) -> dict[str, Any]:
+                        dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
         """The keys `trl reward --config FILE` accepts; LoRA with `lora_task_type: SEQ_CLS` (the score head)."""
         from .base import run_config_for
 
@@ -160,6 +161,8 @@ class Reward(PairTrainer):
     def labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Every real token is scored (no LM head; the score is read at the last one)."""
         return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+
+    closed_form = ClosedForm.PAIRS_SCORED  # the SFT closed form of the 2B sequences, without the LM head's logits
 
     # ---- the fake step's hooks: none; what the notes say -----------------------------------------------------------
     def notes(self, candidate: Candidate) -> list[str]:

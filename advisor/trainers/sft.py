@@ -25,6 +25,8 @@ class SFT(TrlTrainer):
     name = "sft"
     command = "sft"
     config_name, trainer_name = "SFTConfig", "SFTTrainer"
+    example_dataset, data_hint = "trl-lib/Capybara", "your data"
+    timed_over_batches = True  # the step-time model over the sampler's batches (advisor/_sim/timing)
 
     # ---- rules, config ------------------------------------------------------------------------------------------
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
@@ -37,20 +39,29 @@ class SFT(TrlTrainer):
 
         return sft_config_kwargs(candidate, workload, measured=measured)
 
+    def emit_kwargs(self, candidate: Candidate, workload: Workload | None = None) -> dict[str, Any]:
+        """SFTConfig's kwargs as emitted: `completion_only_loss` as the user wrote it, else explicit for the
+        synthetic set (pre-tokenized prompt/completion), else TRL's own default (None)."""
+        kw = self.config_kwargs(candidate)
+        kw["completion_only_loss"] = candidate.base.get("completion_only_loss", completion_only_loss(workload))
+        return kw
+
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
-                        dataset_name: str | None = None) -> dict[str, Any]:
+                        dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
         from ..emit import run_config_dict
 
-        return run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name)
+        return run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
+                               completion_only_loss=completion_only_loss(workload))
 
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
         return None  # advisor.emit.candidate_from_run_dict checks every SFT key itself
 
     # ---- data ----------------------------------------------------------------------------------------------------
-    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None) -> Any:
+    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
+                     sample: int | None = None, seed: int = 0, progress: bool = False) -> Any:
         from ..data import load_dataset
 
-        return load_dataset(spec, model, tokenizer=tokenizer)
+        return load_dataset(spec, model, tokenizer=tokenizer, sample=sample, seed=seed, progress=progress)
 
     def check_dataset(self, workload: Workload) -> None:
         from ..data import TokenizedDataset
@@ -59,6 +70,13 @@ class SFT(TrlTrainer):
         if not isinstance(workload.dataset, TokenizedDataset):
             raise ConfigError([f"dataset={workload.dataset.name}: preference data (prompt/chosen/rejected) given to "
                                "the SFT trainer; use trainer='dpo' or 'reward', or give SFT data"], context="sft")
+
+    def dataset_from_rows(self, name: str, source: str, rows: tuple[dict, ...], *, dataset_name: str | None = None,
+                          completion_only_loss: bool | None = None) -> Any:
+        from ..data import TokenizedDataset
+
+        return TokenizedDataset(name=name, source=source, rows=rows, completion_only_loss=completion_only_loss,
+                                dataset_name=dataset_name)
 
     def kept_rows(self, workload: Workload, candidate: Candidate) -> Any:
         """Indices of the rows TRL keeps: with a completion-only loss, rows whose trained tokens all fall past
@@ -104,6 +122,19 @@ class SFT(TrlTrainer):
 
     def labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["labels"]
+
+    # ---- the report ------------------------------------------------------------------------------------------------
+    def report_rows(self, candidate: Candidate) -> list[list[str]]:
+        return []  # the default trainer: the summary names none
+
+
+def completion_only_loss(workload: Workload | None) -> bool | None:
+    """What the emitted config says of `completion_only_loss`: explicit for the synthetic set (pre-tokenized
+    prompt/completion, which TRL cannot tell apart), TRL's own default (None) for real data."""
+    if workload is None:
+        return None
+    ds = workload.dataset
+    return ds.completion_only_loss if ds.source == "synthetic" else None
 
 
 SFT_TRAINER = register(SFT())
