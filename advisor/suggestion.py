@@ -129,13 +129,17 @@ class Suggestion:
 
     def run_config(self) -> dict[str, Any]:
         if self.trainer.name != "sft":  # `trl dpo` / `trl reward`'s keys
-            return self.trainer.run_config_dict(self.candidate, model_name_or_path=self.model_name_or_path,
-                                                dataset_name=self.workload.dataset.dataset_name)
+            from ._emit import add_workload_keys
+
+            return add_workload_keys(self.trainer.run_config_dict(
+                self.candidate, model_name_or_path=self.model_name_or_path,
+                dataset_name=self.workload.dataset.dataset_name), self.workload)
         return emit.run_config_dict(
             self.candidate,
             model_name_or_path=self.model_name_or_path,
             dataset_name=self.workload.dataset.dataset_name,
             completion_only_loss=self._completion_only_loss,
+            workload=self.workload,
         )
 
     def to_yaml(self) -> str:
@@ -149,6 +153,7 @@ class Suggestion:
         return emit.to_yaml(
             self.candidate, header=self.yaml_header(), model_name_or_path=self.model_name_or_path,
             dataset_name=self.workload.dataset.dataset_name, completion_only_loss=self._completion_only_loss,
+            workload=self.workload,
         )
 
     def yaml_header(self) -> str:
@@ -167,7 +172,7 @@ class Suggestion:
             f"{kind} device peak {peak}, {tps} trained tokens/s: {how}.",
             f"data: {wl.dataset.name}" + (" (synthetic lengths)" if wl.dataset.synthetic else ""),
             f"run: trl {self.trainer.command} --config THIS_FILE"
-            + ("" if wl.dataset.dataset_name else " --dataset_name YOUR_DATASET")
+            + ("" if wl.dataset.dataset_name or "datasets" in self.run_config() else " --dataset_name YOUR_DATASET")
             if wl.num_gpus == 1 else
             f"{wl.num_gpus} GPUs ({self.launch().chosen}), per rank: run: "
             f"{self.launch_command(trl_config_file='THIS_FILE')}",
@@ -203,10 +208,11 @@ class Suggestion:
             from .trainers.base import python_snippet
 
             return python_snippet(self.trainer, self.candidate, model_name_or_path=self.model_name_or_path,
-                                  dataset_name=self.workload.dataset.dataset_name)
+                                  dataset_name=self.workload.dataset.dataset_name, workload=self.workload)
         return emit.to_python(
             self.candidate, model_name_or_path=self.model_name_or_path,
             dataset_name=self.workload.dataset.dataset_name, completion_only_loss=self._completion_only_loss,
+            workload=self.workload,
         )
 
     def to_json_dict(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Python snippet that trains with it (`to_python`)."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -12,6 +12,10 @@ from ..knobs import KNOBS, Home, Knob
 from ..space import Candidate, Quantization
 from .config import compute_dtype, env_vars, peft_config, peft_targets, quantization_config, sft_config_kwargs
 from .keys import base_keys
+from .target import add_workload_keys, load_line, target_keys
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 # One target written for `trl sft`: ModelConfig turns a one-element list into a string, which PEFT matches as a
 # regular expression against the full module name, so a bare name would match nothing.
@@ -44,10 +48,11 @@ def _write_model(k: Knob, c: Candidate) -> dict[str, Any]:
 
 def run_config_dict(
     candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None,
-    completion_only_loss: bool | None = None, output_dir: str = "advisor-sft",
+    completion_only_loss: bool | None = None, output_dir: str = "advisor-sft", workload: Workload | None = None,
 ) -> dict[str, Any]:
     """The keys `trl sft --config FILE` accepts: ScriptArguments, SFTConfig, ModelConfig and an `env:` block.
-    The base's keys come after the knobs', as the user wrote them."""
+    The base's keys come after the knobs', as the user wrote them. With `workload`, the target's device keys and
+    the measured data too (target.add_workload_keys), so the file runs as written on its target."""
     c = candidate
     kw = sft_config_kwargs(c)
     init = kw.pop("model_init_kwargs")  # trl sft builds it from ModelConfig's dtype / attn_implementation
@@ -72,14 +77,15 @@ def run_config_dict(
     env = env_vars(c)
     if env:
         out["env"] = env
-    return out
+    return add_workload_keys(out, workload)
 
 
 def to_yaml(candidate: Candidate, *, header: str | None = None, **kwargs: Any) -> str:
     """The `trl sft --config` file; `header` becomes leading `#` comment lines, and without a dataset_name a
     commented placeholder says where `trl sft` takes it from."""
-    body = yaml.safe_dump(run_config_dict(candidate, **kwargs), sort_keys=False)
-    if kwargs.get("dataset_name") is None:
+    data = run_config_dict(candidate, **kwargs)
+    body = yaml.safe_dump(data, sort_keys=False)
+    if data.get("dataset_name") is None and not data.get("datasets"):
         placeholder = ("# dataset_name: trl-lib/Capybara   # your dataset: a hub id or a local dataset directory "
                        "(or pass --dataset_name to trl sft)\n")
         lines = body.splitlines(keepends=True)
@@ -91,11 +97,13 @@ def to_yaml(candidate: Candidate, *, header: str | None = None, **kwargs: Any) -
 
 
 def to_python(candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None = None,
-              completion_only_loss: bool | None = None) -> str:
-    """A snippet that trains with this configuration."""
+              completion_only_loss: bool | None = None, workload: Workload | None = None) -> str:
+    """A snippet that trains with this configuration (with `workload`: on its target, over the measured data)."""
     c = candidate
     kw = sft_config_kwargs(c)
     kw["completion_only_loss"] = c.base.get("completion_only_loss", completion_only_loss)
+    if workload is not None:
+        kw.update(target_keys(workload.gpu))
     output_dir = kw.pop("output_dir", "advisor-sft")
     lines = ["import os", ""]
     for k, v in env_vars(c).items():
@@ -109,8 +117,7 @@ def to_python(candidate: Candidate, *, model_name_or_path: str, dataset_name: st
     lines += [f"    {k}={v!r}," for k, v in kw.items()]
     lines.append(")")
     args = [f"    model={model_name_or_path!r},", "    args=config,", "    train_dataset=dataset,"]
-    load = f"load_dataset({dataset_name!r}, split=\"train\")" if dataset_name else \
-        'load_dataset("json", data_files="train.jsonl", split="train")  # your data'
+    load = load_line(workload, dataset_name, "your data")
     lines.insert(lines.index("config = SFTConfig("), f"dataset = {load}")
     if c.use_lora:
         lc = peft_config(c)

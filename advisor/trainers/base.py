@@ -256,13 +256,16 @@ class PairTrainer(TrlTrainer):
 
 
 def python_snippet(trainer: Trainer, candidate: Candidate, *, model_name_or_path: str,
-                   dataset_name: str | None = None) -> str:
+                   dataset_name: str | None = None, workload: Workload | None = None) -> str:
     """A snippet that trains `candidate` with `trainer`'s TRL classes (DPOConfig + DPOTrainer, RewardConfig +
     RewardTrainer): every memory-relevant field explicit, the LoraConfig when LoRA, the env vars first."""
+    from .._emit import load_line, target_keys
     from ..emit import env_vars, peft_config
 
     cfg, cls = trainer.config_class().__name__, trainer.trainer_class().__name__
     kw = trainer.config_kwargs(candidate)
+    if workload is not None:  # on its target, over the measured data (issue 25)
+        kw.update(target_keys(workload.gpu))
     output_dir = kw.pop("output_dir", f"advisor-{trainer.name}")
     lines = ["import os", ""]
     for k, v in env_vars(candidate).items():
@@ -270,8 +273,7 @@ def python_snippet(trainer: Trainer, candidate: Candidate, *, model_name_or_path
     lines += ["", "from datasets import load_dataset", f"from trl import {cfg}, {cls}"]
     if candidate.use_lora:
         lines.append("from peft import LoraConfig")
-    load = f"load_dataset({dataset_name!r}, split=\"train\")" if dataset_name else \
-        'load_dataset("json", data_files="train.jsonl", split="train")  # your prompt/chosen/rejected pairs'
+    load = load_line(workload, dataset_name, "your prompt/chosen/rejected pairs")
     lines += ["", f"dataset = {load}", f"config = {cfg}(", f"    output_dir={output_dir!r},"]
     lines += [f"    {k}={v!r}," for k, v in kw.items()]
     lines.append(")")
