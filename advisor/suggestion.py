@@ -177,6 +177,8 @@ class Suggestion:
             f"{wl.num_gpus} GPUs ({self.launch().chosen}), per rank: run: "
             f"{self.launch_command(trl_config_file='THIS_FILE')}",
         ]
+        if self.candidate.requirements():  # what the target must have installed for the file to run as written
+            lines.append(f"needs: pip install {' '.join(self.candidate.requirements())}")
         import textwrap
 
         return "\n".join(part for line in lines for part in textwrap.wrap(line, 110, subsequent_indent="  "))

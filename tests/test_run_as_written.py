@@ -80,7 +80,8 @@ def _trl_as_written(command: str, config: Path, cwd: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer, data", [("sft", "sft.jsonl"), ("dpo", "pairs.jsonl"), ("reward", "pairs.jsonl")])
-def test_the_file_runs_as_written_and_peaks_as_predicted(trainer, data, model_dir, data_dir, tmp_path, monkeypatch):
+def test_the_file_runs_as_written_and_peaks_as_predicted(trainer, data, model_dir, data_dir, tmp_path, monkeypatch,
+                                                         capsys):
     import advisor
     from advisor.emit import load_run_config
 
@@ -99,12 +100,88 @@ def test_the_file_runs_as_written_and_peaks_as_predicted(trainer, data, model_di
     # read back: the same candidate, the same data and model
     back = load_run_config(run, trainer=trainer)
     assert back.candidate == s.candidate and back.dataset == str(dataset) and back.use_cpu is True
+    if trainer == "sft":  # the data of `advisor simulate --config FILE` is the file's: the same prediction
+        from advisor.cli import main
+
+        assert main(["simulate", "--model", str(model_dir), "--config", str(run), "--gpu", "cpu", "--json"]) == 0
+        shown = capsys.readouterr().out
+        assert json.loads(shown[shown.index("{"):])["peak_bytes"] == s.measurement.peak_bytes
     code = s.to_python()
     assert f"load_dataset('json', data_files={str(dataset)!r}, split=\"train\")" in code and "use_cpu=True" in code
 
     real = _trl_as_written(s.trainer.command, run, tmp_path)
     assert real["steps"] == STEPS and real["trainer"] == s.trainer.trainer_class().__name__
     predicted = s.measurement.peak_bytes
-    print(f"{trainer}: trl {s.trainer.command} peak {real['peak_bytes']} bytes, predicted {predicted} "
-          f"({real['peak_bytes'] / predicted:.5f})")
+    with capsys.disabled():  # the numbers, with -s
+        print(f"{trainer}: trl {s.trainer.command} peak {real['peak_bytes']} bytes, predicted {predicted} "
+              f"({real['peak_bytes'] / predicted:.5f})")
     assert real["peak_bytes"] == pytest.approx(predicted, rel=0.01), (trainer, real, predicted, s.candidate)
+
+
+# ---- the keys themselves (fast) ----------------------------------------------------------------------------------
+def _parse_like_trl(path: Path, command: str = "sft"):
+    import importlib
+
+    return importlib.import_module(f"trl.scripts.{command}").make_parser().parse_args_and_config(
+        ["--config", str(path)], return_remaining_strings=True, separate_remaining_strings=True)
+
+
+def test_a_cpu_file_builds_its_trl_config_with_nothing_added(tiny_workload, tmp_path):
+    """Before issue 25 the CPU file said bf16: true without use_cpu, and TrainingArguments refused it here."""
+    import torch
+
+    from advisor.emit import load_run_config, to_yaml
+    from advisor.space import Candidate, Precision
+
+    cand = Candidate(precision=Precision.BF16)
+    path = tmp_path / "run.yaml"
+    path.write_text(to_yaml(cand, model_name_or_path="m", workload=tiny_workload))
+    _script, training, *_, config_left, args_left = _parse_like_trl(path)
+    assert config_left == [] and args_left == []
+    assert training.use_cpu is True and training.bf16 is True
+    if not torch.cuda.is_available():
+        assert training.device.type == "cpu"
+    # the synthetic set has no file to name: the placeholder says where trl takes the data from
+    assert "# dataset_name: trl-lib/Capybara" in path.read_text() and "datasets:" not in path.read_text()
+    back = load_run_config(path)
+    assert back.candidate == cand and back.use_cpu is True and back.dataset is None
+
+
+def test_a_gpu_file_says_use_cpu_false(tiny_workload, h100_target):
+    import dataclasses
+
+    from advisor.emit import run_config_dict
+    from advisor.space import Candidate
+
+    wl = dataclasses.replace(tiny_workload, gpu=h100_target)
+    assert run_config_dict(Candidate(), model_name_or_path="m", workload=wl)["use_cpu"] is False
+
+
+def test_local_data_is_an_entry_trl_reads_and_reads_back(tmp_path):
+    """A .jsonl file, a save_to_disk Dataset and DatasetDict: TRL's get_dataset loads the entry the writer emits to
+    the rows the advisor read, and the reader turns it back into what --dataset took."""
+    import datasets
+    from trl import DatasetMixtureConfig, get_dataset
+
+    from advisor._emit import dataset_of
+    from advisor._emit.target import dataset_entry
+
+    rows = [{"text": f"row {i}"} for i in range(5)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = datasets.Dataset.from_list(rows)
+    ds.save_to_disk(tmp_path / "saved")
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(tmp_path / "saved_dict")
+    for name in ("d.jsonl", "saved", "saved_dict"):
+        entry = dataset_entry(str(tmp_path / name))
+        assert get_dataset(DatasetMixtureConfig(datasets=[entry]))["train"]["text"] == [r["text"] for r in rows]
+        assert dataset_of([entry]) == str(tmp_path / name)
+    assert dataset_entry("trl-lib/Capybara") is None
+
+
+def test_a_users_own_mixture_stays_in_the_base(tmp_path):
+    from advisor.emit import candidate_from_run_dict, run_config_dict
+
+    mixture = [{"path": "trl-lib/Capybara"}, {"path": "json", "data_files": "x.jsonl", "columns": ["messages"]}]
+    cand = candidate_from_run_dict({"datasets": mixture, "use_cpu": True})
+    assert cand.base.get("datasets") == mixture and cand.base.get("use_cpu") is None
+    assert run_config_dict(cand, model_name_or_path="m")["datasets"] == mixture
