@@ -68,12 +68,15 @@ def _trl_as_written(command: str, config: Path, cwd: Path) -> dict:
     """`trl <command> --config FILE --max_steps N` in a fresh process, its peak measured by the cpu backend's meter."""
     trl = shutil.which("trl", path=str(Path(sys.executable).parent)) or shutil.which("trl")
     assert trl, "the trl command is not installed beside this Python"
+    return _measured([trl, command, "--config", str(config), "--max_steps", str(STEPS)], cwd)
+
+
+def _measured(argv: list[str], cwd: Path) -> dict:
     out = cwd / "peak.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "ADVISOR_TRL_PEAK": str(out),
            "PYTHONPATH": os.pathsep.join([str(METER), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([trl, command, "--config", str(config), "--max_steps", str(STEPS)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -108,6 +111,12 @@ def test_the_file_runs_as_written_and_peaks_as_predicted(trainer, data, model_di
         assert json.loads(shown[shown.index("{"):])["peak_bytes"] == s.measurement.peak_bytes
     code = s.to_python()
     assert f"load_dataset('json', data_files={str(dataset)!r}, split=\"train\")" in code and "use_cpu=True" in code
+    if trainer == "sft":  # the snippet as written, too: TRL's 3 epochs of the 32 rows (12 steps)
+        (tmp_path / "snippet").mkdir()
+        (tmp_path / "snippet" / "train.py").write_text(code)
+        snippet = _measured([sys.executable, "train.py"], tmp_path / "snippet")
+        assert snippet["steps"] == 12
+        assert snippet["peak_bytes"] == pytest.approx(s.measurement.peak_bytes, rel=0.01), snippet
 
     real = _trl_as_written(s.trainer.command, run, tmp_path)
     assert real["steps"] == STEPS and real["trainer"] == s.trainer.trainer_class().__name__
