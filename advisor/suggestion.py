@@ -142,11 +142,13 @@ class Suggestion:
             f"{kind} device peak {peak}, {tps} trained tokens/s: {how}.",
             f"data: {wl.dataset.name}" + (" (synthetic lengths)" if wl.dataset.synthetic else ""),
             f"run: trl {self.trainer.command} --config THIS_FILE"
-            + ("" if wl.dataset.dataset_name else " --dataset_name YOUR_DATASET")
+            + ("" if wl.dataset.dataset_name or "datasets" in self.run_config() else " --dataset_name YOUR_DATASET")
             if wl.num_gpus == 1 else
             f"{wl.num_gpus} GPUs ({self.launch().chosen}), per rank: run: "
             f"{self.launch_command(trl_config_file='THIS_FILE')}",
         ]
+        if self.candidate.requirements():  # what the target must have installed for the file to run as written
+            lines.append(f"needs: pip install {' '.join(self.candidate.requirements())}")
         import textwrap
 
         return "\n".join(part for line in lines for part in textwrap.wrap(line, 110, subsequent_indent="  "))

@@ -12,12 +12,14 @@ from .config import (
 )
 from .keys import KEY_USES, KeyUse, trl_fields
 from .reader import RunConfig, candidate_from_run_dict, load_run_config
+from .target import add_workload_keys, dataset_of, load_line, target_keys, workload_keys
 from .writer import run_config_dict, to_python, to_yaml, write_python, write_yaml
 
 __all__ = [  # noqa: RUF022
     "KEY_USES", "KeyUse", "trl_fields",
     "ALLOC_CONF", "sft_config_kwargs", "model_init_kwargs", "quantization_config", "peft_config", "env_vars",
     "build_sft_config",
-    "run_config_dict", "to_yaml", "to_python", "write_yaml", "write_python",
+    "run_config_dict", "to_yaml", "to_python", "write_yaml", "write_python", "add_workload_keys", "workload_keys",
+    "target_keys", "load_line", "dataset_of",
     "RunConfig", "candidate_from_run_dict", "load_run_config",
 ]

@@ -30,6 +30,7 @@ from .keys import (
     trl_default,
     trl_fields,
 )
+from .target import carried_by_run_config, dataset_of
 from .writer import ONE_TARGET
 
 
@@ -43,6 +44,14 @@ class RunConfig:
     dataset_name: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     path: Path | None = None
+    datasets: list[dict[str, Any]] | None = None  # a `datasets:` entry of local data (what the writer emits)
+    use_cpu: bool | None = None  # the target's (the writer's `use_cpu`), not the candidate's
+
+    @property
+    def dataset(self) -> str | None:
+        """What `--dataset` takes for the file's data: its dataset_name, or the local file / directory of its
+        `datasets:` entry."""
+        return self.dataset_name or (dataset_of(self.datasets) if self.datasets else None)
 
 
 def candidate_from_run_dict(data: dict[str, Any], *, source: str = "config") -> Candidate:
@@ -70,6 +79,8 @@ def candidate_from_run_dict(data: dict[str, Any], *, source: str = "config") -> 
             continue
         if key in EMITTED_DEFAULTS and value == EMITTED_DEFAULTS[key]:
             continue
+        if carried_by_run_config(key, value):
+            continue  # the target's and the data's keys: RunConfig's (target.py), not the base's
         base[key] = value
 
     ck_kwargs = _read_mapping(d.get("activation_checkpointing_kwargs", d.get("gradient_checkpointing_kwargs")),
@@ -294,6 +305,8 @@ def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
         dataset_name=data.get("dataset_name"),
         env=env,
         path=path,
+        datasets=data["datasets"] if dataset_of(data.get("datasets")) is not None else None,
+        use_cpu=data.get("use_cpu"),
     )
 
 

@@ -6,7 +6,7 @@ SFT's keys and files."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -14,6 +14,10 @@ from ..knobs import KNOBS, Home, Knob
 from ..space import Candidate, Quantization
 from .config import compute_dtype, env_vars, peft_config, peft_targets, quantization_config, sft_config_kwargs
 from .keys import base_keys
+from .target import add_workload_keys, load_line, target_keys
+
+if TYPE_CHECKING:
+    from ..workload import Workload
 
 # One target written for `trl sft`: ModelConfig turns a one-element list into a string, which PEFT matches as a
 # regular expression against the full module name, so a bare name would match nothing.
@@ -46,10 +50,11 @@ def _write_model(k: Knob, c: Candidate) -> dict[str, Any]:
 
 def run_config_dict(
     candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None,
-    completion_only_loss: bool | None = None, output_dir: str = "advisor-sft",
+    completion_only_loss: bool | None = None, output_dir: str = "advisor-sft", workload: Workload | None = None,
 ) -> dict[str, Any]:
     """The keys `trl sft --config FILE` accepts: ScriptArguments, SFTConfig, ModelConfig and an `env:` block.
-    The base's keys come after the knobs', as the user wrote them."""
+    The base's keys come after the knobs', as the user wrote them. With `workload`, the target's device keys and
+    the measured data too (target.add_workload_keys), so the file runs as written on its target."""
     c = candidate
     kw = sft_config_kwargs(c)
     init = kw.pop("model_init_kwargs")  # trl sft builds it from ModelConfig's dtype / attn_implementation
@@ -74,7 +79,7 @@ def run_config_dict(
     env = env_vars(c)
     if env:
         out["env"] = env
-    return out
+    return add_workload_keys(out, workload)
 
 
 def to_yaml(candidate: Candidate, *, header: str | None = None, **kwargs: Any) -> str:
@@ -90,7 +95,7 @@ def write_yaml(run_dict: dict[str, Any], *, header: str | None = None, command: 
     leading `#` comment lines, and without a dataset_name a commented placeholder (`example_dataset`, a hub id of
     the trainer's kind of data) says where `trl <command>` takes it from."""
     body = yaml.safe_dump(run_dict, sort_keys=False)
-    if run_dict.get("dataset_name") is None:
+    if run_dict.get("dataset_name") is None and not run_dict.get("datasets"):
         placeholder = (f"# dataset_name: {example_dataset}   # your dataset: a hub id or a local dataset directory "
                        f"(or pass --dataset_name to trl {command})\n")
         lines = body.splitlines(keepends=True)
@@ -102,23 +107,28 @@ def write_yaml(run_dict: dict[str, Any], *, header: str | None = None, command: 
 
 
 def to_python(candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None = None,
-              completion_only_loss: bool | None = None) -> str:
-    """A snippet that trains with this configuration (SFTConfig + SFTTrainer)."""
+              completion_only_loss: bool | None = None, workload: Workload | None = None) -> str:
+    """A snippet that trains with this configuration (SFTConfig + SFTTrainer; with `workload`: on its target,
+    over the measured data)."""
     c = candidate
     kw = sft_config_kwargs(c)
     kw["completion_only_loss"] = c.base.get("completion_only_loss", completion_only_loss)
     return write_python(c, config_name="SFTConfig", trainer_name="SFTTrainer", kwargs=kw, peft=peft_config(c),
                         model_name_or_path=model_name_or_path, dataset_name=dataset_name,
-                        default_output_dir="advisor-sft", data_hint="your data")
+                        default_output_dir="advisor-sft", data_hint="your data", workload=workload)
 
 
 def write_python(candidate: Candidate, *, config_name: str, trainer_name: str, kwargs: dict[str, Any], peft: Any,
-                 model_name_or_path: str, dataset_name: str | None, default_output_dir: str, data_hint: str) -> str:
+                 model_name_or_path: str, dataset_name: str | None, default_output_dir: str, data_hint: str,
+                 workload: Workload | None = None) -> str:
     """Every trainer's snippet: the env vars first, `<config_name>(**kwargs)` (the same kwargs the trainer's config
     object and YAML carry), the trainer's LoraConfig (`peft`) when LoRA, the BitsAndBytesConfig when quantized (as
-    `trl <command>` passes `get_quantization_config(model_args)` to the trainer), and `<trainer_name>(...)`."""
+    `trl <command>` passes `get_quantization_config(model_args)` to the trainer), and `<trainer_name>(...)`. With
+    `workload`: the target's device keys and the data the search measured (target.py), as the YAML carries them."""
     c = candidate
     kw = dict(kwargs)
+    if workload is not None:
+        kw.update(target_keys(workload.gpu))
     output_dir = kw.pop("output_dir", default_output_dir)
     lines = ["import os", ""]
     for k, v in env_vars(c).items():
@@ -128,8 +138,7 @@ def write_python(candidate: Candidate, *, config_name: str, trainer_name: str, k
         lines.append("from peft import LoraConfig")
     if c.quantization is not Quantization.NONE:
         lines.append("from transformers import BitsAndBytesConfig")
-    load = f"load_dataset({dataset_name!r}, split=\"train\")" if dataset_name else \
-        f'load_dataset("json", data_files="train.jsonl", split="train")  # {data_hint}'
+    load = load_line(workload, dataset_name, data_hint)
     lines += ["", f"dataset = {load}", f"config = {config_name}(", f"    output_dir={output_dir!r},"]
     lines += [f"    {k}={v!r}," for k, v in kw.items()]
     lines.append(")")

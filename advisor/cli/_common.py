@@ -65,7 +65,7 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
 
         rc = load_run_config(config_path, trainer=getattr(ns, "trainer", "sft"))
         model = model or rc.model_name_or_path
-        dataset = dataset or rc.dataset_name
+        dataset = dataset or rc.dataset
     if model is None:
         raise UsageError("--model is required (or model_name_or_path in --config)")
     from ..profiles import decide_offline

@@ -224,8 +224,8 @@ def next_step(ns: argparse.Namespace, s) -> str:
     import shlex
 
     ds = s.workload.dataset
-    if ds.dataset_name:
-        data = ""  # the YAML names it
+    if ds.dataset_name or "datasets" in s.run_config():
+        data = ""  # the YAML names it (a hub id, or the local file as a `datasets:` entry)
     elif ds.synthetic:
         data = f" --dataset_name <your dataset, e.g. {s.trainer.example_dataset}>"
     else:
@@ -295,7 +295,7 @@ def _workload_names(ns: argparse.Namespace, workload) -> dict[str, object]:
         from ..emit import load_run_config
 
         rc = load_run_config(ns.config, trainer=ns.trainer)
-        model, dataset = model or rc.model_name_or_path, dataset or rc.dataset_name
+        model, dataset = model or rc.model_name_or_path, dataset or rc.dataset
     # the resolved GPU, so that a worker on another machine measures for the same target; local paths made
     # absolute, so that `advisor report --study` and workers started elsewhere find the same files
     return {"model": _absolute(model), "gpu": ns.gpu or workload.gpu.name, "dataset": _absolute(dataset),

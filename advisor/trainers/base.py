@@ -290,7 +290,7 @@ class TrlTrainer:
         return write_python(candidate, config_name=self.config_name, trainer_name=self.trainer_name,
                             kwargs=self.emit_kwargs(candidate, workload), peft=self.peft_config(candidate),
                             model_name_or_path=model_name_or_path, dataset_name=dataset_name,
-                            default_output_dir=f"advisor-{self.name}", data_hint=self.data_hint)
+                            default_output_dir=f"advisor-{self.name}", data_hint=self.data_hint, workload=workload)
 
     # ---- the model ---------------------------------------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
@@ -429,11 +429,13 @@ def base_config_keys(candidate: Candidate, config_fields: set[str], *, measured:
 
 
 def run_config_for(trainer: Any, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None,
-                   output_dir: str, model_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   output_dir: str, model_extra: Mapping[str, Any] | None = None,
+                   workload: Workload | None = None) -> dict[str, Any]:
     """The keys `trl <trainer.command> --config FILE` accepts for a trainer whose config is not SFTConfig:
     ScriptArguments and ModelConfig keys from emit's SFT file, the trainer's own config kwargs (model_init_kwargs
     without what ModelConfig already carries: dtype, attn_implementation), `model_extra` on the ModelConfig side
-    and `env:`."""
+    and `env:`; with `workload`, the target's device keys and the measured data (as SFT's file carries them)."""
+    from .._emit import add_workload_keys
     from ..emit import run_config_dict, trl_fields
 
     shared = run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name)
@@ -453,4 +455,4 @@ def run_config_for(trainer: Any, candidate: Candidate, *, model_name_or_path: st
     out.update(model)
     if "env" in shared:
         out["env"] = shared["env"]
-    return out
+    return add_workload_keys(out, workload)

@@ -199,7 +199,7 @@ class DPO(PairTrainer):
         from .base import run_config_for
 
         return run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
-                              output_dir="advisor-dpo")
+                              output_dir="advisor-dpo", workload=workload)
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
         """A `trl dpo` config read into a Candidate: the shared keys as advisor.emit reads them, DPO's own keys

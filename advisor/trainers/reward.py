@@ -80,7 +80,8 @@ class Reward(PairTrainer):
 
         return run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
                               output_dir="advisor-reward",
-                              model_extra={"lora_task_type": "SEQ_CLS"} if candidate.use_lora else None)
+                              model_extra={"lora_task_type": "SEQ_CLS"} if candidate.use_lora else None,
+                              workload=workload)
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
         """A `trl reward` config read back: the shared keys as advisor.emit reads them, with what this trainer

@@ -51,7 +51,7 @@ class SFT(TrlTrainer):
         from ..emit import run_config_dict
 
         return run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
-                               completion_only_loss=completion_only_loss(workload))
+                               completion_only_loss=completion_only_loss(workload), workload=workload)
 
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
         return None  # advisor.emit.candidate_from_run_dict checks every SFT key itself
