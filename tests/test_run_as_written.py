@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2Tokenizer
 
-    from advisor._data.tokenize import load_tokenizer
+    from advisor.data import load_tokenizer
     from advisor.profiles import resolve_model
 
     corpus = [f"hello world number {i} {TEXT}" for i in range(200)]
@@ -172,8 +172,7 @@ def test_local_data_is_an_entry_trl_reads_and_reads_back(tmp_path):
     import datasets
     from trl import DatasetMixtureConfig, get_dataset
 
-    from advisor._emit import dataset_of
-    from advisor._emit.target import dataset_entry
+    from advisor._emit import dataset_entry, dataset_of
 
     rows = [{"text": f"row {i}"} for i in range(5)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
