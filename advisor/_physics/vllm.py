@@ -1,6 +1,6 @@
 """vLLM's device memory in closed form, from vLLM's own accounting: what GRPO/RLOO's colocated (or served) vLLM
-claims, when it refuses to start, and what sleep mode gives back. A leaf: it imports nothing from advisor but
-advisor.errors (at merge it moves into the shared physics package).
+claims, when it refuses to start, and what sleep mode gives back. Part of the physics package: it imports
+advisor.errors and the weights' dtype sizes of shapes.py, nothing else of advisor.
 
 What TRL 1.16 asks of vLLM (trl/generation/vllm_generation.py, `VLLMGeneration.__init__`, colocate mode):
 `LLM(model=model.name_or_path, tensor_parallel_size=vllm_tensor_parallel_size, gpu_memory_utilization=
@@ -59,11 +59,13 @@ from enum import Enum
 from typing import Any
 
 from ..errors import ConfigError
+from .shapes import DTYPE_BYTES as _WEIGHT_BYTES
 
 BLOCK_SIZE = 16  # vllm/config/cache.py CacheConfig.block_size default on CUDA (tokens per KV page)
 TRL_MAX_NUM_BATCHED_TOKENS = 4096  # trl/generation/vllm_generation.py: LLM(max_num_batched_tokens=4096)
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# the weights' dtypes (shapes.py, one place) and the KV cache's fp8 kinds (vllm/config/cache.py CacheDType)
+DTYPE_BYTES = {**{d.value: n for d, n in _WEIGHT_BYTES.items()}, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 _NO_FLOAT16 = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})  # vllm/config/model.py
 # vllm/config/model.py _get_and_verify_max_len: the config keys that bound the model's length (the smallest wins)
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
