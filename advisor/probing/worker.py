@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from .._files import write_atomic
 from .runner import FAULT_ENV, HEARTBEAT_FILE, JOB_FILE, RESULT_FILE
 
 # what torchrun / accelerate launch tell each rank
@@ -460,10 +461,7 @@ def failure(exc: BaseException, job: dict[str, Any], state: dict[str, Any]) -> d
 
 def write_result(jobdir: Path, result: dict[str, Any]) -> None:
     rank, world, _ = rank_info()
-    name = result_name(rank, world)
-    tmp = jobdir / (name + ".tmp")
-    tmp.write_text(json.dumps(result, default=str))
-    os.replace(tmp, jobdir / name)
+    write_atomic(jobdir / result_name(rank, world), json.dumps(result, default=str))
 
 
 def main(argv: list[str] | None = None) -> int:
