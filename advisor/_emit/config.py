@@ -38,6 +38,15 @@ def sft_config_kwargs(candidate: Candidate, workload: Workload | None = None, *,
     return out
 
 
+def emitted_sft_kwargs(candidate: Candidate, completion_only_loss: bool | None = None) -> dict[str, Any]:
+    """SFTConfig's kwargs as every emitted form carries them (the YAML, the snippet, `trl_config()`):
+    `completion_only_loss` as the user wrote it, else `completion_only_loss` (explicit for the synthetic set, TRL's
+    own default None for real data)."""
+    kw = sft_config_kwargs(candidate)
+    kw["completion_only_loss"] = candidate.base.get("completion_only_loss", completion_only_loss)
+    return kw
+
+
 def _write_sft(k: Knob, c: Candidate) -> dict[str, Any]:
     """One SFTConfig knob as TRL spells it: its key, or the keys of the knobs TRL spells differently."""
     if k.name == "precision":

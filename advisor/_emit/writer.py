@@ -12,7 +12,14 @@ import yaml
 
 from ..knobs import KNOBS, Home, Knob
 from ..space import Candidate, Quantization
-from .config import compute_dtype, env_vars, peft_config, peft_targets, quantization_config, sft_config_kwargs
+from .config import (
+    compute_dtype,
+    emitted_sft_kwargs,
+    env_vars,
+    peft_config,
+    peft_targets,
+    quantization_config,
+)
 from .keys import base_keys
 from .target import add_workload_keys, load_line, target_keys
 
@@ -56,9 +63,8 @@ def run_config_dict(
     The base's keys come after the knobs', as the user wrote them. With `workload`, the target's device keys and
     the measured data too (target.add_workload_keys), so the file runs as written on its target."""
     c = candidate
-    kw = sft_config_kwargs(c)
+    kw = emitted_sft_kwargs(c, completion_only_loss)
     init = kw.pop("model_init_kwargs")  # trl sft builds it from ModelConfig's dtype / attn_implementation
-    kw["completion_only_loss"] = c.base.get("completion_only_loss", completion_only_loss)
     out: dict[str, Any] = {}
     if model_name_or_path is not None:
         out["model_name_or_path"] = model_name_or_path
@@ -111,9 +117,8 @@ def to_python(candidate: Candidate, *, model_name_or_path: str, dataset_name: st
     """A snippet that trains with this configuration (SFTConfig + SFTTrainer; with `workload`: on its target,
     over the measured data)."""
     c = candidate
-    kw = sft_config_kwargs(c)
-    kw["completion_only_loss"] = c.base.get("completion_only_loss", completion_only_loss)
-    return write_python(c, config_name="SFTConfig", trainer_name="SFTTrainer", kwargs=kw, peft=peft_config(c),
+    return write_python(c, config_name="SFTConfig", trainer_name="SFTTrainer",
+                        kwargs=emitted_sft_kwargs(c, completion_only_loss), peft=peft_config(c),
                         model_name_or_path=model_name_or_path, dataset_name=dataset_name,
                         default_output_dir="advisor-sft", data_hint="your data", workload=workload)
 

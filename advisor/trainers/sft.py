@@ -42,9 +42,9 @@ class SFT(TrlTrainer):
     def emit_kwargs(self, candidate: Candidate, workload: Workload | None = None) -> dict[str, Any]:
         """SFTConfig's kwargs as emitted: `completion_only_loss` as the user wrote it, else explicit for the
         synthetic set (pre-tokenized prompt/completion), else TRL's own default (None)."""
-        kw = self.config_kwargs(candidate)
-        kw["completion_only_loss"] = candidate.base.get("completion_only_loss", completion_only_loss(workload))
-        return kw
+        from ..emit import emitted_sft_kwargs
+
+        return emitted_sft_kwargs(candidate, completion_only_loss(workload))
 
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
                         dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
