@@ -158,7 +158,11 @@ def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None
         from ..errors import ConfigError
         from ..trainers import get_trainer
 
-        problems = get_trainer(workload.trainer).problems(cand, workload.gpu, workload.model)
+        kind = get_trainer(workload.trainer)
+        problems = kind.problems(cand, workload.gpu, workload.model)
+        world_rules = getattr(kind, "check_world", None)  # rules that need --num-gpus (online RL's server GPUs)
+        if world_rules is not None:
+            problems += world_rules(cand, workload.num_gpus)
         if problems:
             raise ConfigError(problems, context=f"--config {ns.config}")
         cand.check(workload.gpu, workload.model)

@@ -156,7 +156,7 @@ KNOBS = register_knobs(
     Knob("vllm_enable_sleep_mode", Kind.BOOL, False, Home.TRAINER_CONFIG, "vllm_enable_sleep_mode",
          "colocated vLLM sleeps (level 2) while the policy trains, giving its weights and KV pool back; vLLM's "
          "CuMemAllocator refuses expandable segments in PYTORCH_CUDA_ALLOC_CONF", active=_vllm_on,
-         trainers=ONLINE, carried=True, memory=Memory.SAVES_WHEN_ON, search=(False, True)),
+         trainers=ONLINE, carried=True, memory=Memory.SAVES_WHEN_ON),
     Knob("vllm_server_gpus", Kind.INT, 0, Home.ACCELERATE, "vllm_server_gpus",
          "server mode: the GPUs of --num-gpus that run `trl vllm-serve` (CUDA_VISIBLE_DEVICES split; "
          "--tensor-parallel-size); the others train", minimum=0, trainers=ONLINE, carried=True),
@@ -267,6 +267,17 @@ def online_only_keys(config_class: type) -> set[str]:
     return (_field_names(config_class) - _field_names(SFTConfig)) | set(SCRIPT_KEYS)
 
 
+@dataclasses.dataclass(frozen=True)
+class GpuSplit:
+    """How --num-gpus split in server mode: the training GPUs (accelerate's num_processes, `train_env` before the
+    launch) and the `trl vllm-serve` command on the others."""
+
+    train_gpus: int
+    train_env: str  # CUDA_VISIBLE_DEVICES=0,1,...
+    server_command: str  # CUDA_VISIBLE_DEVICES=... trl vllm-serve --model ... --tensor-parallel-size ...
+    chosen: str
+
+
 class OnlineRLTrainer(TrlTrainer):
     """What GRPO and RLOO share; a subclass declares its TRL classes and command."""
 
@@ -367,6 +378,25 @@ class OnlineRLTrainer(TrlTrainer):
                        "GPUs, or set vllm_mode: colocate")
         return out
 
+    def gpu_split(self, candidate: Candidate, model_name_or_path: str, num_gpus: int) -> GpuSplit | None:
+        """Server mode: the last `vllm_server_gpus` of --num-gpus run `trl vllm-serve` (tensor-parallel over them),
+        the first ones train (accelerate's num_processes); None otherwise (every GPU trains)."""
+        import shlex
+
+        k = self.knobs(candidate)
+        if not k.served:
+            return None
+        problems = self.check_world(candidate, num_gpus)
+        if problems:
+            raise ConfigError(problems, context="num_gpus")
+        n = k.vllm_server_gpus
+        train = ",".join(str(i) for i in range(num_gpus - n))
+        serve = ",".join(str(i) for i in range(num_gpus - n, num_gpus))
+        cmd = shlex.join(["trl", "vllm-serve", "--model", model_name_or_path, "--tensor-parallel-size", str(n)])
+        return GpuSplit(train_gpus=num_gpus - n, train_env=f"CUDA_VISIBLE_DEVICES={train}",
+                        server_command=f"CUDA_VISIBLE_DEVICES={serve} {cmd}",
+                        chosen=f"vLLM server on GPU(s) {serve}, training on {train}")
+
     # ---- config ------------------------------------------------------------------------------------------------
     def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
                       measured: bool = False) -> dict[str, Any]:
@@ -380,13 +410,12 @@ class OnlineRLTrainer(TrlTrainer):
         fields = _field_names(self.config_class())
         own = {kn.key: getattr(k, kn.name) for kn in KNOBS if kn.key in fields}  # declared once (KNOBS)
         own["vllm_mode"] = k.vllm_mode.value
-        # the generation batch, never both (GRPOConfig derives the other): generation_batch_size when set, else
-        # steps_per_generation as TRL resolves it (None: gradient_accumulation_steps)
-        if k.generation_batch_size is None:
-            own.pop("generation_batch_size")
-            own["steps_per_generation"] = k.steps(c)
-        else:
-            own.pop("steps_per_generation")
+        # the generation batch: the one of steps_per_generation / generation_batch_size that is set (never both:
+        # GRPOConfig derives the other); neither when unset, which TRL reads as steps_per_generation =
+        # gradient_accumulation_steps (written explicitly above)
+        for key in ("steps_per_generation", "generation_batch_size"):
+            if own[key] is None:
+                own.pop(key)
         out: dict[str, Any] = {
             "per_device_train_batch_size": c.per_device_train_batch_size,
             "gradient_accumulation_steps": c.gradient_accumulation_steps,
@@ -499,9 +528,6 @@ class OnlineRLTrainer(TrlTrainer):
         own = {k: v for k, v in data.items() if k in own_keys}
         if "env" in data:
             shared["env"] = data["env"]  # both allocator variables: the expandable_segments knob
-        ga = data.get("gradient_accumulation_steps", 1)
-        if own.get("generation_batch_size") is None and own.get("steps_per_generation") == ga:
-            own.pop("steps_per_generation")  # TRL's None: gradient_accumulation_steps (what is written for it)
         for key, emitted in (("auto_find_batch_size", False), ("vllm_tensor_parallel_size", 1),
                              ("pad_to_multiple_of", None)):
             if shared.get(key, own.get(key, emitted)) == emitted:
