@@ -336,3 +336,24 @@ def test_sft_only_keys_and_sleep_with_expandable_segments_are_refused(tmp_path):
     target = GPUSpec(name="cpu", kind="cpu", memory_bytes=2**34, bf16_tflops=1, fp16_tflops=1, fp32_tflops=1,
                      memory_bandwidth_gbs=1, supports_bf16=True, supports_flash_attention=False)
     assert any("vLLM generates on CUDA GPUs only" in p for p in t.problems(_online(cpu, use_vllm=True), target))
+
+
+def test_a_reward_model_is_part_of_the_workload_and_the_files(tiny_config):
+    from advisor.inputs import WorkloadRef, build_workload
+
+    wl = build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo", reward_model=tiny_config)
+    plain = build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo")
+    assert wl.reward_model is not None and wl.fingerprint() != plain.fingerprint()
+    ref = WorkloadRef.of(wl)
+    assert WorkloadRef.from_spec(ref.to_spec()).reward_model == tiny_config
+    assert WorkloadRef.from_dict(ref.to_dict()).build().fingerprint() == wl.fingerprint()
+    data = get_trainer("grpo").run_config_dict(Candidate(), model_name_or_path="m", workload=wl)
+    assert data["reward_model_name_or_path"] == tiny_config and "reward_funcs" not in data
+    with pytest.raises(ConfigError, match="trainer 'sft' scores with no reward model; use --trainer grpo or rloo"):
+        build_workload(tiny_config, gpu="H100-80GB-SXM", reward_model=tiny_config)
+
+
+def test_reward_model_flag_on_the_cli(tiny_config, capsys):
+    rc = main(["suggest", "--trainer", "sft", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--backend",
+               "estimate", "--reward-model", tiny_config])
+    assert rc == 2 and "drop --reward-model" in capsys.readouterr().err

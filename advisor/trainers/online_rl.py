@@ -285,6 +285,7 @@ class OnlineRLTrainer(TrlTrainer):
     data_hint = "your prompts (a 'prompt' column: text or a list of messages)"
     closed_form = ClosedForm.ONLINE_RL
     config_label: str
+    takes_reward_model = True  # a Workload's reward_model (--reward-model) is this trainer's to score with
 
     def knobs(self, candidate: Candidate) -> Any:
         """This trainer's online knobs of `candidate`, its TRL defaults resolved (OnlineKnobs)."""
@@ -439,11 +440,13 @@ class OnlineRLTrainer(TrlTrainer):
                                     skip=skip))
         return out
 
-    def script_kwargs(self, candidate: Candidate) -> dict[str, Any]:
-        """GRPOScriptArguments / RLOOScriptArguments' keys: the reward model (resident, counted) and the reward
-        functions (host strings, not counted; TRL's think_format_reward when none is given)."""
+    def script_kwargs(self, candidate: Candidate, workload: Workload | None = None) -> dict[str, Any]:
+        """GRPOScriptArguments / RLOOScriptArguments' keys: the reward model (resident, counted: the workload's
+        --reward-model, else the config's) and the reward functions (host strings, not counted; TRL's
+        think_format_reward when neither a function nor a model is given)."""
         out: dict[str, Any] = {}
-        rm = candidate.base.get("reward_model_name_or_path")
+        rm = workload.reward_model.name if workload is not None and workload.reward_model is not None else \
+            candidate.base.get("reward_model_name_or_path")
         if rm:
             out["reward_model_name_or_path"] = rm
         funcs = candidate.base.get("reward_funcs")
@@ -467,7 +470,7 @@ class OnlineRLTrainer(TrlTrainer):
                              output_dir=f"advisor-{self.name}", workload=workload)
         head = {k: out.pop(k) for k in ("model_name_or_path", "dataset_name") if k in out}
         env = out.pop("env", None)
-        out = {**head, **self.script_kwargs(candidate), **out}
+        out = {**head, **self.script_kwargs(candidate, workload), **out}
         out["env"] = {**(env or {}), **allocator_env(candidate, self.knobs(candidate))}
         return out
 
@@ -479,7 +482,7 @@ class OnlineRLTrainer(TrlTrainer):
 
         env = {**(candidate.base.get("env") or {}), **allocator_env(candidate, self.knobs(candidate))}
         shown = candidate.replace(base={**candidate.base.as_dict(), "env": env})
-        script = self.script_kwargs(candidate)
+        script = self.script_kwargs(candidate, workload)
         rewards = ([repr(script["reward_model_name_or_path"])] if "reward_model_name_or_path" in script else [])
         imports = []
         for name in script.get("reward_funcs", ()):

@@ -254,3 +254,32 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
                          population=population if sampled else None,
                          notes=(f"a seeded random sample (seed {seed}) of {len(rows)} of {population} prompts",)
                          if sampled else ())
+
+
+# ---- the lengths report for prompt data (`advisor lengths --trainer grpo|rloo`) --------------------------------
+@dataclass(frozen=True)
+class PromptLengthReport:
+    """The prompts' token lengths (as the trainer tokenizes them) and the sequences they make with every completion
+    at max_completion_length (the bound the memory is measured at): TRL 1.16 truncates neither."""
+
+    name: str
+    synthetic: bool
+    prompts: int
+    prompt: Any  # advisor.lengths.Percentiles
+    max_completion_length: int
+    sequence: Any  # prompt + max_completion_length
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "synthetic": self.synthetic, "prompts": self.prompts,
+                "prompt": self.prompt.to_dict(), "max_completion_length": self.max_completion_length,
+                "prompt_completion": self.sequence.to_dict(), "notes": list(self.notes)}
+
+
+def prompt_length_report(data: PromptDataset, max_completion_length: int = DEFAULT_COMPLETION) -> PromptLengthReport:
+    from ..lengths import Percentiles
+
+    return PromptLengthReport(name=data.name, synthetic=data.synthetic, prompts=len(data.rows),
+                              prompt=Percentiles.of(data.lengths), max_completion_length=int(max_completion_length),
+                              sequence=Percentiles.of(data.sequence_lengths(max_completion_length)),
+                              notes=tuple(data.notes))
