@@ -636,7 +636,7 @@ class OnlineRLTrainer(TrlTrainer):
     # ---- what the report and the notes say -----------------------------------------------------------------------
     def report_rows(self, candidate: Candidate) -> list[list[str]]:
         k = self.knobs(candidate)
-        ref = ("none (beta 0)" if k.beta == 0.0 else "adapters disabled" if candidate.use_lora else "separate copy")
+        ref = ("none" if k.beta == 0.0 else "adapters disabled" if candidate.use_lora else "separate copy")
         return [*super().report_rows(candidate),
                 ["completions", f"{k.num_generations} per prompt x {k.max_completion_length} tokens; generation "
                                 f"batch {k.generation_batch(candidate)} per GPU"],
