@@ -86,7 +86,7 @@ def test_yaml_goes_through_trls_own_parser_and_reads_back(name, case, tmp_path, 
                 "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "ds3_gather_for_generation",
                 "activation_checkpointing", "bf16", "optim", "use_liger_kernel"):
         assert key in data, key
-    assert data["reward_funcs"] == ["think_format_reward"]
+    assert data["reward_funcs"] == ["get_soft_overlong_punishment"]
     on = str(cand.expandable_segments)
     assert data["env"] == {"PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:{on}",
                            "PYTORCH_ALLOC_CONF": f"expandable_segments:{on}"}
@@ -98,7 +98,7 @@ def test_yaml_goes_through_trls_own_parser_and_reads_back(name, case, tmp_path, 
         ["--config", str(path), "--use_cpu", "True"], return_remaining_strings=True, separate_remaining_strings=True)
     assert config_left == [] and args_left == []
     assert type(config).__name__ == t.config_name
-    assert script.reward_funcs == ["think_format_reward"]
+    assert script.reward_funcs == ["get_soft_overlong_punishment"]
     k = t.knobs(cand)
     assert (config.num_generations, config.beta, config.max_completion_length) == (
         k.num_generations, k.beta, k.max_completion_length)
@@ -117,8 +117,9 @@ def test_trl_config_and_the_snippet_build_the_trainers_objects(name):
     snippet = t.to_python(cand, model_name_or_path="Qwen/Qwen2.5-0.5B")
     ast.parse(snippet)
     assert f"from trl import {t.config_name}, {t.trainer_name}" in snippet
-    assert "from trl.rewards import think_format_reward" in snippet
-    assert "reward_funcs=[think_format_reward]" in snippet and "peft_config=peft_config" in snippet
+    assert "from trl.rewards import get_soft_overlong_punishment" in snippet
+    assert "reward_funcs=[get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)]" in snippet
+    assert "peft_config=peft_config" in snippet
     assert "os.environ.setdefault('PYTORCH_CUDA_ALLOC_CONF'" in snippet
     assert "os.environ.setdefault('PYTORCH_ALLOC_CONF'" in snippet
     # a reward model given by id is the trainer's first reward, as trl grpo passes it

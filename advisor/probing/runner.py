@@ -136,7 +136,7 @@ def job_dict(
             "source": ds.source,
             "completion_only_loss": getattr(ds, "completion_only_loss", True),
             "dataset_name": ds.dataset_name,
-            "rows": [dict(r) for r in plan.rows],
+            "rows": [dict(r) if isinstance(r, dict) else list(r) for r in plan.rows],  # prompts: token ids
         },
         "kinds": [k.value for k in plan.kinds],
         "rows_per_step": plan.rows_per_step,

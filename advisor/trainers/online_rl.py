@@ -60,9 +60,17 @@ TRL_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 # The reward function the emitted file names when the user gave none: `trl grpo` / `trl rloo` build the trainer from
-# `reward_funcs` and `reward_model_name_or_path` (trl/scripts/grpo.py) and TRL's think_format_reward scores any
-# completion. A reward function runs on the host's strings: it holds no device memory (not counted).
-DEFAULT_REWARD_FUNCS = ("think_format_reward",)
+# `reward_funcs` and `reward_model_name_or_path` (trl/scripts/grpo.py); TRL's get_soft_overlong_punishment reads only
+# the completions' token ids, so it runs on plain and conversational prompts alike (think_format_reward needs
+# conversational completions). A placeholder the notes name; a reward function runs on the host: no device memory.
+DEFAULT_REWARD_FUNCS = ("get_soft_overlong_punishment",)
+# trl grpo's reward_funcs registry (trl/scripts/grpo.py `reward_funcs_registry`): the name -> the object it passes
+REWARD_REGISTRY = {
+    "accuracy_reward": "accuracy_reward",
+    "reasoning_accuracy_reward": "reasoning_accuracy_reward",
+    "think_format_reward": "think_format_reward",
+    "get_soft_overlong_punishment": "get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)",
+}
 # GRPOScriptArguments / RLOOScriptArguments' own keys (trl/scripts/grpo.py): ride in the candidate's base
 SCRIPT_KEYS = ("reward_model_name_or_path", "reward_funcs")
 
@@ -435,7 +443,14 @@ class OnlineRLTrainer(TrlTrainer):
             "use_liger_kernel": False,
             "model_init_kwargs": model_init_kwargs(c, measured=measured),
         }
-        skip = _KNOB_KEYS | {"vllm_tensor_parallel_size", "auto_find_batch_size", *SCRIPT_KEYS}
+        if measured:
+            # a measured run (the probe, the simulator) generates every completion at max_completion_length (the
+            # bound the memory is counted at), and takes the prompts in the order given (the longest first)
+            out["generation_kwargs"] = {**(c.base.get("generation_kwargs") or {}),
+                                        "min_new_tokens": k.max_completion_length}
+            out["shuffle_dataset"] = False
+        skip = _KNOB_KEYS | {"vllm_tensor_parallel_size", "auto_find_batch_size", *SCRIPT_KEYS,
+                             *(("generation_kwargs", "shuffle_dataset") if measured else ())}
         out.update(base_config_keys(c, fields, measured=measured, own=online_only_keys(self.config_class()),
                                     skip=skip))
         return out
@@ -443,7 +458,7 @@ class OnlineRLTrainer(TrlTrainer):
     def script_kwargs(self, candidate: Candidate, workload: Workload | None = None) -> dict[str, Any]:
         """GRPOScriptArguments / RLOOScriptArguments' keys: the reward model (resident, counted: the workload's
         --reward-model, else the config's) and the reward functions (host strings, not counted; TRL's
-        think_format_reward when neither a function nor a model is given)."""
+        get_soft_overlong_punishment when neither a function nor a model is given)."""
         out: dict[str, Any] = {}
         rm = workload.reward_model.name if workload is not None and workload.reward_model is not None else \
             candidate.base.get("reward_model_name_or_path")
@@ -455,6 +470,14 @@ class OnlineRLTrainer(TrlTrainer):
         if funcs is not None:
             out["reward_funcs"] = list(funcs)
         return out
+
+    def trainer_kwargs(self, workload: Workload, candidate: Candidate) -> dict[str, Any]:
+        """What a measured run (the probe's child) passes `<Trainer>(...)` beyond the shared arguments: the reward.
+        The emitted default, built as trl grpo builds it (REWARD_REGISTRY): a host function, no device memory. A
+        reward model given by --reward-model is not loaded by the probe (the notes say so)."""
+        from trl.rewards import get_soft_overlong_punishment
+
+        return {"reward_funcs": [get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)]}
 
     def script_keys(self) -> frozenset[str]:
         """The keys of `trl <command>`'s script arguments beyond ScriptArguments' (its YAML's reader accepts them)."""
@@ -486,13 +509,13 @@ class OnlineRLTrainer(TrlTrainer):
         rewards = ([repr(script["reward_model_name_or_path"])] if "reward_model_name_or_path" in script else [])
         imports = []
         for name in script.get("reward_funcs", ()):
-            if "." in name:
+            if name in REWARD_REGISTRY:  # as trl grpo builds it
+                imports.append(f"from trl.rewards import {name}")
+                rewards.append(REWARD_REGISTRY[name])
+            else:  # a dotted import path
                 module, func = name.rsplit(".", 1)
                 imports.append(f"from {module} import {func}")
                 rewards.append(func)
-            else:
-                imports.append(f"from trl.rewards import {name}")
-                rewards.append(name)
         return write_python(shown, config_name=self.config_name, trainer_name=self.trainer_name,
                             kwargs=self.emit_kwargs(candidate, workload), peft=self.peft_config(candidate),
                             model_name_or_path=model_name_or_path, dataset_name=dataset_name,
