@@ -358,3 +358,7 @@ def test_reward_model_flag_on_the_cli(tiny_config, capsys):
     rc = main(["suggest", "--trainer", "sft", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--backend",
                "estimate", "--reward-model", tiny_config])
     assert rc == 2 and "drop --reward-model" in capsys.readouterr().err
+
+
+def test_vllm_is_a_requirement_of_the_pick():
+    assert "vllm" in _online(use_vllm=True).requirements() and "vllm" not in Candidate().requirements()
