@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 __all__ = [  # noqa: RUF022
     "estimate", "memory_parts", "MemoryParts", "architecture", "Architecture", "lora_parameters",
     "quantized_linear_bytes", "BatchShape", "knob_memory_savings", "knob_time", "MiB", "RESERVED_FACTOR",
-    "TOKEN_CHUNK", "VOCAB_CHUNK", "LM_HEAD_FP32_VECTORS",
+    "TOKEN_CHUNK", "VOCAB_CHUNK", "LM_HEAD_FP32_VECTORS", "estimate_online_rl",
 ]
 
 
