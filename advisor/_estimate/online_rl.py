@@ -38,7 +38,7 @@ from .._physics import (
 from .._physics import online_device_peak as device_peak
 from .._physics import peak_flops as _peak_flops
 from ..measurement import Category, Measurement, Source, Status
-from ..space import Precision, WeightsDtype
+from ..space import Optimizer, Precision, WeightsDtype
 from .memory import RESERVED_FACTOR, memory_parts, outside_allocator_bytes
 from .step_time import expected_step_time
 
@@ -120,6 +120,7 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
     mixed = c.precision is not Precision.FP32
     compute = 2 if (mixed or c.weights_dtype is not WeightsDtype.FLOAT32) else 4
     params, grads, optim = parts.parameters, parts.gradients, parts.optimizer
+    opt_temp = _optimizer_temporaries(arch, c, gpu.is_cuda, parts.optimizer_temporaries)
     beta = float(_knob(c, "beta"))
     reference = online_Reference.NONE if beta == 0 else (
         online_Reference.ADAPTERS_DISABLED if c.use_lora else online_Reference.SEPARATE)
@@ -153,7 +154,7 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
         world_size=world, zero3=zero3, ds3_gather_for_generation=bool(_knob(c, "ds3_gather_for_generation")),
         full_weights_bytes=arch.total * compute, cast_lm_head_to_fp32=bool(_knob(c, "cast_lm_head_to_fp32")),
         lora=c.use_lora, gradient_checkpointing=c.activation_checkpointing,
-        optimizer_temporary_bytes=parts.optimizer_temporaries, train_activation_bytes=parts.activations,
+        optimizer_temporary_bytes=opt_temp, train_activation_bytes=parts.activations,
         train_recompute_bytes=parts.recompute, card_bytes=gpu.memory_bytes, cuda=gpu.is_cuda,
     )
     if engine is not vllm_Mode.GENERATE:
@@ -168,6 +169,22 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
             context_bytes=outside_allocator_bytes(gpu) if gpu.is_cuda else 0)
         step = dataclasses.replace(step, engine=engine, vllm=side)
     return step, parts, proxy, sft_c
+
+
+def _optimizer_temporaries(arch: Any, c: Candidate, cuda: bool, foreach_bytes: int) -> int:
+    """The optimizer step's temporaries. `memory_parts` counts torch's foreach AdamW (one parameter-sized list: the
+    CUDA path). On the CPU `adamw_torch` (transformers 5: AdamW with foreach=None) runs the single-tensor for-loop
+    (torch/optim/optimizer.py _default_to_fused_or_foreach: foreach only when every tensor is on CUDA), whose
+    `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` (torch/optim/adamw.py _single_tensor_adam) holds
+    two temporaries of one parameter at a time: twice the largest trained tensor."""
+    if cuda or c.optim is not Optimizer.ADAMW_TORCH:
+        return foreach_bytes
+    if c.use_lora:
+        targets = set(c.lora_target_modules)
+        largest = max((c.lora_r * max(i, o) for name, i, o in arch.linears if name in targets), default=0)
+        return 2 * largest * 4
+    largest = max([arch.vocab * arch.hidden] + [i * o for _, i, o in arch.linears])
+    return 2 * largest * DTYPE_BYTES[c.weights_dtype]
 
 
 def _non_torch() -> int:
