@@ -72,11 +72,12 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     )},
     # ---- online RL's step in closed form (online_rl.py): per-phase device bytes, vLLM's refusals, step time; its
     # names are generic there (Reference, step_time, ...), so each is exported as "online_<name>"
-    **{f"online_{name}": ("online_rl", name) for name in (
-        "OnlineStep", "VllmSide", "Reference", "HeadBytes", "PhaseBytes", "VllmTerms", "VllmRefusal",
-        "OnlineDevicePeak", "OnlineTime", "hf_kv_cache_bytes", "lm_head_bytes", "phase_allocator_bytes",
-        "vllm_terms", "vllm_profile_activation_bytes", "startup_bytes", "device_peak", "step_time", "constants",
-        "PHASES",
+    **{name: ("online_rl", name.removeprefix("online_")) for name in (
+        "online_OnlineStep", "online_VllmSide", "online_Reference", "online_HeadBytes", "online_PhaseBytes",
+        "online_VllmTerms", "online_VllmRefusal", "online_OnlineDevicePeak", "online_OnlineTime",
+        "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes", "online_vllm_terms",
+        "online_vllm_profile_activation_bytes", "online_startup_bytes", "online_device_peak", "online_step_time",
+        "online_constants", "online_PHASES",
     )},
 }
 
