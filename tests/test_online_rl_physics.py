@@ -315,3 +315,32 @@ def test_estimate_peak_of_a_tiny_grpo_run_against_the_real_cpu_peak(case, tiny_m
     m = estimator.estimate_online_rl(_workload(tiny_model, cpu_target, _prompts(run.prompts, run.prompt_tokens)), c)
     ratio = real.peak_bytes / m.peak_bytes
     assert abs(ratio - 1) <= TOLERANCE, f"{case}: real {real.peak_bytes:,} / estimate {m.peak_bytes:,} = {ratio:.4f}"
+
+
+def test_vllm_side_from_a_real_config():
+    # Qwen2.5-0.5B: bf16 in its config, kept by vLLM's dtype="auto": 494,032,768 x 2 bytes of weights; KV 12,288
+    # bytes a token (tests/test_vllm_memory.py); the profile run over 4,096 tokens of one layer's transients
+    # (3 x 4,864 + 4 x 896 = 18,176 bf16 values a token: 148,897,792 bytes) plus the sampler's fp32 logits and
+    # probabilities of 64 rows of 151,936 (77,791,232 bytes)
+    side = costs.online_vllm_side(QWEN05, parameters=QWEN05_PARAMS, generation_batch=64, vllm_max_model_length=2048,
+                                  context_bytes=GiB // 2)
+    assert side.weights_bytes == 988_065_536
+    assert side.layout.bytes_per_token == 12_288
+    assert side.max_model_len == 2048
+    assert side.activation_bytes == 148_897_792 + 77_791_232
+    assert side.non_torch_bytes == 536_870_912  # online_rl_constants.json vllm_non_torch_bytes
+    # what the simulator's glue calls with its own numbers is what the step's terms are
+    step = _step(engine=Mode.COLOCATE, vllm=side, vllm_gpu_memory_utilization=0.3)
+    direct = costs.online_colocated_vllm(side, card_bytes=H100, utilization=0.3, sleep=Sleep.OFF,
+                                         startup_bytes=GiB // 2 + 4 * GiB, generation_batch=64, prompt_length=512,
+                                         max_completion_length=1024)
+    assert direct == costs.online_vllm_terms(step)
+
+
+def test_estimate_refuses_vllm_on_a_cpu_target(tiny_model, cpu_target):
+    from advisor.space import Candidate
+
+    c = Candidate(per_device_train_batch_size=4, base={"use_vllm": True, "num_generations": 4,
+                                                      "max_completion_length": 16})
+    m = estimator.estimate_online_rl(_workload(tiny_model, cpu_target, _prompts(8, 24)), c)
+    assert m.status is Status.ERROR and "use_vllm=True" in m.message and "use_vllm=False" in m.message

@@ -23,14 +23,10 @@ from .._physics import (
     online_phase_allocator_bytes,
     online_Reference,
     online_step_time,
-    online_vllm_profile_activation_bytes,
+    online_vllm_side,
     online_vllm_terms,
     online_VllmRefusal,
-    online_VllmSide,
     time_constants,
-    vllm_derived_max_model_len,
-    vllm_dtype,
-    vllm_kv_layout,
     vllm_Mode,
     vllm_Sleep,
     vllm_TRL_SLEEP_LEVEL,
@@ -158,15 +154,10 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
         train_recompute_bytes=parts.recompute, card_bytes=gpu.memory_bytes, cuda=gpu.is_cuda,
     )
     if engine is not vllm_Mode.GENERATE:
-        config = workload.model.config
-        name = vllm_dtype(config)
-        vbytes = {"float32": 4, "bfloat16": 2, "float16": 2}[name]
-        side = online_VllmSide(
-            weights_bytes=arch.total * vbytes, layout=vllm_kv_layout(config),
-            max_model_len=vllm_derived_max_model_len(config, _knob(c, "vllm_max_model_length")),
-            activation_bytes=online_vllm_profile_activation_bytes(step, vbytes),
-            non_torch_bytes=int(_non_torch()),
-            context_bytes=outside_allocator_bytes(gpu) if gpu.is_cuda else 0)
+        side = online_vllm_side(workload.model.config, parameters=arch.total, generation_batch=step.generation_batch,
+                                vllm_max_model_length=_knob(c, "vllm_max_model_length"),
+                                context_bytes=outside_allocator_bytes(gpu) if gpu.is_cuda else 0,
+                                supports_bf16=gpu.supports_bf16)
         step = dataclasses.replace(step, engine=engine, vllm=side)
     return step, parts, proxy, sft_c
 
@@ -187,18 +178,16 @@ def _optimizer_temporaries(arch: Any, c: Candidate, cuda: bool, foreach_bytes: i
     return 2 * largest * DTYPE_BYTES[c.weights_dtype]
 
 
-def _non_torch() -> int:
-    from .._physics import online_constants
-
-    return int(online_constants()["vllm_non_torch_bytes"]["value"])
-
-
 def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
     """Peak memory by phase and category, what vLLM holds outside the allocator, and the step time of one GRPO /
     RLOO optimizer step; status OOM with vLLM's own refusal when colocated vLLM would not start."""
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
+    if bool(_knob(c, "use_vllm")) and not cuda:
+        return Measurement(status=Status.ERROR, source=Source.ESTIMATE,
+                           message=f"use_vllm=True on {gpu.name}: vLLM generates on CUDA GPUs only; set "
+                                   "use_vllm=False (transformers' generate) for a CPU target")
     step, parts, proxy, sft_c = build_step(workload, c)
     phases = online_phase_allocator_bytes(step)
     vllm = online_vllm_terms(step)

@@ -416,13 +416,36 @@ class VllmRefusal:
         return f"{self.refused.message}. For this step: {self.fix}"
 
 
-def vllm_profile_activation_bytes(step: OnlineStep, vllm_dtype_bytes: int) -> int:
+def vllm_profile_activation_bytes(*, hidden: int, intermediate: int, vocab: int, max_num_seqs: int,
+                                  dtype_bytes: int) -> int:
     """vLLM's profile run in closed form (online_rl_constants.json vllm_profile_activation_tokens: modelled,
     unverified): one layer's transients over max_num_batched_tokens tokens and the sampler's fp32 logits and
-    probabilities of max_num_seqs (= the generation batch) rows."""
+    probabilities of max_num_seqs (TRL: the generation batch) rows."""
     tokens = int(_c("vllm_profile_activation_tokens"))
-    return tokens * (3 * step.intermediate + 4 * step.hidden) * vllm_dtype_bytes + 2 * step.generation_batch * \
-        step.vocab * 4
+    return tokens * (3 * intermediate + 4 * hidden) * dtype_bytes + 2 * max_num_seqs * vocab * 4
+
+
+def vllm_side(config: Mapping[str, Any], *, parameters: int, generation_batch: int,
+              vllm_max_model_length: int | None = None, context_bytes: int = 0, supports_bf16: bool = True,
+              activation_bytes: int | None = None, non_torch_bytes: int | None = None) -> VllmSide:
+    """What colocated vLLM loads for a transformers `config` (vllm.py: `vllm_dtype`, `kv_layout`,
+    `derived_max_model_len`): the checkpoint's `parameters` at vLLM's dtype, its KV layout, its max_model_len, and
+    the profile run's activations and non-torch memory (measured values win over the modelled ones)."""
+    from .vllm import DTYPE_BYTES as _VLLM_BYTES
+    from .vllm import derived_max_model_len, kv_layout, vllm_dtype
+
+    name = vllm_dtype(config, supports_bf16=supports_bf16)
+    nbytes = _VLLM_BYTES[name]
+    c = config.get("text_config") or config
+    if activation_bytes is None:
+        activation_bytes = vllm_profile_activation_bytes(
+            hidden=int(c["hidden_size"]), intermediate=int(c["intermediate_size"]), vocab=int(c["vocab_size"]),
+            max_num_seqs=generation_batch, dtype_bytes=nbytes)
+    return VllmSide(
+        weights_bytes=parameters * nbytes, layout=kv_layout(config, supports_bf16=supports_bf16),
+        max_model_len=derived_max_model_len(config, vllm_max_model_length), activation_bytes=int(activation_bytes),
+        non_torch_bytes=int(_c("vllm_non_torch_bytes") if non_torch_bytes is None else non_torch_bytes),
+        context_bytes=context_bytes)
 
 
 def startup_bytes(step: OnlineStep) -> int:
@@ -433,8 +456,7 @@ def startup_bytes(step: OnlineStep) -> int:
 
 
 def vllm_terms(step: OnlineStep) -> VllmTerms | VllmRefusal | None:
-    """vLLM's side of the step: None without vLLM; in server mode no pool here; colocated, vLLM's start-up by its
-    own rules (vllm.py `start`), a `VllmRefusal` when it would not start."""
+    """vLLM's side of the step: None without vLLM; in server mode no pool here; colocated, `colocated_vllm`."""
     if step.engine is Mode.GENERATE:
         return None
     v = step.vllm
@@ -442,19 +464,47 @@ def vllm_terms(step: OnlineStep) -> VllmTerms | VllmRefusal | None:
         kv = batch_kv_bytes(v.layout, step.generation_batch, step.sequence_length) if v is not None else 0
         return VllmTerms(Mode.SERVER, step.sleep, None, kv, 1)
     assert v is not None
-    pool = Pool(step.card_bytes, step.vllm_gpu_memory_utilization)
-    free = step.card_bytes - startup_bytes(step)
-    outcome = start(pool, free_at_startup=free, weights_bytes=v.weights_bytes, activation_bytes=v.activation_bytes,
-                    non_torch_bytes=v.non_torch_bytes, layout=v.layout, max_model_len=v.max_model_len)
+    return colocated_vllm(v, card_bytes=step.card_bytes, utilization=step.vllm_gpu_memory_utilization,
+                          sleep=step.sleep, startup_bytes=startup_bytes(step), generation_batch=step.generation_batch,
+                          prompt_length=step.prompt_length, max_completion_length=step.max_completion_length)
+
+
+def colocated_vllm(side: VllmSide, *, card_bytes: int, utilization: float, sleep: Sleep, startup_bytes: int,
+                   generation_batch: int, prompt_length: int, max_completion_length: int) -> VllmTerms | VllmRefusal:
+    """Colocated vLLM's start-up by its own rules (vllm.py `start`: the free-memory check against utilization x
+    total, the profile split, the one-sequence check), a `VllmRefusal` with the concrete fix when it would not
+    start; `startup_bytes`: the training process's bytes at vLLM's snapshot (its context, the policy, a reference,
+    reward models; the optimizer state comes later). The simulator's glue calls this with its own numbers."""
+    pool = Pool(card_bytes, utilization)
+    free = card_bytes - startup_bytes
+    outcome = start(pool, free_at_startup=free, weights_bytes=side.weights_bytes,
+                    activation_bytes=side.activation_bytes, non_torch_bytes=side.non_torch_bytes, layout=side.layout,
+                    max_model_len=side.max_model_len)
+    shape = _Shape(side, card_bytes, generation_batch, prompt_length, max_completion_length)
     if isinstance(outcome, Refused):
-        return VllmRefusal(outcome, _fix(step, outcome, free))
+        return VllmRefusal(outcome, _fix(shape, outcome, free))
     assert isinstance(outcome, Started)
-    need = batch_kv_bytes(v.layout, step.generation_batch, step.sequence_length)
+    need = batch_kv_bytes(side.layout, generation_batch, shape.sequence_length)
     waves = max(1, math.ceil(need / max(1, outcome.split.kv_cache_bytes)))
-    return VllmTerms(Mode.COLOCATE, step.sleep, outcome.split, need, waves)
+    return VllmTerms(Mode.COLOCATE, Sleep(sleep), outcome.split, need, waves)
 
 
-def _need(step: OnlineStep, sequences: int) -> Any:
+@dataclass(frozen=True)
+class _Shape:
+    """What the fix of a refusal needs to know of the step."""
+
+    vllm: VllmSide
+    card_bytes: int
+    generation_batch: int
+    prompt_length: int
+    max_completion_length: int
+
+    @property
+    def sequence_length(self) -> int:
+        return self.prompt_length + self.max_completion_length
+
+
+def _need(step: _Shape, sequences: int) -> Any:
     v = step.vllm
     length = min(step.sequence_length, v.max_model_len)
     return min_utilization(step.card_bytes, weights_bytes=v.weights_bytes, activation_bytes=v.activation_bytes,
@@ -462,7 +512,7 @@ def _need(step: OnlineStep, sequences: int) -> Any:
                            sequence_length=length, max_model_len=v.max_model_len)
 
 
-def _fix(step: OnlineStep, refused: Refused, free: int) -> str:
+def _fix(step: _Shape, refused: Refused, free: int) -> str:
     """The concrete fix: the utilization that would start (and hold the batch), or what frees the device."""
     total = step.card_bytes
     one, batch = _need(step, 1), _need(step, step.generation_batch)
