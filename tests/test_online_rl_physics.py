@@ -344,3 +344,23 @@ def test_estimate_refuses_vllm_on_a_cpu_target(tiny_model, cpu_target):
                                                       "max_completion_length": 16})
     m = estimator.estimate_online_rl(_workload(tiny_model, cpu_target, _prompts(8, 24)), c)
     assert m.status is Status.ERROR and "use_vllm=True" in m.message and "use_vllm=False" in m.message
+
+
+def test_gradients_are_resident_while_generating_inside_an_accumulation():
+    # GA 8, a generation every 2 micro-steps: generations at micro-steps 2, 4 and 6 find the earlier gradients
+    inside = _step(gradient_accumulation_steps=8, steps_per_generation=2, per_device_train_batch_size=8)
+    aligned = _step(gradient_accumulation_steps=8, steps_per_generation=8)
+    assert inside.gradients_while_generating and not aligned.gradients_while_generating
+    assert not _step(gradient_accumulation_steps=1, steps_per_generation=2).gradients_while_generating
+    gen_inside = costs.online_phase_allocator_bytes(inside)["generate"]
+    gen_aligned = costs.online_phase_allocator_bytes(aligned)["generate"]
+    assert gen_inside.parts["gradients"] == 2 * GiB and "gradients" not in gen_aligned.parts
+
+
+def test_the_generate_phase_holds_the_kv_cache_of_the_whole_generation_batch():
+    step = _step()  # 64 completions (8 x 8) of 512 + 1,024 tokens, bf16 K/V of 24 layers x 2 heads x 64
+    gen = costs.online_phase_allocator_bytes(step)["generate"]
+    assert gen.parts["kv_cache"] == 2 * 24 * 64 * 2 * (512 + 1024 - 1) * 64 * 2
+    # vLLM generates instead: no DynamicCache on the training side
+    served = costs.online_phase_allocator_bytes(_step(engine=Mode.SERVER))["generate"]
+    assert "kv_cache" not in served.parts

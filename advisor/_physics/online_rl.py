@@ -236,6 +236,13 @@ class OnlineStep:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.max_completion_length
 
     @property
+    def gradients_while_generating(self) -> bool:
+        """Whether a generation call falls inside an accumulation (micro-step k x steps_per_generation x
+        num_iterations not a multiple of gradient_accumulation_steps): the earlier micro-steps' gradients are then
+        resident while generating and scoring (Trainer zeroes them only after the optimizer step)."""
+        return (self.steps_per_generation * self.num_iterations) % self.gradient_accumulation_steps != 0
+
+    @property
     def resident_bytes(self) -> int:
         """Held in every phase: the policy, its optimizer state, a separate reference, reward models."""
         return self.weights_bytes + self.optimizer_bytes + self.reference_bytes + self.reward_model_bytes
@@ -341,6 +348,8 @@ def phase_allocator_bytes(step: OnlineStep) -> dict[str, PhaseBytes]:
              "reference": step.reference_bytes, "reward_model": step.reward_model_bytes}
     g = step.generation_batch
     out: dict[str, PhaseBytes] = {}
+    if step.gradients_while_generating:
+        state["gradients"] = step.gradient_bytes
     # GENERATE
     gen = dict(state)
     gen["zero3_gather"] = _gather_bytes(step, generating=True)
@@ -374,6 +383,7 @@ def phase_allocator_bytes(step: OnlineStep) -> dict[str, PhaseBytes]:
         "optimizer step": {"gradients": step.gradient_bytes, "temporaries": step.optimizer_temporary_bytes},
     }
     when, moment = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    state.pop("gradients", None)  # the train moments place the gradients themselves
     out[TRAIN] = PhaseBytes(f"{TRAIN} ({when})", {**state, "buffered_batch": _buffered_bytes(step), **moment})
     return out
 
