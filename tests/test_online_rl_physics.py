@@ -364,3 +364,15 @@ def test_the_generate_phase_holds_the_kv_cache_of_the_whole_generation_batch():
     # vLLM generates instead: no DynamicCache on the training side
     served = costs.online_phase_allocator_bytes(_step(engine=Mode.SERVER))["generate"]
     assert "kv_cache" not in served.parts
+
+
+def test_zero3_gathers_the_whole_model_to_generate_and_peft_to_sync():
+    # one rank of 4 holds a quarter of the 1 GiB of bf16 weights; gathered, the other three quarters join it
+    shard = dict(world_size=4, zero3=True, weights_bytes=GiB // 4, full_weights_bytes=GiB, num_generations=8,
+                 per_device_train_batch_size=8, steps_per_generation=1, gradient_accumulation_steps=1)
+    gather = lambda **kw: costs.online_phase_allocator_bytes(_step(**shard, **kw))["generate"].parts["zero3_gather"]  # noqa: E731
+    assert gather() == 3 * GiB // 4  # ds3_gather_for_generation (TRL's default): every parameter at once
+    assert gather(ds3_gather_for_generation=False) == 3 * GiB // 4 // 24  # a layer at a time
+    assert gather(engine=Mode.SERVER, lora=True) == 3 * GiB // 4  # PEFT: gathered whole to merge, then pushed
+    assert gather(engine=Mode.SERVER) == 151_936 * 896 * 2  # one parameter at a time: the embedding
+    assert costs.online_phase_allocator_bytes(_step())["generate"].parts["zero3_gather"] == 0

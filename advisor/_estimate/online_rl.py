@@ -220,7 +220,10 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
     tc = time_constants(gpu)
     train = expected_step_time(proxy, arch, sft_c, parts.batch, parts.offload_volume)
     dense = arch.decoder_linear + arch.vocab * arch.hidden
+    from .._physics import interconnect
+
     timed = online_step_time(step, tc, train_s=train.step_s, dense_params=dense,
+                             interconnect_bytes_s=interconnect(gpu).intra_gbs * 1e9 if cuda else None,
                              peak_flops=_peak_flops(gpu, c.precision.value),
                              vllm_weights_bytes=step.vllm.weights_bytes if step.vllm is not None else None,
                              vllm_waves=getattr(vllm, "waves", 1))

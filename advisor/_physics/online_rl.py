@@ -369,7 +369,9 @@ def phase_allocator_bytes(step: OnlineStep) -> dict[str, PhaseBytes]:
     score["buffered_batch"] = _buffered_bytes(step)
     if step.scoring_forwards:
         head = lm_head_bytes(step, rows, entropy=step.old_logps_forward, trained=False)
-        score["scoring_forward"] = _forward_transient(step, rows * step.sequence_length) + head.forward_peak
+        # the head's inputs (the copied hidden states, the per-token vectors) live through the call even without grad
+        score["scoring_forward"] = _forward_transient(step, rows * step.sequence_length) + head.saved + \
+            head.forward_peak
     out[SCORE] = PhaseBytes(SCORE, score)
     # TRAIN: one micro-batch's forward and backward, and the optimizer step
     head = lm_head_bytes(step, rows, entropy=True, trained=True)
