@@ -192,6 +192,28 @@ def test_kv_cache_of_generate_is_a_real_dynamic_cache(dtype_name):
     assert real == formula == 2 * 2 * 3 * 2 * 11 * 16 * (torch.finfo(dtype).bits // 8)
 
 
+def test_kv_cache_under_autocast_over_float32_weights_keeps_float32_keys():
+    """What GRPOTrainer's generate runs with bf16=True over float32 weights: accelerate's forward wrapper autocasts
+    (accelerator.py prepare_model: `autocast_context(model.forward)`), v_proj's output is bf16, but rotary's cos/sin
+    are in the float32 residual's dtype, so the keys are promoted back to float32."""
+    import torch
+    from conftest import TINY_QWEN2
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_QWEN2), dtype=torch.float32).eval()
+    ids = torch.randint(10, 1000, (4, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                             do_sample=True, return_dict_in_generate=True, pad_token_id=0)
+    layers = out.past_key_values.layers
+    assert {(layer.keys.dtype, layer.values.dtype) for layer in layers} == {(torch.float32, torch.bfloat16)}
+    real = sum(t.untyped_storage().nbytes() for layer in layers for t in (layer.keys, layer.values))
+    # 2 layers x 4 rows x 2 heads x (9 + 6 - 1) positions x 16 x (4 + 2) bytes
+    assert real == costs.online_hf_kv_cache_bytes(4, 9, 6, layers=2, kv_heads=2, head_dim=16, dtype_bytes=2,
+                                                  key_dtype_bytes=4) == 2 * 4 * 2 * 14 * 16 * 6
+
+
 # ---- the estimate's closed form ------------------------------------------------------------------------------------
 def _prompts(n: int, length: int):
     from advisor.trainers.prompts import PromptDataset

@@ -141,7 +141,8 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
         parameters=arch.total, trainable=parts.trainable, layers=arch.layers, hidden=arch.hidden,
         intermediate=arch.intermediate, kv_heads=max(1, arch.kv_dim // max(1, arch.head_dim)),
         head_dim=arch.head_dim, vocab=arch.vocab, weights_bytes=params, gradient_bytes=grads, optimizer_bytes=optim,
-        kv_dtype_bytes=compute, compute_bytes=compute, head_weight_bytes=weight_bytes, prompt_length=prompt,
+        kv_dtype_bytes=compute, key_dtype_bytes=4 if (mixed and c.weights_dtype is WeightsDtype.FLOAT32) else compute,
+        compute_bytes=compute, head_weight_bytes=weight_bytes, prompt_length=prompt,
         max_completion_length=completion, per_device_train_batch_size=b, steps_per_generation=int(spg),
         num_generations=int(_knob(c, "num_generations")), num_iterations=int(_knob(c, "num_iterations")),
         gradient_accumulation_steps=ga, beta=beta, reference=reference, reference_bytes=ref_bytes,
@@ -234,7 +235,8 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
         + (", a separate reference" if step.reference_bytes else "")
         + (", reward models" if step.reward_model_bytes else "") + ")",
         "generate: transformers' DynamicCache of the generation batch at prompt + max_completion_length - 1 "
-        "positions in the compute dtype (cache_utils.py DynamicLayer.update; counted as activations)"
+        "positions, values in the compute dtype, keys float32 under autocast over float32 weights (rotary "
+        "promotes them) (cache_utils.py DynamicLayer.update; counted as activations)"
         if step.engine is vllm_Mode.GENERATE else
         f"generate: vLLM ({step.engine.value}); " + (
             f"its pool {vllm.split.pool_bytes:,} B outside PyTorch's allocator "

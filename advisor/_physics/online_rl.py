@@ -16,8 +16,9 @@ What a GRPO / RLOO step holds (TRL 1.16 as installed; file and function of each 
   (`per_device_train_batch_size x steps_per_generation` completions) goes through one `unwrapped_model.generate`
   call, left-padded to its longest prompt; its `DynamicCache` grows by `torch.cat` per layer (transformers
   cache_utils.py DynamicLayer.update) to prompt + max_completion_length - 1 positions (the last sampled token is not
-  fed back), in the dtype the K/V projections produce: accelerate's autocast wrapper stays on the unwrapped model
-  (`accelerator.unwrap_model(keep_fp32_wrapper=True)`), so the compute dtype under mixed precision. ZeRO-3 with
+  fed back). accelerate's autocast wrapper stays on the unwrapped model (`accelerator.unwrap_model(
+  keep_fp32_wrapper=True)`), so the values are in the compute dtype under mixed precision; over float32 weights the
+  keys are float32 (rotary's cos/sin follow the float32 residual and promote them: `hf_kv_cache_bytes`). ZeRO-3 with
   `ds3_gather_for_generation` gathers every parameter (trl/models/utils.py _unwrap_model_for_generation:
   `deepspeed.zero.GatheredParameters(model.parameters())`); without it each layer is gathered as it runs.
 - GENERATE, vLLM (`vllm_generation.py` VLLMGeneration.sync_weights / generate): the weights are pushed to vLLM once
@@ -128,7 +129,7 @@ class OnlineStep:
     gradient_bytes: int  # every trained parameter's gradient
     optimizer_bytes: int  # the optimizer's state
     # element sizes
-    kv_dtype_bytes: int  # DynamicCache's dtype: the K/V projections' output (autocast's dtype, else the weights')
+    kv_dtype_bytes: int  # DynamicCache's values: v_proj's output (autocast's dtype, else the weights')
     compute_bytes: int  # the forwards' activations (autocast's dtype, else the weights')
     head_weight_bytes: int  # the LM head's weight element (cast per tile when it differs from the compute dtype)
     # the batch (TRL's names)
@@ -155,6 +156,7 @@ class OnlineStep:
     ds3_gather_for_generation: bool = True
     full_weights_bytes: int = 0  # the whole policy gathered (ZeRO-3), in the compute dtype
     cast_lm_head_to_fp32: bool = False
+    key_dtype_bytes: int = 0  # DynamicCache's keys (0: as the values); float32 under autocast over float32 weights
     lora: bool = False
     gradient_checkpointing: bool = False
     optimizer_temporary_bytes: int = 0
@@ -250,14 +252,21 @@ class OnlineStep:
 
 # ---- transformers' generate: the KV cache ------------------------------------------------------------------------
 def hf_kv_cache_bytes(sequences: int, prompt_length: int, new_tokens: int, *, layers: int, kv_heads: int,
-                      head_dim: int, dtype_bytes: int) -> int:
+                      head_dim: int, dtype_bytes: int, key_dtype_bytes: int | None = None) -> int:
     """transformers' DynamicCache after `generate(max_new_tokens=new_tokens)` of `sequences` rows left-padded to
     `prompt_length`: every layer's keys and values [sequences, kv_heads, prompt_length + new_tokens - 1, head_dim]
-    (cache_utils.py DynamicLayer.update concatenates each step's K/V; the last sampled token is never fed back)."""
+    (cache_utils.py DynamicLayer.update concatenates each step's K/V; the last sampled token is never fed back).
+
+    `dtype_bytes`: the values' element (v_proj's output: autocast's dtype, else the weights'); `key_dtype_bytes`
+    (default the same): the keys', which rotary may promote: under autocast over float32 weights the rotary
+    embedding's cos/sin are in the residual stream's float32 (modeling_qwen2.py / modeling_llama.py RotaryEmbedding
+    returns `cos.to(x.dtype)`), and `k * cos` promotes the bf16 projection to float32 (measured in GRPOTrainer's own
+    generate: keys float32, values bfloat16; tests/test_online_rl_physics.py)."""
     if new_tokens < 1:
         return 0
     positions = prompt_length + new_tokens - 1
-    return 2 * layers * sequences * kv_heads * positions * head_dim * dtype_bytes
+    key = dtype_bytes if key_dtype_bytes is None else key_dtype_bytes
+    return layers * sequences * kv_heads * positions * head_dim * (key + dtype_bytes)
 
 
 # ---- TRL's fused log-prob head -------------------------------------------------------------------------------------
@@ -355,8 +364,9 @@ def phase_allocator_bytes(step: OnlineStep) -> dict[str, PhaseBytes]:
     gen["zero3_gather"] = _gather_bytes(step, generating=True)
     if step.engine is Mode.GENERATE:
         kv = hf_kv_cache_bytes(g, step.prompt_length, step.max_completion_length, layers=step.layers,
-                               kv_heads=step.kv_heads, head_dim=step.head_dim, dtype_bytes=step.kv_dtype_bytes)
-        one_layer_k = kv // (2 * step.layers)  # the torch.cat that grows one layer's keys holds old and new
+                               kv_heads=step.kv_heads, head_dim=step.head_dim, dtype_bytes=step.kv_dtype_bytes,
+                               key_dtype_bytes=step.key_dtype_bytes or None)
+        one_layer_k = kv // (2 * step.layers)  # the torch.cat that grows one layer's K (or V) holds old and new
         prefill = _forward_transient(step, g * step.prompt_length)
         decode = one_layer_k + 3 * g * step.vocab * 4  # the last position's logits: fp32, processed, probabilities
         gen["kv_cache"] = kv
@@ -636,7 +646,8 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
     eff_peak = peak_flops * tc.gemm_eff
     wbytes = vllm_weights_bytes if (step.engine is not Mode.GENERATE and vllm_weights_bytes) else (
         step.full_weights_bytes or step.weights_bytes)
-    kv_token = 2 * step.layers * step.kv_heads * step.head_dim * step.kv_dtype_bytes
+    kv_token = step.layers * step.kv_heads * step.head_dim * (step.kv_dtype_bytes + (step.key_dtype_bytes or
+                                                                                      step.kv_dtype_bytes))
     prefill = 2.0 * dense_params * g * p / eff_peak
     mean_len = p + (c - 1) / 2.0
     decode_device = c * (wbytes + g * mean_len * kv_token) / tc.mem_bw
