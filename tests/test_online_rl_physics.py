@@ -167,6 +167,10 @@ def test_old_policy_forward_follows_trls_condition():
     assert _step(gradient_accumulation_steps=8, steps_per_generation=8, engine=Mode.SERVER).old_logps_forward
     assert not _step(gradient_accumulation_steps=8, steps_per_generation=8, engine=Mode.SERVER,
                      vllm_importance_sampling_correction=False).old_logps_forward
+    # RLOOTrainer._generate_and_score_completions runs the old policy's forward unconditionally
+    rloo = _step(gradient_accumulation_steps=8, steps_per_generation=8, old_logps_always=True)
+    assert rloo.old_logps_forward and rloo.scoring_forwards == 1
+    assert "scoring_forward" in costs.online_phase_allocator_bytes(rloo)["score"].parts
 
 
 # ---- transformers' DynamicCache, real ----------------------------------------------------------------------------

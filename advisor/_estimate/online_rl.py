@@ -78,6 +78,14 @@ def _proxy(workload: Workload, rows: int, prompt: int, completion: int) -> Any:
     return dataclasses.replace(workload, dataset=data, trainer="sft")
 
 
+def _declares(workload: Workload, attribute: str) -> bool:
+    """What the workload's trainer declares (a protocol attribute, never its name): `old_logps_always` for a trainer
+    whose scoring always runs the old policy's forward (TRL's RLOOTrainer); False where it declares nothing."""
+    from ..trainers import get_trainer
+
+    return bool(getattr(get_trainer(workload.trainer), attribute, False))
+
+
 def _longest_prompt(workload: Workload) -> int:
     lengths = getattr(workload.dataset, "lengths", None)
     if lengths is None or len(lengths) == 0:
@@ -148,6 +156,7 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
         gradient_accumulation_steps=ga, beta=beta, reference=reference, reference_bytes=ref_bytes,
         reward_model_bytes=reward, vllm_gpu_memory_utilization=float(_knob(c, "vllm_gpu_memory_utilization")),
         sleep=sleep, vllm_importance_sampling_correction=bool(_knob(c, "vllm_importance_sampling_correction")),
+        old_logps_always=_declares(workload, "old_logps_always"),
         world_size=world, zero3=zero3, ds3_gather_for_generation=bool(_knob(c, "ds3_gather_for_generation")),
         full_weights_bytes=arch.total * compute, cast_lm_head_to_fp32=bool(_knob(c, "cast_lm_head_to_fp32")),
         lora=c.use_lora, gradient_checkpointing=c.activation_checkpointing,

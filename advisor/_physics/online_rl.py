@@ -149,6 +149,7 @@ class OnlineStep:
     vllm_gpu_memory_utilization: float = 0.3
     sleep: Sleep = Sleep.OFF
     vllm_importance_sampling_correction: bool = True
+    old_logps_always: bool = False  # RLOOTrainer._generate_and_score_completions scores the old policy every time
     vllm: VllmSide | None = None
     # distribution and knobs
     world_size: int = 1
@@ -212,8 +213,11 @@ class OnlineStep:
 
     @property
     def old_logps_forward(self) -> bool:
-        """`_generate_and_score_completions`: old-policy log-probs when gradient_accumulation_steps %
-        (steps_per_generation x num_iterations) != 0, or with vLLM's importance-sampling correction."""
+        """GRPOTrainer._generate_and_score_completions: old-policy log-probs when gradient_accumulation_steps %
+        (steps_per_generation x num_iterations) != 0, or with vLLM's importance-sampling correction; RLOOTrainer's
+        always (`old_logps_always`)."""
+        if self.old_logps_always:
+            return True
         every = self.steps_per_generation * self.num_iterations
         uses_vllm = self.engine is not Mode.GENERATE
         return self.gradient_accumulation_steps % every != 0 or (uses_vllm and self.vllm_importance_sampling_correction)
