@@ -285,6 +285,9 @@ def test_estimate_holds_the_pool_outside_the_allocator_and_sleep_gives_it_back(h
     # the same allocator bytes; the device's drop is the pool less what sleep keeps, at most
     assert asleep.peak_bytes == awake.peak_bytes
     assert awake.device_bytes - asleep.device_bytes <= pool - kept
+    # the awake estimate says what sleep mode would save, with the asleep estimate's own number
+    assert any(f"device peak {asleep.device_bytes / GiB:.2f} GiB instead of {awake.device_bytes / GiB:.2f} GiB" in n
+               for n in awake.notes)
     assert server.outside_allocator_bytes == 0 and Category.OUTSIDE_ALLOCATOR.value not in server.breakdown
     for m in (awake, asleep, server):
         assert m.tokens_per_second and m.tokens_per_second > 0

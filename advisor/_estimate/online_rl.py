@@ -225,6 +225,13 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
     outside = dp.outside_allocator[at]
     if outside:
         breakdown[Category.OUTSIDE_ALLOCATOR.value] = outside
+    sleep_note = []
+    if vllm is not None and vllm.split is not None and step.sleep is vllm_Sleep.OFF:
+        slept = dataclasses.replace(vllm, sleep=vllm_TRL_SLEEP_LEVEL)
+        with_sleep = max(int(dp.allocator[p] * factor) + slept.held_bytes(p) for p in dp.allocator) + context
+        if with_sleep < device:
+            sleep_note.append(f"vllm_enable_sleep_mode would give the pool back outside generation: device peak "
+                              f"{with_sleep / 2**30:.2f} GiB instead of {device / 2**30:.2f} GiB (vllm.py asleep)")
     # step time: the training passes of the shared step-time model, plus online RL's own terms
     arch = architecture(workload.model)
     tc = time_constants(gpu)
@@ -262,6 +269,7 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
         *(["ZeRO-3: the whole model gathered to generate (ds3_gather_for_generation)"
            if step.ds3_gather_for_generation else "ZeRO-3: a layer at a time gathered to generate"]
           if step.zero3 else []),
+        *sleep_note,
         *timed.notes,
         "objective: trained completion tokens per optimizer step (per_device_train_batch_size x "
         "gradient_accumulation_steps x max_completion_length) over the step's time end to end",
