@@ -405,3 +405,12 @@ def test_zero3_gathers_the_whole_model_to_generate_and_peft_to_sync():
     assert gather(engine=Mode.SERVER, lora=True) == 3 * GiB // 4  # PEFT: gathered whole to merge, then pushed
     assert gather(engine=Mode.SERVER) == 151_936 * 896 * 2  # one parameter at a time: the embedding
     assert costs.online_phase_allocator_bytes(_step())["generate"].parts["zero3_gather"] == 0
+
+
+def test_estimate_names_trls_rule_a_candidate_breaks(tiny_model, cpu_target):
+    from advisor.space import Candidate
+
+    # 4 completions a micro-batch, one micro-batch a generation: num_generations 3 does not divide 4
+    c = Candidate(per_device_train_batch_size=4, base={"num_generations": 3, "max_completion_length": 16})
+    m = estimator.estimate_online_rl(_workload(tiny_model, cpu_target, _prompts(8, 24)), c)
+    assert m.status is Status.ERROR and "num_generations=3 does not divide the generation batch" in m.message

@@ -33,6 +33,7 @@ from .._physics import (
 )
 from .._physics import online_device_peak as device_peak
 from .._physics import peak_flops as _peak_flops
+from ..errors import ConfigError
 from ..measurement import Category, Measurement, Source, Status
 from ..space import Optimizer, Precision, WeightsDtype
 from .memory import RESERVED_FACTOR, memory_parts, outside_allocator_bytes
@@ -198,7 +199,10 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
         return Measurement(status=Status.ERROR, source=Source.ESTIMATE,
                            message=f"use_vllm=True on {gpu.name}: vLLM generates on CUDA GPUs only; set "
                                    "use_vllm=False (transformers' generate) for a CPU target")
-    step, parts, proxy, sft_c = build_step(workload, c)
+    try:
+        step, parts, proxy, sft_c = build_step(workload, c)
+    except ConfigError as e:  # TRL's own rules (num_generations dividing the generation batch, ...): named, not run
+        return Measurement(status=Status.ERROR, source=Source.ESTIMATE, message=str(e))
     phases = online_phase_allocator_bytes(step)
     vllm = online_vllm_terms(step)
     notes = [
