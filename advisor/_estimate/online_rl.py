@@ -135,16 +135,20 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
     if world > 1:  # one rank of N: the model states as the candidate's parallelism shards them
         from .._physics import estimate_rank_moments
 
-        P, G, O = Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER  # noqa: E741
-        one = {P: params, G: grads, O: optim, Category.ACTIVATIONS: 0, Category.LM_HEAD: 0, Category.TEMPORARIES: 0}
+        P, G, OPT = Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER
+        one = {P: params, G: grads, OPT: optim, Category.ACTIVATIONS: 0, Category.LM_HEAD: 0,
+               Category.TEMPORARIES: 0}
         sharded, _ = estimate_rank_moments(proxy, sft_c, {"state": one}, parts)
-        params, grads, optim = sharded["state"][P], sharded["state"][G], sharded["state"][O]
+        params, grads, optim = sharded["state"][P], sharded["state"][G], sharded["state"][OPT]
         strategy = c.parallelism.parallelism.strategy.value
         zero3 = strategy == "zero3"
         if zero3 or strategy == "fsdp2":  # the reference is prepared (sharded) like the policy
             ref_bytes = -(-ref_bytes // world)
     use_vllm = bool(_knob(c, "use_vllm"))
-    engine = vllm_Mode(str(_knob(c, "vllm_mode"))) if use_vllm else vllm_Mode.GENERATE
+    mode = str(_knob(c, "vllm_mode"))
+    if use_vllm and mode not in (vllm_Mode.COLOCATE.value, vllm_Mode.SERVER.value):
+        raise ConfigError(f"vllm_mode={mode!r}: TRL takes 'colocate' or 'server'", context="vllm_mode")
+    engine = vllm_Mode(mode) if use_vllm else vllm_Mode.GENERATE
     sleep = vllm_TRL_SLEEP_LEVEL if (use_vllm and _knob(c, "vllm_enable_sleep_mode")) else vllm_Sleep.OFF
     step = online_OnlineStep(
         parameters=arch.total, trainable=parts.trainable, layers=arch.layers, hidden=arch.hidden,
