@@ -28,6 +28,7 @@ from ._estimate import (
     BatchShape,
     MemoryParts,
     MiB,
+    estimate_online_rl,
     expected_step_time,
     memory_parts,
     outside_allocator_bytes,
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 __all__ = [  # noqa: RUF022
     "estimate", "memory_parts", "MemoryParts", "architecture", "Architecture", "lora_parameters",
     "quantized_linear_bytes", "BatchShape", "knob_memory_savings", "knob_time", "MiB", "RESERVED_FACTOR",
-    "TOKEN_CHUNK", "VOCAB_CHUNK", "LM_HEAD_FP32_VECTORS",
+    "TOKEN_CHUNK", "VOCAB_CHUNK", "LM_HEAD_FP32_VECTORS", "estimate_online_rl",
 ]
 
 
@@ -61,6 +62,8 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     step's phases reserve outside PyTorch's allocator (Category.OUTSIDE_ALLOCATOR) is in its device bytes."""
     trainer = _trainer(workload)
     m = _CLOSED_FORMS[trainer.closed_form](workload, candidate)  # the kind the trainer declares
+    if trainer.closed_form in _PLACES_OUTSIDE_ALLOCATOR:
+        return m
     return m.plus_outside_allocator(trainer.outside_allocator_bytes(candidate, workload.gpu.memory_bytes))
 
 
@@ -248,4 +251,9 @@ _CLOSED_FORMS = {
     ClosedForm.ROWS: _sft_closed_form,
     ClosedForm.PAIRS_WITH_REFERENCE: _estimate_dpo,
     ClosedForm.PAIRS_SCORED: _estimate_reward,
+    ClosedForm.ONLINE_RL: estimate_online_rl,  # advisor/_estimate/online_rl.py over advisor/_physics/online_rl.py
 }
+# closed forms that place what the step holds outside PyTorch's allocator phase by phase themselves (colocated vLLM's
+# pool while generating and, asleep, what it keeps while training: advisor/_physics/online_rl.py device_peak); the
+# trainer's phase fractions would count the pool a second time
+_PLACES_OUTSIDE_ALLOCATOR = frozenset({ClosedForm.ONLINE_RL})

@@ -231,3 +231,46 @@ def test_bad_inputs_name_the_setting():
     with pytest.raises(ConfigError, match="num_hidden_layers"):
         kv_layout({"model_type": "x", "num_attention_heads": 2, "hidden_size": 8})
     assert BLOCK_SIZE == 16
+
+
+# ---- online RL's step (advisor/_physics/online_rl.py) over the same rules ------------------------------------------
+def _online_step(**changes):
+    layout = kv_layout(QWEN05)
+    side = costs.online_VllmSide(weights_bytes=QWEN05_WEIGHTS, layout=layout, max_model_len=2_048,
+                                 activation_bytes=ACT, non_torch_bytes=NON_TORCH, context_bytes=GiB // 2)
+    base = dict(parameters=494_032_768, trainable=494_032_768, layers=24, hidden=896, intermediate=4_864, kv_heads=2,
+                head_dim=64, vocab=151_936, weights_bytes=4 * GiB, gradient_bytes=2 * GiB, optimizer_bytes=8 * GiB,
+                kv_dtype_bytes=2, compute_bytes=2, head_weight_bytes=2, prompt_length=512, max_completion_length=1_024,
+                per_device_train_batch_size=8, steps_per_generation=8, num_generations=8, card_bytes=H100,
+                engine=Mode.COLOCATE, vllm=side)
+    base.update(changes)
+    return costs.online_OnlineStep(**base)
+
+
+def test_online_rl_startup_refuses_exactly_where_free_memory_is_under_the_pool():
+    # 0.5 of the card asks ceil(42,760,404,992.0) = 42,760,404,992 bytes. The training process holds 0.5 GiB of
+    # context and W of weights at vLLM's snapshot: free = 85,520,809,984 - 536,870,912 - W. vLLM refuses when
+    # free < requested (Worker.init_device), so W = 42,223,534,080 starts and one byte more does not.
+    w = 42_223_534_080
+    assert isinstance(costs.online_vllm_terms(_online_step(vllm_gpu_memory_utilization=0.5, weights_bytes=w)),
+                      costs.online_VllmTerms)
+    refused = costs.online_vllm_terms(_online_step(vllm_gpu_memory_utilization=0.5, weights_bytes=w + 1))
+    assert isinstance(refused, costs.online_VllmRefusal) and refused.cause is Refusal.POOL_EXCEEDS_FREE
+    assert (refused.refused.needed_bytes, refused.refused.available_bytes) == (42_760_404_992, 42_760_404_991)
+    # the optimizer state (created in train(), after vLLM started) does not count against the snapshot
+    assert isinstance(costs.online_vllm_terms(_online_step(vllm_gpu_memory_utilization=0.5, weights_bytes=w,
+                                                           optimizer_bytes=40 * GiB)), costs.online_VllmTerms)
+
+
+@pytest.mark.parametrize("sleep", [Sleep.OFF, Sleep.LEVEL_2])
+def test_online_rl_phases_agree_with_training_gpu_peak(sleep):
+    # the same colocated step counted by vllm.py's two-phase peak and by online_rl.py's per-phase combination
+    state, act, extra = 10 * GiB, 7 * GiB, GiB // 4
+    terms = costs.online_vllm_terms(_online_step(vllm_gpu_memory_utilization=0.3, sleep=sleep))
+    two = training_gpu_peak(Mode.COLOCATE, training_state_bytes=state, training_activation_bytes=act,
+                            generation_extra_bytes=extra, split=terms.split, sleep=sleep)
+    per_phase = costs.online_device_peak({"generate": state + extra, "train": state + act}, terms)
+    assert per_phase.peak_bytes == two.peak_bytes
+    assert per_phase.outside_allocator["train"] == two.vllm_during_training_bytes
+    # the split: 25,656,242,996 - 988,065,536 - 1 GiB - 0.5 GiB of KV cache, as test_qwen05_on_h100_at_0_3 works out
+    assert terms.split.kv_cache_bytes == 23_057_564_724

@@ -15,6 +15,7 @@ from .memory import (
     outside_allocator_bytes,
 )
 from .micro_batches import BatchShape, batches
+from .online_rl import estimate_online_rl
 from .step_time import expected_step_time
 
 __all__ = [  # noqa: RUF022
@@ -22,4 +23,5 @@ __all__ = [  # noqa: RUF022
     "MemoryParts", "memory_parts", "outside_allocator_bytes", "MiB", "RESERVED_FACTOR", "TOKEN_CHUNK", "VOCAB_CHUNK",
     "LM_HEAD_FP32_VECTORS",
     "expected_step_time",
+    "estimate_online_rl",
 ]

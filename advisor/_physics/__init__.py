@@ -15,6 +15,10 @@ the simulator (advisor/simulator.py with _sim/) depend on this package and never
   from the shapes (_estimate/step_time.py), the simulator observes the fake run's ops (_sim/timing_hook.py).
 - `ranks_closed.py`: several GPUs in closed form: ZeRO-2/3's model states per rank, the collectives' time over the
   interconnect, CPU offload's host step, and the estimate's moments and step time of one rank.
+- `vllm.py`: vLLM's pool, KV pages, refusals and sleep levels from vLLM's own accounting.
+- `online_rl.py`: online RL's (GRPO, RLOO) step in closed form: each phase's device bytes (allocator and outside
+  it), colocated vLLM's typed refusals, `device_peak` (the simulator's measured phase peaks combined with vLLM's
+  bytes), the step-time terms of generation, weight sync and scoring.
 
 Only the names in `__all__` may be used outside this package (`from ._physics import X` inside advisor);
 `advisor.costs` is the public way in for scripts and tests. tests/test_privacy.py fails on an import of a module of
@@ -65,6 +69,15 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "vllm_min_utilization", "vllm_start", "vllm_training_gpu_peak", "vllm_dtype", "vllm_KVLayout",
         "vllm_LayerKV", "vllm_batch_kv_bytes", "vllm_UtilizationNeed", "vllm_Asleep", "vllm_DevicePeak",
         "vllm_TRL_SLEEP_LEVEL", "vllm_TRL_MAX_NUM_BATCHED_TOKENS", "vllm_NULL_BLOCKS"
+    )},
+    # ---- online RL's step in closed form (online_rl.py): per-phase device bytes, vLLM's refusals, step time; its
+    # names are generic there (Reference, step_time, ...), so each is exported as "online_<name>"
+    **{name: ("online_rl", name.removeprefix("online_")) for name in (
+        "online_OnlineStep", "online_VllmSide", "online_Reference", "online_HeadBytes", "online_PhaseBytes",
+        "online_VllmTerms", "online_VllmRefusal", "online_OnlineDevicePeak", "online_OnlineTime",
+        "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes", "online_vllm_terms",
+        "online_vllm_profile_activation_bytes", "online_startup_bytes", "online_device_peak", "online_step_time",
+        "online_constants", "online_PHASES", "online_vllm_side", "online_colocated_vllm",
     )},
 }
 

@@ -1,0 +1,294 @@
+"""Online RL (GRPO, RLOO) in closed form: the estimate's kind `ClosedForm.ONLINE_RL`.
+
+The step's shape is built from the workload and the candidate (the candidate's online-RL knobs read by TRL 1.16's
+names, `_knob`: the Candidate's field where it has one, else its base, else TRL's default), its phases counted by
+the physics package (advisor/_physics/online_rl.py: the KV cache of transformers' generate, TRL's fused log-prob head,
+the scoring forwards, the reference, ZeRO-3's gathers, colocated vLLM's pool and refusals), and the training
+micro-batch's own parts (parameters, gradients, optimizer state, saved activations) by the SFT estimate's
+`memory_parts` on the rows GRPO trains: `per_device_train_batch_size` completions of the longest prompt +
+`max_completion_length` tokens, the completion trained. The step time adds online RL's terms (generation, weight sync,
+scoring forwards) to the training passes of the shared step-time model; the objective is trained completion tokens
+per second end to end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from .._physics import (
+    DTYPE_BYTES,
+    architecture,
+    online_OnlineStep,
+    online_phase_allocator_bytes,
+    online_Reference,
+    online_step_time,
+    online_vllm_side,
+    online_vllm_terms,
+    online_VllmRefusal,
+    time_constants,
+    vllm_Mode,
+    vllm_Sleep,
+    vllm_TRL_SLEEP_LEVEL,
+)
+from .._physics import online_device_peak as device_peak
+from .._physics import peak_flops as _peak_flops
+from ..errors import ConfigError
+from ..measurement import Category, Measurement, Source, Status
+from ..space import Optimizer, Precision, WeightsDtype
+from .memory import RESERVED_FACTOR, memory_parts, outside_allocator_bytes
+from .step_time import expected_step_time
+
+if TYPE_CHECKING:
+    from ..space import Candidate
+    from ..workload import Workload
+
+# TRL 1.16's defaults (trl/trainer/grpo_config.py GRPOConfig), used where the candidate carries no value
+TRL_DEFAULTS: dict[str, Any] = {
+    "num_generations": 8, "max_completion_length": 512, "steps_per_generation": None, "generation_batch_size": None,
+    "num_iterations": 1, "beta": 0.0, "use_vllm": False, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+    "vllm_enable_sleep_mode": False, "ds3_gather_for_generation": True, "cast_lm_head_to_fp32": False,
+    "vllm_importance_sampling_correction": True, "vllm_max_model_length": None,
+}
+
+# where each part of a phase goes in a Measurement's breakdown
+_CATEGORY = {
+    "parameters": Category.PARAMETERS, "reference": Category.PARAMETERS, "reward_model": Category.PARAMETERS,
+    "zero3_gather": Category.PARAMETERS, "optimizer_state": Category.OPTIMIZER, "gradients": Category.GRADIENTS,
+    "activations": Category.ACTIVATIONS, "kv_cache": Category.ACTIVATIONS, "lm_head": Category.LM_HEAD,
+    "scoring_forward": Category.TEMPORARIES, "generate_temporaries": Category.TEMPORARIES,
+    "temporaries": Category.TEMPORARIES, "buffered_batch": Category.OTHER, "completion_ids": Category.OTHER,
+}
+
+
+def _knob(c: Candidate, name: str) -> Any:
+    """An online-RL knob by TRL's name: the Candidate's field (when wt-rl's declarations make it one), else the
+    candidate's base (a trainer's carried knob), else TRL 1.16's default."""
+    if name in getattr(type(c), "__dataclass_fields__", {}):
+        return getattr(c, name)
+    return c.base.get(name, TRL_DEFAULTS[name])
+
+
+def _proxy(workload: Workload, rows: int, prompt: int, completion: int) -> Any:
+    """The training micro-batch as SFT rows: `rows` sequences of prompt + completion, the completion trained."""
+    from ..data import TokenizedDataset
+
+    row = {"input_ids": [0] * (prompt + completion), "completion_mask": [0] * prompt + [1] * completion}
+    data = TokenizedDataset(name=f"{getattr(workload.dataset, 'name', 'prompts')} (completions as rows)",
+                            source="synthetic", rows=(row,) * rows, completion_only_loss=True)
+    return dataclasses.replace(workload, dataset=data, trainer="sft")
+
+
+def _declares(workload: Workload, attribute: str) -> bool:
+    """What the workload's trainer declares (a protocol attribute, never its name): `old_logps_always` for a trainer
+    whose scoring always runs the old policy's forward (TRL's RLOOTrainer); False where it declares nothing."""
+    from ..trainers import get_trainer
+
+    return bool(getattr(get_trainer(workload.trainer), attribute, False))
+
+
+def _longest_prompt(workload: Workload) -> int:
+    lengths = getattr(workload.dataset, "lengths", None)
+    if lengths is None or len(lengths) == 0:
+        raise ValueError("online RL's estimate needs the prompts' lengths (workload.dataset.lengths)")
+    return int(max(lengths))
+
+
+def _reward_model_bytes(workload: Workload, weight_bytes: int) -> int:
+    """Reward models given as models (resident): `workload.reward_model` (a ModelSpec) when the workload carries one;
+    reward functions cost nothing on the device."""
+    spec = getattr(workload, "reward_model", None)
+    if spec is None:
+        return 0
+    arch = architecture(spec)
+    return arch.total * weight_bytes + arch.buffer_bytes
+
+
+def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any, Any]:
+    """(the physics' OnlineStep, the training micro-batch's MemoryParts, the proxy workload, the proxy candidate)."""
+    c = candidate
+    gpu = workload.gpu
+    arch = architecture(workload.model)
+    b = c.per_device_train_batch_size
+    ga = c.gradient_accumulation_steps
+    spg = _knob(c, "steps_per_generation")
+    gbs = _knob(c, "generation_batch_size")
+    world = max(1, workload.num_gpus)
+    if spg is None:  # GRPOConfig.__post_init__: generation_batch_size // (B x processes), else GA
+        spg = gbs // (b * world) if gbs else ga
+    prompt = _longest_prompt(workload)
+    completion = int(_knob(c, "max_completion_length"))
+    proxy = _proxy(workload, b, prompt, completion)
+    sft_c = c.replace(max_length=prompt + completion, packing=False, padding_free=False)
+    parts = memory_parts(proxy, sft_c)
+    weight_bytes = DTYPE_BYTES[c.weights_dtype]
+    mixed = c.precision is not Precision.FP32
+    compute = 2 if (mixed or c.weights_dtype is not WeightsDtype.FLOAT32) else 4
+    params, grads, optim = parts.parameters, parts.gradients, parts.optimizer
+    opt_temp = _optimizer_temporaries(arch, c, gpu.is_cuda, parts.optimizer_temporaries)
+    beta = float(_knob(c, "beta"))
+    reference = online_Reference.NONE if beta == 0 else (
+        online_Reference.ADAPTERS_DISABLED if c.use_lora else online_Reference.SEPARATE)
+    ref_bytes = arch.total * weight_bytes + arch.buffer_bytes if reference is online_Reference.SEPARATE else 0
+    reward = _reward_model_bytes(workload, weight_bytes)
+    zero3 = False
+    if world > 1:  # one rank of N: the model states as the candidate's parallelism shards them
+        from .._physics import estimate_rank_moments
+
+        P, G, OPT = Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER
+        one = {P: params, G: grads, OPT: optim, Category.ACTIVATIONS: 0, Category.LM_HEAD: 0,
+               Category.TEMPORARIES: 0}
+        sharded, _ = estimate_rank_moments(proxy, sft_c, {"state": one}, parts)
+        params, grads, optim = sharded["state"][P], sharded["state"][G], sharded["state"][OPT]
+        strategy = c.parallelism.parallelism.strategy.value
+        zero3 = strategy == "zero3"
+        if zero3 or strategy == "fsdp2":  # the reference is prepared (sharded) like the policy
+            ref_bytes = -(-ref_bytes // world)
+    use_vllm = bool(_knob(c, "use_vllm"))
+    mode = str(_knob(c, "vllm_mode"))
+    if use_vllm and mode not in (vllm_Mode.COLOCATE.value, vllm_Mode.SERVER.value):
+        raise ConfigError(f"vllm_mode={mode!r}: TRL takes 'colocate' or 'server'", context="vllm_mode")
+    engine = vllm_Mode(mode) if use_vllm else vllm_Mode.GENERATE
+    sleep = vllm_TRL_SLEEP_LEVEL if (use_vllm and _knob(c, "vllm_enable_sleep_mode")) else vllm_Sleep.OFF
+    step = online_OnlineStep(
+        parameters=arch.total, trainable=parts.trainable, layers=arch.layers, hidden=arch.hidden,
+        intermediate=arch.intermediate, kv_heads=max(1, arch.kv_dim // max(1, arch.head_dim)),
+        head_dim=arch.head_dim, vocab=arch.vocab, weights_bytes=params, gradient_bytes=grads, optimizer_bytes=optim,
+        kv_dtype_bytes=compute, key_dtype_bytes=4 if (mixed and c.weights_dtype is WeightsDtype.FLOAT32) else compute,
+        compute_bytes=compute, head_weight_bytes=weight_bytes, prompt_length=prompt,
+        max_completion_length=completion, per_device_train_batch_size=b, steps_per_generation=int(spg),
+        num_generations=int(_knob(c, "num_generations")), num_iterations=int(_knob(c, "num_iterations")),
+        gradient_accumulation_steps=ga, beta=beta, reference=reference, reference_bytes=ref_bytes,
+        reward_model_bytes=reward, vllm_gpu_memory_utilization=float(_knob(c, "vllm_gpu_memory_utilization")),
+        sleep=sleep, vllm_importance_sampling_correction=bool(_knob(c, "vllm_importance_sampling_correction")),
+        old_logps_always=_declares(workload, "old_logps_always"),
+        world_size=world, zero3=zero3, ds3_gather_for_generation=bool(_knob(c, "ds3_gather_for_generation")),
+        full_weights_bytes=arch.total * compute, cast_lm_head_to_fp32=bool(_knob(c, "cast_lm_head_to_fp32")),
+        lora=c.use_lora, gradient_checkpointing=c.activation_checkpointing,
+        optimizer_temporary_bytes=opt_temp, train_activation_bytes=parts.activations,
+        train_recompute_bytes=parts.recompute, card_bytes=gpu.memory_bytes, cuda=gpu.is_cuda,
+    )
+    if engine is not vllm_Mode.GENERATE:
+        side = online_vllm_side(workload.model.config, parameters=arch.total, generation_batch=step.generation_batch,
+                                vllm_max_model_length=_knob(c, "vllm_max_model_length"),
+                                context_bytes=outside_allocator_bytes(gpu) if gpu.is_cuda else 0,
+                                supports_bf16=gpu.supports_bf16)
+        step = dataclasses.replace(step, engine=engine, vllm=side)
+    return step, parts, proxy, sft_c
+
+
+def _optimizer_temporaries(arch: Any, c: Candidate, cuda: bool, foreach_bytes: int) -> int:
+    """The optimizer step's temporaries. `memory_parts` counts torch's foreach AdamW (one parameter-sized list: the
+    CUDA path). On the CPU `adamw_torch` (transformers 5: AdamW with foreach=None) runs the single-tensor for-loop
+    (torch/optim/optimizer.py _default_to_fused_or_foreach: foreach only when every tensor is on CUDA), whose
+    `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` (torch/optim/adamw.py _single_tensor_adam) holds
+    two temporaries of one parameter at a time: twice the largest trained tensor."""
+    if cuda or c.optim is not Optimizer.ADAMW_TORCH:
+        return foreach_bytes
+    if c.use_lora:
+        targets = set(c.lora_target_modules)
+        largest = max((c.lora_r * max(i, o) for name, i, o in arch.linears if name in targets), default=0)
+        return 2 * largest * 4
+    largest = max([arch.vocab * arch.hidden] + [i * o for _, i, o in arch.linears])
+    return 2 * largest * DTYPE_BYTES[c.weights_dtype]
+
+
+def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
+    """Peak memory by phase and category, what vLLM holds outside the allocator, and the step time of one GRPO /
+    RLOO optimizer step; status OOM with vLLM's own refusal when colocated vLLM would not start."""
+    c = candidate
+    gpu = workload.gpu
+    cuda = gpu.is_cuda
+    if bool(_knob(c, "use_vllm")) and not cuda:
+        return Measurement(status=Status.ERROR, source=Source.ESTIMATE,
+                           message=f"use_vllm=True on {gpu.name}: vLLM generates on CUDA GPUs only; set "
+                                   "use_vllm=False (transformers' generate) for a CPU target")
+    try:
+        step, parts, proxy, sft_c = build_step(workload, c)
+    except ConfigError as e:  # TRL's own rules (num_generations dividing the generation batch, ...): named, not run
+        return Measurement(status=Status.ERROR, source=Source.ESTIMATE, message=str(e))
+    phases = online_phase_allocator_bytes(step)
+    vllm = online_vllm_terms(step)
+    notes = [
+        f"online RL (closed form, advisor/_physics/online_rl.py): generation batch {step.generation_batch} "
+        f"completions (per_device_train_batch_size {step.per_device_train_batch_size} x steps_per_generation "
+        f"{step.steps_per_generation}), every completion at max_completion_length {step.max_completion_length} after "
+        f"the longest prompt ({step.prompt_length} tokens): the bound",
+    ]
+    if isinstance(vllm, online_VllmRefusal):
+        return Measurement(status=Status.OOM, source=Source.ESTIMATE, message=vllm.message,
+                           notes=(*notes, f"colocated vLLM refused: {vllm.cause.value} ({vllm.refused.source})"))
+    dp = device_peak({k: v.total for k, v in phases.items()}, vllm)
+    factor = RESERVED_FACTOR[bool(c.expandable_segments)] if cuda else 1.0
+    per_phase_device = {p: int(dp.allocator[p] * factor) + dp.outside_allocator[p] for p in dp.allocator}
+    at = max(per_phase_device, key=lambda p: per_phase_device[p])
+    peak = dp.allocator_peak_bytes
+    reserved = int(peak * factor)
+    context = outside_allocator_bytes(gpu) if cuda else 0
+    device = per_phase_device[at] + context if cuda else max(peak, per_phase_device[at])
+    breakdown: dict[str, int] = {}
+    for name, nbytes in phases[at].parts.items():
+        key = _CATEGORY.get(name, Category.OTHER).value
+        breakdown[key] = breakdown.get(key, 0) + int(nbytes)
+    outside = dp.outside_allocator[at]
+    if outside:
+        breakdown[Category.OUTSIDE_ALLOCATOR.value] = outside
+    sleep_note = []
+    if vllm is not None and vllm.split is not None and step.sleep is vllm_Sleep.OFF:
+        slept = dataclasses.replace(vllm, sleep=vllm_TRL_SLEEP_LEVEL)
+        with_sleep = max(int(dp.allocator[p] * factor) + slept.held_bytes(p) for p in dp.allocator) + context
+        if with_sleep < device:
+            sleep_note.append(f"vllm_enable_sleep_mode would give the pool back outside generation: device peak "
+                              f"{with_sleep / 2**30:.2f} GiB instead of {device / 2**30:.2f} GiB (vllm.py asleep)")
+    # step time: the training passes of the shared step-time model, plus online RL's own terms
+    arch = architecture(workload.model)
+    tc = time_constants(gpu)
+    train = expected_step_time(proxy, arch, sft_c, parts.batch, parts.offload_volume)
+    dense = arch.decoder_linear + arch.vocab * arch.hidden
+    from .._physics import interconnect
+
+    timed = online_step_time(step, tc, train_s=train.step_s, dense_params=dense,
+                             interconnect_bytes_s=interconnect(gpu).intra_gbs * 1e9 if cuda else None,
+                             peak_flops=_peak_flops(gpu, c.precision.value),
+                             vllm_weights_bytes=step.vllm.weights_bytes if step.vllm is not None else None,
+                             vllm_waves=getattr(vllm, "waves", 1))
+    notes += [
+        f"peak in the {phases[at].phase} phase; per phase (allocator + outside it, bytes): "
+        + ", ".join(f"{p} {dp.allocator[p]:,} + {dp.outside_allocator[p]:,}" for p in dp.allocator),
+        "training state resident throughout (weights, optimizer state"
+        + (", a separate reference" if step.reference_bytes else "")
+        + (", reward models" if step.reward_model_bytes else "") + ")",
+        "generate: transformers' DynamicCache of the generation batch at prompt + max_completion_length - 1 "
+        "positions, values in the compute dtype, keys float32 under autocast over float32 weights (rotary "
+        "promotes them) (cache_utils.py DynamicLayer.update; counted as activations)"
+        if step.engine is vllm_Mode.GENERATE else
+        f"generate: vLLM ({step.engine.value}); " + (
+            f"its pool {vllm.split.pool_bytes:,} B outside PyTorch's allocator "
+            + ("in every phase" if step.sleep is vllm_Sleep.OFF else
+               f"while generating, {vllm.held_bytes('train'):,} B kept asleep (sleep level {step.sleep.value})")
+            + " (vllm/v1/worker/gpu_worker.py Worker.init_device: utilization x total; profile run and non-torch "
+            "memory modelled, profiles/measurements/online_rl_constants.json)"
+            if vllm.split is not None else "server mode: no pool on the training GPUs"),
+        f"scoring: {step.scoring_forwards} no-grad forward(s) of the generation batch (old policy: "
+        f"{step.old_logps_forward}, reference {step.reference.value}) through TRL's fused log-prob head "
+        "(trl/kernels/chunked_logprob.py; no [B, T, V] logits)",
+        "train: the SFT estimate's parts of the micro-batch (advisor/_estimate/memory.py) with TRL's fused head on "
+        + ("the completion tokens (CUDA)" if cuda else "every position (no Triton)"),
+        *(["ZeRO-3: the whole model gathered to generate (ds3_gather_for_generation)"
+           if step.ds3_gather_for_generation else "ZeRO-3: a layer at a time gathered to generate"]
+          if step.zero3 else []),
+        *sleep_note,
+        *timed.notes,
+        "objective: trained completion tokens per optimizer step (per_device_train_batch_size x "
+        "gradient_accumulation_steps x max_completion_length) over the step's time end to end",
+    ]
+    terms = {**{k: v for k, v in train.terms.items()}, **{k: v for k, v in timed.terms.items() if k != "training"}}
+    step_s = timed.step_s
+    return Measurement(
+        status=Status.OK, source=Source.ESTIMATE, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device,
+        breakdown=breakdown, step_time_s=step_s,
+        tokens_per_second=timed.tokens_per_second, trained_tokens_per_step=timed.trained_tokens_per_step,
+        time_breakdown=terms, worst_step_time_s=step_s,
+        peak_batch=f"{step.per_device_train_batch_size}x{step.sequence_length} ({step.generation_batch} generated)",
+        notes=tuple(notes), outside_allocator_bytes=outside,
+    )
