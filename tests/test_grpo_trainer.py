@@ -176,6 +176,9 @@ def test_old_policy_forward_follows_trls_rule():
     assert k(c).old_policy_forward(c)  # vLLM's importance-sampling correction
     c = _online(use_vllm=True, vllm_importance_sampling_correction=False)
     assert not k(c).old_policy_forward(c)
+    rloo = get_trainer("rloo")
+    assert rloo.old_logps_always and rloo.knobs(Candidate()).old_policy_forward(Candidate())  # RLOO: always
+    assert rloo.trl_defaults == {"num_generations": 2, "beta": 0.05}
 
 
 # ---- server mode: the GPUs split, the accelerate config counts the training ones ------------------------------------
@@ -218,7 +221,7 @@ def test_prompt_data_is_a_dataset(tmp_path, tiny_model, tiny_tokenizer):
 
 
 def test_the_space_varies_the_micro_batch_at_fixed_completions_per_step(tiny_model, cpu_target):
-    from advisor._search.space import RowTokens, default_space, default_tokens_per_step, with_accumulation
+    from advisor.search import RowTokens, default_space, default_tokens_per_step, with_accumulation
     from advisor.trainers.prompts import synthetic_prompts
     from advisor.workload import Goals, Method, Workload
 

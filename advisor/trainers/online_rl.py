@@ -241,9 +241,14 @@ class _OnlineKnobsMethods:
 
     def old_policy_forward(self, candidate: Candidate) -> bool:
         """GRPOTrainer._generate_and_score_completions: the old policy's no-grad forward runs when generation is
-        misaligned with the optimizer step, or (GRPO) vLLM's importance-sampling correction is on."""
+        misaligned with the optimizer step, or vLLM's importance-sampling correction is on; RLOOTrainer's always
+        (`old_logps_always`)."""
+        from .base import get_trainer
+
+        if getattr(get_trainer(self.trainer), "old_logps_always", False):
+            return True  # RLOOTrainer._generate_and_score_completions: always, for its clipped ratio
         every = self.steps(candidate) * self.num_iterations
-        correction = self.use_vllm and (self.trainer != "grpo" or self.vllm_importance_sampling_correction)
+        correction = self.use_vllm and self.vllm_importance_sampling_correction
         return candidate.gradient_accumulation_steps % every != 0 or correction
 
 
@@ -294,6 +299,13 @@ class OnlineRLTrainer(TrlTrainer):
     closed_form = ClosedForm.ONLINE_RL
     config_label: str
     takes_reward_model = True  # a Workload's reward_model (--reward-model) is this trainer's to score with
+    old_logps_always = False  # its scoring runs the old policy's no-grad forward every generation (RLOO: True)
+
+    @property
+    def trl_defaults(self) -> dict[str, Any]:
+        """TRL 1.16's defaults of this trainer's config where GRPOConfig and RLOOConfig differ (num_generations,
+        beta): what a candidate without the key means. The estimate and the simulator read the knobs through it."""
+        return dict(TRL_DEFAULTS[self.name])
 
     def knobs(self, candidate: Candidate) -> Any:
         """This trainer's online knobs of `candidate`, its TRL defaults resolved (OnlineKnobs)."""

@@ -17,6 +17,7 @@ class RLOO(OnlineRLTrainer):
     name = "rloo"
     command = "rloo"
     config_name, trainer_name, config_label = "RLOOConfig", "RLOOTrainer", "RLOO"
+    old_logps_always = True  # RLOOTrainer._generate_and_score_completions computes the old log-probs every time
 
 
 RLOO_TRAINER = register(RLOO())
