@@ -365,3 +365,19 @@ def test_reward_model_flag_on_the_cli(tiny_config, capsys):
 
 def test_vllm_is_a_requirement_of_the_pick():
     assert "vllm" in _online(use_vllm=True).requirements() and "vllm" not in Candidate().requirements()
+
+
+def test_lengths_reports_the_prompts(tiny_config, capsys):
+    rc = main(["lengths", "--trainer", "rloo", "--model", tiny_config, "--json"])
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("{"):])
+    assert rc == 0 and report["prompts"] == 2048 and report["max_completion_length"] == 512
+    assert report["prompt_completion"]["max"] == report["prompt"]["max"] + 512
+
+
+def test_simulate_refuses_online_rl_until_its_run_is_wired(tmp_path, tiny_config, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(get_trainer("grpo").to_yaml(Candidate(), model_name_or_path="m"))
+    rc = main(["simulate", "--trainer", "grpo", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--config",
+               str(path)])
+    assert rc == 2 and "not wired into simulate() yet; use --backend estimate" in capsys.readouterr().err
