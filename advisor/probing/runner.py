@@ -68,16 +68,20 @@ def plan_batches(workload: Workload, candidate: Candidate, steps: int, warmup: i
     as accelerate deals them), so rank 0 gets the longest micro-batch.
     """
     total_steps = warmup + steps
-    rows_per_step = (candidate.per_device_train_batch_size * candidate.gradient_accumulation_steps
-                     * workload.num_gpus)
+    from ..trainers import get_trainer
+
+    kind = get_trainer(workload.trainer)
+    # micro-batch rows per dataset row: online RL samples num_generations completions of each prompt
+    per_row = getattr(kind, "completions_per_row", lambda c: 1)(candidate)
+    rows_per_step = -(-candidate.per_device_train_batch_size * candidate.gradient_accumulation_steps
+                      * workload.num_gpus // per_row)
     ds = workload.dataset
     if len(ds.rows) == 0:
         raise UsageError(f"dataset {ds.name}: no rows to probe with; give a --dataset with data")
-    from ..trainers import get_trainer
 
     # only rows TRL keeps (e.g. not those a short max_length leaves fully masked): a dropped row would leave its
     # step short of the planned micro-batches, or with no step at all
-    kept = np.asarray(get_trainer(workload.trainer).kept_rows(workload, candidate))
+    kept = np.asarray(kind.kept_rows(workload, candidate))
     if len(kept) == 0:
         raise UsageError(f"max_length={candidate.max_length}: every row of dataset {ds.name} has all its trained "
                          "tokens past it, and TRL drops fully masked rows, so nothing would train; raise max_length "

@@ -491,6 +491,10 @@ class OnlineRLTrainer(TrlTrainer):
 
         return {"reward_funcs": [get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)]}
 
+    def completions_per_row(self, candidate: Candidate) -> int:
+        """Micro-batch rows (completions) per dataset row (prompt): what a probe's plan of prompts divides by."""
+        return int(self.knobs(candidate).num_generations)
+
     def script_keys(self) -> frozenset[str]:
         """The keys of `trl <command>`'s script arguments beyond ScriptArguments' (its YAML's reader accepts them)."""
         return frozenset(SCRIPT_KEYS)
