@@ -86,9 +86,9 @@ def simulate(
     if problems:
         raise ConfigError(problems, context="configuration rejected")
     spec.check_dataset(workload)
-    from .trainers.phases import PhaseKind
+    from .trainers.phases import ClosedForm
 
-    if any(p.kind is PhaseKind.GENERATE for p in spec.phases(candidate)):  # online RL: generation inside the step
+    if spec.closed_form is ClosedForm.ONLINE_RL:  # the step's kind it declares: generation inside the step
         raise ConfigError([f"trainer={spec.name!r}: the simulate backend's run of {spec.trainer_name}.train() "
                            "(advisor/_sim/online_rl.py) is not wired into simulate() yet; use --backend estimate, "
                            "or --backend cpu (a real probe)"], context="simulate")
