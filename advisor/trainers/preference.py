@@ -202,7 +202,7 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
             note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} pairs)"
             data = dataclasses.replace(data, notes=data.notes + (note,))
         return data
-    from ..data import load_tokenizer, read_raw
+    from ..data import load_tokenizer, read_raw, tokenizer_note
 
     raw = read_raw(spec)
     population = len(raw.rows)
@@ -219,7 +219,10 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
         prepared = [{c: list(r[c]) for c in TOKEN_COLUMNS} for r in rows]
         return PreferenceDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
                                  dataset_name=spec if raw.source == "hub" else None, **kept)
-    tok = load_tokenizer(tokenizer, model)
+    tok = load_tokenizer(tokenizer, model, trainer)
+    loaded_as = tokenizer_note(tok, tokenizer, model, trainer)
+    if loaded_as is not None:
+        kept["notes"] = (*kept["notes"], loaded_as)
     prepared, conversational = prepare_with_trl(rows, tok, spec)
     return PreferenceDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
                              dataset_name=spec if raw.source == "hub" else None, conversational=conversational,
