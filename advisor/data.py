@@ -109,7 +109,7 @@ def load_dataset(
 
     tok = None if fmt is DataFormat.TOKENIZED else load_tokenizer(tokenizer, model)
     loaded_as = None if tok is None else tokenizer_note(tok, tokenizer, model)
-    input_ids, labels = prepare_with_trl(good, fmt, tok, spec, progress)
+    input_ids, labels, said = prepare_with_trl(good, fmt, tok, spec, progress)
     completion_only = any(-100 in lab for lab in labels)
     out_rows = []
     for ids, lab in zip(input_ids, labels, strict=True):
@@ -123,8 +123,7 @@ def load_dataset(
         notes.append(f"{len(bad)} bad row(s) skipped: " + list_problems([b.describe() for b in bad]))
     if sample is not None and sample < population:
         notes.append(f"a seeded random sample (seed {seed}) of {len(rows)} of {population} rows")
-    if loaded_as is not None:
-        notes.append(loaded_as)
+    notes.extend(n for n in (loaded_as, said) if n is not None)
     return TokenizedDataset(
         name=raw.label,
         source=raw.source,

@@ -92,14 +92,17 @@ def tokenizer_note(tok: PreTrainedTokenizerBase, tokenizer: str | None, model: M
 
 def prepare_with_trl(
     rows: list[dict[str, Any]], fmt: DataFormat, tok: PreTrainedTokenizerBase | None, spec: str, progress: bool
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Run SFTTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`."""
+) -> tuple[list[list[int]], list[list[int]], str | None]:
+    """Run SFTTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`: the input ids, the
+    labels, and a note of what the libraries said meanwhile (collected: TRL's per-row "shown once" warning quotes
+    each row, so it is said once per row; each distinct message once with its count), or None."""
     import tempfile
     import types
     import warnings
 
     import datasets
 
+    from .._messages import capture, said_note
     from ..trainers import get_trainer
 
     sft = get_trainer("sft")
@@ -120,14 +123,14 @@ def prepare_with_trl(
         chat_template=None,
     )
     try:
-        with progress_bars(progress):
+        with progress_bars(progress), capture(streams=not progress) as said:
             prepared = SFTTrainer._prepare_dataset(trainer_like, hf, tok, args, False, None, "train")
     except Exception as exc:  # TRL/transformers raise ValueError, TemplateError, KeyError...
         raise DatasetError(
             f"--dataset {spec}: TRL could not tokenize it ({first_line(exc)}); a conversational dataset needs a "
             "tokenizer with a chat template (--tokenizer PATH)"
         ) from exc
-    return prepared["input_ids"], prepared["labels"]
+    return prepared["input_ids"], prepared["labels"], said_note(said, "tokenizing the dataset")
 
 
 @contextlib.contextmanager

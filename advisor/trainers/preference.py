@@ -223,14 +223,18 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
     loaded_as = tokenizer_note(tok, tokenizer, model, trainer)
     if loaded_as is not None:
         kept["notes"] = (*kept["notes"], loaded_as)
-    prepared, conversational = prepare_with_trl(rows, tok, spec)
+    prepared, conversational, said = prepare_with_trl(rows, tok, spec)
+    if said is not None:
+        kept["notes"] = (*kept["notes"], said)
     return PreferenceDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
                              dataset_name=spec if raw.source == "hub" else None, conversational=conversational,
                              **kept)
 
 
-def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[list[dict[str, list[int]]], bool]:
-    """DPOTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`."""
+def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str
+                     ) -> tuple[list[dict[str, list[int]]], bool, str | None]:
+    """DPOTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`; with whether the pairs
+    are conversational and a note of what the libraries said meanwhile, each distinct message once (or None)."""
     import tempfile
     import types
     import warnings
@@ -238,6 +242,8 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[l
     import datasets
     from trl import DPOConfig, DPOTrainer
     from trl.data_utils import is_conversational
+
+    from .._messages import capture, said_note
 
     keep = [c for c in (*PREFERENCE_COLUMNS, "tools", "chat_template_kwargs") if any(c in r for r in rows)]
     try:
@@ -253,7 +259,7 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[l
     from ..data import progress_bars
 
     try:
-        with progress_bars(False):
+        with progress_bars(False), capture() as said:
             prepared = DPOTrainer._prepare_dataset(trainer_like, hf, tok, args, "train")
     except Exception as exc:  # TRL/transformers raise ValueError, TemplateError, KeyError...
         hint = ("; a conversational dataset needs a tokenizer with a chat template (--tokenizer PATH)"
@@ -263,7 +269,7 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[l
             + hint
         ) from exc
     out = [{c: list(prepared[i][c]) for c in TOKEN_COLUMNS} for i in range(len(prepared))]
-    return out, bool(is_conversational(hf[0]))
+    return out, bool(is_conversational(hf[0])), said_note(said, "tokenizing the pairs")
 
 
 # ---- the lengths report for preference data (`advisor lengths --trainer dpo|reward`) ---------------------------
