@@ -41,6 +41,7 @@ from ._data import (
     replace_dataset,
     synthetic,
     synthetic_lengths,
+    tokenizer_note,
 )
 from .errors import DatasetError
 
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = [  # noqa: RUF022
     "Dataset", "TokenizedDataset", "BadRow", "DataFormat", "load_dataset", "load_tokenizer", "synthetic",
     "synthetic_lengths",
-    "progress_bars", "read_raw", "RawRows", "LOCAL_SUFFIXES", "TOKENIZER_FILES", "SYNTHETIC_ROWS",
+    "progress_bars", "tokenizer_note", "read_raw", "RawRows", "LOCAL_SUFFIXES", "TOKENIZER_FILES", "SYNTHETIC_ROWS",
     "SYNTHETIC_SEED", "SYNTHETIC_MEDIAN", "SYNTHETIC_SIGMA", "SYNTHETIC_MIN", "SYNTHETIC_MAX",
 ]
 
@@ -107,7 +108,8 @@ def load_dataset(
         )
 
     tok = None if fmt is DataFormat.TOKENIZED else load_tokenizer(tokenizer, model)
-    input_ids, labels = prepare_with_trl(good, fmt, tok, spec, progress)
+    loaded_as = None if tok is None else tokenizer_note(tok, tokenizer, model)
+    input_ids, labels, said = prepare_with_trl(good, fmt, tok, spec, progress)
     completion_only = any(-100 in lab for lab in labels)
     out_rows = []
     for ids, lab in zip(input_ids, labels, strict=True):
@@ -121,6 +123,7 @@ def load_dataset(
         notes.append(f"{len(bad)} bad row(s) skipped: " + list_problems([b.describe() for b in bad]))
     if sample is not None and sample < population:
         notes.append(f"a seeded random sample (seed {seed}) of {len(rows)} of {population} rows")
+    notes.extend(n for n in (loaded_as, said) if n is not None)
     return TokenizedDataset(
         name=raw.label,
         source=raw.source,

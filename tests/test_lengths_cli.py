@@ -59,12 +59,25 @@ def test_json_equals_sfttrainer(capsys, model_dir, tiny_model, tiny_tokenizer):
 
 
 def test_tokenizer_from_the_model_directory(capsys, model_dir, tiny_tokenizer):
+    """Without --tokenizer the model directory's tokenizer is read as `trl sft` reads it (AutoProcessor): the
+    word-level tokenizer saved as the generic class beside a qwen2 config.json becomes a Qwen2Tokenizer that
+    keeps only the special tokens, so TRL's rows are the two role markers with the completion's tokens gone
+    (SFTTrainer then drops every row as fully masked); the report counts that, and its note says why."""
+    from transformers import AutoProcessor
+
     for f in Path(tiny_tokenizer).iterdir():
         shutil.copy(f, model_dir / f.name)
-    report = _json(capsys, "--model", str(model_dir), "--dataset", str(ASSETS / "prompt_completion.jsonl"),
-                   "--max-length", "64", "--micro-batch", "2")
+    path = ASSETS / "prompt_completion.jsonl"
+    report = _json(capsys, "--model", str(model_dir), "--dataset", str(path), "--max-length", "64",
+                   "--micro-batch", "2")
     assert report["count"] == 30
-    assert 0 < report["trained_tokens"] < report["total_tokens"]  # the prompt is masked
+    trl_tok = AutoProcessor.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    full = [trl_tok.apply_chat_template(r["prompt"] + r["completion"], tokenize=True, return_dict=True)["input_ids"]
+            for r in rows]
+    assert report["total_tokens"] == sum(len(x) for x in full)
+    assert report["trained_tokens"] == 0  # what TRL trains on with the class it loads
+    assert any("saved as TokenizersBackend" in n and "Qwen2Tokenizer" in n for n in report["notes"])
     assert set(report["max_lengths"][0]["padding"]) == {"2"}
     assert set(report["max_lengths"][0]["packing"]) == {"bfd", "bfd_split", "wrapped"}
 

@@ -16,18 +16,29 @@ from .readers import first_line
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from ..trainers import Trainer
     from ..workload import ModelSpec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # what `PreTrainedTokenizerFast.save_pretrained`
+# writes as `tokenizer_class`: no model's own class, so a config.json beside it picks another
 
 
-def load_tokenizer(tokenizer: str | None, model: ModelSpec) -> PreTrainedTokenizerBase:
-    """`--tokenizer PATH`, else the model's directory, else its hub id; DatasetError says how to provide one."""
-    from transformers import AutoTokenizer
+def load_tokenizer(tokenizer: str | None, model: ModelSpec, trainer: str | Trainer | None = None
+                   ) -> PreTrainedTokenizerBase:
+    """The tokenizer `trainer` trains with (the default trainer when None), loaded as its `trl <command>` loads it
+    (`Trainer.load_processing_class`): from `--tokenizer PATH`, else the model's directory, else its hub id.
+    DatasetError says how to provide one.
 
+    The class is the trainer's loader's, not the one the tokenizer was saved as: a tokenizer saved as the generic
+    `TokenizersBackend` / `PreTrainedTokenizerFast` beside a qwen2 `config.json` is rebuilt as Qwen2Tokenizer by
+    AutoProcessor / AutoTokenizer, and TRL trains on that class's tokens, so the advisor counts those."""
+    from ..trainers import DEFAULT, get_trainer
+
+    load = get_trainer(trainer if trainer is not None else DEFAULT).load_processing_class
     if tokenizer is not None:
         try:
-            return _from_pretrained(tokenizer)
+            return load(tokenizer)
         except Exception as exc:  # transformers raises OSError, ValueError, EnvironmentError...
             raise DatasetError(
                 f"--tokenizer {tokenizer}: no tokenizer could be loaded ({first_line(exc)}); pass a directory that "
@@ -36,7 +47,7 @@ def load_tokenizer(tokenizer: str | None, model: ModelSpec) -> PreTrainedTokeniz
     local = model.local_dir
     if local is not None and any((Path(local) / f).exists() for f in TOKENIZER_FILES):
         try:
-            return _from_pretrained(str(local))
+            return load(str(local))
         except Exception as exc:
             raise DatasetError(
                 f"--model {model.name}: the tokenizer in {local} could not be loaded ({first_line(exc)}); "
@@ -47,40 +58,51 @@ def load_tokenizer(tokenizer: str | None, model: ModelSpec) -> PreTrainedTokeniz
     if model.source == "local":
         raise DatasetError(f"--model {model.name}: its directory has no tokenizer; {hint}")
     try:
-        return AutoTokenizer.from_pretrained(model.name)
+        return load(model.name)
     except Exception as exc:
         raise DatasetError(
             f"--model {model.name}: no tokenizer reachable (not local, hub unreachable: {first_line(exc)}); {hint}"
         ) from exc
 
 
-def _from_pretrained(path: str) -> PreTrainedTokenizerBase:
-    """AutoTokenizer, except that a directory saved with the generic fast class keeps that class.
+def tokenizer_note(tok: PreTrainedTokenizerBase, tokenizer: str | None, model: ModelSpec,
+                   trainer: str | Trainer | None = None) -> str | None:
+    """What the dataset's notes say when the trainer's loader built another class than the generic one the
+    tokenizer was saved as (`load_tokenizer` counts the loader's tokens, as TRL trains; the user may expect the
+    saved class's). None otherwise."""
+    from ..trainers import DEFAULT, get_trainer
 
-    transformers 5 lets a `config.json` beside the tokenizer pick the class from the model type (Qwen2Tokenizer
-    for qwen2), which rebuilds the pipeline and loses a custom tokenizer saved as `TokenizersBackend`.
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    config = Path(path) / "tokenizer_config.json"
-    if config.is_file():
-        with contextlib.suppress(ValueError, OSError):
-            saved = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
-            if saved in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-                return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    path = tokenizer if tokenizer is not None else model.local_dir
+    if path is None:
+        return None
+    try:
+        saved = json.loads((Path(path) / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):  # a hub id, no such file, not JSON, not an object
+        return None
+    loaded = type(tok).__name__
+    if saved not in GENERIC_CLASSES or loaded in GENERIC_CLASSES:
+        return None
+    t = get_trainer(trainer if trainer is not None else DEFAULT)
+    return (f"tokenizer: {path} holds a tokenizer saved as {saved}; {t.trainer_name} loads it as {loaded} "
+            f"({t.processing_class_loader}.from_pretrained: the config.json beside it picks the class), so the "
+            f"tokens counted are {loaded}'s, which `trl {t.command}` trains on. To train with the saved class, move "
+            "it to a directory without config.json, pass that as --tokenizer and its tokenizer as the trainer's "
+            "processing_class in Python")
 
 
 def prepare_with_trl(
     rows: list[dict[str, Any]], fmt: DataFormat, tok: PreTrainedTokenizerBase | None, spec: str, progress: bool
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Run SFTTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`."""
+) -> tuple[list[list[int]], list[list[int]], str | None]:
+    """Run SFTTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`: the input ids, the
+    labels, and a note of what the libraries said meanwhile (collected: TRL's per-row "shown once" warning quotes
+    each row, so it is said once per row; each distinct message once with its count), or None."""
     import tempfile
     import types
     import warnings
 
     import datasets
 
+    from .._messages import capture, said_note
     from ..trainers import get_trainer
 
     sft = get_trainer("sft")
@@ -101,14 +123,14 @@ def prepare_with_trl(
         chat_template=None,
     )
     try:
-        with progress_bars(progress):
+        with progress_bars(progress), capture(streams=not progress) as said:
             prepared = SFTTrainer._prepare_dataset(trainer_like, hf, tok, args, False, None, "train")
     except Exception as exc:  # TRL/transformers raise ValueError, TemplateError, KeyError...
         raise DatasetError(
             f"--dataset {spec}: TRL could not tokenize it ({first_line(exc)}); a conversational dataset needs a "
             "tokenizer with a chat template (--tokenizer PATH)"
         ) from exc
-    return prepared["input_ids"], prepared["labels"]
+    return prepared["input_ids"], prepared["labels"], said_note(said, "tokenizing the dataset")
 
 
 @contextlib.contextmanager

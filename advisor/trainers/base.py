@@ -86,6 +86,10 @@ class Trainer(Protocol):
     def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any: ...  # LoraConfig or None
 
     # ---- data ------------------------------------------------------------------------------------------------
+    def load_processing_class(self, path: str) -> Any: ...  # the tokenizer `trl <command>` trains with, loaded
+    # from `path` (the model's directory or hub id, or --tokenizer) as `<Trainer>.__init__` loads it when its
+    # processing_class is None
+
     def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
                      sample: int | None = None, seed: int = 0, progress: bool = False) -> Any: ...
     # None: the built-in synthetic set; else a local file / directory / hub id, prepared as this trainer does;
@@ -214,6 +218,9 @@ class TrlTrainer:
     timed_over_batches = False
     config_name: str  # e.g. "SFTConfig": trl.<config_name>
     trainer_name: str  # e.g. "SFTTrainer"
+    # what `<Trainer>.__init__` calls when `trl <command>` passes no processing_class (trl/trainer/*_trainer.py:
+    # `AutoProcessor.from_pretrained(get_config_model_id(model.config), ...)` for SFT, DPO, GRPO, RLOO)
+    processing_class_loader = "AutoProcessor"
     example_dataset: str  # a hub id of this trainer's kind of data, for the YAML's dataset_name placeholder
     data_hint: str  # what the snippet's train.jsonl holds, in words
 
@@ -304,6 +311,18 @@ class TrlTrainer:
         return peft_config(candidate, spec)
 
     # ---- data ------------------------------------------------------------------------------------------------------
+    def load_processing_class(self, path: str) -> Any:
+        """The tokenizer this trainer's `trl <command>` tokenizes with: `transformers.<processing_class_loader>`
+        on `path`, as `<Trainer>.__init__` calls it (no remote code: `trust_remote_code` is TRL's default False).
+        Not AutoTokenizer's class when it differs: transformers 5 picks the class from a `config.json` beside
+        the tokenizer (Qwen2Tokenizer for qwen2, rebuilt from the saved vocabulary), whatever class the tokenizer
+        was saved as, and TRL trains on what that class gives. A processor's text side is its `tokenizer`, as the
+        trainers take it (`self._tokenizer = processing_class.tokenizer`)."""
+        import transformers
+
+        loaded = getattr(transformers, self.processing_class_loader).from_pretrained(path, trust_remote_code=False)
+        return loaded.tokenizer if isinstance(loaded, transformers.ProcessorMixin) else loaded
+
     def kept_rows(self, workload: Workload, candidate: Candidate) -> Any:
         """Indices (numpy) of the dataset's rows TRL's preparation keeps for this candidate: all of them."""
         import numpy as np

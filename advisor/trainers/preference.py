@@ -202,7 +202,7 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
             note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} pairs)"
             data = dataclasses.replace(data, notes=data.notes + (note,))
         return data
-    from ..data import load_tokenizer, read_raw
+    from ..data import load_tokenizer, read_raw, tokenizer_note
 
     raw = read_raw(spec)
     population = len(raw.rows)
@@ -219,15 +219,22 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
         prepared = [{c: list(r[c]) for c in TOKEN_COLUMNS} for r in rows]
         return PreferenceDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
                                  dataset_name=spec if raw.source == "hub" else None, **kept)
-    tok = load_tokenizer(tokenizer, model)
-    prepared, conversational = prepare_with_trl(rows, tok, spec)
+    tok = load_tokenizer(tokenizer, model, trainer)
+    loaded_as = tokenizer_note(tok, tokenizer, model, trainer)
+    if loaded_as is not None:
+        kept["notes"] = (*kept["notes"], loaded_as)
+    prepared, conversational, said = prepare_with_trl(rows, tok, spec)
+    if said is not None:
+        kept["notes"] = (*kept["notes"], said)
     return PreferenceDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
                              dataset_name=spec if raw.source == "hub" else None, conversational=conversational,
                              **kept)
 
 
-def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[list[dict[str, list[int]]], bool]:
-    """DPOTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`."""
+def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str
+                     ) -> tuple[list[dict[str, list[int]]], bool, str | None]:
+    """DPOTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`; with whether the pairs
+    are conversational and a note of what the libraries said meanwhile, each distinct message once (or None)."""
     import tempfile
     import types
     import warnings
@@ -235,6 +242,8 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[l
     import datasets
     from trl import DPOConfig, DPOTrainer
     from trl.data_utils import is_conversational
+
+    from .._messages import capture, said_note
 
     keep = [c for c in (*PREFERENCE_COLUMNS, "tools", "chat_template_kwargs") if any(c in r for r in rows)]
     try:
@@ -250,7 +259,7 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[l
     from ..data import progress_bars
 
     try:
-        with progress_bars(False):
+        with progress_bars(False), capture() as said:
             prepared = DPOTrainer._prepare_dataset(trainer_like, hf, tok, args, "train")
     except Exception as exc:  # TRL/transformers raise ValueError, TemplateError, KeyError...
         hint = ("; a conversational dataset needs a tokenizer with a chat template (--tokenizer PATH)"
@@ -260,7 +269,7 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str) -> tuple[l
             + hint
         ) from exc
     out = [{c: list(prepared[i][c]) for c in TOKEN_COLUMNS} for i in range(len(prepared))]
-    return out, bool(is_conversational(hf[0]))
+    return out, bool(is_conversational(hf[0])), said_note(said, "tokenizing the pairs")
 
 
 # ---- the lengths report for preference data (`advisor lengths --trainer dpo|reward`) ---------------------------

@@ -34,6 +34,7 @@ class Reward(PairTrainer):
     name = "reward"
     command = "reward"
     config_name, trainer_name, config_label = "RewardConfig", "RewardTrainer", "reward"
+    processing_class_loader = "AutoTokenizer"  # RewardTrainer.__init__ with processing_class=None
 
     # ---- rules, config ------------------------------------------------------------------------------------------
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
