@@ -234,7 +234,7 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
             note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} prompts)"
             data = dataclasses.replace(data, notes=data.notes + (note,))
         return data
-    from ..data import load_tokenizer, read_raw
+    from ..data import load_tokenizer, read_raw, tokenizer_note
 
     raw = read_raw(spec)
     population = len(raw.rows)
@@ -246,14 +246,15 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
         indices = np.sort(np.random.default_rng(seed).choice(population, size=sample, replace=False))
     rows = [raw.rows[int(i)] for i in indices]
     conversational = check_prompt_rows(rows, raw.label, trainer)
-    tok = load_tokenizer(tokenizer, model)
+    tok = load_tokenizer(tokenizer, model, trainer)  # as GRPOTrainer / RLOOTrainer load it (AutoProcessor)
+    loaded_as = tokenizer_note(tok, tokenizer, model, trainer)
     ids = tokenize_prompts([r[PROMPT_COLUMN] for r in rows], tok, trainer=trainer,
                            chat_template_kwargs=chat_template_kwargs, label=raw.label)
     return PromptDataset(name=raw.label, source=raw.source, rows=tuple(tuple(r) for r in ids),
                          dataset_name=spec if raw.source == "hub" else None, conversational=conversational,
                          population=population if sampled else None,
-                         notes=(f"a seeded random sample (seed {seed}) of {len(rows)} of {population} prompts",)
-                         if sampled else ())
+                         notes=((f"a seeded random sample (seed {seed}) of {len(rows)} of {population} prompts",)
+                                if sampled else ()) + ((loaded_as,) if loaded_as is not None else ()))
 
 
 # ---- the lengths report for prompt data (`advisor lengths --trainer grpo|rloo`) --------------------------------
