@@ -381,3 +381,21 @@ def test_simulate_refuses_online_rl_until_its_run_is_wired(tmp_path, tiny_config
     rc = main(["simulate", "--trainer", "grpo", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--config",
                str(path)])
     assert rc == 2 and "not wired into simulate() yet; use --backend estimate" in capsys.readouterr().err
+
+
+def test_the_search_admits_each_micro_batch_with_its_accumulation():
+    """TRL's rule on the generation batch depends on the accumulation the search derives for a micro-batch: a
+    micro-batch of 1 completion is admitted with its 8 accumulation steps (generation batch 8, one group of 8)."""
+    from advisor.profiles import resolve_gpu, resolve_model
+    from advisor.search import RowTokens, StudySpace, build_space, default_tokens_per_step
+    from advisor.trainers.prompts import synthetic_prompts
+    from advisor.workload import Goals, Method, Workload
+
+    m = resolve_model("Qwen/Qwen2.5-0.5B")
+    wl = Workload(model=m, gpu=resolve_gpu("H100-80GB"), dataset=synthetic_prompts(m.vocab_size, rows=64),
+                  goals=Goals(), trainer="grpo")
+    rows = RowTokens(wl.dataset)
+    space = StudySpace(wl, build_space(wl, Method.FULL), default_tokens_per_step(wl, rows), rows)
+    admitted = {(c.per_device_train_batch_size, c.gradient_accumulation_steps) for c in space._walk()
+                if not isinstance(c, str)}
+    assert admitted == {(1, 8), (2, 4), (4, 2), (8, 1)}
