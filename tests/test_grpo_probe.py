@@ -29,3 +29,17 @@ def test_cpu_probe_runs_the_real_online_trainer(trainer, tiny_model, cpu_target)
     assert m.peak_bytes > 0
     # every micro-batch: 4 completions, each at max_completion_length (forced), all trained
     assert m.trained_tokens_per_step == 4 * 8
+
+
+def test_the_probe_refuses_a_reward_model_it_would_leave_out(tiny_model, cpu_target):
+    import dataclasses
+
+    from advisor.errors import ConfigError
+    from advisor.probing.runner import probe
+    from advisor.trainers.prompts import synthetic_prompts
+    from advisor.workload import Goals, Workload
+
+    wl = Workload(model=tiny_model, gpu=cpu_target, dataset=synthetic_prompts(1024, rows=16, median=32, max_len=64),
+                  goals=Goals(), trainer="grpo", reward_model=dataclasses.replace(tiny_model, name="org/rm"))
+    with pytest.raises(ConfigError, match="--reward-model org/rm: the probe's child does not load reward models"):
+        probe(wl, Candidate(), "cpu", steps=1, warmup=0)

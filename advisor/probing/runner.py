@@ -186,6 +186,10 @@ def probe(
         problems.append(f"--timeout {timeout_s}: must be a positive number of seconds")
     if memory_budget_bytes is not None and memory_budget_bytes <= 0:
         problems.append(f"--memory-budget {memory_budget_bytes}: must be positive, e.g. 40GB")
+    if getattr(workload, "reward_model", None) is not None:  # never a run without it measured silently for one with
+        problems.append(f"--reward-model {workload.reward_model.name}: the probe's child does not load reward models "
+                        "yet (its run would leave the resident reward model out); probe without --reward-model, or "
+                        "use --backend estimate, which counts it")
     world = workload.num_gpus
     if world > 1:  # several ranks (issue 16): never one GPU measured silently for N
         problems.extend(_world_problems(workload, candidate, backend))
