@@ -1,0 +1,540 @@
+"""TRL's own `GRPOTrainer.train()` / `RLOOTrainer.train()` on fake tensors (online RL, issue 23).
+
+The trainer is built by the caller from `make_online_trainer_class(trl.GRPOTrainer | trl.RLOOTrainer)` on a policy
+built on the `meta` device, inside `online_construction(...)`, so that the reference TRL builds from the policy's name
+(`beta > 0` without PEFT: `create_model_from_path(get_config_model_id(model.config))`) is built on `meta` too and no
+real weight is ever allocated. `run_online_fake(trainer, steps=..., ...)` materialises the policy and the reference
+as fake tensors and runs the trainer's real `train()` loop: its dataloader, `_tokenize_prompts`, generation, the
+reward functions on the decoded text, the old-policy and reference log-probs, the loss, the backward and the optimizer
+step, with every storage tracked (advisor/_sim/tracker.py).
+
+Generation (`engine="generate"`): transformers' `generate` runs on fake tensors with every completion at
+`max_completion_length` (the bound; `full_length_generate`'s rules, advisor/_sim/generation.py). A decode step costs
+a forward through every layer on fake tensors, so the decode loop is not run to its full length: `generate` runs to
+two short lengths, the allocator's peak in each decode step (from one forward of the model to the next) is recorded,
+and the full length's peak is extrapolated affinely in the decode step (the DynamicCache, the ids and the attention
+mask grow by one position a step; every other allocation of a step is the same). The extrapolation is checked on the
+runs themselves (the steps both short runs share are equal, the steps between are affine, the last step of each run
+lies on its own line): where a check fails the run raises `NotAffine` rather than report a guess. Its output is the
+full length's: [the real prompt ids | filler ids], known to the DataShadow, so everything after `generate` (TRL's
+EOS mask, the rewards, the scoring forwards, the training passes) runs at the full completion length.
+tests/test_simulate_accuracy_grpo.py checks the extrapolated peak against a full-length fake generate, byte for byte.
+
+vLLM (`engine="vllm"`): no `model.generate` runs in the training process. TRL's `VLLMGeneration` is constructed for
+real with its `_init_vllm` replaced (no engine, no server: vLLM's own memory, its weights, KV pool and activations,
+lies outside PyTorch's allocator of the training process and is modelled in closed form by advisor/_physics), its
+`generate` returns known full-length filler completions (and log-probs for the importance-sampling correction), and
+its `sync_weights` runs for real up to the hand-over: `_iter_named_params` walks the policy as TRL does (PEFT's
+`merge_adapter` / `unmerge_adapter` on fake tensors: the delta weights it allocates are counted), and the hand-over
+(`load_weights` into vLLM's model, the server's `update_named_params`) takes the tensors and allocates nothing in the
+training process's allocator. Sleep mode's wake-up and sleep are vLLM's (outside the allocator).
+
+Phases (advisor/trainers/phases.py `PhaseKind`): GENERATE is TRL's `_generate` (weight sync, the generate call, the
+EOS mask and decoding); SCORE the rest of `_generate_and_score_completions` (the no-grad forwards for the old-policy
+and reference log-probs, the rewards, the advantages); TRAIN everything else (`compute_loss`, backward, optimizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..errors import AdvisorError
+from ..measurement import Category
+from ..trainers.phases import PhaseKind
+from .fake_step import BatchFacts, ScalarOracle, _frozen_heap, _label_training_state, _materialise, real_path_patches
+from .generation import IncompleteGeneration, filler_token
+from .shadow import DataShadow
+from .tracker import StorageTracker
+
+ENGINES = ("generate", "vllm")
+# Decode steps `generate` runs on fake tensors (two short lengths; the full length is extrapolated from them).
+SHORT_DECODES = (5, 7)
+
+
+class NotAffine(AdvisorError):
+    """The short fake generations' decode-step peaks are not affine in the decode step: the extrapolation would be a
+    guess (a simulator defect; `decode_lengths=None` runs the full decode loop instead)."""
+
+
+@dataclass(frozen=True)
+class GenerateExtrapolation:
+    """How the generate phase's peak was obtained: the short lengths run, the per-decode-step slope, and the peak."""
+
+    max_new_tokens: int
+    short_lengths: tuple[int, ...]  # () where the decode loop ran to its full length
+    bytes_per_step: int  # the slope of a decode step's peak (0 where not extrapolated)
+    peak_bytes: int  # the highest total inside `generate` at max_new_tokens (0: vLLM, no generate here)
+
+
+@dataclass(frozen=True)
+class OnlineRunResult:
+    """One fake `train()` of an online RL trainer."""
+
+    peak_bytes: int
+    phase_peaks: dict[PhaseKind, int]  # the allocator's peak within each phase (bytes live, all of them)
+    breakdown: dict[Category, int]  # by category, at the peak
+    generated_tokens: int  # completion tokens generated, all generation calls
+    generations: int  # generation calls (one per `steps_per_generation` x `num_iterations` optimizer steps)
+    notes: tuple[str, ...]
+    extrapolations: tuple[GenerateExtrapolation, ...] = field(default=())
+
+
+# ---- construction ------------------------------------------------------------------------------------------------
+
+def make_online_trainer_class(base_cls: type) -> type:
+    """`base_cls` (trl.GRPOTrainer, trl.RLOOTrainer or a subclass) that leaves device placement alone: the models are
+    built on `meta` and materialised as fake tensors by `run_online_fake` (`model.to()` cannot swap them)."""
+
+    def _move_model_to_device(self, model, device):
+        return None
+
+    return type(f"FakeOnline{base_cls.__name__}", (base_cls,), {
+        "__doc__": f"{base_cls.__name__} whose models stay where the fake run puts them.",
+        "_move_model_to_device": _move_model_to_device,
+    })
+
+
+@contextlib.contextmanager
+def online_construction(config: Any = None, *, engine: str = "generate") -> Iterator[None]:
+    """Wrap the trainer's construction. The reference TRL builds from the policy's name (`create_model_from_path`
+    in grpo_trainer.py and rloo_trainer.py) is built on `meta` from `config` (the policy's transformers config;
+    None: read from the name with AutoConfig), with TRL's dtype and attention implementation, so no weight is
+    allocated. `engine="vllm"`: TRL's `VLLMGeneration` starts no vLLM (see the module's docstring)."""
+    _check_engine(engine)
+    import trl.generation.vllm_generation as vg
+    import trl.trainer.grpo_trainer as grpo
+    import trl.trainer.rloo_trainer as rloo
+
+    def meta_model_from_path(model_id: str, architecture: Any = None, **kwargs: Any):
+        import transformers
+        from transformers import AutoConfig
+
+        if kwargs.get("quantization_config") is not None:
+            raise AdvisorError(f"the reference of {model_id!r} is quantized (quantization_config): a quantized "
+                               "reference is not built on fake tensors; quantize with PEFT (the adapters disabled "
+                               "are the reference) or simulate without quantization")
+        cfg = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(
+            model_id, trust_remote_code=kwargs.get("trust_remote_code", False))
+        if architecture is None:
+            architecture = getattr(transformers, (cfg.architectures or ["AutoModelForCausalLM"])[0], None) \
+                or transformers.AutoModelForCausalLM
+        dtype = kwargs.get("dtype", torch.float32)
+        if isinstance(dtype, str):
+            dtype = cfg.dtype if dtype == "auto" else getattr(torch, dtype)
+        extra = {k: kwargs[k] for k in ("attn_implementation",) if kwargs.get(k) is not None}
+        with torch.device("meta"):
+            model = architecture.from_config(cfg, dtype=dtype, **extra) if hasattr(architecture, "from_config") \
+                else architecture._from_config(cfg, dtype=dtype, **extra)
+        model.config._name_or_path = model_id
+        return model
+
+    from accelerate import Accelerator
+
+    prepare_model = Accelerator.prepare_model
+
+    def prepare_model_in_place(self: Any, model: Any, device_placement: Any = None, evaluation_mode: bool = False):
+        # the reference is prepared in evaluation mode with device placement: a meta model stays where it is
+        if any(p.is_meta for p in model.parameters()):
+            device_placement = False
+        return prepare_model(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    saved: list[tuple[Any, str, Any]] = [(m, "create_model_from_path", m.create_model_from_path) for m in (grpo, rloo)]
+    saved.append((Accelerator, "prepare_model", prepare_model))
+    for m in (grpo, rloo):
+        m.create_model_from_path = meta_model_from_path
+    Accelerator.prepare_model = prepare_model_in_place
+    if engine == "vllm":
+        saved.append((vg.VLLMGeneration, "_init_vllm", vg.VLLMGeneration._init_vllm))
+        vg.VLLMGeneration._init_vllm = _no_vllm_init
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+def _check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise AdvisorError(f"engine={engine!r}: one of {', '.join(ENGINES)}")
+
+
+class _VLLMStandIn:
+    """What TRL's VLLMGeneration reaches of vLLM (colocate: `llm`; server: `vllm_client`): the hand-over of weights
+    takes the tensors and allocates nothing in the training process's allocator; sleep and wake are vLLM's."""
+
+    def __init__(self) -> None:
+        self.handed_over = 0  # tensors handed to vLLM by sync_weights (a check that the sync ran)
+        self.llm_engine = self  # llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights
+        self.model_executor = self.driver_worker = self.model_runner = self.model = self
+
+    def load_weights(self, weights: Any) -> None:
+        for _name, tensor in weights:
+            self.handed_over += isinstance(tensor, torch.Tensor)
+
+    def update_named_params(self, metadata: Any, params: Any) -> None:
+        self.load_weights(params)
+
+    def reset_prefix_cache(self) -> None:
+        return None
+
+    def wake_up(self, tags: Any = None) -> None:
+        return None
+
+    def sleep(self, level: int = 1) -> None:
+        return None
+
+    def get_server_info(self) -> dict:
+        return {"model_config": {"logprobs_mode": "processed_logprobs"}}
+
+
+def _no_vllm_init(self: Any) -> None:
+    stand_in = _VLLMStandIn()
+    if self.mode == "server":
+        self.vllm_client = stand_in
+    else:
+        self.llm = stand_in
+    self._llm_weights_sleeping = False
+
+
+# ---- the tracker with phases and windows --------------------------------------------------------------------------
+
+class _PhaseTracker(StorageTracker):
+    """StorageTracker that also keeps the peak of each phase (with its breakdown) and, while `window` is open, the
+    peak of the window (a decode step). While `suspended`, allocations count as live but set no phase peak."""
+
+    def __init__(self, answer_scalar: Any) -> None:
+        super().__init__(answer_scalar=answer_scalar)
+        self.phase = PhaseKind.TRAIN
+        self.phase_peak: dict[PhaseKind, int] = {}
+        self.phase_breakdown: dict[PhaseKind, dict[Category, int]] = {}
+        self.suspended = 0
+        self.window_peak: int | None = None
+        self.window_cats: dict[Category, int] = {}
+
+    def enter(self, phase: PhaseKind) -> PhaseKind:
+        before, self.phase = self.phase, phase
+        self._note()
+        return before
+
+    def open_window(self) -> None:
+        self.window_peak = self.current
+        self.window_cats = self.live_by_category()
+
+    def close_window(self) -> tuple[int, dict[Category, int]]:
+        out = (self.window_peak or 0, self.window_cats)
+        self.window_peak = None
+        return out
+
+    def _note(self) -> None:
+        if self.window_peak is not None and self.current > self.window_peak:
+            self.window_peak = self.current
+            self.window_cats = self.live_by_category()
+        if not self.suspended and self.current > self.phase_peak.get(self.phase, -1):
+            self.phase_peak[self.phase] = self.current
+            self.phase_breakdown[self.phase] = self.live_by_category()
+
+    def _add(self, storage: torch.UntypedStorage, category: Category | None) -> None:
+        before = self.current
+        super()._add(storage, category)
+        if self.current > before:
+            self._note()
+
+    def note_bytes(self, phase: PhaseKind, total: int, cats: dict[Category, int]) -> None:
+        """A peak computed, not run (the extrapolated generate)."""
+        if total > self.phase_peak.get(phase, -1):
+            self.phase_peak[phase] = total
+            self.phase_breakdown[phase] = dict(cats)
+
+
+# ---- generate: short decode loops, the full length extrapolated --------------------------------------------------
+
+def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model whose forward each decode step calls (under PEFT: the base model)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(inner, "module", inner)
+
+
+@dataclass
+class _Steps:
+    """The windows of one fake generate: before the first forward, then one per forward (prefill, decode steps),
+    each from one forward's start to the next's (the last: to generate's return). (peak, by category)."""
+
+    windows: list[tuple[int, dict[Category, int]]] = field(default_factory=list)
+
+
+def _run_windows(model: torch.nn.Module, tracker: _PhaseTracker, call: Any) -> tuple[Any, _Steps]:
+    steps = _Steps()
+    hf = _hf_model(model)
+
+    def pre(module: Any, args: Any, kwargs: Any) -> None:
+        steps.windows.append(tracker.close_window())
+        tracker.open_window()
+
+    handle = hf.register_forward_pre_hook(pre, with_kwargs=True)
+    tracker.open_window()
+    try:
+        out = call()
+    finally:
+        handle.remove()
+        steps.windows.append(tracker.close_window())
+    return out, steps
+
+
+def _affine(points: dict[int, int], what: str) -> tuple[int, int]:
+    """(intercept, slope) of integer points exactly on one line; NotAffine otherwise."""
+    xs = sorted(points)
+    if len(xs) < 2:
+        raise NotAffine(f"{what}: fewer than two points to extrapolate from")
+    x0, x1 = xs[0], xs[1]
+    dy = points[x1] - points[x0]
+    if dy % (x1 - x0):
+        raise NotAffine(f"{what}: slope {dy}/{x1 - x0} bytes a step is not whole")
+    slope = dy // (x1 - x0)
+    off = [x for x in xs if points[x] != points[x0] + slope * (x - x0)]
+    if off:
+        raise NotAffine(f"{what}: decode steps {off} are off the line through steps {x0}, {x1} "
+                        f"({[points[x] for x in xs]} bytes)")
+    return points[x0] - slope * x0, slope
+
+
+def _extrapolate(short: dict[int, _Steps], full: int) -> tuple[int, dict[Category, int], int]:
+    """The peak inside generate at `full` new tokens from runs at the short lengths in `short` (see the module's
+    docstring). Windows: index 0 before the first forward, 1 the prefill (first token), 1 + j decode step j
+    (token j + 1); the last window of a run of n tokens is decode step n - 1, which ends with generate's return."""
+    n1, n2 = sorted(short)
+    a, b = short[n1].windows, short[n2].windows
+    if len(a) != n1 + 1 or len(b) != n2 + 1:
+        raise NotAffine(f"expected {n1 + 1} and {n2 + 1} windows (one per forward, one before), got {len(a)} and "
+                        f"{len(b)}")
+    # the same work before the last step of the shorter run: identical windows
+    if [w[0] for w in a[:-1]] != [w[0] for w in b[:n1]]:
+        raise NotAffine(f"the shared decode steps differ between {n1} and {n2} tokens: {[w[0] for w in a[:-1]]} "
+                        f"vs {[w[0] for w in b[:n1]]}")
+    # middle decode steps (a next step follows): affine in the step; the last step: on a line of its own
+    middle = {j: b[1 + j][0] for j in range(1, n2 - 1)}
+    mid_a, mid_s = _affine(middle, "middle decode steps")
+    last_a, last_s = _affine({n1 - 1: a[-1][0], n2 - 1: b[-1][0]}, "last decode step")
+    if last_s != mid_s:
+        raise NotAffine(f"the last decode step grows {last_s} B a step, the middle ones {mid_s} B")
+    # per category, the same lines (the breakdown at the extrapolated peak)
+    def cats_at(j: int, last: bool) -> dict[Category, int]:
+        if last:
+            lo, hi, x0, x1 = a[-1][1], b[-1][1], n1 - 1, n2 - 1
+        else:
+            lo, hi, x0, x1 = b[1 + n2 - 3][1], b[1 + n2 - 2][1], n2 - 3, n2 - 2
+        keys = set(lo) | set(hi)
+        out = {}
+        for k in keys:
+            d = (hi.get(k, 0) - lo.get(k, 0)) // (x1 - x0)
+            out[k] = hi.get(k, 0) + d * (j - x1)
+        return {k: v for k, v in out.items() if v}
+
+    # before the first forward, the prefill, the first decode step (the highest middle step if the slope were
+    # negative), the last middle step at the full length (N - 2), the last step (N - 1)
+    candidates = [(b[0][0], b[0][1]), (b[1][0], b[1][1]), (b[2][0], b[2][1]),
+                  (mid_a + mid_s * (full - 2), cats_at(full - 2, False)),
+                  (last_a + last_s * (full - 1), cats_at(full - 1, True))]
+    best = max(candidates, key=lambda c: c[0])
+    return best[0], best[1], mid_s
+
+
+@contextlib.contextmanager
+def _generate_extrapolated(model: torch.nn.Module, shadow: DataShadow, tracker: _PhaseTracker,
+                           decode_lengths: tuple[int, int] | None, record: list) -> Iterator[None]:
+    """`model.generate` on fake tensors, every completion at its maximum length (full_length_generate's rules), its
+    peak inside generate extrapolated from `decode_lengths` (None: the full decode loop)."""
+    had = "generate" in vars(model)
+    original = model.generate
+    token = filler_token(model)
+
+    def run(args: tuple, kwargs: dict, new_tokens: int) -> tuple[torch.Tensor, _Steps]:
+        kw = dict(kwargs)
+        gc = kw.get("generation_config")
+        if gc is not None:
+            gc = copy.deepcopy(gc)
+            gc.max_new_tokens = new_tokens
+            kw["generation_config"] = gc
+        else:
+            kw["max_new_tokens"] = new_tokens
+        kw.pop("max_length", None)
+        with shadow.filling(token):
+            out, steps = _run_windows(model, tracker, lambda: original(*args, **kw))
+        seqs = out if isinstance(out, torch.Tensor) else out.sequences
+        return seqs, steps
+
+    def generate(*args: Any, **kwargs: Any):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None or shadow.real(ids) is None:
+            raise IncompleteGeneration("the fake generate needs the prompt ids as a known tensor (input_ids)")
+        gc = kwargs.get("generation_config") or model.generation_config
+        full = int(kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None) or 0))
+        if not full:
+            raise IncompleteGeneration("the fake generate needs max_new_tokens (TRL sets max_completion_length)")
+        prompt = int(ids.shape[1])
+        if decode_lengths is None or full <= max(decode_lengths):
+            seqs, steps = run(args, kwargs, full)
+            _check_full(seqs, prompt + full, shadow)
+            record.append(GenerateExtrapolation(full, (), 0, max(w[0] for w in steps.windows)))
+            return seqs
+        tracker.suspended += 1
+        try:
+            short: dict[int, _Steps] = {}
+            for n in decode_lengths:
+                seqs, steps = run(args, kwargs, n)
+                _check_full(seqs, prompt + n, shadow)
+                short[n] = steps
+                del seqs
+            peak, cats, slope = _extrapolate(short, full)
+            # the full-length output: one tensor of [prompt | filler] ids, as the real loop's last torch.cat
+            with _disable_current_modes():
+                prompt_ids = shadow.real(ids)
+                real = torch.cat([prompt_ids, torch.full((ids.shape[0], full), token, dtype=prompt_ids.dtype)],
+                                 dim=1)
+            out = ids.new_empty((ids.shape[0], prompt + full))
+            shadow.know(out, real)
+        finally:
+            tracker.suspended -= 1
+        tracker.note_bytes(tracker.phase, peak, cats)
+        record.append(GenerateExtrapolation(full, tuple(sorted(decode_lengths)), slope, peak))
+        return out
+
+    model.generate = generate
+    try:
+        yield
+    finally:
+        if had:
+            model.generate = original
+        else:
+            del model.generate
+
+
+def _check_full(seqs: torch.Tensor, target: int, shadow: DataShadow) -> None:
+    if seqs.shape[1] != target or shadow.real(seqs) is None:
+        raise IncompleteGeneration(
+            f"fake generate returned {tuple(seqs.shape)}; expected {target} positions of known ids: the decode "
+            "loop's stop decision was not computed on known values")
+
+
+# ---- vLLM: filler completions, the weight sync run --------------------------------------------------------------
+
+def _vllm_filler(trainer: Any, record: list) -> None:
+    """Replace the trainer's VLLMGeneration.generate with full-length filler completions (the instance attribute)."""
+    vllm = trainer.vllm_generation
+    token = filler_token(trainer.model)
+    n = int(trainer.max_completion_length)
+
+    def generate(prompts: list, images: Any, num_generations: int, profiler: Any = None) -> tuple:
+        # Sleep level 2 discards vLLM's weights: TRL re-pushes them before generating (its own generate does this)
+        if vllm.mode == "colocate" and vllm.enable_sleep_mode and vllm._llm_weights_sleeping:
+            vllm.sync_weights()
+        if vllm.mode == "server":
+            prompts = [p for p in prompts]  # one completion per row (TRL passes each prompt num_generations times)
+        completion_ids = [[token] * n for _ in prompts]
+        logprobs = [[[0.0] for _ in range(n)] for _ in prompts]
+        if vllm.mode == "colocate" and vllm.enable_sleep_mode:
+            vllm._llm_weights_sleeping = True
+        record.append(GenerateExtrapolation(n, (), 0, 0))
+        return [list(p) for p in prompts], completion_ids, logprobs, None
+
+    vllm.generate = generate
+
+
+# ---- the run ------------------------------------------------------------------------------------------------------
+
+def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "generate",
+                    decode_lengths: tuple[int, int] | None = SHORT_DECODES) -> OnlineRunResult:
+    """Run `trainer.train()` for `steps` optimizer steps on fake tensors (see the module's docstring). `trainer`:
+    built from `make_online_trainer_class(...)` inside `online_construction(...)` on a `meta` policy. `cuda`: the
+    fused LM head's CUDA path (advisor/_sim/fake_step.py `real_path_patches`). `decode_lengths`: the two short
+    generations the generate phase is extrapolated from (None: the full decode loop)."""
+    _check_engine(engine)
+    if steps < 1:
+        raise AdvisorError(f"steps={steps!r}: at least 1 optimizer step")
+    if bool(getattr(trainer, "use_vllm", False)) != (engine == "vllm"):
+        raise AdvisorError(f"engine={engine!r} but the trainer's use_vllm is {getattr(trainer, 'use_vllm', None)}: "
+                           "build the trainer with use_vllm=True (inside online_construction(engine='vllm')) for "
+                           "vLLM, use_vllm=False for generate")
+    if decode_lengths is not None:
+        lo, hi = sorted(decode_lengths)
+        if lo < 3 or hi < lo + 2:
+            raise AdvisorError(f"decode_lengths={decode_lengths!r}: two lengths, the shorter at least 3, the longer "
+                               "at least 2 more (the middle decode steps must show the slope)")
+    trainer.args.max_steps = steps
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    for callback in (PrinterCallback, ProgressCallback):  # the library never prints
+        trainer.remove_callback(callback)
+    tracker = _PhaseTracker(ScalarOracle(BatchFacts(unpadded=True, labelled=0, tokens=0, shape=(0, 0))))
+    shadow = DataShadow()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    record: list[GenerateExtrapolation] = []
+    models = [trainer.model]
+    if getattr(trainer, "ref_model", None) is not None:
+        models.append(trainer.ref_model)
+    models += [f for f in getattr(trainer, "reward_funcs", ()) if isinstance(f, torch.nn.Module)]
+    notes = [
+        "online RL: TRL's own train() on fake tensors; every completion at max_completion_length (the bound: a "
+        "completion that ends early at EOS holds less)",
+    ]
+    with _frozen_heap(), real_path_patches(cuda), mode, tracker, contextlib.ExitStack() as stack:
+        stack.enter_context(shadow)
+        for m in models:
+            _materialise(m)
+            tracker.set_category([*m.parameters(), *m.buffers()], Category.PARAMETERS)
+        trainer.accelerator.device_placement = False
+        _label_training_state(trainer, tracker, cuda=cuda)
+        _phase_wrap(trainer, "_generate_and_score_completions", PhaseKind.SCORE, tracker)
+        _phase_wrap(trainer, "_generate", PhaseKind.GENERATE, tracker)
+        if engine == "generate":
+            stack.enter_context(_generate_extrapolated(trainer.model, shadow, tracker, decode_lengths, record))
+        else:
+            _vllm_filler(trainer, record)
+        trainer.train()
+    for name in ("_generate_and_score_completions", "_generate"):
+        vars(trainer).pop(name, None)
+    if engine == "vllm":
+        vars(trainer.vllm_generation).pop("generate", None)
+        stand_in = getattr(trainer.vllm_generation, "llm", None) or getattr(trainer.vllm_generation, "vllm_client")
+        notes.append(f"vLLM: no generate in the training process; completions are full-length filler ids; the "
+                     f"weight sync ran up to the hand-over ({stand_in.handed_over} tensors handed to vLLM, which "
+                     f"allocates them outside this allocator); vLLM's pool, weights, KV cache and sleep/wake are "
+                     f"modelled in closed form (advisor/_physics)")
+    extrapolated = [r for r in record if r.short_lengths]
+    if extrapolated:
+        r = extrapolated[0]
+        notes.append(f"generate: decode run to {r.short_lengths[0]} and {r.short_lengths[1]} tokens, the peak at "
+                     f"{r.max_new_tokens} extrapolated affinely ({r.bytes_per_step:,d} B a decode step; checked on "
+                     f"the short runs)")
+    phase_peaks = dict(tracker.phase_peak)
+    top = max(phase_peaks, key=lambda k: phase_peaks[k])
+    breakdown = tracker.phase_breakdown[top]
+    generated = _generated_tokens(trainer, record)
+    return OnlineRunResult(peak_bytes=phase_peaks[top], phase_peaks=phase_peaks, breakdown=dict(breakdown),
+                           generated_tokens=generated, generations=len(record), notes=tuple(notes),
+                           extrapolations=tuple(record))
+
+
+def _generated_tokens(trainer: Any, record: list) -> int:
+    rows = trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
+    return sum(r.max_new_tokens for r in record) * rows
+
+
+def _phase_wrap(trainer: Any, name: str, phase: PhaseKind, tracker: _PhaseTracker) -> None:
+    original = getattr(trainer, name)
+
+    def wrapped(*args: Any, **kwargs: Any):
+        before = tracker.enter(phase)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            tracker.enter(before)
+
+    setattr(trainer, name, wrapped)
