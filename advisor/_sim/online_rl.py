@@ -70,7 +70,7 @@ class GenerateExtrapolation:
 
     max_new_tokens: int
     short_lengths: tuple[int, ...]  # () where the decode loop ran to its full length
-    bytes_per_step: int  # the slope of a decode step's peak (0 where not extrapolated)
+    bytes_per_step: int  # the steepest growth of a decode step's moment, bytes a step (0: not extrapolated)
     peak_bytes: int  # the highest total inside `generate` at max_new_tokens (0: vLLM, no generate here)
 
 
@@ -204,11 +204,28 @@ def _no_vllm_init(self: Any) -> None:
     self._llm_weights_sleeping = False
 
 
+class _OnlineShadow(DataShadow):
+    """DataShadow that also computes `randperm` for real: TRL shuffles the generation batch's rows
+    (`shuffle_sequence_dict`) before splitting it into micro-batches, and the CUDA path of its fused LM head then
+    indexes the hidden states by the labels' mask. Any permutation gives the same shapes: every completion has
+    max_completion_length tokens, so each micro-batch holds the same count of scored positions."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.randperm.default:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            with _disable_current_modes():
+                self._carry(out, torch.randperm(*args, **self._real_kwargs(kwargs)))
+            return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 # ---- the tracker with phases and windows --------------------------------------------------------------------------
 
 class _PhaseTracker(StorageTracker):
-    """StorageTracker that also keeps the peak of each phase (with its breakdown) and, while `window` is open, the
-    peak of the window (a decode step). While `suspended`, allocations count as live but set no phase peak."""
+    """StorageTracker that also keeps the peak of each phase (with its breakdown) and, while a window is open (a
+    decode step), the total live after each allocation in it (with its breakdown): the moments a peak can be at.
+    While `suspended`, allocations count as live but set no phase peak."""
 
     def __init__(self, answer_scalar: Any) -> None:
         super().__init__(answer_scalar=answer_scalar)
@@ -216,8 +233,7 @@ class _PhaseTracker(StorageTracker):
         self.phase_peak: dict[PhaseKind, int] = {}
         self.phase_breakdown: dict[PhaseKind, dict[Category, int]] = {}
         self.suspended = 0
-        self.window_peak: int | None = None
-        self.window_cats: dict[Category, int] = {}
+        self.series: list[tuple[int, dict[Category, int]]] | None = None
 
     def enter(self, phase: PhaseKind) -> PhaseKind:
         before, self.phase = self.phase, phase
@@ -225,18 +241,15 @@ class _PhaseTracker(StorageTracker):
         return before
 
     def open_window(self) -> None:
-        self.window_peak = self.current
-        self.window_cats = self.live_by_category()
+        self.series = [(self.current, self.live_by_category())]
 
-    def close_window(self) -> tuple[int, dict[Category, int]]:
-        out = (self.window_peak or 0, self.window_cats)
-        self.window_peak = None
+    def close_window(self) -> list[tuple[int, dict[Category, int]]]:
+        out, self.series = self.series or [], None
         return out
 
     def _note(self) -> None:
-        if self.window_peak is not None and self.current > self.window_peak:
-            self.window_peak = self.current
-            self.window_cats = self.live_by_category()
+        if self.series is not None:
+            self.series.append((self.current, self.live_by_category()))
         if not self.suspended and self.current > self.phase_peak.get(self.phase, -1):
             self.phase_peak[self.phase] = self.current
             self.phase_breakdown[self.phase] = self.live_by_category()
@@ -262,12 +275,18 @@ def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(inner, "module", inner)
 
 
+_Series = list[tuple[int, dict[Category, int]]]  # the total live (and by category) at each moment of a window
+
+
 @dataclass
 class _Steps:
-    """The windows of one fake generate: before the first forward, then one per forward (prefill, decode steps),
-    each from one forward's start to the next's (the last: to generate's return). (peak, by category)."""
+    """The windows of one fake generate: before the first forward, then one per forward (the prefill, each decode
+    step), each from one forward's start to the next's (the last: to generate's return)."""
 
-    windows: list[tuple[int, dict[Category, int]]] = field(default_factory=list)
+    windows: list[_Series] = field(default_factory=list)
+
+    def peak(self) -> int:
+        return max(t for w in self.windows for t, _ in w)
 
 
 def _run_windows(model: torch.nn.Module, tracker: _PhaseTracker, call: Any) -> tuple[Any, _Steps]:
@@ -288,62 +307,80 @@ def _run_windows(model: torch.nn.Module, tracker: _PhaseTracker, call: Any) -> t
     return out, steps
 
 
-def _affine(points: dict[int, int], what: str) -> tuple[int, int]:
-    """(intercept, slope) of integer points exactly on one line; NotAffine otherwise."""
+def _totals(w: _Series) -> list[int]:
+    return [t for t, _ in w]
+
+
+def _lines(points: dict[int, _Series], what: str) -> tuple[int, list[tuple[int, int]]]:
+    """Per moment of the window, the (value at x0, slope) of the line through the windows at the decode steps in
+    `points`: the windows must have the same moments, each exactly on its line (checked where there are three
+    points or more). Returns x0 and the lines."""
     xs = sorted(points)
-    if len(xs) < 2:
-        raise NotAffine(f"{what}: fewer than two points to extrapolate from")
+    sizes = {len(points[x]) for x in xs}
+    if len(sizes) != 1:
+        raise NotAffine(f"{what}: decode steps {xs} have {[len(points[x]) for x in xs]} moments, not one count")
     x0, x1 = xs[0], xs[1]
-    dy = points[x1] - points[x0]
-    if dy % (x1 - x0):
-        raise NotAffine(f"{what}: slope {dy}/{x1 - x0} bytes a step is not whole")
-    slope = dy // (x1 - x0)
-    off = [x for x in xs if points[x] != points[x0] + slope * (x - x0)]
-    if off:
-        raise NotAffine(f"{what}: decode steps {off} are off the line through steps {x0}, {x1} "
-                        f"({[points[x] for x in xs]} bytes)")
-    return points[x0] - slope * x0, slope
+    lines = []
+    for i, (v0, v1) in enumerate(zip(_totals(points[x0]), _totals(points[x1]), strict=True)):
+        dy = v1 - v0
+        if dy % (x1 - x0):
+            raise NotAffine(f"{what}: moment {i} grows {dy}/{x1 - x0} B a decode step, not whole")
+        slope = dy // (x1 - x0)
+        off = [x for x in xs[2:] if points[x][i][0] != v0 + slope * (x - x0)]
+        if off:
+            raise NotAffine(f"{what}: moment {i} of decode steps {off} is off the line through steps {x0}, {x1} "
+                            f"({[points[x][i][0] for x in xs]} B)")
+        lines.append((v0, slope))
+    return x0, lines
+
+
+def _cats_at(points: dict[int, _Series], i: int, x: int) -> dict[Category, int]:
+    """The breakdown at moment `i` of the window at decode step `x`, each category on its own line."""
+    x0, x1 = sorted(points)[:2]
+    lo, hi = points[x0][i][1], points[x1][i][1]
+    out = {k: lo.get(k, 0) + (hi.get(k, 0) - lo.get(k, 0)) // (x1 - x0) * (x - x0) for k in set(lo) | set(hi)}
+    return {k: v for k, v in out.items() if v}
 
 
 def _extrapolate(short: dict[int, _Steps], full: int) -> tuple[int, dict[Category, int], int]:
-    """The peak inside generate at `full` new tokens from runs at the short lengths in `short` (see the module's
-    docstring). Windows: index 0 before the first forward, 1 the prefill (first token), 1 + j decode step j
-    (token j + 1); the last window of a run of n tokens is decode step n - 1, which ends with generate's return."""
+    """The peak inside generate at `full` new tokens from runs at the two short lengths in `short`, and its
+    breakdown and the largest per-step growth of a moment. Windows: index 0 before the first forward, 1 the prefill
+    (token 1), 1 + j decode step j (token j + 1); a decode step that another follows is a "middle" step, the last
+    one (n - 1 of a run of n tokens) ends with generate's return instead of preparing the next step's inputs.
+
+    A decode step's moments (the total live after each allocation) are each affine in the step: the DynamicCache,
+    the ids and the attention mask grow by one position a step, every other allocation is the same. A step's peak
+    is the highest of its moments, so it is piecewise affine (a steeper moment overtakes at some step): every moment
+    is extrapolated, not the step's peak. Checked: the windows both runs share are equal; the middle steps have the
+    same moments, each on its line (three or more steps); the last step's moments begin as the middle step's at the
+    same decode step."""
     n1, n2 = sorted(short)
     a, b = short[n1].windows, short[n2].windows
     if len(a) != n1 + 1 or len(b) != n2 + 1:
         raise NotAffine(f"expected {n1 + 1} and {n2 + 1} windows (one per forward, one before), got {len(a)} and "
                         f"{len(b)}")
-    # the same work before the last step of the shorter run: identical windows
-    if [w[0] for w in a[:-1]] != [w[0] for w in b[:n1]]:
-        raise NotAffine(f"the shared decode steps differ between {n1} and {n2} tokens: {[w[0] for w in a[:-1]]} "
-                        f"vs {[w[0] for w in b[:n1]]}")
-    # middle decode steps (a next step follows): affine in the step; the last step: on a line of its own
-    middle = {j: b[1 + j][0] for j in range(1, n2 - 1)}
-    mid_a, mid_s = _affine(middle, "middle decode steps")
-    last_a, last_s = _affine({n1 - 1: a[-1][0], n2 - 1: b[-1][0]}, "last decode step")
-    if last_s != mid_s:
-        raise NotAffine(f"the last decode step grows {last_s} B a step, the middle ones {mid_s} B")
-    # per category, the same lines (the breakdown at the extrapolated peak)
-    def cats_at(j: int, last: bool) -> dict[Category, int]:
-        if last:
-            lo, hi, x0, x1 = a[-1][1], b[-1][1], n1 - 1, n2 - 1
-        else:
-            lo, hi, x0, x1 = b[1 + n2 - 3][1], b[1 + n2 - 2][1], n2 - 3, n2 - 2
-        keys = set(lo) | set(hi)
-        out = {}
-        for k in keys:
-            d = (hi.get(k, 0) - lo.get(k, 0)) // (x1 - x0)
-            out[k] = hi.get(k, 0) + d * (j - x1)
-        return {k: v for k, v in out.items() if v}
-
-    # before the first forward, the prefill, the first decode step (the highest middle step if the slope were
-    # negative), the last middle step at the full length (N - 2), the last step (N - 1)
-    candidates = [(b[0][0], b[0][1]), (b[1][0], b[1][1]), (b[2][0], b[2][1]),
-                  (mid_a + mid_s * (full - 2), cats_at(full - 2, False)),
-                  (last_a + last_s * (full - 1), cats_at(full - 1, True))]
+    if [_totals(w) for w in a[:-1]] != [_totals(w) for w in b[:n1]]:
+        raise NotAffine(f"the windows before decode step {n1 - 1} differ between {n1} and {n2} new tokens")
+    middle = {j: b[1 + j] for j in range(1, n2 - 1)}
+    m0, mid = _lines(middle, "middle decode steps")
+    last = {n1 - 1: a[-1], n2 - 1: b[-1]}
+    l0, end = _lines(last, "last decode step")
+    # the last step does what a middle step does until the loop ends: its moments begin as the middle step's
+    shared = 0
+    while shared < min(len(mid), len(end)) and all(
+            end[shared][0] + end[shared][1] * (x - l0) == mid[shared][0] + mid[shared][1] * (x - m0)
+            for x in (n1 - 1, n2 - 1)):
+        shared += 1
+    if shared < 2:
+        raise NotAffine("the last decode step does not begin as a middle step does")
+    candidates: list[tuple[int, dict[Category, int]]] = [max(w, key=lambda m: m[0]) for w in b[:3]]
+    for i, (v0, s) in enumerate(mid):
+        x = full - 2 if s >= 0 else 1  # the middle steps run 1 .. full - 2
+        candidates.append((v0 + s * (x - m0), _cats_at(middle, i, x)))
+    for i, (v0, s) in enumerate(end):
+        candidates.append((v0 + s * (full - 1 - l0), _cats_at(last, i, full - 1)))
     best = max(candidates, key=lambda c: c[0])
-    return best[0], best[1], mid_s
+    return best[0], best[1], max(s for _, s in mid)
 
 
 @contextlib.contextmanager
@@ -382,7 +419,7 @@ def _generate_extrapolated(model: torch.nn.Module, shadow: DataShadow, tracker: 
         if decode_lengths is None or full <= max(decode_lengths):
             seqs, steps = run(args, kwargs, full)
             _check_full(seqs, prompt + full, shadow)
-            record.append(GenerateExtrapolation(full, (), 0, max(w[0] for w in steps.windows)))
+            record.append(GenerateExtrapolation(full, (), 0, steps.peak()))
             return seqs
         tracker.suspended += 1
         try:
@@ -473,7 +510,7 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
     for callback in (PrinterCallback, ProgressCallback):  # the library never prints
         trainer.remove_callback(callback)
     tracker = _PhaseTracker(ScalarOracle(BatchFacts(unpadded=True, labelled=0, tokens=0, shape=(0, 0))))
-    shadow = DataShadow()
+    shadow = _OnlineShadow()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     record: list[GenerateExtrapolation] = []
     models = [trainer.model]
@@ -502,7 +539,7 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
         vars(trainer).pop(name, None)
     if engine == "vllm":
         vars(trainer.vllm_generation).pop("generate", None)
-        stand_in = getattr(trainer.vllm_generation, "llm", None) or getattr(trainer.vllm_generation, "vllm_client")
+        stand_in = getattr(trainer.vllm_generation, "llm", None) or trainer.vllm_generation.vllm_client
         notes.append(f"vLLM: no generate in the training process; completions are full-length filler ids; the "
                      f"weight sync ran up to the hand-over ({stand_in.handed_over} tensors handed to vLLM, which "
                      f"allocates them outside this allocator); vLLM's pool, weights, KV cache and sleep/wake are "
