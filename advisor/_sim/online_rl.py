@@ -85,6 +85,7 @@ class OnlineRunResult:
     generations: int  # generation calls (one per `steps_per_generation` x `num_iterations` optimizer steps)
     notes: tuple[str, ...]
     extrapolations: tuple[GenerateExtrapolation, ...] = field(default=())
+    synced_tensors: int = 0  # vLLM: tensors the weight syncs handed to vLLM (every sync of the run)
 
 
 # ---- construction ------------------------------------------------------------------------------------------------
@@ -539,9 +540,11 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
         trainer.train()
     for name in ("_generate_and_score_completions", "_generate"):
         vars(trainer).pop(name, None)
+    synced = 0
     if engine == "vllm":
         vars(trainer.vllm_generation).pop("generate", None)
         stand_in = getattr(trainer.vllm_generation, "llm", None) or trainer.vllm_generation.vllm_client
+        synced = stand_in.handed_over
         notes.append(f"vLLM: no generate in the training process; completions are full-length filler ids; the "
                      f"weight sync ran up to the hand-over ({stand_in.handed_over} tensors handed to vLLM, which "
                      f"allocates them outside this allocator); vLLM's pool, weights, KV cache and sleep/wake are "
@@ -558,7 +561,7 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
     generated = _generated_tokens(trainer, record)
     return OnlineRunResult(peak_bytes=phase_peaks[top], phase_peaks=phase_peaks, breakdown=dict(breakdown),
                            generated_tokens=generated, generations=len(record), notes=tuple(notes),
-                           extrapolations=tuple(record))
+                           extrapolations=tuple(record), synced_tensors=synced)
 
 
 @contextlib.contextmanager
