@@ -1,7 +1,6 @@
 """GRPO and RLOO: the simulator's fake run of TRL's own `train()` (advisor.simulator.run_online_fake) against the
-peak of
-a real CPU `train()` measured from the allocator's own events (scripts/grpo_cpu_peak.py: torch.profiler replayed by
-advisor.probing.meters.cpu_peak, plus the policy's and the reference's weights live before).
+peak of a real CPU `train()` measured from the allocator's own events (scripts/grpo_cpu_peak.py: torch.profiler
+replayed by advisor.probing.meters.cpu_peak, plus the policy's and the reference's weights live before).
 
 Both runs are TRL's GRPOTrainer / RLOOTrainer with the same config, data, tokenizer and reward function; the real
 one forces every completion to `max_completion_length` with `generation_kwargs={"min_new_tokens": N}`, the fake one
