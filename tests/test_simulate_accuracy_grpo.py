@@ -40,7 +40,19 @@ def _reward(completions, **_):
     return [float(i % 3) for i in range(len(completions))]  # as the real run's: varied, so advantages are not zero
 
 
-def _fake_trainer(case: real.Case, size: str | dict = SIZE, *, engine: str = "generate"):
+def _reward_model(config, device: str):
+    """A one-label sequence classifier on the policy's architecture: a reward model given as a model (resident)."""
+    import copy
+
+    from transformers import AutoModelForSequenceClassification
+
+    config = copy.deepcopy(config)
+    config.num_labels = 1
+    with torch.device(device):
+        return AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+
+
+def _fake_trainer(case: real.Case, size: str | dict = SIZE, *, engine: str = "generate", reward_model: bool = False):
     """The trainer the real run builds, on a meta policy (as the simulator builds models). `size`: a size of
     scripts/grpo_cpu_peak.py or a transformers config as a dict."""
     import datasets
@@ -76,9 +88,11 @@ def _fake_trainer(case: real.Case, size: str | dict = SIZE, *, engine: str = "ge
             from trl import RLOOConfig as Config
             from trl import RLOOTrainer as Base
         with online_construction(config, engine=engine):
-            trainer = make_online_trainer_class(Base)(model=model, reward_funcs=_reward, args=Config(**kwargs),
+            rewards = [_reward, _reward_model(config, "meta")] if reward_model else _reward
+            trainer = make_online_trainer_class(Base)(model=model, reward_funcs=rewards, args=Config(**kwargs),
                                                       train_dataset=data, processing_class=tok,
-                                                      peft_config=peft_config)
+                                                      peft_config=peft_config,
+                                                      reward_processing_classes=[None, tok] if reward_model else None)
     return trainer
 
 
@@ -86,7 +100,7 @@ def _fake(case: real.Case, size: str = SIZE, **kwargs):
     from advisor.simulator import run_online_fake
 
     engine = kwargs.pop("engine", "generate")
-    trainer = _fake_trainer(case, size, engine=engine)
+    trainer = _fake_trainer(case, size, engine=engine, reward_model=kwargs.pop("reward_model", False))
     assert all(p.is_meta for p in trainer.model.parameters())
     if getattr(trainer, "ref_model", None) is not None:
         assert all(p.is_meta for p in trainer.ref_model.parameters())  # never a real weight
@@ -132,15 +146,19 @@ def test_decode_extrapolation_equals_the_full_decode_loop():
     assert full.extrapolations[0].peak_bytes > one.extrapolations[0].peak_bytes
 
 
-def _real_vllm_peak(case: real.Case, size: str = SIZE) -> int:
-    """The real CPU train() with `use_vllm=True` (colocate), vLLM itself absent: TRL's VLLMGeneration built inside
+def _real_peak(case: real.Case, size: str = SIZE, *, engine: str = "generate", reward_model: bool = False) -> int:
+    """scripts/grpo_cpu_peak.py's real CPU train() (GRPO), with what it does not build: a reward model given as a
+    model (`reward_model`: resident, scored on every completion, beside the reward function), or `use_vllm=True`
+    (colocate) with vLLM itself absent (`engine="vllm"`): TRL's VLLMGeneration built inside
     online_construction(engine="vllm") (no engine started), its `generate` answering every prompt with
-    max_completion_length filler ids (3: no special token) and zero log-probs, as a vLLM that never stops early would.
-    Everything the training process does around it is TRL's own and real: the weight sync (PEFT's merge_adapter /
-    unmerge_adapter on real weights), the importance-sampling correction's old-policy forward, the training passes.
-    The peak: the allocator's events (advisor.probing.meters.cpu_peak) plus the weights live before."""
+    max_completion_length filler ids (3: no special token) and zero log-probs, as a vLLM that never stops early
+    would. Everything the training process does around it is TRL's own and real: the weight sync (PEFT's
+    merge_adapter / unmerge_adapter on real weights), the importance-sampling correction's old-policy forward, the
+    training passes. The peak: the allocator's events (advisor.probing.meters.cpu_peak) plus the weights live
+    before. No reference is loaded here: the cases run have none (beta 0, or LoRA's adapters disabled)."""
+    import gc
+
     import datasets
-    from peft import LoraConfig
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -148,35 +166,42 @@ def _real_vllm_peak(case: real.Case, size: str = SIZE) -> int:
     from advisor.probing.meters import cpu_peak, memory_profiler
     from advisor.simulator import online_construction
 
-    assert case.trainer == "grpo" and case.lora  # no reference to load: the policy's weights are all that is real
+    assert case.trainer == "grpo" and (case.lora or case.args.get("beta", 0.0) == 0.0)
     torch.manual_seed(0)
     config = AutoConfig.for_model(**real.SIZES[size])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     n = case.args.get("max_completion_length", real.BASE["max_completion_length"])
     kwargs = dict(real.BASE, **case.args)
     kwargs.update(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none", save_strategy="no",
-                  logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0, use_vllm=True,
-                  vllm_mode="colocate")
+                  logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    if engine == "vllm":
+        kwargs.update(use_vllm=True, vllm_mode="colocate")
+    else:
+        kwargs.update(generation_kwargs={"min_new_tokens": n})
+    peft_config = None
+    if case.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     tok = real._tokenizer(real.TINY_QWEN2["vocab_size"], real.TINY_QWEN2["pad_token_id"],
                           real.TINY_QWEN2["eos_token_id"])
     data = datasets.Dataset.from_dict({"prompt": real._prompts(case, real.TINY_QWEN2["vocab_size"])})
+    rewards = [_reward, _reward_model(config, "cpu")] if reward_model else _reward
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with online_construction(config, engine="vllm"):
-            trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=GRPOConfig(**kwargs), train_dataset=data,
-                                  processing_class=tok, peft_config=LoraConfig(r=8, lora_alpha=16,
-                                                                               target_modules="all-linear",
-                                                                               task_type="CAUSAL_LM"))
+        with online_construction(config, engine=engine):
+            trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=GRPOConfig(**kwargs), train_dataset=data,
+                                  processing_class=tok, peft_config=peft_config,
+                                  reward_processing_classes=[None, tok] if reward_model else None)
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
+    if engine == "vllm":
+        def generate(prompts, images, num_generations, profiler=None):
+            return [list(p) for p in prompts], [[3] * n for _ in prompts], [[[0.0]] * n for _ in prompts], None
 
-    def generate(prompts, images, num_generations, profiler=None):
-        return ([list(p) for p in prompts], [[3] * n for _ in prompts], [[[0.0]] * n for _ in prompts], None)
-
-    trainer.vllm_generation.generate = generate
-    before = real._live([*trainer.model.parameters(), *trainer.model.buffers()])
-    import gc
-
+        trainer.vllm_generation.generate = generate
+    resident = [trainer.model] + ([trainer.reward_funcs[1]] if reward_model else [])
+    before = real._live([t for m in resident for t in (*m.parameters(), *m.buffers())])
     gc.collect()
     prof = memory_profiler()
     try:
@@ -208,8 +233,20 @@ def test_vllm_training_side_matches_a_real_run_and_generates_nothing_here():
     assert result.synced_tensors == 2 * base_params  # one sync per optimizer step, every base weight
     assert result.generations == 2 and result.generated_tokens == 2 * 4 * 16
     assert any("vLLM" in note for note in result.notes)
-    measured = _real_vllm_peak(case)
+    measured = _real_peak(case, engine="vllm")
     assert abs(result.peak_bytes - measured) <= 0.01 * measured, f"fake {result.peak_bytes:,d} vs real {measured:,d}"
+
+
+def test_reward_model_is_resident_and_scored():
+    """A reward model given as a model (built on meta like the policy) is materialised, resident and run on every
+    completion in the score phase: the fake peak against the real CPU train() with the same reward model."""
+    case = real.CASES["grpo-full"]
+    fake = _fake(case, reward_model=True)
+    without = _fake(case)
+    measured = _real_peak(case, reward_model=True)
+    assert abs(fake.peak_bytes - measured) <= 0.01 * measured, f"fake {fake.peak_bytes:,d} vs real {measured:,d}"
+    assert fake.phase_peaks[PhaseKind.SCORE] > without.phase_peaks[PhaseKind.SCORE]  # its weights and forward
+    assert any("reward model" in note for note in fake.notes)
 
 
 def test_bad_arguments_are_refused_by_name():

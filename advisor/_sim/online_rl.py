@@ -230,12 +230,16 @@ def _no_vllm_init(self: Any) -> None:
 
 
 class _OnlineShadow(DataShadow):
-    """DataShadow that also computes `randperm` for real: TRL shuffles the generation batch's rows
-    (`shuffle_sequence_dict`) before splitting it into micro-batches, and the CUDA path of its fused LM head then
-    indexes the hidden states by the labels' mask. Any permutation gives the same shapes: every completion has
+    """DataShadow that answers `bool()` of a known tensor from its value and also computes `randperm` for real: TRL
+    shuffles the generation batch's rows (`shuffle_sequence_dict`) before splitting it into micro-batches, and the
+    CUDA path of its fused LM head then indexes the hidden states by the labels' mask. Any permutation gives the same shapes: every completion has
     max_completion_length tokens, so each micro-batch holds the same count of scored positions."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.is_nonzero.default and self._known(args[0]):
+            # `bool(t)` of a known tensor (transformers' `fast_all(padding_mask)` in a reward model's forward)
+            with _disable_current_modes():
+                return bool(self._value(args[0]).item())
         if func is torch.ops.aten.randperm.default:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
@@ -541,11 +545,15 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
     models = [trainer.model]
     if getattr(trainer, "ref_model", None) is not None:
         models.append(trainer.ref_model)
-    models += [f for f in getattr(trainer, "reward_funcs", ()) if isinstance(f, torch.nn.Module)]
+    reward_models = [f for f in getattr(trainer, "reward_funcs", ()) if isinstance(f, torch.nn.Module)]
+    models += reward_models
     notes = [
         "online RL: TRL's own train() on fake tensors; every completion at max_completion_length (the bound: a "
         "completion that ends early at EOS holds less)",
     ]
+    if reward_models:
+        notes.append(f"{len(reward_models)} reward model(s) resident and run on every completion (their scores are "
+                     "taken as zeros: the value changes no allocation)")
     with _frozen_heap(), real_path_patches(cuda), mode, tracker, contextlib.ExitStack() as stack:
         stack.enter_context(shadow)
         for m in models:
@@ -555,6 +563,7 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
         if not cuda:
             stack.enter_context(_host_tensors_counted(tracker))
         _label_training_state(trainer, tracker, cuda=cuda)
+        handles = [m.register_forward_hook(_known_scores(shadow)) for m in reward_models]
         _phase_wrap(trainer, "_generate_and_score_completions", PhaseKind.SCORE, tracker)
         _phase_wrap(trainer, "_generate", PhaseKind.GENERATE, tracker)
         if engine == "generate":
@@ -562,6 +571,8 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
         else:
             _vllm_filler(trainer, record)
         trainer.train()
+        for handle in handles:
+            handle.remove()
     for name in ("_generate_and_score_completions", "_generate"):
         vars(trainer).pop(name, None)
     synced = 0
@@ -611,6 +622,20 @@ def _host_tensors_counted(tracker: StorageTracker) -> Iterator[None]:
 
 _NUMBER_OPS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.div,
                          torch.Tensor.div, torch.Tensor.__truediv__})
+
+
+def _known_scores(shadow: DataShadow) -> Any:
+    """A reward model's scores are known zeros: TRL checks the rewards for NaN (`torch.isnan(rewards_per_func)
+    .all(dim=1).any()`) and normalises them into advantages; the value changes no shape or allocation (its forward
+    on fake weights is run and counted as it is)."""
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        logits = getattr(output, "logits", None)
+        if isinstance(logits, torch.Tensor):
+            with _disable_current_modes():
+                shadow.know(logits, torch.zeros(tuple(logits.shape), dtype=logits.dtype))
+
+    return hook
 
 
 def _release_saved_number(metadata: dict) -> Any:
