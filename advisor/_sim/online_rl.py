@@ -232,8 +232,9 @@ def _no_vllm_init(self: Any) -> None:
 class _OnlineShadow(DataShadow):
     """DataShadow that answers `bool()` of a known tensor from its value and also computes `randperm` for real: TRL
     shuffles the generation batch's rows (`shuffle_sequence_dict`) before splitting it into micro-batches, and the
-    CUDA path of its fused LM head then indexes the hidden states by the labels' mask. Any permutation gives the same shapes: every completion has
-    max_completion_length tokens, so each micro-batch holds the same count of scored positions."""
+    CUDA path of its fused LM head then indexes the hidden states by the labels' mask. Any permutation gives the same
+    shapes: every completion has max_completion_length tokens, so each micro-batch holds the same count of scored
+    positions."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.is_nonzero.default and self._known(args[0]):
