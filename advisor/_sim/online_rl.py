@@ -48,6 +48,12 @@ events of the real train(); fake = this module, decode run to 5 and 7 tokens, 16
     grpo-lora-beta                0                         88,602,144 /  88,602,144
     rloo-defaults                 0                        205,698,292 / 205,698,304  (-12)
 
+Beside them (tests/test_simulate_accuracy_grpo.py): a reward model given as a model (grpo-full plus a one-label
+Qwen2 classifier: tiny 29,154,760 B, medium 210,332,840 B, fake = real), and `engine="vllm"` against a real CPU
+train() around the same absent vLLM (grpo-lora-beta, colocate: the weight sync's merge and the importance-sampling
+forward real; tiny 27,235,728 B, medium 88,602,672 B, fake = real; the train phase binds there, so the sync's own
+transient is inside the check only as far as it is below that peak).
+
 The -12 B left at medium under checkpointing: at the real peak the allocator holds an 8-byte block AdamW's step
 allocated outside any aten op (live from the first optimizer step) and one 4-byte block more than the fake run
 tracks; not found further. The extrapolated generate equals the full decode loop to the byte (medium, 4-token
