@@ -70,7 +70,7 @@ def _fake_trainer(case: real.Case, size: str | dict = SIZE, *, engine: str = "ge
                   logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
                   generation_kwargs={"min_new_tokens": n})
     if engine == "vllm":
-        kwargs.update(use_vllm=True, vllm_mode="colocate")
+        kwargs.update(use_vllm=True, vllm_mode=kwargs.get("vllm_mode", "colocate"))
     peft_config = None
     if case.lora:
         from peft import LoraConfig
@@ -213,6 +213,28 @@ def _real_peak(case: real.Case, size: str = SIZE, *, engine: str = "generate", r
     return before + cpu_peak(prof).peak_bytes
 
 
+def test_a_failed_extrapolation_check_runs_the_full_decode_loop():
+    """Decode steps that are not alike (here every other forward allocates one temporary more) fail the
+    extrapolation's checks: the full decode loop runs instead and the notes say why, never a guessed peak."""
+    from advisor.simulator import run_online_fake
+
+    trainer = _fake_trainer(real.CASES["grpo-full"], "tiny")
+    calls = []
+
+    def every_other(module, args, kwargs):
+        calls.append(1)
+        if len(calls) % 2:
+            torch.empty(16 * len(calls))
+
+    trainer.model.register_forward_pre_hook(every_other, with_kwargs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = run_online_fake(trainer, steps=1, cuda=False)
+    ex = result.extrapolations[0]
+    assert ex.short_lengths == () and ex.fallback and ex.max_new_tokens == real.BASE["max_completion_length"]
+    assert any("full decode loop" in note for note in result.notes)
+
+
 def test_vllm_training_side_matches_a_real_run_and_generates_nothing_here():
     """engine="vllm": no `model.generate` in the training process; what the training process itself allocates
     (TRL's weight sync with PEFT's merge on fake tensors, the importance-sampling forward, the training passes)
@@ -235,6 +257,23 @@ def test_vllm_training_side_matches_a_real_run_and_generates_nothing_here():
     assert any("vLLM" in note for note in result.notes)
     measured = _real_peak(case, engine="vllm")
     assert abs(result.peak_bytes - measured) <= 0.01 * measured, f"fake {result.peak_bytes:,d} vs real {measured:,d}"
+
+
+@pytest.mark.parametrize("name, extra", [("grpo-full", {"vllm_mode": "server"}),
+                                         ("grpo-lora-beta", {"vllm_enable_sleep_mode": True}),
+                                         ("rloo-defaults", {})])
+def test_vllm_modes_sync_every_step_and_train_at_full_length(name, extra):
+    """Server mode (the walk for the server's metadata, then the stream), colocate with sleep mode (TRL's wake-up
+    before the sync) and RLOO under vLLM: one sync per optimizer step of every weight vLLM holds, full-length
+    completions (tiny model)."""
+    case = dataclasses.replace(real.CASES[name], args={**real.CASES[name].args, **extra})
+    result = _fake(case, "tiny", engine="vllm")
+    trainer = _fake_trainer(case, "tiny", engine="vllm")
+    weights = sum(1 for n, _ in trainer.model.named_parameters() if "lora_" not in n)
+    assert result.synced_tensors == 2 * weights
+    per_generation = real.BASE["per_device_train_batch_size"] * case.args.get("steps_per_generation", 1)
+    assert result.generated_tokens == result.generations * per_generation * real.BASE["max_completion_length"]
+    assert result.phase_peaks[PhaseKind.TRAIN] == result.peak_bytes
 
 
 def test_reward_model_is_resident_and_scored():

@@ -15,9 +15,10 @@ two short lengths, the allocator's peak in each decode step (from one forward of
 and the full length's peak is extrapolated affinely in the decode step (the DynamicCache, the ids and the attention
 mask grow by one position a step; every other allocation of a step is the same). The extrapolation is checked on the
 runs themselves (the steps both short runs share are equal, the steps between are affine, the last step of each run
-lies on its own line): where a check fails the run raises `NotAffine` rather than report a guess. Its output is the
-full length's: [the real prompt ids | filler ids], known to the DataShadow, so everything after `generate` (TRL's
-EOS mask, the rewards, the scoring forwards, the training passes) runs at the full completion length.
+lies on its own line): where a check fails, the full decode loop runs instead (slow, exact) and the notes say why.
+Its output is the full length's: [the real prompt ids | filler ids], known to the DataShadow, so everything after
+`generate` (TRL's EOS mask, the rewards, the scoring forwards, the training passes) runs at the full completion
+length.
 tests/test_simulate_accuracy_grpo.py checks the extrapolated peak against a full-length fake generate, byte for byte.
 
 vLLM (`engine="vllm"`): no `model.generate` runs in the training process. TRL's `VLLMGeneration` is constructed for
@@ -76,7 +77,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..errors import AdvisorError
+from ..errors import AdvisorError, UsageError
 from ..measurement import Category
 from ..trainers.phases import PhaseKind
 from .fake_step import BatchFacts, ScalarOracle, _frozen_heap, _label_training_state, _materialise, real_path_patches
@@ -90,8 +91,9 @@ SHORT_DECODES = (5, 7)
 
 
 class NotAffine(AdvisorError):
-    """The short fake generations' decode-step peaks are not affine in the decode step: the extrapolation would be a
-    guess (a simulator defect; `decode_lengths=None` runs the full decode loop instead)."""
+    """The short fake generations' decode steps are not affine in the decode step: the extrapolation would be a
+    guess. The run then runs the full decode loop instead and says so in its notes (`GenerateExtrapolation.fallback`).
+    """
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class GenerateExtrapolation:
     short_lengths: tuple[int, ...]  # () where the decode loop ran to its full length
     bytes_per_step: int  # the steepest growth of a decode step's moment, bytes a step (0: not extrapolated)
     peak_bytes: int  # the highest total inside `generate` at max_new_tokens (0: vLLM, no generate here)
+    fallback: str = ""  # why the full decode loop ran although short lengths were asked (a failed check)
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ def online_construction(config: Any = None, *, engine: str = "generate") -> Iter
         from transformers import AutoConfig
 
         if kwargs.get("quantization_config") is not None:
-            raise AdvisorError(f"the reference of {model_id!r} is quantized (quantization_config): a quantized "
+            raise UsageError(f"the reference of {model_id!r} is quantized (quantization_config): a quantized "
                                "reference is not built on fake tensors; quantize with PEFT (the adapters disabled "
                                "are the reference) or simulate without quantization")
         cfg = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(
@@ -194,7 +197,7 @@ def online_construction(config: Any = None, *, engine: str = "generate") -> Iter
 
 def _check_engine(engine: str) -> None:
     if engine not in ENGINES:
-        raise AdvisorError(f"engine={engine!r}: one of {', '.join(ENGINES)}")
+        raise UsageError(f"engine={engine!r}: one of {', '.join(ENGINES)}")
 
 
 class _VLLMStandIn:
@@ -452,20 +455,29 @@ def _generate_extrapolated(model: torch.nn.Module, shadow: DataShadow, tracker: 
         if not full:
             raise IncompleteGeneration("the fake generate needs max_new_tokens (TRL sets max_completion_length)")
         prompt = int(ids.shape[1])
-        if decode_lengths is None or full <= max(decode_lengths):
+        fallback = ""
+        if decode_lengths is not None and full > max(decode_lengths):
+            tracker.suspended += 1
+            try:
+                short: dict[int, _Steps] = {}
+                for n in decode_lengths:
+                    seqs, steps = run(args, kwargs, n)
+                    _check_full(seqs, prompt + n, shadow)
+                    short[n] = steps
+                    del seqs
+                peak, cats, slope = _extrapolate(short, full)
+            except NotAffine as e:
+                fallback = str(e)
+            finally:
+                tracker.suspended -= 1
+        if decode_lengths is None or full <= max(decode_lengths) or fallback:
+            # the full decode loop, run (no extrapolation asked or possible, or its checks failed)
             seqs, steps = run(args, kwargs, full)
             _check_full(seqs, prompt + full, shadow)
-            record.append(GenerateExtrapolation(full, (), 0, steps.peak()))
+            record.append(GenerateExtrapolation(full, (), 0, steps.peak(), fallback))
             return seqs
         tracker.suspended += 1
         try:
-            short: dict[int, _Steps] = {}
-            for n in decode_lengths:
-                seqs, steps = run(args, kwargs, n)
-                _check_full(seqs, prompt + n, shadow)
-                short[n] = steps
-                del seqs
-            peak, cats, slope = _extrapolate(short, full)
             # the full-length output: one tensor of [prompt | filler] ids, as the real loop's last torch.cat
             with _disable_current_modes():
                 prompt_ids = shadow.real(ids)
@@ -508,8 +520,8 @@ def _vllm_filler(trainer: Any, record: list) -> None:
         # Sleep level 2 discards vLLM's weights: TRL re-pushes them before generating (its own generate does this)
         if vllm.mode == "colocate" and vllm.enable_sleep_mode and vllm._llm_weights_sleeping:
             vllm.sync_weights()
-        if vllm.mode == "server":
-            prompts = [p for p in prompts]  # one completion per row (TRL passes each prompt num_generations times)
+        # one completion per row in both modes: TRL hands each prompt in num_generations times (the server generates
+        # n per unique prompt and TRL repeats the prompts to match; colocate generates one per row)
         completion_ids = [[token] * n for _ in prompts]
         logprobs = [[[0.0] for _ in range(n)] for _ in prompts]
         if vllm.mode == "colocate" and vllm.enable_sleep_mode:
@@ -530,15 +542,15 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
     generations the generate phase is extrapolated from (None: the full decode loop)."""
     _check_engine(engine)
     if steps < 1:
-        raise AdvisorError(f"steps={steps!r}: at least 1 optimizer step")
+        raise UsageError(f"steps={steps!r}: at least 1 optimizer step")
     if bool(getattr(trainer, "use_vllm", False)) != (engine == "vllm"):
-        raise AdvisorError(f"engine={engine!r} but the trainer's use_vllm is {getattr(trainer, 'use_vllm', None)}: "
+        raise UsageError(f"engine={engine!r} but the trainer's use_vllm is {getattr(trainer, 'use_vllm', None)}: "
                            "build the trainer with use_vllm=True (inside online_construction(engine='vllm')) for "
                            "vLLM, use_vllm=False for generate")
     if decode_lengths is not None:
         lo, hi = sorted(decode_lengths)
         if lo < 3 or hi < lo + 2:
-            raise AdvisorError(f"decode_lengths={decode_lengths!r}: two lengths, the shorter at least 3, the longer "
+            raise UsageError(f"decode_lengths={decode_lengths!r}: two lengths, the shorter at least 3, the longer "
                                "at least 2 more (the middle decode steps must show the slope)")
     trainer.args.max_steps = steps
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -591,6 +603,11 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
                      f"weight sync ran up to the hand-over ({stand_in.handed_over} tensors handed to vLLM, which "
                      f"allocates them outside this allocator); vLLM's pool, weights, KV cache and sleep/wake are "
                      f"modelled in closed form (advisor/_physics)")
+    for r in record:
+        if r.fallback:
+            notes.append(f"generate: the decode extrapolation's check failed ({r.fallback}); the full decode loop of "
+                         f"{r.max_new_tokens} tokens ran instead")
+            break
     extrapolated = [r for r in record if r.short_lengths]
     if extrapolated:
         r = extrapolated[0]
