@@ -34,20 +34,21 @@ Phases (advisor/trainers/phases.py `PhaseKind`): GENERATE is TRL's `_generate` (
 EOS mask and decoding); SCORE the rest of `_generate_and_score_completions` (the no-grad forwards for the old-policy
 and reference log-probs, the rewards, the advantages); TRAIN everything else (`compute_loss`, backward, optimizer).
 
-On a CPU target (`cuda=False`) two kinds of host allocation that no op's output shows are counted
-(`_host_tensors_counted`): the CPU generator state gradient checkpointing saves per layer, and the wrapped numbers
-autograd saves for a tensor times a Python number (LoRA's scaling). On a CUDA target both are host memory.
+On a CPU target (`cuda=False`) three kinds of host allocation that no op's output shows are counted: the CPU
+generator state gradient checkpointing saves per layer, the wrapped numbers autograd saves for a tensor times a
+Python number (LoRA's scaling) (`_host_tensors_counted`), and the wrapped number an op's Python-number operand
+becomes while the op runs (`_wrapped_bytes`). On a CUDA target all three are host memory.
 
 Measured (TRL 1.16.0, transformers 5.24.0, torch 2.13 CPU; real = scripts/grpo_cpu_peak.py, the CPU allocator's
 events of the real train(); fake = this module, decode run to 5 and 7 tokens, 16 extrapolated; 2 optimizer steps):
 
     case                          tiny: fake - real (B)    medium: fake / real (B)
     grpo-full                     0                        170,449,832 / 170,449,832
-    grpo-beta-ref-ckpt            0                        205,698,540 / 205,698,552  (-12)
+    grpo-beta-ref-ckpt            0                        205,698,548 / 205,698,552  (-4)
     grpo-steps-per-generation-2   0                        170,452,920 / 170,452,920
     grpo-num-iterations-2         0                        170,450,088 / 170,450,088
     grpo-lora-beta                0                         88,602,144 /  88,602,144
-    rloo-defaults                 0                        205,698,292 / 205,698,304  (-12)
+    rloo-defaults                 0                        205,698,300 / 205,698,304  (-4)
 
 Beside them (tests/test_simulate_accuracy_grpo.py): a reward model given as a model (grpo-full plus a one-label
 Qwen2 classifier: tiny 29,154,760 B, medium 210,332,840 B, fake = real), and `engine="vllm"` against a real CPU
@@ -55,14 +56,20 @@ train() around the same absent vLLM (grpo-lora-beta, colocate: the weight sync's
 forward real; tiny 27,235,728 B, medium 88,602,672 B, fake = real; the train phase binds there, so the sync's own
 transient is inside the check only as far as it is below that peak).
 
-The -12 B left at medium under checkpointing: at the real peak the allocator holds an 8-byte block AdamW's step
-allocated outside any aten op (live from the first optimizer step) and one 4-byte block more than the fake run
-tracks; not found further. The extrapolated generate equals the full decode loop to the byte (medium, 4-token
-prompts, 32 and 40 tokens: the decode sets generate's peak, and a steeper moment of a decode step overtakes the
-others at step 8, which fitting each step's peak instead of each moment missed by 131,072 B).
-Speed: Qwen2.5-0.5B's config (24 layers, vocab 151,936), 8 completions x 512 tokens of 64-token prompts, one optimizer
-step at full depth, CUDA path: 24-33 s on 2 shared cores (the decode loop to 512 would be 512 forwards of 24 layers);
-the full depth runs, so the layer-by-layer extrapolation of advisor/_sim/depth.py is not needed here.
+The -4 B left at medium under checkpointing (-12 before `_wrapped_bytes`: at the real peak, inside AdamW's step on
+the largest parameter, the allocator held an 8-byte block allocated outside any op, the wrapped number of
+`exp_avg_sq.sqrt() / bias_correction2_sqrt`): one 0-dim float32 block the real run holds there (`torch.tensor` of a
+Python number outside any op, by its profile) that the fake run does not; not found further.
+
+The extrapolated generate equals the full decode loop to the byte: medium, 4-token prompts, 32 and 40 tokens (the
+decode sets generate's peak, and a steeper moment of a decode step overtakes the others at step 8, which fitting each
+step's peak instead of each moment missed by 131,072 B); Qwen2.5-0.5B's shapes with 2 layers, 8 x 64 tokens of
+16-token prompts, CUDA path (700,551,528 B both).
+
+Speed: Qwen2.5-0.5B's config (24 layers, vocabulary 151,936), 8 completions x 512 tokens of 64-token prompts, one
+optimizer step at full depth, CUDA path: 14-33 s for `run_online_fake` on 2 shared cores, plus 2-5 s to build the
+trainer (the decode loop to 512 would be 512 forwards of 24 layers). The full depth runs, so the layer-by-layer
+extrapolation of advisor/_sim/depth.py is not needed here.
 """
 
 from __future__ import annotations
@@ -299,11 +306,49 @@ class _PhaseTracker(StorageTracker):
         if self.current > before:
             self._note()
 
+    count_wrapped = False  # a CPU target: count the wrapped numbers an op's Python-number operands become
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        n = _wrapped_bytes(func, args, kwargs) if self.count_wrapped else 0
+        if not n:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        cat = self.default_category
+        self.current += n
+        self._by_category[cat] = self._by_category.get(cat, 0) + n
+        self._note()
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self.current -= n
+            self._by_category[cat] -= n
+
     def note_bytes(self, phase: PhaseKind, total: int, cats: dict[Category, int]) -> None:
         """A peak computed, not run (the extrapolated generate)."""
         if total > self.phase_peak.get(phase, -1):
             self.phase_peak[phase] = total
             self.phase_breakdown[phase] = dict(cats)
+
+
+_TENSOR_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _wrapped_bytes(func: Any, args: tuple, kwargs: dict | None) -> int:
+    """Bytes of the 0-dim "wrapped number" tensors a Python number passed for a Tensor argument becomes (torch's
+    argument parser allocates one before the op: 8 bytes for a float or an int, 1 for a bool); the dispatch mode sees
+    the number back. They are live while the op allocates its output (AdamW's `exp_avg_sq.sqrt() /
+    bias_correction2_sqrt` on the largest parameter: an 8-byte block at the real CPU peak, allocated outside any op)."""
+    slots = _TENSOR_ARGS.get(func)
+    if slots is None:
+        slots = tuple((i, a.name) for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor")
+        _TENSOR_ARGS[func] = slots
+    total = 0
+    for i, name in slots:
+        value = args[i] if i < len(args) else (kwargs or {}).get(name)
+        if isinstance(value, bool):
+            total += 1
+        elif isinstance(value, (int, float)):
+            total += 8
+    return total
 
 
 # ---- generate: short decode loops, the full length extrapolated --------------------------------------------------
@@ -581,6 +626,7 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
         trainer.accelerator.device_placement = False
         if not cuda:
             stack.enter_context(_host_tensors_counted(tracker))
+            tracker.count_wrapped = True
         _label_training_state(trainer, tracker, cuda=cuda)
         handles = [m.register_forward_hook(_known_scores(shadow)) for m in reward_models]
         _phase_wrap(trainer, "_generate_and_score_completions", PhaseKind.SCORE, tracker)
