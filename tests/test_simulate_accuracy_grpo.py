@@ -132,6 +132,17 @@ def test_fake_train_peak_matches_the_real_cpu_train_peak(name):
     assert fake.generated_tokens == fake.generations * rows * n
 
 
+def test_bf16_autocast_matches_the_real_cpu_train_peak():
+    """bf16=True (GRPOConfig's default) over float32 weights: TRL's passes and generate run under autocast (the KV
+    cache's keys float32, its values bf16), fake and real alike."""
+    case = real.CASES["grpo-full"]
+    case = dataclasses.replace(case, args={**case.args, "bf16": True})
+    fake = _fake(case)
+    measured = real.run_case(case, SIZE)
+    assert abs(fake.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (
+        f"fake {fake.peak_bytes:,d} B vs real {measured.peak_bytes:,d} B")
+
+
 def test_decode_extrapolation_equals_the_full_decode_loop():
     """The generate phase's peak extrapolated from 5 and 7 decode steps equals the full decode loop's, to the byte:
     4-token prompts, so the decode (the KV cache growing a position a step), not the prefill, sets generate's peak,

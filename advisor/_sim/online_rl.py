@@ -50,7 +50,8 @@ events of the real train(); fake = this module, decode run to 5 and 7 tokens, 16
     grpo-lora-beta                0                         88,602,144 /  88,602,144
     rloo-defaults                 0                        205,698,300 / 205,698,304  (-4)
 
-Beside them (tests/test_simulate_accuracy_grpo.py): a reward model given as a model (grpo-full plus a one-label
+Beside them (tests/test_simulate_accuracy_grpo.py): bf16=True autocast over float32 weights (medium grpo-full
+173,755,304 B, grpo-lora-beta 91,942,432 B, fake = real), a reward model given as a model (grpo-full plus a one-label
 Qwen2 classifier: tiny 29,154,760 B, medium 210,332,840 B, fake = real), and `engine="vllm"` against a real CPU
 train() around the same absent vLLM (grpo-lora-beta, colocate: the weight sync's merge and the importance-sampling
 forward real; tiny 27,235,728 B, medium 88,602,672 B, fake = real; the train phase binds there, so the sync's own
