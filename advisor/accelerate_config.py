@@ -27,6 +27,7 @@ class LaunchConfig:
     command: str  # accelerate launch --config_file ... -m trl.scripts.<command> --config ...
     trl_command: str  # the same through TRL's CLI: trl <command> --config ... --accelerate_config ...
     chosen: str  # what was chosen, in words: "FSDP2, reshard after forward", "DeepSpeed ZeRO-3, optimizer offload"
+    server: str | None = None  # online RL's server mode: the `trl vllm-serve` command on GPUs of its own, run first
 
 
 def accelerate_config(candidate: Any, parallelism: Parallelism, num_gpus: int, num_machines: int = 1, *,

@@ -34,11 +34,12 @@ def build_workload(
     num_gpus: int = 1,
     num_machines: int = 1,
     trainer: str = "sft",
+    reward_model: str | None = None,
 ) -> Workload:
     """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
     from ._files import check_names
 
-    check_names({"--model": model, "--dataset": dataset, "--tokenizer": tokenizer})
+    check_names({"--model": model, "--dataset": dataset, "--tokenizer": tokenizer, "--reward-model": reward_model})
     notes: list[str] = []
     offline_note = decide_offline(model, dataset, tokenizer)
     if offline_note:
@@ -63,8 +64,9 @@ def build_workload(
     context = context_note(spec, data)
     if context:
         notes.append(context)
+    scorer = resolve_model(reward_model) if reward_model is not None else None  # its config: resident, counted
     return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
-                    num_gpus=num_gpus, num_machines=num_machines, trainer=trainer)
+                    num_gpus=num_gpus, num_machines=num_machines, trainer=trainer, reward_model=scorer)
 
 
 def context_note(model: ModelSpec, data: Dataset) -> str | None:
@@ -112,6 +114,7 @@ class WorkloadRef:
     num_gpus: int = 1  # several GPUs (issue 16); a baseline or spec written before lacks them: one GPU
     num_machines: int = 1
     trainer: str = "sft"  # a baseline or spec written before trainers existed is SFT's
+    reward_model: str | None = None  # online RL's --reward-model, as named
 
     @classmethod
     def of(cls, workload: Workload, **given: Any) -> WorkloadRef:
@@ -125,6 +128,8 @@ class WorkloadRef:
             "sample": len(data.rows) if getattr(data, "population", None) is not None else None,
         }
         derived["trainer"] = workload.trainer
+        if workload.reward_model is not None:
+            derived["reward_model"] = workload.reward_model.name
         derived.update({k: v for k, v in given.items() if v is not None})
         return cls(goals=workload.goals, fingerprint=workload.fingerprint(), num_gpus=workload.num_gpus,
                    num_machines=workload.num_machines, **derived)
@@ -136,7 +141,7 @@ class WorkloadRef:
                               "to rebuild it", context="workload")
         return build_workload(self.model, gpu=self.gpu, dataset=self.dataset, tokenizer=self.tokenizer,
                               sample=self.sample, goals=goals or self.goals, num_gpus=self.num_gpus,
-                              num_machines=self.num_machines, trainer=self.trainer)
+                              num_machines=self.num_machines, trainer=self.trainer, reward_model=self.reward_model)
 
     def to_dict(self) -> dict[str, Any]:
         """The baseline file's `workload` object."""
@@ -151,7 +156,7 @@ class WorkloadRef:
                    tokenizer=data.get("tokenizer"), sample=data.get("sample"),
                    goals=goals_from_dict(data.get("goals")), fingerprint=str(data.get("fingerprint", "")),
                    num_gpus=int(data.get("num_gpus", 1)), num_machines=int(data.get("num_machines", 1)),
-                   trainer=str(data.get("trainer", "sft")))
+                   trainer=str(data.get("trainer", "sft")), reward_model=data.get("reward_model"))
 
     def to_spec(self) -> dict[str, Any]:
         """The flat keys a study's spec stores (model, gpu, dataset, tokenizer, sample, goals,
@@ -159,6 +164,7 @@ class WorkloadRef:
         return {"model": self.model, "gpu": self.gpu, "dataset": self.dataset, "tokenizer": self.tokenizer,
                 "sample": self.sample, "goals": goals_to_dict(self.goals), "workload_fingerprint": self.fingerprint,
                 "trainer": self.trainer,
+                **({"reward_model": self.reward_model} if self.reward_model is not None else {}),
                 **({"num_gpus": self.num_gpus, "num_machines": self.num_machines}
                    if (self.num_gpus, self.num_machines) != (1, 1) else {})}
 
@@ -169,4 +175,4 @@ class WorkloadRef:
                    tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
                    goals=goals_from_dict(spec.get("goals")), fingerprint=str(spec.get("workload_fingerprint", "")),
                    num_gpus=int(spec.get("num_gpus") or 1), num_machines=int(spec.get("num_machines") or 1),
-                   trainer=str(spec.get("trainer") or "sft"))
+                   trainer=str(spec.get("trainer") or "sft"), reward_model=spec.get("reward_model"))

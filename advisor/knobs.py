@@ -654,9 +654,10 @@ def trial_label(c: Candidate) -> str:
     return " ".join(t for t in (k.short(c) for k in registry() if k.short is not None) if t)
 
 
-def summary_rows(c: Candidate) -> list[list[str]]:
-    """The report's (label, value) rows of the knobs, in registry order (a knob whose value is None is left out)."""
-    return _rows(c, KNOBS)
+def summary_rows(c: Candidate, trainer: str | None = None) -> list[list[str]]:
+    """The report's (label, value) rows of the knobs, in registry order (a knob whose value is None is left out;
+    with `trainer`, a knob its config has no field for: GRPO's report shows no max_length)."""
+    return _rows(c, tuple(k for k in KNOBS if trainer is None or k.accepts(trainer)))
 
 
 def owned_rows(c: Candidate, trainer: str) -> list[list[str]]:

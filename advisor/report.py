@@ -98,7 +98,7 @@ def render_summary(s: Suggestion) -> str:
                                             f"{_gib(wl.budget_bytes)} GiB)"],
         ["method", c.method.value],
         *_trainer_rows(s),
-        *summary_rows(c),  # each knob's label and value (advisor/knobs.py)
+        *summary_rows(c, wl.trainer),  # each knob's label and value, of the knobs its trainer has (advisor/knobs.py)
         [f"device peak (GiB, {_kind(s)})", _gib(m.budget_bytes)],
         [f"tokens/s (trained, {_kind(s)})", _tps(m.tokens_per_second)],
         [f"step time (s, {_kind(s)})", _step(m)],

@@ -172,7 +172,8 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {  # suggest()'s parameter -> 
     "jobs": ((int,), "a whole number of parallel measurements, e.g. jobs=2"),
     "num_gpus": ((int,), "a whole number of GPUs, e.g. num_gpus=8"),
     "num_machines": ((int,), "a whole number of machines, e.g. num_machines=2"),
-    "trainer": ((str,), "a trainer name: 'sft', 'dpo' or 'reward'"),
+    "trainer": ((str,), "a trainer name: 'sft', 'dpo', 'reward', 'grpo' or 'rloo'"),
+    "reward_model": (_PATHLIKE, "a reward model's hub id or local directory (str), for trainer='grpo' / 'rloo'"),
 }
 
 
@@ -246,11 +247,12 @@ def _goals(base: Goals | None, **given: Any) -> Goals:
 
 
 def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | None, goals: dict[str, Any],
-                      world: dict[str, int] | None = None, trainer: str | None = None) -> Workload:
+                      world: dict[str, int] | None = None, trainer: str | None = None,
+                      reward_model: str | None = None) -> Workload:
     world = {k: v for k, v in (world or {}).items() if v is not None}  # num_gpus / num_machines given
     if isinstance(model, Workload):
-        if gpu is not None or dataset is not None:
-            raise UsageError("suggest(): pass gpu and dataset inside the Workload, not beside it")
+        if gpu is not None or dataset is not None or reward_model is not None:
+            raise UsageError("suggest(): pass gpu, dataset and reward_model inside the Workload, not beside it")
         if trainer is not None and trainer != model.trainer:
             raise UsageError(f"suggest(trainer={trainer!r}): the Workload was built for trainer={model.trainer!r} "
                              "(its dataset is that trainer's); build it with trainer=... or drop the argument")
@@ -258,7 +260,7 @@ def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | Non
     from .inputs import build_workload
 
     return build_workload(model, gpu=gpu, dataset=dataset, goals=_goals(None, **goals), trainer=trainer or "sft",
-                          **world)
+                          reward_model=reward_model, **world)
 
 
 def suggest(
@@ -280,6 +282,7 @@ def suggest(
     num_gpus: int | None = None,
     num_machines: int | None = None,
     trainer: str | None = None,
+    reward_model: str | None = None,
     **goals: Any,
 ) -> Suggestion:
     """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
@@ -296,10 +299,11 @@ def suggest(
     passed as `model` was built from) are stored in the study so that `advisor worker` can rebuild the
     workload and join it. `trainer`: the TRL trainer ("sft", "dpo", "reward"; default: the Workload's, else
     "sft"); the dataset is read as that trainer reads it, and the suggestion builds that trainer's config.
+    `reward_model` (trainer 'grpo' / 'rloo'): a reward model's hub id or directory, resident beside the policy.
     """
     _check_parameters(model=model, gpu=gpu, dataset=dataset, backend=backend, trials=trials,
                       time_budget_s=time_budget_s, fix=fix, storage=storage, jobs=jobs, num_gpus=num_gpus,
-                      num_machines=num_machines, trainer=trainer)
+                      num_machines=num_machines, trainer=trainer, reward_model=reward_model)
     model, dataset, storage = (os.fspath(v) if isinstance(v, os.PathLike) else v for v in (model, dataset, storage))
     goals = _goal_args(goals)
     if trials is not None and trials < 1:
@@ -313,7 +317,7 @@ def suggest(
     if backend is not None:
         check_backend(backend)  # before the workload is built: an unusable backend fails in a second
     workload = _resolve_workload(model, gpu, dataset, goals, {"num_gpus": num_gpus, "num_machines": num_machines},
-                                 trainer)
+                                 trainer, os.fspath(reward_model) if reward_model is not None else None)
     backend_name = backend or default_backend_name()
     be = get_backend(backend_name)
     pins = parse_fix(fix, workload.trainer)

@@ -89,6 +89,12 @@ def simulate(
     if problems:
         raise ConfigError(problems, context="configuration rejected")
     spec.check_dataset(workload)
+    from .trainers.phases import ClosedForm
+
+    if spec.closed_form is ClosedForm.ONLINE_RL:  # the step's kind it declares: generation inside the step
+        raise ConfigError([f"trainer={spec.name!r}: the simulate backend's run of {spec.trainer_name}.train() "
+                           "(advisor/_sim/online_rl.py) is not wired into simulate() yet; use --backend estimate, "
+                           "or --backend cpu (a real probe)"], context="simulate")
     max_steps = candidate.base.get("max_steps")
     if isinstance(max_steps, int) and 0 < max_steps < steps:
         steps = max_steps

@@ -196,7 +196,8 @@ class Candidate:
 
     def requirements(self) -> tuple[str, ...]:
         """Packages the training run needs beyond torch/transformers/trl/peft (pip names)."""
-        out = [k.requires for k in _knobs.KNOBS if k.requires and getattr(self, k.name) != k.default]
+        # every registered knob's, a trainer's own included (GRPO's use_vllm needs vllm)
+        out = [k.requires for k in _knobs.registry() if k.requires and _knobs.value(self, k) != k.default]
         if self.optim.needs_bitsandbytes and "bitsandbytes" not in out:
             out.append("bitsandbytes")
         if self.attn_implementation is not None and self.attn_implementation.is_flash:

@@ -147,6 +147,9 @@ class Suggestion:
             f"{wl.num_gpus} GPUs ({self.launch().chosen}), per rank: run: "
             f"{self.launch_command(trl_config_file='THIS_FILE')}",
         ]
+        server = self.launch().server if wl.num_gpus > 1 else None
+        if server:
+            lines.append(f"first, on the server's GPUs: {server}")
         if self.candidate.requirements():  # what the target must have installed for the file to run as written
             lines.append(f"needs: pip install {' '.join(self.candidate.requirements())}")
         import textwrap
@@ -158,12 +161,21 @@ class Suggestion:
         """The accelerate config of this pick (its `parallelism` on the workload's num_gpus / num_machines) and the
         commands that launch it (`accelerate launch --config_file ... -m trl.scripts.<command>`, `trl <command>
         --accelerate_config ...`), for this suggestion's trainer."""
+        import dataclasses
+
         from .accelerate_config import accelerate_config
 
         wl = self.workload
-        return accelerate_config(self.candidate, self.candidate.parallelism.parallelism, wl.num_gpus,
-                                 wl.num_machines, config_file=config_file, trl_config_file=trl_config_file,
-                                 command=self.trainer.command)
+        # a trainer that sets GPUs aside (online RL's vLLM server) says how --num-gpus split; the rest train
+        split = getattr(self.trainer, "gpu_split", None)
+        sp = split(self.candidate, self.model_name_or_path, wl.num_gpus) if split is not None else None
+        lc = accelerate_config(self.candidate, self.candidate.parallelism.parallelism,
+                               sp.train_gpus if sp else wl.num_gpus, wl.num_machines, config_file=config_file,
+                               trl_config_file=trl_config_file, command=self.trainer.command)
+        if sp is None:
+            return lc
+        return dataclasses.replace(lc, command=f"{sp.train_env} {lc.command}", trl_command=f"{sp.train_env} "
+                                   f"{lc.trl_command}", chosen=f"{lc.chosen}; {sp.chosen}", server=sp.server_command)
 
     def accelerate_yaml(self, config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml") -> str:
         """A file for `accelerate launch --config_file FILE`, headed by what was chosen and how to launch it."""

@@ -199,13 +199,21 @@ class Workload:
     num_machines: int = 1
     # the TRL trainer that runs (advisor.trainers: "sft", "dpo", "reward"); the dataset is that trainer's data
     trainer: str = "sft"
+    # a reward model given as a model (online RL's `--reward-model ID`, trl grpo's reward_model_name_or_path): resident
+    # on the device beside the policy, so counted; reward functions run on the host and are not
+    reward_model: ModelSpec | None = None
 
     def __post_init__(self) -> None:
         check_budget(self.goals, self.gpu)
         check_world(self.num_gpus, self.num_machines)
-        from .trainers import get_trainer
+        from .trainers import get_trainer, names
 
-        get_trainer(self.trainer)  # ConfigError naming the trainers the advisor knows
+        kind = get_trainer(self.trainer)  # ConfigError naming the trainers the advisor knows
+        if self.reward_model is not None and not getattr(kind, "takes_reward_model", False):
+            takers = [n for n in names() if getattr(get_trainer(n), "takes_reward_model", False)]
+            raise ConfigError([f"reward_model={self.reward_model.name!r}: trainer {self.trainer!r} scores with no "
+                               f"reward model; use --trainer {' or '.join(takers)}, or drop --reward-model"],
+                              context="workload")
 
     @property
     def budget_bytes(self) -> int:
@@ -228,6 +236,7 @@ class Workload:
                 **({"world": [self.num_gpus, self.num_machines]} if (self.num_gpus, self.num_machines) != (1, 1)
                    else {}),
                 **({"trainer": self.trainer} if self.trainer != "sft" else {}),  # SFT's fingerprint is unchanged
+                **({"reward_model": self.reward_model.fingerprint()} if self.reward_model is not None else {}),
             }
         )
 

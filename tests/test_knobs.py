@@ -110,6 +110,11 @@ def test_declared_once_reaches_fix_emit_readback(k, tmp_path):
         assert getattr(load_run_config_dict({k.key: k.plain(value), **_context(cand)}), k.name) == value
 
 
+# Other values a rule between knobs asks for: GRPO / RLOO's generation batch (8 completions at TRL's defaults) holds
+# whole groups of num_generations (GRPOConfig refuses 9 completions in groups of 8), and GRPO's own default is 8.
+_RULED = {"per_device_train_batch_size": 16, "num_generations": 4}
+
+
 def _accepted() -> list[tuple[str, knobs.Knob]]:
     return [(t, k) for t in names() for k in knobs.registry() if k.accepts(t)]
 
@@ -128,7 +133,7 @@ def test_every_trainers_knob_round_trips_fix_yaml_trl_parser(trainer, k, tmp_pat
     import yaml
 
     tr = get_trainer(trainer)
-    value = _other_value(k)
+    value = _RULED.get(k.name, _other_value(k))
     cand = with_knobs(Candidate(), **{k.name: value}) if k.carried else _where_active(k, value)
     base = with_knobs(Candidate(), **{k.name: k.default}) if k.carried else _where_active(k, k.default)
     # --fix: its name and TRL's names pin it, for this trainer

@@ -3,6 +3,7 @@ TRL's config objects, the YAML and snippet writers, the reader. Import from here
 
 from .config import (
     ALLOC_CONF,
+    ALLOC_ENV,
     build_sft_config,
     emitted_sft_kwargs,
     env_vars,
@@ -18,7 +19,7 @@ from .writer import run_config_dict, to_python, to_yaml, write_python, write_yam
 
 __all__ = [  # noqa: RUF022
     "KEY_USES", "KeyUse", "trl_fields",
-    "ALLOC_CONF", "sft_config_kwargs", "emitted_sft_kwargs", "model_init_kwargs",
+    "ALLOC_CONF", "ALLOC_ENV", "sft_config_kwargs", "emitted_sft_kwargs", "model_init_kwargs",
     "quantization_config", "peft_config", "env_vars",
     "build_sft_config",
     "run_config_dict", "to_yaml", "to_python", "write_yaml", "write_python", "add_workload_keys", "workload_keys",

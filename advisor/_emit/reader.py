@@ -297,7 +297,8 @@ def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
 
     kind = get_trainer(trainer)  # its keys (another trainer's, e.g. `packing` in a DPO config, are refused by name)
     kind.check_run_keys(data, source=f"--config {path}")
-    _check_keys(data, path, extra={f.name for f in dataclasses.fields(kind.config_class())})
+    _check_keys(data, path, extra={f.name for f in dataclasses.fields(kind.config_class())}
+                | set(getattr(kind, "script_keys", frozenset)()))  # its script's own keys (trl grpo's reward_funcs)
     cand = kind.candidate_from_run_dict(data, source=f"--config {path}")
     return RunConfig(
         candidate=cand,

@@ -125,11 +125,13 @@ def to_python(candidate: Candidate, *, model_name_or_path: str, dataset_name: st
 
 def write_python(candidate: Candidate, *, config_name: str, trainer_name: str, kwargs: dict[str, Any], peft: Any,
                  model_name_or_path: str, dataset_name: str | None, default_output_dir: str, data_hint: str,
-                 workload: Workload | None = None) -> str:
+                 workload: Workload | None = None, trainer_args: tuple[str, ...] = (),
+                 imports: tuple[str, ...] = ()) -> str:
     """Every trainer's snippet: the env vars first, `<config_name>(**kwargs)` (the same kwargs the trainer's config
     object and YAML carry), the trainer's LoraConfig (`peft`) when LoRA, the BitsAndBytesConfig when quantized (as
     `trl <command>` passes `get_quantization_config(model_args)` to the trainer), and `<trainer_name>(...)`. With
-    `workload`: the target's device keys and the data the search measured (target.py), as the YAML carries them."""
+    `workload`: the target's device keys and the data the search measured (target.py), as the YAML carries them.
+    `trainer_args`: the trainer's own arguments (`reward_funcs=[...]` for GRPO / RLOO), with their `imports`."""
     c = candidate
     kw = dict(kwargs)
     if workload is not None:
@@ -143,11 +145,13 @@ def write_python(candidate: Candidate, *, config_name: str, trainer_name: str, k
         lines.append("from peft import LoraConfig")
     if c.quantization is not Quantization.NONE:
         lines.append("from transformers import BitsAndBytesConfig")
+    lines += list(imports)
     load = load_line(workload, dataset_name, data_hint)
     lines += ["", f"dataset = {load}", f"config = {config_name}(", f"    output_dir={output_dir!r},"]
     lines += [f"    {k}={v!r}," for k, v in kw.items()]
     lines.append(")")
-    args = [f"    model={model_name_or_path!r},", "    args=config,", "    train_dataset=dataset,"]
+    args = [f"    model={model_name_or_path!r},", *(f"    {a}," for a in trainer_args), "    args=config,",
+            "    train_dataset=dataset,"]
     if peft is not None:
         lc = peft
         extra = "".join(f", {k}={getattr(lc, k)!r}" for k in ("use_rslora", "use_dora", "modules_to_save")

@@ -87,6 +87,16 @@ def _declares(workload: Workload, attribute: str) -> bool:
     return bool(getattr(get_trainer(workload.trainer), attribute, False))
 
 
+def _with_trainer_defaults(workload: Workload, c: Candidate) -> Candidate:
+    """The candidate with its trainer's own TRL defaults where GRPOConfig and RLOOConfig differ (the trainer's
+    `trl_defaults`: RLOO's beta 0.05 keeps a reference, GRPO's 0.0 none), for the keys its base does not carry."""
+    from ..trainers import get_trainer
+
+    own = getattr(get_trainer(workload.trainer), "trl_defaults", {})
+    missing = {k: v for k, v in own.items() if k not in c.base.as_dict()}
+    return c.replace(base={**c.base.as_dict(), **missing}) if missing else c
+
+
 def _longest_prompt(workload: Workload) -> int:
     lengths = getattr(workload.dataset, "lengths", None)
     if lengths is None or len(lengths) == 0:
@@ -106,7 +116,7 @@ def _reward_model_bytes(workload: Workload, weight_bytes: int) -> int:
 
 def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any, Any]:
     """(the physics' OnlineStep, the training micro-batch's MemoryParts, the proxy workload, the proxy candidate)."""
-    c = candidate
+    c = _with_trainer_defaults(workload, candidate)
     gpu = workload.gpu
     arch = architecture(workload.model)
     b = c.per_device_train_batch_size

@@ -57,7 +57,11 @@ class StudySpace:
         wl = self.workload
         problems = self.trainer.problems(cand, wl.gpu, wl.model)  # SFT's: Candidate.problems
         if problems:
-            return "; ".join(problems)
+            # a rule on the accumulation this micro-batch is given below (online RL's generation batch holds whole
+            # groups of num_generations): judged with that accumulation
+            derived = with_accumulation(cand, self.tokens_per_step, self.rows, wl.num_gpus)
+            if derived is None or derived == cand or self.trainer.problems(derived, wl.gpu, wl.model):
+                return "; ".join(problems)
         refused = attention_refusal(self.space, cand)
         if refused:
             return refused

@@ -148,8 +148,13 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
     gpu, model, goals = workload.gpu, workload.model, workload.goals
     cuda = gpu.is_cuda
     pairs = _pairs(workload.dataset)
-    lengths = (preference_max_lengths(workload.dataset, goals.max_truncation) if pairs
-               else max_length_values(workload.dataset, goals.max_truncation))
+    from ..knobs import knob
+
+    if not knob("max_length").accepts(workload.trainer):  # GRPOConfig / RLOOConfig have no max_length: held
+        lengths: tuple[int, ...] = (knob("max_length").default,)
+    else:
+        lengths = (preference_max_lengths(workload.dataset, goals.max_truncation) if pairs
+                   else max_length_values(workload.dataset, goals.max_truncation))
     ctx = model.max_position_embeddings  # no max_length beyond the model's context (rows longer are truncated)
     if ctx is not None:
         lengths = tuple(sorted({min(v, ctx) for v in lengths}))

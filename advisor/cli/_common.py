@@ -43,8 +43,12 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
 
     g.add_argument("--trainer", choices=choices(), default=DEFAULT,
                    help=f"the TRL trainer, one of {', '.join(choices())} (default {DEFAULT}); --dataset is that "
-                   "trainer's data (dpo, reward: prompt/chosen/rejected pairs; default: the built-in synthetic set of "
-                   "its kind); --config is then a `trl <trainer>` file")
+                   "trainer's data (dpo, reward: prompt/chosen/rejected pairs; grpo, rloo: a 'prompt' column; "
+                   "default: the built-in synthetic set of its kind); --config is then a `trl <trainer>` file")
+    g.add_argument("--reward-model", default=None, metavar="ID",
+                   help="online RL (grpo, rloo): a reward model (hub id or local directory) resident beside the "
+                   "policy, counted in the memory (reward functions run on the host and are not); written as "
+                   "reward_model_name_or_path")
 
 
 def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -59,7 +63,7 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     from .._files import check_names
 
     check_names({"--model": model, "--dataset": dataset, "--tokenizer": getattr(ns, "tokenizer", None),
-                 "--config": config_path})
+                 "--config": config_path, "--reward-model": getattr(ns, "reward_model", None)})
     if config_path and (model is None or dataset is None):
         from ..emit import load_run_config
 
@@ -79,7 +83,8 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     try:
         wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
                             sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
-                            num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"))
+                            num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"),
+                            reward_model=getattr(ns, "reward_model", None))
     except UsageError as exc:
         if not from_config:
             raise
@@ -158,7 +163,11 @@ def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None
         from ..errors import ConfigError
         from ..trainers import get_trainer
 
-        problems = get_trainer(workload.trainer).problems(cand, workload.gpu, workload.model)
+        kind = get_trainer(workload.trainer)
+        problems = kind.problems(cand, workload.gpu, workload.model)
+        world_rules = getattr(kind, "check_world", None)  # rules that need --num-gpus (online RL's server GPUs)
+        if world_rules is not None:
+            problems += world_rules(cand, workload.num_gpus)
         if problems:
             raise ConfigError(problems, context=f"--config {ns.config}")
         cand.check(workload.gpu, workload.model)

@@ -145,5 +145,28 @@ def _preference(ns: argparse.Namespace, data, max_truncation: float) -> int:
     return 0
 
 
+def _prompts(ns: argparse.Namespace, data, max_truncation: float) -> int:
+    """Prompts (`advisor lengths --trainer grpo|rloo`): the prompts' lengths and prompt + max_completion_length (the
+    first --max-length, else TRL's 512): the online trainers truncate neither."""
+    from ..trainers.prompts import DEFAULT_COMPLETION, prompt_length_report
+
+    report = prompt_length_report(data, ns.max_length[0] if ns.max_length else DEFAULT_COMPLETION)
+    if ns.json:
+        print(emit_json(report.to_dict()))
+        return 0
+    kind = "synthetic prompts (no --dataset given)" if report.synthetic else "prompt dataset"
+
+    def pct(p) -> str:
+        return f"p50 {p.p50}  p90 {p.p90}  p95 {p.p95}  p99 {p.p99}  max {p.max}"
+
+    lines = [f"{report.name}: {kind}, {report.prompts} prompts",
+             f"prompt:                      {pct(report.prompt)}",
+             f"prompt + {report.max_completion_length} completion tokens: {pct(report.sequence)}",
+             "TRL 1.16 truncates no prompt; every completion is counted at max_completion_length (the bound)"]
+    lines += [f"note: {n}" for n in report.notes]
+    print("\n".join(lines))
+    return 0
+
+
 # the length report of each kind of data (the Dataset protocol's `unit`)
-_REPORTS = {"rows": _rows, "pairs": _preference}
+_REPORTS = {"rows": _rows, "pairs": _preference, "prompts": _prompts}

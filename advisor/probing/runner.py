@@ -68,16 +68,20 @@ def plan_batches(workload: Workload, candidate: Candidate, steps: int, warmup: i
     as accelerate deals them), so rank 0 gets the longest micro-batch.
     """
     total_steps = warmup + steps
-    rows_per_step = (candidate.per_device_train_batch_size * candidate.gradient_accumulation_steps
-                     * workload.num_gpus)
+    from ..trainers import get_trainer
+
+    kind = get_trainer(workload.trainer)
+    # micro-batch rows per dataset row: online RL samples num_generations completions of each prompt
+    per_row = getattr(kind, "completions_per_row", lambda c: 1)(candidate)
+    rows_per_step = -(-candidate.per_device_train_batch_size * candidate.gradient_accumulation_steps
+                      * workload.num_gpus // per_row)
     ds = workload.dataset
     if len(ds.rows) == 0:
         raise UsageError(f"dataset {ds.name}: no rows to probe with; give a --dataset with data")
-    from ..trainers import get_trainer
 
     # only rows TRL keeps (e.g. not those a short max_length leaves fully masked): a dropped row would leave its
     # step short of the planned micro-batches, or with no step at all
-    kept = np.asarray(get_trainer(workload.trainer).kept_rows(workload, candidate))
+    kept = np.asarray(kind.kept_rows(workload, candidate))
     if len(kept) == 0:
         raise UsageError(f"max_length={candidate.max_length}: every row of dataset {ds.name} has all its trained "
                          "tokens past it, and TRL drops fully masked rows, so nothing would train; raise max_length "
@@ -136,7 +140,7 @@ def job_dict(
             "source": ds.source,
             "completion_only_loss": getattr(ds, "completion_only_loss", True),
             "dataset_name": ds.dataset_name,
-            "rows": [dict(r) for r in plan.rows],
+            "rows": [dict(r) if isinstance(r, dict) else list(r) for r in plan.rows],  # prompts: token ids
         },
         "kinds": [k.value for k in plan.kinds],
         "rows_per_step": plan.rows_per_step,
@@ -182,6 +186,10 @@ def probe(
         problems.append(f"--timeout {timeout_s}: must be a positive number of seconds")
     if memory_budget_bytes is not None and memory_budget_bytes <= 0:
         problems.append(f"--memory-budget {memory_budget_bytes}: must be positive, e.g. 40GB")
+    if getattr(workload, "reward_model", None) is not None:  # never a run without it measured silently for one with
+        problems.append(f"--reward-model {workload.reward_model.name}: the probe's child does not load reward models "
+                        "yet (its run would leave the resident reward model out); probe without --reward-model, or "
+                        "use --backend estimate, which counts it")
     world = workload.num_gpus
     if world > 1:  # several ranks (issue 16): never one GPU measured silently for N
         problems.extend(_world_problems(workload, candidate, backend))

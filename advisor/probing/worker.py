@@ -181,7 +181,7 @@ class StepMeter:
         self._trained = 0
 
     def micro_batch(self, inputs: dict[str, Any]) -> None:
-        ids = inputs.get("input_ids")
+        ids = inputs.get("input_ids", inputs.get("completion_ids"))  # online RL: the generated completions
         labels = inputs.get("labels")
         if ids is not None:
             self._shapes.append(list(ids.shape))
@@ -246,8 +246,17 @@ def _trainer_class(meter: StepMeter, kind=None, shard: tuple[int, int] | None = 
     kind = get_trainer(kind or DEFAULT)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        meter.micro_batch({**inputs, "labels": kind.labels(inputs)})
+        if isinstance(inputs, dict):
+            meter.micro_batch({**inputs, "labels": kind.labels(inputs)})
         return super(cls, self).training_step(model, inputs, num_items_in_batch)
+
+    def _prepare_inputs(self, inputs):
+        # online RL (GRPO, RLOO): the dataloader yields prompts and the trainer's own _prepare_inputs generates and
+        # scores the micro-batch it trains on; the meter sees that one
+        prepared = super(cls, self)._prepare_inputs(inputs)
+        if not isinstance(inputs, dict) and isinstance(prepared, dict):
+            meter.micro_batch({**prepared, "labels": kind.labels(prepared)})
+        return prepared
 
     def _get_train_sampler(self, train_dataset=None):
         from accelerate.data_loader import BatchSamplerShard
@@ -260,7 +269,7 @@ def _trainer_class(meter: StepMeter, kind=None, shard: tuple[int, int] | None = 
         return [i for batch in dealt for i in batch]
 
     base = kind.trainer_class()
-    methods = {**kind.real_overrides(), "training_step": training_step}
+    methods = {**kind.real_overrides(), "training_step": training_step, "_prepare_inputs": _prepare_inputs}
     if shard is not None:
         methods["_get_train_sampler"] = _get_train_sampler
     cls = type(f"Probe{base.__name__}", (base,), methods)
@@ -359,6 +368,7 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         model=model_path, args=config, train_dataset=train_dataset, processing_class=tokenizer,
         peft_config=kind.peft_config(candidate, spec), quantization_config=quantization_config(candidate),
         callbacks=[_callback(meter)],
+        **getattr(kind, "trainer_kwargs", lambda w, c: {})(workload, candidate),  # its own (online RL: rewards)
     )
     if cpu_fsdp2:  # accelerate's own fsdp2_prepare_model on the gloo mesh, before train() builds the optimizer
         from ..parallelism import Layout

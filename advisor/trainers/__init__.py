@@ -1,4 +1,4 @@
-"""TRL trainers behind one seam: `get_trainer("sft" | "dpo" | "reward")` (see base.py for the protocol)."""
+"""TRL trainers behind one seam: `get_trainer("sft" | "dpo" | "reward" | "grpo" | "rloo")` (the protocol: base.py)."""
 
 from .base import DEFAULT, Trainer, choices, get_trainer, names, register
 

@@ -34,13 +34,17 @@ if TYPE_CHECKING:
 PROMPT_COLUMN = "prompt"
 SYNTHETIC_PROMPTS = 2048
 _TRAINERS = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}
+DEFAULT_COMPLETION = 512  # GRPOConfig / RLOOConfig max_completion_length (TRL 1.16), the online knob's default
 _BATCH = 256  # prompts per call of TRL's tokenizer path (it tokenizes a batch per step; the result is per prompt)
 
 
 @dataclass(frozen=True, eq=False)
 class PromptDataset:
     """Prompts as the trainer tokenizes them: one tuple of token ids per row (the chat template's tokens and the
-    generation prompt included)."""
+    generation prompt included). A `Dataset` (advisor.data): a row is a prompt (`unit` "prompts"); `lengths` are the
+    prompts' tokens (each completion adds the candidate's max_completion_length, `sequence_lengths`); the trained
+    tokens are the completions' (every completion at max_completion_length: the bound); TRL 1.16 truncates no prompt
+    (it has no max_prompt_length), so nothing is truncated."""
 
     name: str
     source: Literal["synthetic", "local", "hub"]
@@ -48,7 +52,12 @@ class PromptDataset:
     dataset_name: str | None = None
     notes: tuple[str, ...] = ()
     conversational: bool | None = None
+    population: int | None = None  # the source's prompts when `rows` is a seeded sample of them (--sample)
     lengths: np.ndarray = field(init=False, repr=False)
+
+    unit = "prompts"  # the Dataset protocol's word for one row
+    completion_only_loss = True  # only the completions are trained (what a Workload reads of its dataset)
+    bad_rows: tuple = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lengths", np.array([len(r) for r in self.rows], dtype=np.int64))
@@ -56,6 +65,10 @@ class PromptDataset:
     @property
     def synthetic(self) -> bool:
         return self.source == "synthetic"
+
+    @property
+    def sampled(self) -> bool:
+        return self.population is not None
 
     @property
     def fingerprint(self) -> str:
@@ -73,6 +86,26 @@ class PromptDataset:
     def sequence_lengths(self, max_completion_length: int) -> np.ndarray:
         """Prompt + completion per row with every completion at `max_completion_length` (the bound)."""
         return self.lengths + int(max_completion_length)
+
+    # ---- the Dataset protocol ---------------------------------------------------------------------------------
+    def truncated_share(self, max_length: int | None, packing: bool = False, strategy: str = "bfd") -> float:
+        """0: TRL 1.16's online trainers truncate no prompt, and `max_length` is not theirs (completions end at the
+        user's max_completion_length, a quality choice the search never lowers)."""
+        return 0.0
+
+    def truncated_fraction(self, max_length: int | None, packing: bool = False, strategy: str = "bfd") -> float:
+        return 0.0
+
+    def trained_tokens(self, max_length: int | None = None, max_completion_length: int = DEFAULT_COMPLETION,
+                       num_generations: int = 1) -> np.ndarray:
+        """Trained tokens per prompt: its `num_generations` completions at `max_completion_length` each (the bound;
+        `max_length` is not the online trainers')."""
+        return np.full(len(self.rows), int(max_completion_length) * int(num_generations), dtype=np.int64)
+
+    def trained_tokens_per_row(self, candidate: Any) -> float:
+        """Trained tokens per micro-batch row, a row being one completion (per_device_train_batch_size counts
+        completions): max_completion_length, so an effective batch of tokens is a number of completions."""
+        return float(candidate.base.get("max_completion_length", DEFAULT_COMPLETION))
 
     def to_hf(self, rows: Sequence[int] | None = None) -> datasets.Dataset:
         """A `prompt` column of plain text that advisor.modeling's placeholder tokenizer (one word `<tN>` per id)
@@ -186,19 +219,68 @@ def tokenize_prompts(prompts: Sequence[Any], tok: Any, *, trainer: str = "grpo",
 
 
 def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = None, trainer: str = "grpo",
-                 chat_template_kwargs: dict[str, Any] | None = None) -> PromptDataset:
-    """None: the synthetic set. Else the file / directory / hub id, tokenized by the trainer's own method."""
+                 chat_template_kwargs: dict[str, Any] | None = None, *, sample: int | None = None,
+                 seed: int = 0) -> PromptDataset:
+    """None: the synthetic set. Else the file / directory / hub id, tokenized by the trainer's own method.
+    `sample`: a seeded random sample of that many prompts, drawn as advisor.data.load_dataset draws rows (the same
+    indices for the same file size and seed)."""
+    if sample is not None and sample <= 0:
+        raise DatasetError(f"--sample {sample}: must be a positive number of prompts, e.g. --sample 2000")
     if spec is None:
-        return synthetic_prompts(model.vocab_size)
-    from ..data import load_tokenizer, read_raw
+        data = synthetic_prompts(model.vocab_size)
+        if sample is not None:
+            import dataclasses
+
+            note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} prompts)"
+            data = dataclasses.replace(data, notes=data.notes + (note,))
+        return data
+    from ..data import load_tokenizer, read_raw, tokenizer_note
 
     raw = read_raw(spec)
-    rows = [raw.rows[i] for i in range(len(raw.rows))]
-    if not rows:
+    population = len(raw.rows)
+    if not population:
         raise DatasetError(f"--dataset {spec}: it has no rows")
+    indices: Any = range(population)
+    sampled = sample is not None and sample < population
+    if sampled:
+        indices = np.sort(np.random.default_rng(seed).choice(population, size=sample, replace=False))
+    rows = [raw.rows[int(i)] for i in indices]
     conversational = check_prompt_rows(rows, raw.label, trainer)
-    tok = load_tokenizer(tokenizer, model)
+    tok = load_tokenizer(tokenizer, model, trainer)  # as GRPOTrainer / RLOOTrainer load it (AutoProcessor)
+    loaded_as = tokenizer_note(tok, tokenizer, model, trainer)
     ids = tokenize_prompts([r[PROMPT_COLUMN] for r in rows], tok, trainer=trainer,
                            chat_template_kwargs=chat_template_kwargs, label=raw.label)
     return PromptDataset(name=raw.label, source=raw.source, rows=tuple(tuple(r) for r in ids),
-                         dataset_name=spec if raw.source == "hub" else None, conversational=conversational)
+                         dataset_name=spec if raw.source == "hub" else None, conversational=conversational,
+                         population=population if sampled else None,
+                         notes=((f"a seeded random sample (seed {seed}) of {len(rows)} of {population} prompts",)
+                                if sampled else ()) + ((loaded_as,) if loaded_as is not None else ()))
+
+
+# ---- the lengths report for prompt data (`advisor lengths --trainer grpo|rloo`) --------------------------------
+@dataclass(frozen=True)
+class PromptLengthReport:
+    """The prompts' token lengths (as the trainer tokenizes them) and the sequences they make with every completion
+    at max_completion_length (the bound the memory is measured at): TRL 1.16 truncates neither."""
+
+    name: str
+    synthetic: bool
+    prompts: int
+    prompt: Any  # advisor.lengths.Percentiles
+    max_completion_length: int
+    sequence: Any  # prompt + max_completion_length
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "synthetic": self.synthetic, "prompts": self.prompts,
+                "prompt": self.prompt.to_dict(), "max_completion_length": self.max_completion_length,
+                "prompt_completion": self.sequence.to_dict(), "notes": list(self.notes)}
+
+
+def prompt_length_report(data: PromptDataset, max_completion_length: int = DEFAULT_COMPLETION) -> PromptLengthReport:
+    from ..lengths import Percentiles
+
+    return PromptLengthReport(name=data.name, synthetic=data.synthetic, prompts=len(data.rows),
+                              prompt=Percentiles.of(data.lengths), max_completion_length=int(max_completion_length),
+                              sequence=Percentiles.of(data.sequence_lengths(max_completion_length)),
+                              notes=tuple(data.notes))

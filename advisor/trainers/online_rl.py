@@ -1,0 +1,708 @@
+"""Online RL (GRPO, RLOO): what `trl.GRPOTrainer` and `trl.RLOOTrainer` share, on the trainer seam.
+
+A step of TRL 1.16's online trainers is a cycle (trl/trainer/grpo_trainer.py `_prepare_inputs`,
+`_generate_and_score_completions`, `compute_loss`; rloo_trainer.py alike):
+- generate: every `steps_per_generation x num_iterations` micro-steps, the local generation batch
+  (`per_device_train_batch_size x steps_per_generation` completions, `num_generations` per prompt) goes through
+  `model.generate` in one call (its KV cache covers all of it at prompt + `max_completion_length`), or through vLLM
+  (colocated: `vllm_gpu_memory_utilization` x the card outside PyTorch's allocator, all the time without sleep mode,
+  only while generating with it; served: on GPUs of its own). The training state (weights, optimizer state) stays
+  resident;
+- score: no-grad forwards on the completions: the reference's log-probs when `beta != 0` (a separate copy without
+  PEFT, the adapters disabled with it), the old policy's when vLLM's importance-sampling correction is on or
+  generation is misaligned with the optimizer step (`gradient_accumulation_steps % (steps_per_generation x
+  num_iterations) != 0`), and a reward model given as a model (resident: counted; reward functions are not);
+- train: forward and backward of `per_device_train_batch_size` completions (it counts completions), TRL's chunked
+  log-prob head on the completion tokens, the optimizer step.
+
+The knobs are declared once here under TRL's own field names (GRPOConfig / RLOOConfig), carried in the candidate's
+base; `OnlineKnobs` is their typed view, with each trainer's TRL 1.16 defaults where the two configs differ
+(`num_generations`: GRPO 8, RLOO 2; `beta`: GRPO 0.0, RLOO 0.05; the knobs declare None: "the trainer's default").
+`num_generations` and `max_completion_length` are the user's (quality): never searched, never lowered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+from ..knobs import FixResult, Home, Kind, Knob, Memory, register_knobs
+from .base import TrlTrainer, base_config_keys
+from .base import field_names as _field_names
+from .phases import ClosedForm
+
+if TYPE_CHECKING:
+    import datasets
+    import torch
+
+    from ..space import Candidate
+    from ..workload import GPUSpec, ModelSpec, Workload
+
+
+class VllmMode(str, Enum):
+    """Where vLLM generates (GRPOConfig / RLOOConfig `vllm_mode`)."""
+
+    COLOCATE = "colocate"  # in the training processes, a share of each training GPU
+    SERVER = "server"  # `trl vllm-serve` on GPUs of its own
+
+
+ONLINE = frozenset({"grpo", "rloo"})
+_GRPO = frozenset({"grpo"})
+
+# TRL 1.16's defaults where GRPOConfig and RLOOConfig differ (tests/test_grpo_trainer.py reads them back from the
+# installed configs); the knobs below declare None for these: "the trainer's own default"
+TRL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {"num_generations": 8, "beta": 0.0},
+    "rloo": {"num_generations": 2, "beta": 0.05},
+}
+
+# The reward function the emitted file names when the user gave none: `trl grpo` / `trl rloo` build the trainer from
+# `reward_funcs` and `reward_model_name_or_path` (trl/scripts/grpo.py); TRL's get_soft_overlong_punishment reads only
+# the completions' token ids, so it runs on plain and conversational prompts alike (think_format_reward needs
+# conversational completions). A placeholder the notes name; a reward function runs on the host: no device memory.
+DEFAULT_REWARD_FUNCS = ("get_soft_overlong_punishment",)
+# trl grpo's reward_funcs registry (trl/scripts/grpo.py `reward_funcs_registry`): the name -> the object it passes
+REWARD_REGISTRY = {
+    "accuracy_reward": "accuracy_reward",
+    "reasoning_accuracy_reward": "reasoning_accuracy_reward",
+    "think_format_reward": "think_format_reward",
+    "get_soft_overlong_punishment": "get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)",
+}
+# GRPOScriptArguments / RLOOScriptArguments' own keys (trl/scripts/grpo.py): ride in the candidate's base
+SCRIPT_KEYS = ("reward_model_name_or_path", "reward_funcs")
+
+
+def _carried(name: str, default: Any = None) -> Callable[[Candidate], Any]:
+    return lambda c: c.base.get(name, default)
+
+
+def _refuse_liger_loss(key: str, text: str) -> FixResult:
+    return FixResult(problem=LIGER_LOSS_GONE.format(where=f"--fix {key}={text}"))
+
+
+LIGER_LOSS_GONE = (
+    "{where}: `use_liger_loss` was removed from TRL (GRPOConfig 1.16 has no such field). It was replaced by "
+    "`use_liger_kernel`, itself deprecated in TRL 1.16: GRPOTrainer / RLOOTrainer compute the loss with their own "
+    "chunked log-prob head over the completion tokens (no [B, T, V] logits, what Liger's fused loss saved) and "
+    "apply only Liger's layer kernels; for fused kernels use the Hub kernels, `model_init_kwargs: {{use_kernels: "
+    "true}}`. Remove use_liger_loss"
+)
+
+
+def _vllm_on(c: Candidate) -> bool:
+    return bool(c.base.get("use_vllm", False))
+
+
+def _vllm_summary(c: Candidate) -> str:
+    if not c.base.get("use_vllm", False):
+        return "model.generate"
+    mode = c.base.get("vllm_mode", "colocate")
+    if mode == VllmMode.SERVER.value:
+        return f"vLLM server on {c.base.get('vllm_server_gpus', 0)} GPU(s)"
+    sleep = " + sleep" if c.base.get("vllm_enable_sleep_mode", False) else ""
+    return f"vLLM colocate {c.base.get('vllm_gpu_memory_utilization', 0.3):g}{sleep}"
+
+
+def _vllm_short(c: Candidate) -> str | None:
+    if not c.base.get("use_vllm", False):
+        return None
+    if c.base.get("vllm_mode", "colocate") == VllmMode.SERVER.value:
+        return f"vllm-srv{c.base.get('vllm_server_gpus', 0)}"
+    return f"vllm{c.base.get('vllm_gpu_memory_utilization', 0.3):g}" + (
+        "+sleep" if c.base.get("vllm_enable_sleep_mode", False) else "")
+
+
+# GRPOConfig / RLOOConfig's memory knobs (TRL 1.16 field names), in the knob registry (advisor/knobs.py): `--fix`,
+# the default space, the memory order, the report's labels and the emitted keys all come from these declarations.
+KNOBS = register_knobs(
+    Knob("num_generations", Kind.OPTIONAL_INT, None, Home.TRAINER_CONFIG, "num_generations",
+         "completions sampled per prompt (a group; the advantages are computed within it). None: the trainer's TRL "
+         "default (GRPOConfig 8, RLOOConfig 2)", minimum=1, trainers=ONLINE, carried=True,
+         label="num_generations", summary=lambda c: None,
+         quality="fewer completions per prompt: noisier group advantages (the user's; never searched)"),
+    Knob("max_completion_length", Kind.INT, 512, Home.TRAINER_CONFIG, "max_completion_length",
+         "tokens generated per completion at most; the bound the memory is measured at (every completion at this "
+         "length)", minimum=1, trainers=ONLINE, carried=True, memory=Memory.GROWS, label="max_completion_length",
+         summary=lambda c: str(c.base.get("max_completion_length", 512)),
+         short=lambda c: f"C={c.base.get('max_completion_length')}" if "max_completion_length" in c.base.as_dict()
+         else None,
+         quality="completions cut at max_completion_length (the user's; never searched, never lowered)",
+         # use_liger_loss (removed from TRL) is refused by name with what replaced it
+         extra_fix={"use_liger_loss": _refuse_liger_loss}),
+    Knob("steps_per_generation", Kind.OPTIONAL_INT, None, Home.TRAINER_CONFIG, "steps_per_generation",
+         "micro-batches generated in one call (None: gradient_accumulation_steps): the generation batch is "
+         "per_device_train_batch_size x steps_per_generation completions per rank. 1 generates each micro-batch "
+         "on its own (a smaller KV cache, more generate calls; the same optimizer steps, still on-policy)",
+         minimum=1, trainers=ONLINE, carried=True, memory=Memory.UNORDERED, search=(None, 1),
+         label="steps_per_generation", summary=lambda c: str(c.base.get("steps_per_generation")),
+         short=lambda c: None if c.base.get("steps_per_generation") is None else
+         f"spg={c.base.get('steps_per_generation')}"),
+    Knob("generation_batch_size", Kind.OPTIONAL_INT, None, Home.TRAINER_CONFIG, "generation_batch_size",
+         "completions per generation over every rank (derived from steps_per_generation; never both set)",
+         minimum=1, trainers=ONLINE, carried=True, memory=Memory.GROWS),
+    Knob("num_iterations", Kind.INT, 1, Home.TRAINER_CONFIG, "num_iterations",
+         "optimizer passes over each generation batch (mu); > 1 adds the old policy's no-grad forward",
+         minimum=1, trainers=ONLINE, carried=True,
+         quality="each generation trained on num_iterations times (off-policy after the first)"),
+    Knob("beta", Kind.FLOAT, None, Home.TRAINER_CONFIG, "beta",
+         "the KL coefficient; != 0 keeps a reference (a separate copy, or the adapters disabled under LoRA). None: "
+         "the trainer's TRL default (GRPOConfig 0.0, RLOOConfig 0.05)", bounds=(0.0, 1000.0), trainers=ONLINE,
+         carried=True, label="beta", summary=lambda c: None),
+    Knob("use_vllm", Kind.BOOL, False, Home.TRAINER_CONFIG, "use_vllm",
+         "generate with vLLM instead of model.generate (needs a CUDA target and `pip install vllm`)",
+         trainers=ONLINE, carried=True, requires="vllm", search=(False, True), label="generation",
+         summary=_vllm_summary, short=_vllm_short),
+    Knob("vllm_mode", Kind.ENUM, VllmMode.COLOCATE, Home.TRAINER_CONFIG, "vllm_mode",
+         "colocate: vLLM in the training processes; server: `trl vllm-serve` on vllm_server_gpus of --num-gpus",
+         enum=VllmMode, active=_vllm_on, trainers=ONLINE, carried=True),
+    Knob("vllm_gpu_memory_utilization", Kind.FLOAT, 0.3, Home.TRAINER_CONFIG, "vllm_gpu_memory_utilization",
+         "the share of each card colocated vLLM claims (weights, activations and its KV pool) outside PyTorch's "
+         "allocator", bounds=(0.0, 1.0), active=_vllm_on, trainers=ONLINE, carried=True, memory=Memory.GROWS),
+    Knob("vllm_enable_sleep_mode", Kind.BOOL, False, Home.TRAINER_CONFIG, "vllm_enable_sleep_mode",
+         "colocated vLLM sleeps (level 2) while the policy trains, giving its weights and KV pool back; vLLM's "
+         "CuMemAllocator refuses expandable segments in PYTORCH_CUDA_ALLOC_CONF", active=_vllm_on,
+         trainers=ONLINE, carried=True, memory=Memory.SAVES_WHEN_ON),
+    Knob("vllm_server_gpus", Kind.INT, 0, Home.ACCELERATE, "vllm_server_gpus",
+         "server mode: the GPUs of --num-gpus that run `trl vllm-serve` (CUDA_VISIBLE_DEVICES split; "
+         "--tensor-parallel-size); the others train", minimum=0, trainers=ONLINE, carried=True),
+    Knob("ds3_gather_for_generation", Kind.BOOL, True, Home.TRAINER_CONFIG, "ds3_gather_for_generation",
+         "ZeRO-3 gathers the whole policy to generate (False: generates layer by layer, slower; vLLM needs True)",
+         trainers=ONLINE, carried=True, memory=Memory.UNORDERED),
+    Knob("cast_lm_head_to_fp32", Kind.BOOL, False, Home.TRAINER_CONFIG, "cast_lm_head_to_fp32",
+         "the LM head (and its log-probs) in float32", trainers=_GRPO, carried=True),
+    Knob("vllm_importance_sampling_correction", Kind.BOOL, True, Home.TRAINER_CONFIG,
+         "vllm_importance_sampling_correction",
+         "with vLLM: the old policy's no-grad forward on the completions, to correct vLLM's sampling mismatch",
+         trainers=_GRPO, carried=True),
+)
+_KNOB_KEYS = frozenset(k.key for k in KNOBS)
+
+
+class _OnlineKnobsMethods:
+    """The online trainers' knobs of a candidate, each trainer's TRL default resolved."""
+
+    trainer: str
+
+    @classmethod
+    def of(cls, candidate: Candidate, trainer: str) -> Any:
+        b = candidate.base
+        own = TRL_DEFAULTS[trainer]
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "trainer":
+                continue
+            v = b.get(f.name, f.default)
+            values[f.name] = own[f.name] if v is None and f.name in own else v
+        return cls(trainer=trainer, **values)
+
+    def apply(self, candidate: Candidate) -> Candidate:
+        """The candidate with these knobs in its base (each at its default left out, so a plain candidate stays
+        plain; num_generations / beta at the trainer's default too)."""
+        base = candidate.base.as_dict()
+        own = TRL_DEFAULTS[self.trainer]
+        for f in dataclasses.fields(self):
+            if f.name == "trainer":
+                continue
+            value = getattr(self, f.name)
+            if value == f.default or (f.name in own and value == own[f.name]):
+                base.pop(f.name, None)
+            else:
+                base[f.name] = value.value if isinstance(value, Enum) else value
+        return candidate.replace(base=base)
+
+    def steps(self, candidate: Candidate) -> int:
+        """steps_per_generation as TRL resolves it (GRPOConfig.__post_init__), on one rank."""
+        if self.steps_per_generation is not None:
+            return self.steps_per_generation
+        if self.generation_batch_size is not None:
+            return max(1, self.generation_batch_size // candidate.per_device_train_batch_size)
+        return candidate.gradient_accumulation_steps
+
+    def generation_batch(self, candidate: Candidate, world_size: int = 1) -> int:
+        """Completions per generation over every rank (TRL's generation_batch_size)."""
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size
+        return candidate.per_device_train_batch_size * world_size * self.steps(candidate)
+
+    @property
+    def colocated(self) -> bool:
+        return self.use_vllm and VllmMode(self.vllm_mode) is VllmMode.COLOCATE
+
+    @property
+    def served(self) -> bool:
+        return self.use_vllm and VllmMode(self.vllm_mode) is VllmMode.SERVER
+
+    def separate_reference(self, candidate: Candidate) -> bool:
+        """GRPOTrainer.__init__: beta 0 keeps no reference; PEFT disables the adapters; else a second copy."""
+        return self.beta != 0.0 and not candidate.use_lora
+
+    def old_policy_forward(self, candidate: Candidate) -> bool:
+        """GRPOTrainer._generate_and_score_completions: the old policy's no-grad forward runs when generation is
+        misaligned with the optimizer step, or vLLM's importance-sampling correction is on; RLOOTrainer's always
+        (`old_logps_always`)."""
+        from .base import get_trainer
+
+        if getattr(get_trainer(self.trainer), "old_logps_always", False):
+            return True  # RLOOTrainer._generate_and_score_completions: always, for its clipped ratio
+        every = self.steps(candidate) * self.num_iterations
+        correction = self.use_vllm and self.vllm_importance_sampling_correction
+        return candidate.gradient_accumulation_steps % every != 0 or correction
+
+
+def _check(self: Any) -> None:
+    problems = []
+    for k in KNOBS:
+        v = getattr(self, k.name)
+        if k.kind is Kind.BOOL:
+            if not isinstance(v, bool):
+                problems.append(f"{k.name}={v!r}: must be true or false")
+        elif v is not None:
+            problems.extend(p for p in [k.coerce(v)[1]] if p)
+    if problems:
+        raise ConfigError(problems, context=self.trainer)
+    object.__setattr__(self, "vllm_mode", VllmMode(self.vllm_mode))
+
+
+OnlineKnobs = dataclasses.make_dataclass(
+    "OnlineKnobs",
+    [("trainer", str)] + [(k.name, Any, dataclasses.field(default=k.default)) for k in KNOBS],
+    bases=(_OnlineKnobsMethods,), frozen=True, namespace={"__post_init__": _check, "__module__": __name__})
+OnlineKnobs.__doc__ = _OnlineKnobsMethods.__doc__
+
+
+def online_only_keys(config_class: type) -> set[str]:
+    """The keys of `config_class` (GRPOConfig / RLOOConfig) SFTConfig has not, and the script's own."""
+    from trl import SFTConfig
+
+    return (_field_names(config_class) - _field_names(SFTConfig)) | set(SCRIPT_KEYS)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSplit:
+    """How --num-gpus split in server mode: the training GPUs (accelerate's num_processes, `train_env` before the
+    launch) and the `trl vllm-serve` command on the others."""
+
+    train_gpus: int
+    train_env: str  # CUDA_VISIBLE_DEVICES=0,1,...
+    server_command: str  # CUDA_VISIBLE_DEVICES=... trl vllm-serve --model ... --tensor-parallel-size ...
+    chosen: str
+
+
+class OnlineRLTrainer(TrlTrainer):
+    """What GRPO and RLOO share; a subclass declares its TRL classes and command."""
+
+    example_dataset = "trl-lib/DeepMath-103K"
+    data_hint = "your prompts (a 'prompt' column: text or a list of messages)"
+    closed_form = ClosedForm.ONLINE_RL
+    config_label: str
+    takes_reward_model = True  # a Workload's reward_model (--reward-model) is this trainer's to score with
+    old_logps_always = False  # its scoring runs the old policy's no-grad forward every generation (RLOO: True)
+
+    @property
+    def trl_defaults(self) -> dict[str, Any]:
+        """TRL 1.16's defaults of this trainer's config where GRPOConfig and RLOOConfig differ (num_generations,
+        beta): what a candidate without the key means. The estimate and the simulator read the knobs through it."""
+        return dict(TRL_DEFAULTS[self.name])
+
+    def knobs(self, candidate: Candidate) -> Any:
+        """This trainer's online knobs of `candidate`, its TRL defaults resolved (OnlineKnobs)."""
+        return OnlineKnobs.of(candidate, self.name)
+
+    # ---- rules ------------------------------------------------------------------------------------------------
+    def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
+                 ) -> list[str]:
+        """The shared rules (SFT's packing / padding-free rules left out: these configs have neither), then TRL's
+        GRPOConfig / RLOOConfig rules, exactly as strict (one rank: the generation batch of this GPU), and vLLM's."""
+        c = candidate
+        out = c.replace(packing=False, padding_free=False).problems(gpu, model)
+        for key in ("packing", "padding_free"):
+            if getattr(c, key):
+                out.append(f"{key}=True: an SFT-only key ({self.config_name} has no {key!r}; {self.trainer_name} "
+                           "pads each batch of completions); remove it")
+        try:
+            k = self.knobs(c)
+        except ConfigError as exc:
+            return out + exc.problems
+        out.extend(self._rules(c, k, gpu))
+        return out
+
+    def _rules(self, c: Candidate, k: Any, gpu: GPUSpec | None) -> list[str]:
+        out = []
+        cfg = self.config_name
+        if c.base.get("auto_find_batch_size"):
+            out.append(f"auto_find_batch_size=True: {cfg} raises \"auto_find_batch_size is not supported by "
+                       f"{self.name.upper()}, because the generation batch must contain full prompt groups of "
+                       "num_generations completions\"; set auto_find_batch_size: false and let the advisor pick "
+                       "per_device_train_batch_size")
+        if "use_liger_loss" in c.base.as_dict():
+            out.append(LIGER_LOSS_GONE.format(where=f"use_liger_loss={c.base.get('use_liger_loss')!r}"))
+        if k.num_generations < 2:
+            out.append(f"num_generations={k.num_generations}: {cfg} raises \"{self.name.upper()} requires at least 2 "
+                       "generations per prompt to calculate the advantages\"; set num_generations >= 2")
+        b = c.per_device_train_batch_size
+        if k.generation_batch_size is not None and k.steps_per_generation is not None:
+            out.append(f"generation_batch_size={k.generation_batch_size} with steps_per_generation="
+                       f"{k.steps_per_generation}: {cfg} raises \"'generation_batch_size' and 'steps_per_generation' "
+                       "can not be both configured at the same time\"; set one of them")
+        elif k.generation_batch_size is not None and k.generation_batch_size % b:
+            out.append(f"generation_batch_size={k.generation_batch_size}: {cfg} raises \"generation_batch_size "
+                       f"({k.generation_batch_size}) must be divisible by the global batch size ({b})\"; use a "
+                       f"multiple of per_device_train_batch_size x GPUs")
+        else:
+            gen = k.generation_batch(c)
+            if gen % k.num_generations:
+                spg = "steps_per_generation" if k.steps_per_generation is not None else (
+                    "generation_batch_size" if k.generation_batch_size is not None else
+                    "gradient_accumulation_steps (steps_per_generation unset)")
+                out.append(f"num_generations={k.num_generations}: {cfg} raises \"generation_batch_size ({gen}) must "
+                           f"be divisible by num_generations ({k.num_generations})\" (the generation batch is "
+                           f"per_device_train_batch_size {b} x {spg} {k.steps(c)} x GPUs); make "
+                           f"per_device_train_batch_size x steps_per_generation a multiple of {k.num_generations}, "
+                           "or use a num_generations that divides it")
+        if k.use_vllm and gpu is not None and not gpu.is_cuda:
+            out.append(f"use_vllm=True on {gpu.name}: vLLM generates on CUDA GPUs only; set use_vllm: false "
+                       "(model.generate) for this target")
+        if k.served and k.vllm_server_gpus < 1:
+            out.append(f"vllm_mode='server' with vllm_server_gpus={k.vllm_server_gpus}: server mode runs `trl "
+                       "vllm-serve` on GPUs of its own and none is set aside; give it K of --num-gpus (--fix "
+                       "vllm_server_gpus=K, K < --num-gpus: the others train), or set vllm_mode: colocate")
+        if not k.served and k.vllm_server_gpus:
+            out.append(f"vllm_server_gpus={k.vllm_server_gpus} without vllm_mode='server' (use_vllm="
+                       f"{k.use_vllm}): only server mode sets GPUs aside for vLLM; drop it or set use_vllm: true, "
+                       "vllm_mode: server")
+        if k.colocated and k.vllm_enable_sleep_mode and c.expandable_segments:
+            out.append("vllm_enable_sleep_mode=True with expandable_segments=True: vLLM's CuMemAllocator "
+                       "(vllm/device_allocator/cumem.py) asserts \"Expandable segments are not compatible with "
+                       "memory pool\" when PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; set "
+                       "expandable_segments: false (--fix expandable_segments=false) or vllm_enable_sleep_mode: false")
+        if k.use_vllm and not k.ds3_gather_for_generation:
+            out.append("ds3_gather_for_generation=False with use_vllm=True: TRL syncs the whole policy's weights to "
+                       "vLLM and needs them gathered; set ds3_gather_for_generation: true or use_vllm: false")
+        if getattr(k, "cast_lm_head_to_fp32", False) and c.use_lora and c.lora_target_modules and \
+                "lm_head" in c.lora_target_modules:
+            out.append("cast_lm_head_to_fp32=True with LoRA on lm_head: GRPOTrainer raises \"`cast_lm_head_to_fp32"
+                       "=True` is not supported when the lm_head carries a PEFT adapter\"; drop lm_head from "
+                       "lora_target_modules or set cast_lm_head_to_fp32: false")
+        return out
+
+    def check_world(self, candidate: Candidate, num_gpus: int) -> list[str]:
+        """TRL's rules that need the world size: the generation batch counts every training rank, and server mode
+        leaves at least one of --num-gpus to train."""
+        k = self.knobs(candidate)
+        out = []
+        if k.served and k.vllm_server_gpus >= num_gpus:
+            out.append(f"vllm_mode='server' with vllm_server_gpus={k.vllm_server_gpus} of --num-gpus {num_gpus}: "
+                       "no GPU is left to train; give vLLM fewer (--fix vllm_server_gpus=K, K < --num-gpus), add "
+                       "GPUs, or set vllm_mode: colocate")
+        return out
+
+    def gpu_split(self, candidate: Candidate, model_name_or_path: str, num_gpus: int) -> GpuSplit | None:
+        """Server mode: the last `vllm_server_gpus` of --num-gpus run `trl vllm-serve` (tensor-parallel over them),
+        the first ones train (accelerate's num_processes); None otherwise (every GPU trains)."""
+        import shlex
+
+        k = self.knobs(candidate)
+        if not k.served:
+            return None
+        problems = self.check_world(candidate, num_gpus)
+        if problems:
+            raise ConfigError(problems, context="num_gpus")
+        n = k.vllm_server_gpus
+        train = ",".join(str(i) for i in range(num_gpus - n))
+        serve = ",".join(str(i) for i in range(num_gpus - n, num_gpus))
+        cmd = shlex.join(["trl", "vllm-serve", "--model", model_name_or_path, "--tensor-parallel-size", str(n)])
+        return GpuSplit(train_gpus=num_gpus - n, train_env=f"CUDA_VISIBLE_DEVICES={train}",
+                        server_command=f"CUDA_VISIBLE_DEVICES={serve} {cmd}",
+                        chosen=f"vLLM server on GPU(s) {serve}, training on {train}")
+
+    # ---- config ------------------------------------------------------------------------------------------------
+    def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
+                      measured: bool = False) -> dict[str, Any]:
+        """Every memory-relevant GRPOConfig / RLOOConfig field, explicitly (TRL's defaults resolved), then the
+        base's config keys (`measured`: only those that reach a measured run)."""
+        from ..emit import model_init_kwargs
+        from ..space import Precision
+
+        c = candidate
+        k = self.knobs(c)
+        fields = _field_names(self.config_class())
+        own = {kn.key: getattr(k, kn.name) for kn in KNOBS if kn.key in fields}  # declared once (KNOBS)
+        own["vllm_mode"] = k.vllm_mode.value
+        # the generation batch: the one of steps_per_generation / generation_batch_size that is set (never both:
+        # GRPOConfig derives the other); neither when unset, which TRL reads as steps_per_generation =
+        # gradient_accumulation_steps (written explicitly above)
+        for key in ("steps_per_generation", "generation_batch_size"):
+            if own[key] is None:
+                own.pop(key)
+        out: dict[str, Any] = {
+            "per_device_train_batch_size": c.per_device_train_batch_size,
+            "gradient_accumulation_steps": c.gradient_accumulation_steps,
+            **own,
+            "vllm_tensor_parallel_size": c.base.get("vllm_tensor_parallel_size", 1),
+            "activation_checkpointing": c.activation_checkpointing,
+            "activation_checkpointing_kwargs": c.checkpointing_kwargs,
+            "optim": c.optim.value,
+            "bf16": c.precision is Precision.BF16,
+            "fp16": c.precision is Precision.FP16,
+            # a TrainingArguments field GRPOTrainer / RLOOTrainer ignore (their RepeatSampler groups each prompt's
+            # completions): written as the knob says, so the file is what was measured
+            "train_sampling_strategy": "group_by_length" if c.group_by_length else
+            c.base.get("train_sampling_strategy", "random"),
+            "auto_find_batch_size": False,
+            "use_liger_kernel": False,
+            "model_init_kwargs": model_init_kwargs(c, measured=measured),
+        }
+        if measured:
+            # a measured run (the probe, the simulator) generates every completion at max_completion_length (the
+            # bound the memory is counted at), and takes the prompts in the order given (the longest first)
+            out["generation_kwargs"] = {**(c.base.get("generation_kwargs") or {}),
+                                        "min_new_tokens": k.max_completion_length}
+            out["shuffle_dataset"] = False
+        skip = _KNOB_KEYS | {"vllm_tensor_parallel_size", "auto_find_batch_size", *SCRIPT_KEYS,
+                             *(("generation_kwargs", "shuffle_dataset") if measured else ())}
+        out.update(base_config_keys(c, fields, measured=measured, own=online_only_keys(self.config_class()),
+                                    skip=skip))
+        return out
+
+    def script_kwargs(self, candidate: Candidate, workload: Workload | None = None) -> dict[str, Any]:
+        """GRPOScriptArguments / RLOOScriptArguments' keys: the reward model (resident, counted: the workload's
+        --reward-model, else the config's) and the reward functions (host strings, not counted; TRL's
+        get_soft_overlong_punishment when neither a function nor a model is given)."""
+        out: dict[str, Any] = {}
+        rm = workload.reward_model.name if workload is not None and workload.reward_model is not None else \
+            candidate.base.get("reward_model_name_or_path")
+        if rm:
+            out["reward_model_name_or_path"] = rm
+        funcs = candidate.base.get("reward_funcs")
+        if funcs is None and not rm:
+            funcs = list(DEFAULT_REWARD_FUNCS)
+        if funcs is not None:
+            out["reward_funcs"] = list(funcs)
+        return out
+
+    def trainer_kwargs(self, workload: Workload, candidate: Candidate) -> dict[str, Any]:
+        """What a measured run (the probe's child) passes `<Trainer>(...)` beyond the shared arguments: the reward.
+        The emitted default, built as trl grpo builds it (REWARD_REGISTRY): a host function, no device memory. A
+        reward model given by --reward-model is not loaded by the probe (the notes say so)."""
+        from trl.rewards import get_soft_overlong_punishment
+
+        return {"reward_funcs": [get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)]}
+
+    def completions_per_row(self, candidate: Candidate) -> int:
+        """Micro-batch rows (completions) per dataset row (prompt): what a probe's plan of prompts divides by."""
+        return int(self.knobs(candidate).num_generations)
+
+    def script_keys(self) -> frozenset[str]:
+        """The keys of `trl <command>`'s script arguments beyond ScriptArguments' (its YAML's reader accepts them)."""
+        return frozenset(SCRIPT_KEYS)
+
+    def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
+                        dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
+        """The keys `trl grpo|rloo --config FILE` accepts: ScriptArguments (with reward_funcs /
+        reward_model_name_or_path), the config, ModelConfig, and `env:` with both allocator variables."""
+        from .base import run_config_for
+
+        out = run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
+                             output_dir=f"advisor-{self.name}", workload=workload)
+        head = {k: out.pop(k) for k in ("model_name_or_path", "dataset_name") if k in out}
+        env = out.pop("env", None)
+        out = {**head, **self.script_kwargs(candidate, workload), **out}
+        out["env"] = {**(env or {}), **allocator_env(candidate, self.knobs(candidate))}
+        return out
+
+    def to_python(self, candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None = None,
+                  workload: Workload | None = None) -> str:
+        """The snippet through the one writer, with the reward functions / model as `<Trainer>(reward_funcs=...)`
+        and both allocator variables set before torch starts."""
+        from ..emit import write_python
+
+        env = {**(candidate.base.get("env") or {}), **allocator_env(candidate, self.knobs(candidate))}
+        shown = candidate.replace(base={**candidate.base.as_dict(), "env": env})
+        script = self.script_kwargs(candidate, workload)
+        rewards = ([repr(script["reward_model_name_or_path"])] if "reward_model_name_or_path" in script else [])
+        imports = []
+        for name in script.get("reward_funcs", ()):
+            if name in REWARD_REGISTRY:  # as trl grpo builds it
+                imports.append(f"from trl.rewards import {name}")
+                rewards.append(REWARD_REGISTRY[name])
+            else:  # a dotted import path
+                module, func = name.rsplit(".", 1)
+                imports.append(f"from {module} import {func}")
+                rewards.append(func)
+        return write_python(shown, config_name=self.config_name, trainer_name=self.trainer_name,
+                            kwargs=self.emit_kwargs(candidate, workload), peft=self.peft_config(candidate),
+                            model_name_or_path=model_name_or_path, dataset_name=dataset_name,
+                            default_output_dir=f"advisor-{self.name}", data_hint=self.data_hint, workload=workload,
+                            trainer_args=(f"reward_funcs=[{', '.join(rewards)}]",), imports=tuple(imports))
+
+    def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
+        """An SFT-only key, `use_liger_loss` (removed from TRL) and `auto_find_batch_size: true` (refused by the
+        config) are ConfigErrors naming the key and the fix (`trl <command>` would pass some on silently)."""
+        from trl import SFTConfig
+
+        problems = []
+        sft_only = _field_names(SFTConfig) - _field_names(self.config_class())
+        for key in sorted(k for k in data if k in sft_only):
+            problems.append(f"{key}={data[key]!r}: an SFT-only key ({self.config_name} has no {key!r}); remove it "
+                            f"from the {self.config_label} config")
+        if "use_liger_loss" in data:
+            problems.append(LIGER_LOSS_GONE.format(where=f"use_liger_loss={data['use_liger_loss']!r}"))
+        if data.get("auto_find_batch_size"):
+            problems.append(f"auto_find_batch_size={data['auto_find_batch_size']!r}: {self.config_name} raises "
+                            f"\"auto_find_batch_size is not supported by {self.name.upper()}, because the generation "
+                            "batch must contain full prompt groups of num_generations completions\"; set "
+                            "auto_find_batch_size: false and lower per_device_train_batch_size instead")
+        if problems:
+            raise ConfigError(problems, context=source)
+
+    def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
+        """A `trl grpo|rloo` config read back: the shared keys as advisor.emit reads them, the online keys (the knobs
+        in OnlineKnobs, the rest as written) in the base; what this trainer emits itself for a plain candidate
+        (TRL's defaults, the default reward function, its output_dir, the allocator variables) is not stored."""
+        from ..emit import candidate_from_run_dict
+
+        self.check_run_keys(data, source=source)
+        own_keys = online_only_keys(self.config_class())
+        shared = {k: v for k, v in data.items() if k not in own_keys and k != "env"}
+        own = {k: v for k, v in data.items() if k in own_keys}
+        if "env" in data:
+            shared["env"] = data["env"]  # both allocator variables: the expandable_segments knob
+        for key, emitted in (("auto_find_batch_size", False), ("vllm_tensor_parallel_size", 1),
+                             ("pad_to_multiple_of", None)):
+            if shared.get(key, own.get(key, emitted)) == emitted:
+                shared.pop(key, None)
+                own.pop(key, None)
+        if own.get("reward_funcs") is not None and tuple(own["reward_funcs"]) == DEFAULT_REWARD_FUNCS \
+                and not own.get("reward_model_name_or_path"):
+            own.pop("reward_funcs")
+        if own.get("reward_model_name_or_path") is None:
+            own.pop("reward_model_name_or_path", None)
+        cand = candidate_from_run_dict(shared, source=source)
+        base = cand.base.as_dict()
+        if base.get("output_dir") == f"advisor-{self.name}":
+            base.pop("output_dir")
+        cand = cand.replace(base={**base, **own})
+        try:
+            knobs = self.knobs(cand)
+        except ConfigError as exc:
+            raise ConfigError(exc.problems, context=source) from None
+        return knobs.apply(cand)
+
+    # ---- data ----------------------------------------------------------------------------------------------------
+    def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
+                     sample: int | None = None, seed: int = 0, progress: bool = False) -> Any:
+        from .prompts import load_prompts
+
+        return load_prompts(spec, model, tokenizer, trainer=self.name, sample=sample, seed=seed)
+
+    def check_dataset(self, workload: Workload) -> None:
+        from .prompts import PromptDataset, check_prompt_rows
+
+        data = workload.dataset
+        if not isinstance(data, PromptDataset):
+            check_prompt_rows(list(data.rows[:1]), data.name, self.name)
+
+    def dataset_from_rows(self, name: str, source: str, rows: tuple[dict, ...], *, dataset_name: str | None = None,
+                          completion_only_loss: bool | None = None) -> Any:
+        from .prompts import PromptDataset
+
+        return PromptDataset(name=name, source=source, rows=tuple(tuple(int(t) for t in r) for r in rows),
+                             dataset_name=dataset_name)
+
+    def worst_rows(self, workload: Workload, candidate: Candidate) -> list:
+        """The prompts of the generation batch that needs the most memory: the longest prompts, one per group of
+        num_generations completions of this rank's generation batch (per_device_train_batch_size x
+        steps_per_generation completions), each completion at max_completion_length (the bound)."""
+        k = self.knobs(candidate)
+        n = max(1, -(-k.generation_batch(candidate) // k.num_generations))
+        data = workload.dataset
+        return [data.rows[int(i)] for i in data.longest(n)]
+
+    def train_dataset(self, workload: Workload, rows: list | None = None) -> datasets.Dataset:
+        """The `prompt` column the trainer reads: advisor.modeling's placeholder text of each prompt's token ids."""
+        import datasets
+
+        from .prompts import PROMPT_COLUMN, placeholder_text
+
+        picked = workload.dataset.rows if rows is None else rows
+        return datasets.Dataset.from_dict({PROMPT_COLUMN: [placeholder_text(r) for r in picked]})
+
+    def worst_batch(self, trainer: Any, batch_size: int) -> dict[str, torch.Tensor]:
+        raise ConfigError([f"trainer={self.name!r}: an online step is not one collated batch; the simulator runs "
+                           f"{self.trainer_name}.train() (generate, score, train) on the prompts of worst_rows"],
+                          context=self.name)
+
+    def labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The completion tokens (TRL's completion_mask), -100 elsewhere."""
+        return batch["completion_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+
+    def shadows_integers(self) -> bool:
+        return True  # the completion mask comes from the first EOS of each completion: data-dependent
+
+    def extra_models(self, trainer: Any) -> list:
+        out = [trainer.ref_model] if getattr(trainer, "ref_model", None) is not None else []
+        import torch
+
+        out += [f for f in getattr(trainer, "reward_funcs", []) if isinstance(f, torch.nn.Module)]
+        return out
+
+    # ---- the step as phases --------------------------------------------------------------------------------------
+    def phases(self, candidate: Candidate) -> tuple:
+        """generate (the policy and its optimizer state resident, the KV cache; colocated vLLM's share of the card,
+        only while generating under sleep mode), score (the no-grad forwards: reference, old policy, reward model),
+        train (forward, backward and optimizer step). What stays resident across the step is in every phase."""
+        from .phases import Phase, PhaseKind, Resident
+
+        k = self.knobs(candidate)
+        pool = k.vllm_gpu_memory_utilization if k.colocated else 0.0
+        held = 0.0 if k.vllm_enable_sleep_mode else pool  # asleep while scoring and training (level 2)
+        resident = [Resident.POLICY]
+        if k.separate_reference(candidate):
+            resident.append(Resident.REFERENCE)
+        if candidate.base.get("reward_model_name_or_path"):
+            resident.append(Resident.REWARD_MODEL)
+        return (
+            Phase(PhaseKind.GENERATE, (*resident, Resident.OPTIMIZER_STATE), kv_cache=not k.use_vllm,
+                  outside_allocator_fraction=pool),
+            Phase(PhaseKind.SCORE, (*resident, Resident.OPTIMIZER_STATE), outside_allocator_fraction=held),
+            Phase(PhaseKind.TRAIN, (*resident, Resident.GRADIENTS, Resident.OPTIMIZER_STATE), activations=True,
+                  outside_allocator_fraction=held),
+        )
+
+    # ---- what the report and the notes say -----------------------------------------------------------------------
+    def report_rows(self, candidate: Candidate) -> list[list[str]]:
+        k = self.knobs(candidate)
+        ref = ("none" if k.beta == 0.0 else "adapters disabled" if candidate.use_lora else "separate copy")
+        return [*super().report_rows(candidate),
+                ["completions", f"{k.num_generations} per prompt x {k.max_completion_length} tokens; generation "
+                                f"batch {k.generation_batch(candidate)} per GPU"],
+                ["reference", f"{ref} (beta {k.beta:g})"]]
+
+    def notes(self, candidate: Candidate) -> list[str]:
+        k = self.knobs(candidate)
+        out = [f"{self.name}: {self.trainer_name}'s step as generate / score / train; every completion at "
+               f"max_completion_length={k.max_completion_length} (the bound: real completions that stop earlier "
+               "need less)"]
+        if "reward_funcs" not in candidate.base.as_dict() and not candidate.base.get("reward_model_name_or_path"):
+            out.append(f"reward: no reward function or model given; the emitted file names TRL's "
+                       f"{DEFAULT_REWARD_FUNCS[0]} (a host function: no device memory); set reward_funcs (or "
+                       "--reward-model) to yours")
+        if k.old_policy_forward(candidate):
+            out.append("the old policy's log-probs: an extra no-grad forward on the completions each generation")
+        if k.colocated and k.vllm_enable_sleep_mode:
+            out.append("vllm_enable_sleep_mode: PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF are written with "
+                       "expandable_segments:False (vLLM's CuMemAllocator refuses expandable segments)")
+        return out
+
+
+def allocator_env(candidate: Candidate, knobs: Any) -> dict[str, str]:
+    """Both allocator variables, explicitly: PyTorch 2.10+ reads PYTORCH_ALLOC_CONF, vLLM's CuMemAllocator (sleep
+    mode) only PYTORCH_CUDA_ALLOC_CONF, and refuses expandable_segments:True there."""
+    from .._emit import ALLOC_ENV
+
+    del knobs  # under sleep mode the rule (problems) asks for expandable_segments off; written as the knob says
+    on = bool(candidate.expandable_segments)
+    return {name: f"expandable_segments:{on}" for name in ALLOC_ENV}
