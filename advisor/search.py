@@ -302,9 +302,10 @@ def suggest(
     answer's `accelerate_yaml()` / `launch_command()` launch it.
     `workload_names` (model, gpu, dataset, tokenizer, sample: the names a Workload
     passed as `model` was built from) are stored in the study so that `advisor worker` can rebuild the
-    workload and join it. `trainer`: the TRL trainer (a registered name, advisor.trainers.choices(); default: the Workload's, else
-    "sft"); the dataset is read as that trainer reads it, and the suggestion builds that trainer's config.
-    `reward_model` (trainer 'grpo' / 'rloo'): a reward model's hub id or directory, resident beside the policy.
+    workload and join it. `trainer`: the TRL trainer (a registered name, advisor.trainers.choices(); default:
+    the Workload's, else "sft"); the dataset is read as that trainer reads it, and the suggestion builds that
+    trainer's config.
+    `reward_model` (online RL: GRPO, RLOO): a reward model's hub id or directory, resident beside the policy.
     """
     _check_parameters(model=model, gpu=gpu, dataset=dataset, backend=backend, trials=trials,
                       time_budget_s=time_budget_s, fix=fix, storage=storage, jobs=jobs, num_gpus=num_gpus,
