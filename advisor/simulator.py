@@ -40,7 +40,10 @@ if TYPE_CHECKING:
 # the simulator's parts, re-exported from advisor._sim on first use (PEP 562: importing this module loads none)
 _PARTS = ("simulate_depth", "DepthRun", "plan_depths", "with_depth", "worst_rows", "worst_batch", "runnable",
           "LayerStream", "NotSeparable", "synthesize", "synthesize_checked", "fake_flash_attention",
-          "flash_attention_names", "attention_flops", "batch_facts", "materialise", "TimingHook", "BatchLayout")
+          "flash_attention_names", "attention_flops", "batch_facts", "materialise", "TimingHook", "BatchLayout",
+          # online RL (issue 23): TRL's GRPOTrainer/RLOOTrainer.train() on fake tensors
+          "make_online_trainer_class", "online_construction", "run_online_fake", "OnlineRunResult",
+          "GenerateExtrapolation", "NotAffine")
 
 __all__ = ["simulate", "simulate_per_rank", "shard_fsdp2", *_PARTS]
 
