@@ -91,14 +91,15 @@ def simulate(
     spec.check_dataset(workload)
     from .trainers.phases import ClosedForm
 
-    if spec.closed_form is ClosedForm.ONLINE_RL:  # the step's kind it declares: generation inside the step
-        raise ConfigError([f"trainer={spec.name!r}: the simulate backend's run of {spec.trainer_name}.train() "
-                           "(advisor/_sim/online_rl.py) is not wired into simulate() yet; use --backend estimate, "
-                           "or --backend cpu (a real probe)"], context="simulate")
     max_steps = candidate.base.get("max_steps")
     if isinstance(max_steps, int) and 0 < max_steps < steps:
         steps = max_steps
     check_simulable(candidate, workload.model)
+    if spec.closed_form is ClosedForm.ONLINE_RL:  # the step's kind it declares: generation inside the step
+        from ._sim import simulate_online
+
+        m = simulate_online(workload, candidate, target, spec, steps=steps)
+        return dataclasses.replace(m, wall_time_s=time.perf_counter() - started)
     run_cand, notes = runnable(candidate, target)
     depth = workload.model.num_layers
     depths, layer_note = plan_depths(workload.model, layers, run_cand)
