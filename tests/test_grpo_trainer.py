@@ -375,14 +375,6 @@ def test_lengths_reports_the_prompts(tiny_config, capsys):
     assert report["prompt_completion"]["max"] == report["prompt"]["max"] + 512
 
 
-def test_simulate_refuses_online_rl_until_its_run_is_wired(tmp_path, tiny_config, capsys):
-    path = tmp_path / "run.yaml"
-    path.write_text(get_trainer("grpo").to_yaml(Candidate(), model_name_or_path="m"))
-    rc = main(["simulate", "--trainer", "grpo", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--config",
-               str(path)])
-    assert rc == 2 and "not wired into simulate() yet; use --backend estimate" in capsys.readouterr().err
-
-
 def test_the_search_admits_each_micro_batch_with_its_accumulation():
     """TRL's rule on the generation batch depends on the accumulation the search derives for a micro-batch: a
     micro-batch of 1 completion is admitted with its 8 accumulation steps (generation batch 8, one group of 8)."""
