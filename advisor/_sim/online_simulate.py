@@ -45,6 +45,7 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
     fake `train()`. `candidate` is the user's (already `for_model`); `decode_lengths`: run_online_fake's short
     decode lengths (None: its default)."""
     from .._physics import (
+        RESERVED_FACTOR,
         architecture,
         context_bytes,
         cublas_workspace_bytes,
@@ -113,15 +114,20 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
     peak = dp.allocator_peak_bytes
     breakdown = {c.value if isinstance(c, Category) else str(c): int(v) for c, v in result.breakdown.items()}
     if cuda:
-        # no event stream from the online fake run: the caching allocator's rules are not replayed here
+        # no allocation stream from the online fake run to replay: the caching allocator's reserved over allocated
+        # in closed form (the estimate's factor), per phase, before what vLLM holds outside the allocator
+        factor = RESERVED_FACTOR[bool(candidate.expandable_segments)]
+        per_phase = {p: int(dp.allocator[p] * factor) + dp.outside_allocator[p] for p in dp.allocator}
+        at = max(per_phase, key=lambda p: per_phase[p])
+        outside = dp.outside_allocator[at]
         peak_bytes = peak + ws
-        reserved_bytes = peak_bytes
-        device_bytes = dp.peak_bytes + ws + ctx
+        reserved_bytes = int(peak * factor) + ws
+        device_bytes = per_phase[at] + ws + ctx
         breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
-        notes.append("device_bytes = the peak phase's allocator bytes + what vLLM holds outside the allocator then + "
-                     "CUDA context + cuBLAS workspace (profiles/measurements/cuda_constants.json); the caching "
-                     "allocator's block rounding and fragmentation are not replayed (the online fake run records "
-                     "no allocation stream): reserved is taken as allocated, a lower bound")
+        notes.append(f"device_bytes = the peak phase's allocator bytes x {factor} (the caching allocator's reserved "
+                     "over allocated, advisor/_physics/cuda_rules.py RESERVED_FACTOR: the online fake run records no "
+                     "allocation stream to replay) + what vLLM holds outside the allocator then + CUDA context + "
+                     "cuBLAS workspace (profiles/measurements/cuda_constants.json)")
     else:
         peak_bytes = reserved_bytes = peak
         device_bytes = dp.peak_bytes
