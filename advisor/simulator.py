@@ -221,6 +221,15 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     notes: list[str] = []
     if num_gpus == 1:
         return simulate(workload, candidate, target, layers=layers, steps=steps)
+    from .trainers import get_trainer
+    from .trainers.phases import ClosedForm
+
+    kind = get_trainer(getattr(workload, "trainer", "sft"))
+    if kind.closed_form is ClosedForm.ONLINE_RL:  # the step's kind it declares: generation inside the step
+        raise ConfigError([f"num_gpus={num_gpus}: the simulate backend runs {kind.trainer_name}.train() on one GPU "
+                           "only (its generation batch and vLLM's weight sync across ranks are not simulated yet); "
+                           "use --backend estimate for several GPUs, or simulate with --num-gpus 1"],
+                          context="simulate")
     if parallelism.strategy is Strategy.FSDP2:
         # at full depth: FSDP2's prefetch pairs each layer's gathered parameters with the next layer's work, which
         # the layer-by-layer extrapolation (advisor/_sim/layers.py) does not split (NotSeparable)

@@ -155,3 +155,11 @@ def test_cli_simulate_and_suggest(tmp_path, tiny_config, capsys):
                "--trials", "2", "--fix", f"max_completion_length={C}", "--format", "yaml", "-o", str(out)])
     assert rc == 0, capsys.readouterr().err
     assert yaml.safe_load(out.read_text())["max_completion_length"] == C
+
+
+def test_several_gpus_are_refused_by_name(tiny_model, h100_target):
+    from advisor.errors import ConfigError
+    from advisor.simulator import simulate_per_rank
+
+    with pytest.raises(ConfigError, match="num_gpus=2: the simulate backend runs GRPOTrainer.train"):
+        simulate_per_rank(_workload(tiny_model, h100_target), _candidate(), num_gpus=2)

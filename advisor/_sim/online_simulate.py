@@ -141,13 +141,14 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
             notes.append("vLLM server mode: its weights and KV pool live on GPUs of its own; none on this one")
         else:
             notes.append(
-                f"vLLM colocated (modelled, advisor/_physics/vllm.py after vllm/v1/worker/gpu_worker.py "
-                f"Worker.init_device and determine_available_memory): its pool {vllm.split.pool_bytes:,} B = "
+                f"vLLM colocated (modelled in closed form, advisor/_physics/vllm.py: vllm/v1/worker/gpu_worker.py "
+                "Worker.init_device, utilization x total; its weights, profile run and non-torch memory inside the "
+                f"pool, profiles/measurements/online_rl_constants.json): its pool {vllm.split.pool_bytes:,} B = "
                 f"vllm_gpu_memory_utilization {step.vllm_gpu_memory_utilization:g} x the card, outside PyTorch's "
                 "allocator, "
                 + ("held in every phase (no sleep mode)" if not k.vllm_enable_sleep_mode else
                    f"held while generating, {vllm.held_bytes('train'):,} B kept asleep otherwise (sleep level "
-                   f"{step.sleep.value}: vllm.py asleep, after vLLM's CuMemAllocator.sleep)")
+                   f"{step.sleep.value}: vllm.py asleep, vLLM's CuMemAllocator.sleep unmaps its weights and KV cache)")
                 + f"; its KV cache takes the generation batch in {vllm.waves} round(s)")
     # step time: the training passes costed from the fake run's own ops, online RL's terms from the physics
     tc = time_constants(target)
