@@ -31,6 +31,9 @@ def _workload(model, gpu, trainer="grpo"):
 
 
 def _candidate(**knobs):
+    from advisor.trainers import get_trainer
+
+    get_trainer("grpo")  # the online knobs are declared by the trainer modules
     base = Candidate(per_device_train_batch_size=4, expandable_segments=False, activation_checkpointing=False,
                      precision=Precision.FP32, optim=Optimizer.ADAMW_TORCH)
     return with_knobs(base, num_generations=2, max_completion_length=C, **knobs)
@@ -163,3 +166,23 @@ def test_several_gpus_are_refused_by_name(tiny_model, h100_target):
 
     with pytest.raises(ConfigError, match="num_gpus=2: the simulate backend runs GRPOTrainer.train"):
         simulate_per_rank(_workload(tiny_model, h100_target), _candidate(), num_gpus=2)
+
+
+def test_a_reward_model_given_as_a_model_is_resident(tiny_model, cpu_target):
+    import dataclasses
+
+    from advisor.simulator import simulate
+    from advisor.trainers.prompts import synthetic_prompts
+    from advisor.workload import Goals, Workload
+
+    cand = _candidate()
+    plain = simulate(_workload(tiny_model, cpu_target), cand)
+    wl = Workload(model=tiny_model, gpu=cpu_target, dataset=synthetic_prompts(1024, rows=16, median=32, max_len=64),
+                  goals=Goals(), trainer="grpo", reward_model=dataclasses.replace(tiny_model, name="org/rm"))
+    scored = simulate(wl, cand)
+    params = Category.PARAMETERS.value
+    # the tied-embedding policy's weights again, plus the one-label score head (hidden x 1, float32)
+    assert scored.breakdown[params] - plain.breakdown[params] == plain.breakdown[params] + 64 * 4
+    assert scored.peak_bytes > plain.peak_bytes
+    assert any("1 reward model(s) resident" in n for n in scored.notes)
+    assert not any(n.startswith("reward: no reward function or model given") for n in scored.notes)

@@ -70,7 +70,9 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
                            decode_lengths=decode_lengths)
     result = built.result
     notes.extend(result.notes)
-    notes.extend(kind.notes(candidate))
+    rm = getattr(workload, "reward_model", None)  # --reward-model: the trainer's notes read it as trl grpo's key
+    notes.extend(kind.notes(candidate if rm is None else candidate.replace(
+        base={**candidate.base.as_dict(), "reward_model_name_or_path": rm.name})))
 
     cuda = target.is_cuda
     ctx = context_bytes(target.compute_capability) if cuda else 0
