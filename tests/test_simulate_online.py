@@ -186,3 +186,23 @@ def test_a_reward_model_given_as_a_model_is_resident(tiny_model, cpu_target):
     assert scored.peak_bytes > plain.peak_bytes
     assert any("1 reward model(s) resident" in n for n in scored.notes)
     assert not any(n.startswith("reward: no reward function or model given") for n in scored.notes)
+
+
+def test_what_fake_tensors_cannot_run_is_modelled_in_every_phase(tiny_model, h100_target):
+    """QLoRA's 4-bit weights (run as 16-bit on fake tensors) and an 8-bit optimizer's state: the closed forms simulate()
+    applies to SFT (advisor/_sim/modelled.py), held in every phase of the online step."""
+    from advisor.simulator import simulate
+    from advisor.space import Quantization
+
+    wl = _workload(tiny_model, h100_target)
+    lora = simulate(wl, _candidate().replace(use_lora=True, precision=Precision.BF16))
+    qlora = simulate(wl, _candidate().replace(use_lora=True, precision=Precision.BF16,
+                                              quantization=Quantization.NF4))
+    assert qlora.status is Status.OK and lora.status is Status.OK
+    assert qlora.breakdown[Category.PARAMETERS.value] < lora.breakdown[Category.PARAMETERS.value]
+    assert any(n.startswith("bitsandbytes 4bit kernels cannot run on fake tensors") for n in qlora.notes)
+    adam = simulate(wl, _candidate())
+    eight = simulate(wl, _candidate().replace(optim=Optimizer.ADAMW_8BIT))
+    state = adam.breakdown[Category.OPTIMIZER.value]
+    assert eight.breakdown[Category.OPTIMIZER.value] == state - state * 3 // 4  # two uint8 moments for two fp32
+    assert eight.device_bytes < adam.device_bytes

@@ -84,9 +84,12 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
     from .._physics import DTYPE_BYTES
     from ..space import Precision
 
+    phase_peaks, adjust = _modelled(candidate, workload, result, b, prompt + completion, cuda, notes)
     step = online_build_step(
-        arch, workload.model.config, weights_bytes=built.policy_bytes, gradient_bytes=built.trainable_bytes,
-        optimizer_bytes=int(result.breakdown.get(Category.OPTIMIZER, 0)), trainable=built.trainable,
+        arch, workload.model.config, weights_bytes=built.policy_bytes + adjust.get(Category.PARAMETERS.value, 0),
+        gradient_bytes=built.trainable_bytes,
+        optimizer_bytes=int(result.breakdown.get(Category.OPTIMIZER, 0)) + adjust.get(Category.OPTIMIZER.value, 0),
+        trainable=built.trainable,
         weight_element_bytes=DTYPE_BYTES[candidate.weights_dtype], mixed=candidate.precision is not Precision.FP32,
         prompt_length=prompt, max_completion_length=completion, per_device_train_batch_size=b,
         gradient_accumulation_steps=ga, steps_per_generation=k.steps_per_generation,
@@ -110,11 +113,13 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
             notes=(*notes, f"colocated vLLM refused: {vllm.cause.value} ({vllm.refused.source}); the training side "
                            f"ran on fake tensors (allocator peak {result.peak_bytes:,d} B)"),
             wall_time_s=time.perf_counter() - started)
-    dp = online_device_peak(result.phase_peaks, vllm)
+    dp = online_device_peak(phase_peaks, vllm)
     at = dp.peak_phase
     outside = dp.outside_at_peak
     peak = dp.allocator_peak_bytes
     breakdown = {c.value if isinstance(c, Category) else str(c): int(v) for c, v in result.breakdown.items()}
+    for cat, delta in adjust.items():
+        breakdown[cat] = breakdown.get(cat, 0) + delta
     if cuda:
         # no allocation stream from the online fake run to replay: the caching allocator's reserved over allocated
         # in closed form (the estimate's factor), per phase, before what vLLM holds outside the allocator
@@ -182,6 +187,34 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes), wall_time_s=time.perf_counter() - started, outside_allocator_bytes=int(outside),
     )
+
+
+_RESIDENT = (Category.PARAMETERS.value, Category.OPTIMIZER.value, Category.TEMPORARIES.value)
+
+
+def _modelled(candidate: Candidate, workload: Workload, result: Any, rows: int, seq: int, cuda: bool,
+              notes: list[str]) -> tuple[dict, dict[str, int]]:
+    """The closed forms for what fake tensors cannot run (advisor/_sim/modelled.py `modelled_adjustments`, as
+    simulate() applies them to SFT), per phase: bitsandbytes' stored weights and one dequantized weight, and an 8-bit
+    optimizer's state, are held in every phase; what a knob frees of the saved activations (use_kernels,
+    checkpoint_offload) only in the training phase. Returns the phases' allocator peaks and the breakdown's delta
+    (at the allocator's peak phase)."""
+    from ..trainers.phases import PhaseKind
+    from .modelled import modelled_adjustments
+
+    cats = {c.value if isinstance(c, Category) else str(c): int(v) for c, v in result.breakdown.items()}
+    adj = modelled_adjustments(candidate, workload.model, cats, 0.0, batch_shape=(rows, seq), cuda=cuda)
+    notes.extend(adj.notes)
+    if candidate.activation_offloading:
+        notes.append("activation offloading is not modelled for online RL: the training passes simulated with "
+                     "every saved activation on the device (an upper bound)")
+    resident = sum(adj.breakdown_delta.get(c, 0) for c in _RESIDENT)
+    train_only = adj.bytes_delta - resident
+    peaks = {p: int(v) + resident + (train_only if p is PhaseKind.TRAIN else 0)
+             for p, v in result.phase_peaks.items()}
+    top = max(result.phase_peaks, key=lambda p: result.phase_peaks[p])
+    delta = {c: v for c, v in adj.breakdown_delta.items() if c in _RESIDENT or top is PhaseKind.TRAIN}
+    return peaks, delta
 
 
 class _Built:
