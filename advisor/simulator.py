@@ -6,6 +6,10 @@ it runs two shallow depths and builds the full depth's allocation stream from th
 tests/test_simulate_depth.py). For a CUDA target it follows the CUDA path and replays the caching allocator's
 rules; what fake tensors cannot run is modelled and noted.
 
+Online RL (GRPO, RLOO: a trainer declaring `ClosedForm.ONLINE_RL`) runs TRL's own `train()` at full depth instead,
+generation, scoring and training (advisor/_sim/online_simulate.py over advisor/_sim/online_rl.py), with colocated
+vLLM's share of the card modelled by the physics (advisor/_physics/online_rl.py).
+
 `simulate_per_rank()` is one rank of N GPUs: FSDP2 on the fake process group, DDP and ZeRO as the single-GPU
 run with their model states in closed form, the collectives' time over the interconnect.
 
@@ -59,8 +63,9 @@ def simulate(
 ) -> Measurement:
     """Peak bytes of `steps` real optimizer steps of `candidate` on the target, predicted on fake tensors.
 
-    `trainer`: the TRL trainer that runs ("sft", "dpo", "reward"; advisor.trainers.get_trainer); default: the
-    workload's (`Workload.trainer`).
+    `trainer`: the TRL trainer that runs ("sft", "dpo", "reward", "grpo", "rloo"; advisor.trainers.get_trainer);
+    default: the workload's (`Workload.trainer`). A trainer whose step generates (its `closed_form` is
+    `ClosedForm.ONLINE_RL`) is simulated by advisor/_sim/online_simulate.py (`layers` unused: the full depth runs).
 
     The candidate's base (the user's other keys) is part of the run; `max_steps` below `steps` is simulated as
     written. More steps than 2 change nothing: every simulated step gets the same worst batch, the first step

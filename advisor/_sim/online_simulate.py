@@ -17,6 +17,24 @@ from the policy's name on `meta`; vLLM not started).
 
 The full depth runs (the decode loop is extrapolated inside `run_online_fake`), so depth.py's layer-by-layer
 extrapolation is not used here.
+
+Memory: each phase's allocator peak from the fake run (GENERATE, SCORE, TRAIN), plus the closed forms simulate()
+applies to SFT for what fake tensors cannot run (bitsandbytes' weights, 8-bit optimizer state), combined by
+`online_device_peak` with what vLLM holds outside the allocator in that phase (colocated: its pool, utilization x the
+card, in every phase without sleep mode, only while generating with it; server mode: nothing on this GPU). vLLM's
+refusal to start (its pool over the free memory at start-up, or no room for one full-length sequence) is an OOM
+Measurement with vLLM's rule and the fix. On a CUDA target: the estimate's reserved-over-allocated factor (no
+allocation stream to replay), the CUDA context and cuBLAS workspace.
+
+Time: the training passes from the fake run's own ops (advisor/_sim/timing_hook.py over the TRAIN-phase ops of the
+last optimizer step's micro-steps: generation and scoring run inside `training_step` and are filtered out by phase),
+costed by the step-time model (advisor/_physics/timing/); generation, the weight sync (with sleep, the wake-up) and
+the scoring forwards from advisor/_physics/online_rl.py `step_time`. The objective: trained completion tokens per
+second.
+
+Checked (tests/test_simulate_online.py): on the CPU the glue's peak equals a GRPOTrainer built by hand with TRL's
+own GRPOConfig and run by run_online_fake, to the byte (itself checked against real CPU train() peaks,
+tests/test_simulate_accuracy_grpo.py).
 """
 
 from __future__ import annotations
