@@ -88,6 +88,7 @@ def test_simulate_equals_the_fake_train_peak_on_the_cpu(tiny_model, cpu_target):
     assert m.tokens_per_second == pytest.approx(4 * C / m.step_time_s)
     assert any("every completion at max_completion_length" in n for n in m.notes)
     assert any("extrapolated affinely" in n for n in m.notes)
+    assert any(n.startswith("time: the training passes") and " ops in 1)" in n for n in m.notes)
 
 
 def test_rloo_keeps_its_reference_at_its_default_beta(tiny_model, cpu_target):

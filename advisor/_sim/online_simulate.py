@@ -187,7 +187,8 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
                              vllm_weights_bytes=step.vllm.weights_bytes if step.vllm is not None else None,
                              vllm_waves=getattr(vllm, "waves", 1))
     notes.append(f"time: the training passes ({built.train_s:.4g} s a step) from the fake run's ops of the last "
-                 "optimizer step's micro-steps, TRAIN phase only (advisor/_sim/timing_hook.py, the step-time model "
+                 f"optimizer step's micro-steps ({built.timed_ops:,d} ops in {built.timed_micro_steps}), TRAIN phase "
+                 "only (advisor/_sim/timing_hook.py, the step-time model "
                  "of advisor/_physics/timing/); generation, weight sync (and wake-up with sleep mode) and the scoring "
                  "forwards from advisor/_physics/online_rl.py step_time")
     notes.extend(timed.notes)
@@ -347,6 +348,11 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
         with _train_ops_timed(hook):
             result = run_online_fake(trainer, steps=steps, cuda=target.is_cuda, engine=engine,
                                      decode_lengths=SHORT_DECODES if decode_lengths is None else decode_lengths)
+        if not hook.micro_steps or not hook.ops:  # the tracker's ops never reached the hook: a defect, not a time
+            from ..errors import AdvisorError
+
+            raise AdvisorError("simulate: no op of the training passes reached the timing hook (advisor/_sim/"
+                               "online_simulate.py _train_ops_timed no longer matches online_rl.py's tracker)")
         cost = _step_cost(trainer, hook, original, target)
         train_s = _worst_step_s(cost)
     return _Built(
@@ -354,5 +360,5 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
         trainable=sum(p.numel() for p in trainable_params),
         trainable_bytes=sum(p.numel() * p.element_size() for p in trainable_params),
         reference_bytes=_model_bytes(getattr(trainer, "ref_model", None)), reward_model_bytes=_model_bytes(rm),
-        train_s=train_s,
+        train_s=train_s, timed_ops=hook.ops, timed_micro_steps=hook.micro_steps,
     )
