@@ -228,7 +228,7 @@ def _prompts(n: int, length: int):
 def _workload(model, gpu, prompts):
     from advisor.workload import Goals, Workload
 
-    return Workload(model=model, gpu=gpu, dataset=prompts, goals=Goals())
+    return Workload(model=model, gpu=gpu, dataset=prompts, goals=Goals(), trainer="grpo")
 
 
 def test_online_rl_is_mapped_to_its_closed_form():

@@ -42,14 +42,6 @@ if TYPE_CHECKING:
     from ..space import Candidate
     from ..workload import Workload
 
-# TRL 1.16's defaults (trl/trainer/grpo_config.py GRPOConfig), used where the candidate carries no value
-TRL_DEFAULTS: dict[str, Any] = {
-    "num_generations": 8, "max_completion_length": 512, "steps_per_generation": None, "generation_batch_size": None,
-    "num_iterations": 1, "beta": 0.0, "use_vllm": False, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
-    "vllm_enable_sleep_mode": False, "ds3_gather_for_generation": True, "cast_lm_head_to_fp32": False,
-    "vllm_importance_sampling_correction": True, "vllm_max_model_length": None,
-}
-
 # where each part of a phase goes in a Measurement's breakdown
 _CATEGORY = {
     "parameters": Category.PARAMETERS, "reference": Category.PARAMETERS, "reward_model": Category.PARAMETERS,
@@ -61,11 +53,17 @@ _CATEGORY = {
 
 
 def _knob(c: Candidate, name: str) -> Any:
-    """An online-RL knob by TRL's name: the Candidate's field (when wt-rl's declarations make it one), else the
-    candidate's base (a trainer's carried knob), else TRL 1.16's default."""
+    """An online-RL knob by TRL's name: the Candidate's field, else the candidate's base (a trainer's carried knob),
+    else its declared default (advisor/trainers/online_rl.py KNOBS, read back from the installed GRPOConfig /
+    RLOOConfig by tests/test_grpo_trainer.py; a trainer's own defaults are put in the base first,
+    `_with_trainer_defaults`); a key no knob declares (vllm_max_model_length) is None unless the base sets it."""
+    from ..space import carried_knobs
+
     if name in getattr(type(c), "__dataclass_fields__", {}):
-        return getattr(c, name)
-    return c.base.get(name, TRL_DEFAULTS[name])
+        value = getattr(c, name)
+    else:
+        value = c.base.get(name, carried_knobs().get(name))
+    return getattr(value, "value", value)  # a str-Enum knob (vllm_mode) as TRL's string
 
 
 def _proxy(workload: Workload, rows: int, prompt: int, completion: int) -> Any:
