@@ -48,6 +48,7 @@ class StudySpace:
         self.params.update({name: tuple(opts) for name, opts in sorted(self.joint.items()) if len(opts) > 1})
         self.base = with_knobs(Candidate(), **self.fixed) if self.fixed else Candidate()
         self._derive = getattr(self.trainer, "derive", None)
+        self._canonical = getattr(self.trainer, "canonical", None)  # a trainer's own knobs that have no effect
         self._candidates: tuple[Candidate, ...] | None = None
         self._neighbours: dict[Candidate, tuple[Candidate, ...]] = {}
 
@@ -71,6 +72,8 @@ class StudySpace:
 
     def admit(self, cand: Candidate) -> Candidate | str:
         wl = self.workload
+        if self._canonical is not None:
+            cand = self._canonical(cand)
         problems = self.trainer.problems(cand, wl.gpu, wl.model)  # SFT's: Candidate.problems
         if problems:
             # a rule on the accumulation this micro-batch is given below (online RL's generation batch holds whole
@@ -98,6 +101,10 @@ class StudySpace:
         if out is None:
             return (NO_ACCUMULATION + " keeps this micro-batch within "
                     f"{BATCH_TOLERANCE:.0%} of {self.tokens_per_step} trained tokens per optimizer step")
+        if out != cand:  # the rules on the accumulation given (online RL's whole groups of num_generations)
+            problems = self.trainer.problems(out, wl.gpu, wl.model)
+            if problems:
+                return "; ".join(problems)
         if self._derive is not None:  # what the trainer derives from the rest (colocated vLLM's utilization)
             return self._derive(wl, out, self.space.values)
         return out

@@ -517,6 +517,18 @@ class OnlineRLTrainer(TrlTrainer):
                                                           "expandable_segments": es}))
         return {self.ENGINE: tuple(opts)} if opts else {}
 
+    def canonical(self, candidate: Candidate) -> Candidate:
+        """This trainer's own knobs that have no effect (their `active`: sleep mode and the utilization off colocated
+        vLLM, vllm_server_gpus off server mode, vllm_mode without vLLM, ds3_gather_for_generation off ZeRO-3) back to
+        their defaults, so equivalent candidates compare equal (Candidate.canonical does it for the shared knobs)."""
+        from ..space import with_knobs
+
+        reset = {k.name: k.default for k in KNOBS
+                 if not k.is_active(candidate) and candidate.base.get(k.name, k.default) != k.default}
+        if not reset:
+            return candidate
+        return with_knobs(candidate, **{n: v.value if isinstance(v, Enum) else v for n, v in reset.items()})
+
     def training_gpus(self, candidate: Candidate, num_gpus: int) -> int:
         """The ranks that train (accelerate's num_processes): --num-gpus less the server's GPUs in server mode."""
         k = self.knobs(candidate)
