@@ -10,8 +10,7 @@ import math
 
 import pytest
 
-from advisor._search.params import StudySpace
-from advisor._search.space import RowTokens, apply_pins, default_space, default_tokens_per_step, parse_fix
+from advisor._search import RowTokens, StudySpace, apply_pins, default_space, default_tokens_per_step, parse_fix
 from advisor.profiles import resolve_gpu, resolve_model
 from advisor.space import Candidate, knob_value
 from advisor.trainers import get_trainer
