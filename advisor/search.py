@@ -172,8 +172,9 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {  # suggest()'s parameter -> 
     "jobs": ((int,), "a whole number of parallel measurements, e.g. jobs=2"),
     "num_gpus": ((int,), "a whole number of GPUs, e.g. num_gpus=8"),
     "num_machines": ((int,), "a whole number of machines, e.g. num_machines=2"),
-    "trainer": ((str,), "a trainer name: 'sft', 'dpo', 'reward', 'grpo' or 'rloo'"),
-    "reward_model": (_PATHLIKE, "a reward model's hub id or local directory (str), for trainer='grpo' / 'rloo'"),
+    "trainer": ((str,), "a trainer name: {trainers}"),
+    "reward_model": (_PATHLIKE, "a reward model's hub id or local directory (str), for a trainer that scores "
+                                "completions with one (online RL)"),
 }
 
 
@@ -183,6 +184,10 @@ def _check_parameters(**given: Any) -> None:
     problems = []
     for name, value in given.items():
         kinds, what = _KINDS[name]
+        if "{trainers}" in what:  # the registry's names, not a list kept here
+            from .trainers import choices
+
+            what = what.format(trainers=", ".join(repr(n) for n in choices()))
         if value is None and name != "model":
             continue
         if isinstance(value, bool) or not isinstance(value, kinds):
@@ -297,9 +302,10 @@ def suggest(
     answer's `accelerate_yaml()` / `launch_command()` launch it.
     `workload_names` (model, gpu, dataset, tokenizer, sample: the names a Workload
     passed as `model` was built from) are stored in the study so that `advisor worker` can rebuild the
-    workload and join it. `trainer`: the TRL trainer ("sft", "dpo", "reward"; default: the Workload's, else
-    "sft"); the dataset is read as that trainer reads it, and the suggestion builds that trainer's config.
-    `reward_model` (trainer 'grpo' / 'rloo'): a reward model's hub id or directory, resident beside the policy.
+    workload and join it. `trainer`: the TRL trainer (a registered name, advisor.trainers.choices(); default:
+    the Workload's, else "sft"); the dataset is read as that trainer reads it, and the suggestion builds that
+    trainer's config.
+    `reward_model` (online RL: GRPO, RLOO): a reward model's hub id or directory, resident beside the policy.
     """
     _check_parameters(model=model, gpu=gpu, dataset=dataset, backend=backend, trials=trials,
                       time_budget_s=time_budget_s, fix=fix, storage=storage, jobs=jobs, num_gpus=num_gpus,

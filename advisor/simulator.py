@@ -6,6 +6,10 @@ it runs two shallow depths and builds the full depth's allocation stream from th
 tests/test_simulate_depth.py). For a CUDA target it follows the CUDA path and replays the caching allocator's
 rules; what fake tensors cannot run is modelled and noted.
 
+Online RL (GRPO, RLOO: a trainer declaring `ClosedForm.ONLINE_RL`) runs TRL's own `train()` at full depth instead,
+generation, scoring and training (advisor/_sim/online_simulate.py over advisor/_sim/online_rl.py), with colocated
+vLLM's share of the card modelled by the physics (advisor/_physics/online_rl.py).
+
 `simulate_per_rank()` is one rank of N GPUs: FSDP2 on the fake process group, DDP and ZeRO as the single-GPU
 run with their model states in closed form, the collectives' time over the interconnect.
 
@@ -59,8 +63,9 @@ def simulate(
 ) -> Measurement:
     """Peak bytes of `steps` real optimizer steps of `candidate` on the target, predicted on fake tensors.
 
-    `trainer`: the TRL trainer that runs ("sft", "dpo", "reward"; advisor.trainers.get_trainer); default: the
-    workload's (`Workload.trainer`).
+    `trainer`: the TRL trainer that runs ("sft", "dpo", "reward", "grpo", "rloo"; advisor.trainers.get_trainer);
+    default: the workload's (`Workload.trainer`). A trainer whose step generates (its `closed_form` is
+    `ClosedForm.ONLINE_RL`) is simulated by advisor/_sim/online_simulate.py (`layers` unused: the full depth runs).
 
     The candidate's base (the user's other keys) is part of the run; `max_steps` below `steps` is simulated as
     written. More steps than 2 change nothing: every simulated step gets the same worst batch, the first step
@@ -91,14 +96,15 @@ def simulate(
     spec.check_dataset(workload)
     from .trainers.phases import ClosedForm
 
-    if spec.closed_form is ClosedForm.ONLINE_RL:  # the step's kind it declares: generation inside the step
-        raise ConfigError([f"trainer={spec.name!r}: the simulate backend's run of {spec.trainer_name}.train() "
-                           "(advisor/_sim/online_rl.py) is not wired into simulate() yet; use --backend estimate, "
-                           "or --backend cpu (a real probe)"], context="simulate")
     max_steps = candidate.base.get("max_steps")
     if isinstance(max_steps, int) and 0 < max_steps < steps:
         steps = max_steps
     check_simulable(candidate, workload.model)
+    if spec.closed_form is ClosedForm.ONLINE_RL:  # the step's kind it declares: generation inside the step
+        from ._sim import simulate_online
+
+        m = simulate_online(workload, candidate, target, spec, steps=steps)
+        return dataclasses.replace(m, wall_time_s=time.perf_counter() - started)
     run_cand, notes = runnable(candidate, target)
     depth = workload.model.num_layers
     depths, layer_note = plan_depths(workload.model, layers, run_cand)
@@ -220,6 +226,15 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     notes: list[str] = []
     if num_gpus == 1:
         return simulate(workload, candidate, target, layers=layers, steps=steps)
+    from .trainers import get_trainer
+    from .trainers.phases import ClosedForm
+
+    kind = get_trainer(getattr(workload, "trainer", "sft"))
+    if kind.closed_form is ClosedForm.ONLINE_RL:  # the step's kind it declares: generation inside the step
+        raise ConfigError([f"num_gpus={num_gpus}: the simulate backend runs {kind.trainer_name}.train() on one GPU "
+                           "only (its generation batch and vLLM's weight sync across ranks are not simulated yet); "
+                           "use --backend estimate for several GPUs, or simulate with --num-gpus 1"],
+                          context="simulate")
     if parallelism.strategy is Strategy.FSDP2:
         # at full depth: FSDP2's prefetch pairs each layer's gathered parameters with the next layer's work, which
         # the layer-by-layer extrapolation (advisor/_sim/layers.py) does not split (NotSeparable)

@@ -56,6 +56,70 @@ MATRIX: dict[str, dict] = {
 }
 
 
+# online RL (issue 23): GRPO steps, generation inside the step; name -> online knobs (TRL's GRPOConfig names) on top of
+# ONLINE_BASE. The vLLM cases run only where `import vllm` works (advisor[vllm]); each is one probe + one simulation.
+ONLINE_BASE = {"num_generations": 4, "max_completion_length": 128}
+ONLINE_MATRIX: dict[str, dict] = {
+    "grpo-generate": {"use_vllm": False},
+    "grpo-vllm-colocate": {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3},
+    "grpo-vllm-colocate-sleep": {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+                                 "vllm_enable_sleep_mode": True},
+}
+
+
+def online_cases(only: tuple[str, ...] | None, *, vllm: bool) -> list[str]:
+    """The online RL cases to run: those named in `only` (all when None), the vLLM ones only when vLLM imports."""
+    names = [n for n in ONLINE_MATRIX if only is None or n in only]
+    return [n for n in names if vllm or not ONLINE_MATRIX[n].get("use_vllm")]
+
+
+def online_candidate(name: str, batch: int):
+    """A GRPO candidate of the online matrix: `batch` completions a micro-batch, accumulated until the generation batch
+    holds num_generations completions (TRL's rule: num_generations divides it), bf16, no checkpointing; sleep mode with
+    expandable_segments off (vLLM's allocator refuses them together)."""
+    from advisor.space import Candidate, with_knobs
+
+    knobs = {**ONLINE_BASE, **ONLINE_MATRIX[name]}
+    ga = max(1, -(-knobs["num_generations"] // batch))
+    base = Candidate(per_device_train_batch_size=batch, gradient_accumulation_steps=ga, precision="bf16",
+                     optim="adamw_torch", attn_implementation="sdpa", activation_checkpointing=False,
+                     expandable_segments=not knobs.get("vllm_enable_sleep_mode", False))
+    return with_knobs(base, **knobs)
+
+
+def online_rows(a: argparse.Namespace, spec, gpu) -> list[dict]:
+    """GRPO cases probed (the real GRPOTrainer.train(), every completion forced to max_completion_length) next to the
+    simulation (GRPOTrainer.train() on fake tensors; vLLM's side in closed form)."""
+    import importlib.util
+
+    from advisor.probing import probe
+    from advisor.simulator import simulate
+    from advisor.trainers.prompts import synthetic_prompts
+    from advisor.workload import Goals, Workload
+
+    names = online_cases(tuple(a.online) if a.online is not None else None,
+                         vllm=importlib.util.find_spec("vllm") is not None and a.backend == "cuda")
+    if not names:
+        return []
+    data = synthetic_prompts(spec.vocab_size, rows=max(16, a.batch[0] * 4), seed=0, median=64, max_len=128)
+    wl = Workload(model=spec, gpu=gpu, dataset=data, goals=Goals(), trainer="grpo")
+    rows = []
+    for name in names:
+        cand = online_candidate(name, a.batch[0])
+        sim = simulate(wl, cand, gpu)
+        real = probe(wl, cand, a.backend, steps=a.steps, warmup=a.warmup, timeout_s=a.timeout)
+        row = {"case": name, "trainer": "grpo", "batch_size": a.batch[0], "candidate": cand.to_dict(),
+               "probe": _fields(real), "simulate": _fields(sim),
+               "simulate_over_probe": {k: _ratio(getattr(sim, k), getattr(real, k))
+                                       for k in ("peak_bytes", "reserved_bytes", "device_bytes", "step_time_s")}}
+        rows.append(row)
+        r = row["simulate_over_probe"]
+        print(f"{name:<24} b{a.batch[0]}  probe {real.status.value:<7} peak {real.peak_bytes or 0:>14,} "
+              f"sim {sim.status.value:<7} {sim.peak_bytes or 0:>14,}  sim/probe peak {r['peak_bytes']} device "
+              f"{r['device_bytes']} step {r['step_time_s']}", flush=True)
+    return rows
+
+
 # the multi-GPU case: FSDP2 resharding after forward, checkpointed, at the first --batch size (short: it runs once per
 # world size inside the script's time budget)
 MULTI_CASE = {"activation_checkpointing": True, "parallelism": "fsdp2"}
@@ -265,10 +329,19 @@ def run(a: argparse.Namespace) -> int:
         print(f"  {c.name:<14} batch {c.batch}  {c.fields}")
     for n in a.multi_gpu:
         print(f"  fsdp2-{n}gpu     batch {a.batch[0]}  {MULTI_CASE} on {n} ranks")
+    for n in online_cases(tuple(a.online) if a.online is not None else None, vllm=True):
+        print(f"  {n:<24} batch {a.batch[0]}  {ONLINE_MATRIX[n]} (vLLM cases only where vllm imports)")
     print("versions:", json.dumps(versions()))
     if a.dry_run:
         for c in matrix:  # every candidate must be valid for TRL on this target before a GPU is spent on it
             c.candidate(max_length).check(gpu, spec)
+        from advisor.trainers import get_trainer
+
+        for n in online_cases(tuple(a.online) if a.online is not None else None, vllm=gpu.is_cuda):
+            problems = get_trainer("grpo").problems(online_candidate(n, a.batch[0]), gpu, spec)
+            if problems:
+                print(f"{n}: " + "; ".join(problems), file=sys.stderr)
+                return 2
         for n in a.multi_gpu:
             from advisor.parallelism import Layout, layout_problems
 
@@ -303,6 +376,7 @@ def run(a: argparse.Namespace) -> int:
               f"device {r['device_bytes']} step {r['step_time_s']} (measured {real.step_time_s} s, predicted "
               f"{row['predicted_probe_step_s']} s)", flush=True)
     multi = multi_gpu_rows(a, wl, max_length) if a.multi_gpu else []
+    online = online_rows(a, spec, gpu)
     out = {
         "schema_version": 1,
         "source": "scripts/gpu_validate.sh",
@@ -321,6 +395,7 @@ def run(a: argparse.Namespace) -> int:
         "dataset_rows": a.rows,
         "rows": rows,
         **({"multi_gpu_rows": multi} if multi else {}),
+        **({"online_rows": online} if online else {}),
     }
     if a.backend == "cuda":
         out["fitted_time_constants"] = {
@@ -355,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the matrix and check imports and candidates")
     p.add_argument("--multi-gpu", type=int, nargs="*", default=[], metavar="N",
                    help="also probe MULTI_CASE with FSDP2 on N ranks (each N > 1), per rank, next to the simulation")
+    p.add_argument("--online", nargs="*", choices=sorted(ONLINE_MATRIX), default=None, metavar="CASE",
+                   help="the online RL (GRPO) cases to run (default: all; the vLLM ones where vllm imports; "
+                        "--online with no name: none)")
     a = p.parse_args(argv)
     bad = [n for n in a.multi_gpu if n < 2]
     if bad:

@@ -3,6 +3,8 @@
 # matrix next to the simulator's prediction -> profiles/measurements/<gpu>.json, then the GPU tests. On a machine with
 # several GPUs (nvidia-smi -L) it also probes one small FSDP2 case on 2 GPUs and, with more than 2, on all of them,
 # per rank (accelerate launch --num_processes N), into the same JSON's "multi_gpu_rows" (one case each: ~1 minute).
+# Online RL (issue 23): one GRPO case with transformers' generate and, where `import vllm` works, one with colocated
+# vLLM without and one with sleep mode (the real GRPOTrainer.train() next to the simulation) into "online_rows".
 #
 #   scripts/gpu_validate.sh [WHEEL_DIR] [gpu_validate.py args...]     (or WHEELS=/path scripts/gpu_validate.sh)
 #

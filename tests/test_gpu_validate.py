@@ -42,6 +42,19 @@ def test_dry_run_checks_every_candidate(gv, capsys):
     assert "16 cases" in out and "Qwen/Qwen2.5-0.5B (24 layers)" in out and '"trl": "1.16' in out
 
 
+def test_online_cases_take_vllm_only_where_it_imports(gv):
+    assert gv.online_cases(None, vllm=False) == ["grpo-generate"]
+    assert gv.online_cases(None, vllm=True) == list(gv.ONLINE_MATRIX)
+    assert gv.online_cases((), vllm=True) == []  # --online with no name: none
+    from advisor.profiles import resolve_gpu, resolve_model
+    from advisor.trainers import get_trainer
+
+    h100, qwen = resolve_gpu("H100-80GB"), resolve_model("Qwen/Qwen2.5-0.5B")
+    for name in gv.ONLINE_MATRIX:  # every case is one TRL accepts (num_generations divides the generation batch)
+        for batch in (1, 2, 4):
+            assert get_trainer("grpo").problems(gv.online_candidate(name, batch), h100, qwen) == []
+
+
 def test_cuda_without_gpu_is_a_usage_error(gv, monkeypatch):
     import advisor.profiles
 
@@ -53,7 +66,7 @@ def test_cuda_without_gpu_is_a_usage_error(gv, monkeypatch):
 def test_tiny_cpu_run_writes_a_valid_measurement(gv, tmp_path):
     out = tmp_path / "cpu.json"
     rc = gv.main(["--backend", "cpu", "--tiny", "--batch", "2", "--only", "full-ckpt", "lora-ckpt", "--steps", "1",
-                  "--out", str(out)])
+                  "--online", "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["schema_version"] == 1 and data["source"] == "scripts/gpu_validate.sh"

@@ -21,6 +21,7 @@ from .._physics import (
     lora_parameters,
     quantized_linear_bytes,
 )
+from .._physics import RESERVED_FACTOR as _RESERVED_FACTOR
 from ..space import Attention, Candidate, Optimizer, Precision, Quantization, WeightsDtype
 from .micro_batches import BatchShape, batches
 
@@ -28,8 +29,8 @@ if TYPE_CHECKING:
     from ..workload import GPUSpec, Workload
 
 MiB = 2**20
-# Caching allocator: reserved over allocated at the peak (fragmentation), with and without expandable segments.
-RESERVED_FACTOR = {True: 1.02, False: 1.10}
+# Caching allocator: reserved over allocated at the peak (fragmentation): advisor/_physics/cuda_rules.py
+RESERVED_FACTOR = _RESERVED_FACTOR
 
 # trl/kernels/chunked_logprob.py and trl/trainer/utils.py (TRL 1.16)
 TOKEN_CHUNK = 4096

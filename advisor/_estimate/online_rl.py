@@ -19,11 +19,10 @@ from typing import TYPE_CHECKING, Any
 from .._physics import (
     DTYPE_BYTES,
     architecture,
-    online_OnlineStep,
+    online_build_step,
     online_phase_allocator_bytes,
     online_Reference,
     online_step_time,
-    online_vllm_side,
     online_vllm_terms,
     online_VllmRefusal,
     time_constants,
@@ -35,7 +34,7 @@ from .._physics import online_device_peak as device_peak
 from .._physics import peak_flops as _peak_flops
 from ..errors import ConfigError
 from ..measurement import Category, Measurement, Source, Status
-from ..space import Optimizer, Precision, WeightsDtype
+from ..space import Optimizer, Precision
 from .memory import RESERVED_FACTOR, memory_parts, outside_allocator_bytes
 from .step_time import expected_step_time
 
@@ -133,7 +132,6 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
     parts = memory_parts(proxy, sft_c)
     weight_bytes = DTYPE_BYTES[c.weights_dtype]
     mixed = c.precision is not Precision.FP32
-    compute = 2 if (mixed or c.weights_dtype is not WeightsDtype.FLOAT32) else 4
     params, grads, optim = parts.parameters, parts.gradients, parts.optimizer
     opt_temp = _optimizer_temporaries(arch, c, gpu.is_cuda, parts.optimizer_temporaries)
     beta = float(_knob(c, "beta"))
@@ -154,36 +152,25 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
         zero3 = strategy == "zero3"
         if zero3 or strategy == "fsdp2":  # the reference is prepared (sharded) like the policy
             ref_bytes = -(-ref_bytes // world)
-    use_vllm = bool(_knob(c, "use_vllm"))
-    mode = str(_knob(c, "vllm_mode"))
-    if use_vllm and mode not in (vllm_Mode.COLOCATE.value, vllm_Mode.SERVER.value):
-        raise ConfigError(f"vllm_mode={mode!r}: TRL takes 'colocate' or 'server'", context="vllm_mode")
-    engine = vllm_Mode(mode) if use_vllm else vllm_Mode.GENERATE
-    sleep = vllm_TRL_SLEEP_LEVEL if (use_vllm and _knob(c, "vllm_enable_sleep_mode")) else vllm_Sleep.OFF
-    step = online_OnlineStep(
-        parameters=arch.total, trainable=parts.trainable, layers=arch.layers, hidden=arch.hidden,
-        intermediate=arch.intermediate, kv_heads=max(1, arch.kv_dim // max(1, arch.head_dim)),
-        head_dim=arch.head_dim, vocab=arch.vocab, weights_bytes=params, gradient_bytes=grads, optimizer_bytes=optim,
-        kv_dtype_bytes=compute, key_dtype_bytes=4 if (mixed and c.weights_dtype is WeightsDtype.FLOAT32) else compute,
-        compute_bytes=compute, head_weight_bytes=weight_bytes, prompt_length=prompt,
-        max_completion_length=completion, per_device_train_batch_size=b, steps_per_generation=int(spg),
+    step = online_build_step(
+        arch, workload.model.config, weights_bytes=params, gradient_bytes=grads, optimizer_bytes=optim,
+        trainable=parts.trainable, weight_element_bytes=weight_bytes, mixed=mixed, prompt_length=prompt,
+        max_completion_length=completion, per_device_train_batch_size=b, gradient_accumulation_steps=ga,
+        steps_per_generation=int(spg), generation_batch_size=gbs,
         num_generations=int(_knob(c, "num_generations")), num_iterations=int(_knob(c, "num_iterations")),
-        gradient_accumulation_steps=ga, beta=beta, reference=reference, reference_bytes=ref_bytes,
-        reward_model_bytes=reward, vllm_gpu_memory_utilization=float(_knob(c, "vllm_gpu_memory_utilization")),
-        sleep=sleep, vllm_importance_sampling_correction=bool(_knob(c, "vllm_importance_sampling_correction")),
-        old_logps_always=_declares(workload, "old_logps_always"),
-        world_size=world, zero3=zero3, ds3_gather_for_generation=bool(_knob(c, "ds3_gather_for_generation")),
-        full_weights_bytes=arch.total * compute, cast_lm_head_to_fp32=bool(_knob(c, "cast_lm_head_to_fp32")),
-        lora=c.use_lora, gradient_checkpointing=c.activation_checkpointing,
-        optimizer_temporary_bytes=opt_temp, train_activation_bytes=parts.activations,
-        train_recompute_bytes=parts.recompute, card_bytes=gpu.memory_bytes, cuda=gpu.is_cuda,
+        beta=beta, lora=c.use_lora, use_vllm=bool(_knob(c, "use_vllm")), vllm_mode=str(_knob(c, "vllm_mode")),
+        vllm_enable_sleep_mode=bool(_knob(c, "vllm_enable_sleep_mode")),
+        vllm_gpu_memory_utilization=float(_knob(c, "vllm_gpu_memory_utilization")),
+        vllm_importance_sampling_correction=bool(_knob(c, "vllm_importance_sampling_correction")),
+        vllm_max_model_length=_knob(c, "vllm_max_model_length"),
+        ds3_gather_for_generation=bool(_knob(c, "ds3_gather_for_generation")),
+        cast_lm_head_to_fp32=bool(_knob(c, "cast_lm_head_to_fp32")),
+        gradient_checkpointing=c.activation_checkpointing, old_logps_always=_declares(workload, "old_logps_always"),
+        reference_bytes=ref_bytes, reward_model_bytes=reward, card_bytes=gpu.memory_bytes, cuda=gpu.is_cuda,
+        context_bytes=outside_allocator_bytes(gpu) if gpu.is_cuda else 0, supports_bf16=gpu.supports_bf16,
+        world_size=world, zero3=zero3, optimizer_temporary_bytes=opt_temp, train_activation_bytes=parts.activations,
+        train_recompute_bytes=parts.recompute,
     )
-    if engine is not vllm_Mode.GENERATE:
-        side = online_vllm_side(workload.model.config, parameters=arch.total, generation_batch=step.generation_batch,
-                                vllm_max_model_length=_knob(c, "vllm_max_model_length"),
-                                context_bytes=outside_allocator_bytes(gpu) if gpu.is_cuda else 0,
-                                supports_bf16=gpu.supports_bf16)
-        step = dataclasses.replace(step, engine=engine, vllm=side)
     return step, parts, proxy, sft_c
 
 

@@ -41,7 +41,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{name: ("modelled", name) for name in ("knob_memory_savings", "knob_time")},
     # ---- the CUDA caching allocator and the memory outside it (cuda_rules.py) -------------------------------------
     "cuda_constants": ("cuda_rules", "constants"),
-    **{name: ("cuda_rules", name) for name in ("context_bytes", "cublas_workspace_bytes", "replay", "round_size")},
+    **{name: ("cuda_rules", name) for name in ("context_bytes", "cublas_workspace_bytes", "replay", "round_size",
+                                                 "RESERVED_FACTOR")},
     # ---- the step-time model (timing/) ----------------------------------------------------------------------------
     **{name: ("timing", name) for name in (
         "AttentionKind", "Basis", "BatchDistribution", "BatchPoint", "OptimizerCost", "OptimizerImpl", "SamplerSpec",
@@ -77,7 +78,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "online_VllmTerms", "online_VllmRefusal", "online_OnlineDevicePeak", "online_OnlineTime",
         "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes", "online_vllm_terms",
         "online_vllm_profile_activation_bytes", "online_startup_bytes", "online_device_peak", "online_step_time",
-        "online_constants", "online_PHASES", "online_vllm_side", "online_colocated_vllm",
+        "online_constants", "online_PHASES", "online_vllm_side", "online_colocated_vllm", "online_build_step",
     )},
 }
 

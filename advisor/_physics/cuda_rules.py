@@ -161,6 +161,12 @@ def replay(events: list[tuple[int, int]], *, expandable_segments: bool, base_byt
     return AllocatorPeaks(allocated=peak_alloc + base_bytes, reserved=peak_reserved + base_bytes)
 
 
+# The caching allocator's reserved over allocated at the peak (fragmentation), with and without expandable segments:
+# the closed form where no allocation stream is replayed (the estimate; the simulator's online RL run, which records
+# none). Moved here from advisor/_estimate/memory.py, which re-exports it.
+RESERVED_FACTOR = {True: 1.02, False: 1.10}
+
+
 def context_bytes(compute_capability: str | None) -> int:
     """The CUDA context (outside PyTorch's allocator); a measured `sm<cc>` entry wins over the default."""
     ctx = constants()["cuda_context_bytes"]

@@ -49,7 +49,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import lru_cache
 from typing import Any
@@ -252,6 +252,63 @@ class OnlineStep:
     def resident_bytes(self) -> int:
         """Held in every phase: the policy, its optimizer state, a separate reference, reward models."""
         return self.weights_bytes + self.optimizer_bytes + self.reference_bytes + self.reward_model_bytes
+
+
+# ---- the step from the workload's shape and the backend's training-state bytes ----------------------------------
+def build_step(arch: Any, model_config: Mapping[str, Any], *, weights_bytes: int, gradient_bytes: int,
+               optimizer_bytes: int, trainable: int, weight_element_bytes: int, mixed: bool, prompt_length: int,
+               max_completion_length: int, per_device_train_batch_size: int, gradient_accumulation_steps: int,
+               steps_per_generation: int | None, generation_batch_size: int | None, num_generations: int,
+               num_iterations: int, beta: float, lora: bool, use_vllm: bool, vllm_mode: str,
+               vllm_enable_sleep_mode: bool, vllm_gpu_memory_utilization: float,
+               vllm_importance_sampling_correction: bool, vllm_max_model_length: int | None,
+               ds3_gather_for_generation: bool, cast_lm_head_to_fp32: bool, gradient_checkpointing: bool,
+               old_logps_always: bool, reference_bytes: int, reward_model_bytes: int, card_bytes: int, cuda: bool,
+               context_bytes: int = 0, supports_bf16: bool = True, world_size: int = 1, zero3: bool = False,
+               optimizer_temporary_bytes: int = 0, train_activation_bytes: int = 0,
+               train_recompute_bytes: int = 0) -> OnlineStep:
+    """The step's `OnlineStep` from the architecture (advisor/_physics/shapes.py `Architecture`), the knobs by TRL
+    1.16's names (each trainer's defaults already resolved by the caller) and the training state's bytes as the
+    backend counts them (the estimate: the SFT estimate's parts; the simulator: the fake run's models). With vLLM,
+    its side (`vllm_side`) from the model's config. The element sizes follow autocast: the compute dtype is 16-bit
+    under mixed precision or 16-bit weights, the DynamicCache's keys float32 under autocast over float32 weights."""
+    b, ga, world = per_device_train_batch_size, gradient_accumulation_steps, max(1, world_size)
+    spg = steps_per_generation
+    if spg is None:  # GRPOConfig.__post_init__: generation_batch_size // (B x processes), else GA
+        spg = generation_batch_size // (b * world) if generation_batch_size else ga
+    float32_weights = weight_element_bytes == 4
+    compute = 2 if (mixed or not float32_weights) else 4
+    if use_vllm and vllm_mode not in (Mode.COLOCATE.value, Mode.SERVER.value):
+        raise ConfigError(f"vllm_mode={vllm_mode!r}: TRL takes 'colocate' or 'server'", context="vllm_mode")
+    engine = Mode(vllm_mode) if use_vllm else Mode.GENERATE
+    from .vllm import TRL_SLEEP_LEVEL
+
+    sleep = TRL_SLEEP_LEVEL if (use_vllm and vllm_enable_sleep_mode) else Sleep.OFF
+    reference = Reference.NONE if beta == 0 else (Reference.ADAPTERS_DISABLED if lora else Reference.SEPARATE)
+    step = OnlineStep(
+        parameters=arch.total, trainable=trainable, layers=arch.layers, hidden=arch.hidden,
+        intermediate=arch.intermediate, kv_heads=max(1, arch.kv_dim // max(1, arch.head_dim)),
+        head_dim=arch.head_dim, vocab=arch.vocab, weights_bytes=weights_bytes, gradient_bytes=gradient_bytes,
+        optimizer_bytes=optimizer_bytes, kv_dtype_bytes=compute,
+        key_dtype_bytes=4 if (mixed and float32_weights) else compute, compute_bytes=compute,
+        head_weight_bytes=weight_element_bytes, prompt_length=prompt_length,
+        max_completion_length=max_completion_length, per_device_train_batch_size=b, steps_per_generation=int(spg),
+        num_generations=int(num_generations), num_iterations=int(num_iterations), gradient_accumulation_steps=ga,
+        beta=float(beta), reference=reference, reference_bytes=reference_bytes,
+        reward_model_bytes=reward_model_bytes, vllm_gpu_memory_utilization=float(vllm_gpu_memory_utilization),
+        sleep=sleep, vllm_importance_sampling_correction=bool(vllm_importance_sampling_correction),
+        old_logps_always=old_logps_always, world_size=world, zero3=zero3,
+        ds3_gather_for_generation=bool(ds3_gather_for_generation), full_weights_bytes=arch.total * compute,
+        cast_lm_head_to_fp32=bool(cast_lm_head_to_fp32), lora=lora, gradient_checkpointing=gradient_checkpointing,
+        optimizer_temporary_bytes=optimizer_temporary_bytes, train_activation_bytes=train_activation_bytes,
+        train_recompute_bytes=train_recompute_bytes, card_bytes=card_bytes, cuda=cuda,
+    )
+    if engine is not Mode.GENERATE:
+        side = vllm_side(model_config, parameters=arch.total, generation_batch=step.generation_batch,
+                         vllm_max_model_length=vllm_max_model_length, context_bytes=context_bytes,
+                         supports_bf16=supports_bf16)
+        step = replace(step, engine=engine, vllm=side)
+    return step
 
 
 # ---- transformers' generate: the KV cache ------------------------------------------------------------------------

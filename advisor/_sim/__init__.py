@@ -52,6 +52,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     # ---- GRPOTrainer/RLOOTrainer.train() on fake tensors (online_rl.py; online RL, issue 23) -------------------
     **{name: ("online_rl", name) for name in ("make_online_trainer_class", "online_construction", "run_online_fake",
                                                "OnlineRunResult", "GenerateExtrapolation", "NotAffine")},
+    # the simulate backend's online RL: the fake train() built through the trainer seam, vLLM's side, the step time
+    "simulate_online": ("online_simulate", "simulate_online"),
     # ---- the fake run's ops costed by the step-time model (timing_hook.py; the model itself: advisor._physics) -----
     **{name: ("timing_hook", name) for name in ("TimingHook", "BatchLayout")},
     # ---- one rank of N GPUs (distributed.py: advisor.simulator.simulate_per_rank, the real multi-process probe) ---

@@ -360,7 +360,7 @@ class OnlineRLTrainer(TrlTrainer):
         try:
             k = self.knobs(c)
         except ConfigError as exc:
-            return out + exc.problems
+            return [*out, *exc.problems]
         out.extend(self._rules(c, k, gpu))
         return out
 
