@@ -222,3 +222,26 @@ def test_lengths_max_length_is_refused_for_prompts(tiny_config, capsys):
     assert "prompt + 300 completion tokens" in capsys.readouterr().out
     assert main(["lengths", "--model", tiny_config, "--max-completion-length", "300"]) == 2
     assert "--max-completion-length 300" in capsys.readouterr().err
+
+
+def test_a_server_candidate_is_measured_on_the_ranks_that_train(model, tmp_path, monkeypatch):
+    """vLLM server on 3 of 4 GPUs: the backend measures the training side, one rank (its peak, no gradient
+    all-reduce, its trained tokens per second), not four training ranks."""
+    import dataclasses
+
+    from advisor import suggest
+    from advisor.estimator import estimate
+
+    monkeypatch.setenv("ADVISOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    s = suggest(MODEL, gpu="H100-80GB", num_gpus=4, trainer="grpo", backend="estimate", trials=4, cache=False,
+                fix={"use_vllm": True, "vllm_mode": "server", "vllm_server_gpus": 3})
+    pick, wl = s.candidate, s.workload
+    assert (knob_value(pick, "vllm_mode"), knob_value(pick, "vllm_server_gpus")) == ("server", 3)
+    assert wl.num_gpus == 4
+    one = estimate(dataclasses.replace(wl, num_gpus=1), pick)
+    four = estimate(wl, pick)
+    assert s.measurement.tokens_per_second == pytest.approx(one.tokens_per_second)
+    assert s.measurement.tokens_per_second != pytest.approx(four.tokens_per_second)
+    assert pick.per_device_train_batch_size * pick.gradient_accumulation_steps == 32  # 8 x 4 GPUs' completions
+    assert s.launch_command().startswith("CUDA_VISIBLE_DEVICES=0 ")

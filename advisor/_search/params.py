@@ -94,7 +94,7 @@ class StudySpace:
             return f"loses {lost:.2%} of trained tokens to truncation (--max-truncation {wl.goals.max_truncation:.2%})"
         from ..parallelism import layout_problems
 
-        world = layout_problems(cand.parallelism, wl.num_gpus)
+        world = layout_problems(cand.parallelism, self._world(cand))  # the layout of the ranks that train
         if world:
             return "; ".join(world)
         out = with_accumulation(cand, self.tokens_per_step, self.rows, self._world(cand))
