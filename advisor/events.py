@@ -20,6 +20,7 @@ class EventKind(str, Enum):
     TRIALS_IGNORED = "trials-ignored"  # --trials given with --exhaustive
     STORAGE = "storage"  # the cache or --storage could not be used as asked (its note, from the storage layer)
     EFFECTIVE_BATCH = "effective-batch"  # the default effective batch the search kept fixed
+    DERIVED = "derived"  # how the pick's derived knobs were derived (colocated vLLM's utilization)
     NO_ADMISSIBLE = "no-admissible"  # one method's space has no admissible candidate
     ERRORS_DISCARDED = "errors-discarded"  # a stored study holding only errors was measured again
     FIT_CHECK = "fit-check"  # nothing measured fitted: the estimate's few fitting candidates were measured
@@ -76,6 +77,11 @@ class StorageNote(Event, kind=EventKind.STORAGE):
 
 class EffectiveBatch(Event, kind=EventKind.EFFECTIVE_BATCH):
     tokens_per_step: int
+    unit: str = "rows"  # what per_device_train_batch_size counts: rows (SFT), pairs (DPO), completions (GRPO)
+
+
+class Derived(Event, kind=EventKind.DERIVED):
+    note: str
 
 
 class NoAdmissible(Event, kind=EventKind.NO_ADMISSIBLE):
@@ -232,8 +238,11 @@ def _library(e: LibraryMessages) -> str:
 _TEXT: dict[EventKind, str | Callable[[Any], str]] = {
     EventKind.TRIALS_IGNORED: "--trials {trials} is ignored with --exhaustive (every valid candidate is evaluated)",
     EventKind.STORAGE: "{note}",
-    EventKind.EFFECTIVE_BATCH: "effective batch: {tokens_per_step} trained tokens per optimizer step (TRL's default "
-                               "8 rows x mean trained tokens per row; set --tokens-per-step to change)",
+    EventKind.EFFECTIVE_BATCH: lambda e: f"effective batch: {e.tokens_per_step} trained tokens per optimizer step "
+                                         f"(TRL's default 8 {e.unit} x mean trained tokens per "
+                                         f"{e.unit[:-1] if e.unit.endswith('s') else e.unit}; set --tokens-per-step "
+                                         "to change)",
+    EventKind.DERIVED: "{note}",
     EventKind.NO_ADMISSIBLE: lambda e: f"{e.method}: no admissible candidate ({e.why})" + _escalated(e.escalated_to),
     EventKind.ERRORS_DISCARDED: "{method}: the stored study held only error outcomes of an earlier run (a "
                                 "BackendError): measured again",

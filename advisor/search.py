@@ -344,7 +344,11 @@ def suggest(
         if progress is not None:
             progress(Progress(0, 0, None, 0.0, note=fallback.note))
     if not workload.goals.tokens_per_step:
-        events.append(EffectiveBatch(tps))
+        # the unit per_device_train_batch_size counts: the trainer's (online RL: completions), else a dataset row's
+        from .trainers import get_trainer
+
+        unit = getattr(get_trainer(workload.trainer), "batch_unit", None) or getattr(workload.dataset, "unit", "rows")
+        events.append(EffectiveBatch(tps, unit))
     smallest: list[tuple[int, Candidate]] = []
     runs: list[StudyRun] = []
     spaces = {m: StudySpace(workload, apply_pins(default_space(workload, m), pins), tps, rows) for m in order}

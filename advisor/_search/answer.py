@@ -12,6 +12,7 @@ from ..errors import BackendError, ConfigError
 from ..events import (
     ConfirmationDrift,
     ConfirmationFailed,
+    Derived,
     Event,
     LibraryMessages,
     MethodUsed,
@@ -191,6 +192,7 @@ def build_suggestion(workload: Workload, runs: list[StudyRun], entry: Entry, con
         out.append(drift)
     if run.method is not Method.FULL:
         out.append(MethodUsed(run.method.value))
+    out += [Derived(note) for note in run.space.derivation_notes(entry.candidate)]
     return Suggestion(
         workload=workload, candidate=entry.candidate, measurement=confirmed, trials=tuple(trials),
         events=tuple(out), backend=backend, evaluations=evaluations(runs), front=front(trials, run.limit),

@@ -61,6 +61,10 @@ class Evaluator:
 
     def __init__(self, workload: Workload, backend: FunctionBackend, ledger: Ledger, pool: Any = None):
         self.workload, self.backend, self.ledger = workload, backend, ledger
+        from ..trainers import get_trainer
+
+        # the ranks that train a candidate, where its trainer sets GPUs aside (online RL's vLLM server)
+        self._training_gpus = getattr(get_trainer(workload.trainer), "training_gpus", None)
         self.pool = pool if pool is not None else SerialPool(backend)
         self.limit = workload.limit_bytes
         self.new_measurements = 0
@@ -83,7 +87,7 @@ class Evaluator:
         key = candidate_key(cand)
         if key not in self._estimates:
             try:
-                self._estimates[key] = self._estimate_fn(self.workload, cand)
+                self._estimates[key] = self._estimate_fn(self.workload_for(cand), cand)
             except Exception:  # an estimate that cannot price a candidate only loses its help
                 self._estimates[key] = None
         return self._estimates[key]
@@ -181,6 +185,16 @@ class Evaluator:
         self.ledger.add(entry)
         return entry
 
+    def workload_for(self, cand: Candidate) -> Workload:
+        """The workload a backend measures `cand` on: the training side of the run. Where its trainer sets GPUs of
+        --num-gpus aside for this candidate (`training_gpus`: vLLM server mode's `trl vllm-serve` GPUs), the rest
+        train, and the per-rank peak, the sharding and the trained tokens per second count those ranks only."""
+        wl = self.workload
+        n = self._training_gpus(cand, wl.num_gpus) if self._training_gpus is not None else wl.num_gpus
+        if n == wl.num_gpus:
+            return wl
+        return dataclasses.replace(wl, num_gpus=n, num_machines=wl.num_machines if n % wl.num_machines == 0 else 1)
+
     def evaluate(self, cand: Candidate, number: int | None) -> tuple[Entry, bool]:
         """(entry, cached). Measures only a candidate never seen, not bounded and not far over by the estimate."""
         done = self.prepare(cand, number)
@@ -197,7 +211,7 @@ class Evaluator:
         said = None
         try:
             with capture() as said:  # what libraries warn per trainer goes to the report once, not to stderr
-                future = self.pool.submit(self.workload, cand)
+                future = self.pool.submit(self.workload_for(cand), cand)
         finally:
             if said is not None:
                 self.messages.update(said)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from enum import Enum
@@ -29,12 +30,25 @@ class StudySpace:
 
     def __init__(self, workload: Workload, space: SearchSpace, tokens_per_step: int, rows: RowTokens):
         self.workload, self.space, self.tokens_per_step, self.rows = workload, space, tokens_per_step, rows
-        self.fixed = {k: v[0] for k, v in space.values.items() if len(v) == 1}
-        self.params = {k: tuple(v) for k, v in sorted(space.values.items()) if len(v) > 1}
-        self.base = with_knobs(Candidate(), **self.fixed) if self.fixed else Candidate()
         from ..trainers import get_trainer
 
         self.trainer = get_trainer(workload.trainer)
+        # a trainer's joint dimensions (online RL's generation engine): one categorical whose choices each set
+        # several knobs, so the study never proposes a combination that is refused (sleep mode with expandable
+        # segments on) or the same (sleep mode without vLLM); the knobs they set are not dimensions of their own
+        joint = getattr(self.trainer, "joint_dimensions", None)
+        self.joint: dict[str, dict[str, dict[str, Any]]] = {
+            name: dict(opts) for name, opts in (joint(space.values) if joint is not None else {}).items()}
+        covered = {k for opts in self.joint.values() for a in opts.values() for k in a}
+        self.fixed = {k: v[0] for k, v in space.values.items() if len(v) == 1}
+        for opts in self.joint.values():
+            if len(opts) == 1:
+                self.fixed.update(next(iter(opts.values())))
+        self.params = {k: tuple(v) for k, v in sorted(space.values.items()) if len(v) > 1 and k not in covered}
+        self.params.update({name: tuple(opts) for name, opts in sorted(self.joint.items()) if len(opts) > 1})
+        self.base = with_knobs(Candidate(), **self.fixed) if self.fixed else Candidate()
+        self._derive = getattr(self.trainer, "derive", None)
+        self._canonical = getattr(self.trainer, "canonical", None)  # a trainer's own knobs that have no effect
         self._candidates: tuple[Candidate, ...] | None = None
         self._neighbours: dict[Candidate, tuple[Candidate, ...]] = {}
 
@@ -43,10 +57,13 @@ class StudySpace:
 
     def decode(self, params: Mapping[str, Any]) -> Candidate | str:
         """The candidate for Optuna params, or why it is not admissible."""
-        values = {}
+        values: dict[str, Any] = {}
         for k, vals in self.params.items():
             enc = self.choices(k)
-            values[k] = vals[enc.index(params[k])]
+            if k in self.joint:
+                values.update(self.joint[k][vals[enc.index(params[k])]])
+            else:
+                values[k] = vals[enc.index(params[k])]
         try:
             cand = with_knobs(self.base, **values).canonical()
         except ConfigError as exc:
@@ -55,11 +72,13 @@ class StudySpace:
 
     def admit(self, cand: Candidate) -> Candidate | str:
         wl = self.workload
+        if self._canonical is not None:
+            cand = self._canonical(cand)
         problems = self.trainer.problems(cand, wl.gpu, wl.model)  # SFT's: Candidate.problems
         if problems:
             # a rule on the accumulation this micro-batch is given below (online RL's generation batch holds whole
             # groups of num_generations): judged with that accumulation
-            derived = with_accumulation(cand, self.tokens_per_step, self.rows, wl.num_gpus)
+            derived = with_accumulation(cand, self.tokens_per_step, self.rows, self._world(cand))
             if derived is None or derived == cand or self.trainer.problems(derived, wl.gpu, wl.model):
                 return "; ".join(problems)
         refused = attention_refusal(self.space, cand)
@@ -75,18 +94,39 @@ class StudySpace:
             return f"loses {lost:.2%} of trained tokens to truncation (--max-truncation {wl.goals.max_truncation:.2%})"
         from ..parallelism import layout_problems
 
-        world = layout_problems(cand.parallelism, wl.num_gpus)
+        world = layout_problems(cand.parallelism, self._world(cand))  # the layout of the ranks that train
         if world:
             return "; ".join(world)
-        out = with_accumulation(cand, self.tokens_per_step, self.rows, wl.num_gpus)
+        out = with_accumulation(cand, self.tokens_per_step, self.rows, self._world(cand))
         if out is None:
             return (NO_ACCUMULATION + " keeps this micro-batch within "
                     f"{BATCH_TOLERANCE:.0%} of {self.tokens_per_step} trained tokens per optimizer step")
+        if out != cand:  # the rules on the accumulation given (online RL's whole groups of num_generations)
+            problems = self.trainer.problems(out, wl.gpu, wl.model)
+            if problems:
+                return "; ".join(problems)
+        if self._derive is not None:  # what the trainer derives from the rest (colocated vLLM's utilization)
+            return self._derive(wl, out, self.space.values)
         return out
+
+    def _world(self, cand: Candidate) -> int:
+        """The ranks that train, which the effective batch counts: --num-gpus, less the GPUs a trainer sets aside
+        for this candidate (online RL's vLLM server: `training_gpus`)."""
+        own = getattr(self.trainer, "training_gpus", None)
+        return own(cand, self.workload.num_gpus) if own is not None else self.workload.num_gpus
+
+    def derivation_notes(self, cand: Candidate) -> list[str]:
+        """How the trainer derived the pick's derived knobs (the search's notes)."""
+        notes = getattr(self.trainer, "derivation_notes", None)
+        return list(notes(self.workload, cand, self.space.values)) if notes is not None else []
 
     def params_of(self, cand: Candidate) -> dict[str, Any]:
         out = {}
         for k in self.params:
+            if k in self.joint:  # the choice whose knobs the candidate has (else the first)
+                out[k] = next((label for label, a in self.joint[k].items()
+                               if all(knob_value(cand, n) == v for n, v in a.items())), self.choices(k)[0])
+                continue
             v = _encode(knob_value(cand, k))
             out[k] = v if v in self.choices(k) else self.choices(k)[0]  # irrelevant knobs canonicalise away
         return out
@@ -94,16 +134,25 @@ class StudySpace:
     def _walk(self) -> Iterator[Candidate | str]:
         """Each distinct canonical grid point, admitted (a Candidate) or refused (the reason)."""
         seen: set[Candidate] = set()
-        for cand in self.space.grid(self.base):
-            try:
-                cand = cand.canonical()
-            except ConfigError as exc:
-                yield str(exc)
-                continue
-            if cand in seen:
-                continue
-            seen.add(cand)
-            yield self.admit(cand)
+        admitted: set[Candidate] = set()
+        joint = [tuple(opts.values()) for name, opts in sorted(self.joint.items()) if name in self.params]
+        rest = SearchSpace({k: v for k, v in self.space.values.items() if k in self.params})
+        for point in rest.grid(self.base):
+            for choice in itertools.product(*joint):
+                try:
+                    cand = with_knobs(point, **{k: v for a in choice for k, v in a.items()}).canonical()
+                except ConfigError as exc:
+                    yield str(exc)
+                    continue
+                if cand in seen:
+                    continue
+                seen.add(cand)
+                out = self.admit(cand)
+                if isinstance(out, Candidate):
+                    if out in admitted:
+                        continue
+                    admitted.add(out)
+                yield out
 
     def candidates(self) -> Iterator[Candidate]:
         """The admissible candidates, in the grid's order (walked once: the space and workload do not change)."""
@@ -129,10 +178,16 @@ class StudySpace:
     def _neighbours_of(self, cand: Candidate) -> Iterator[Candidate]:
         for k, vals in self.params.items():
             for v in vals:
-                if v == knob_value(cand, k):
+                if k in self.joint:
+                    change = self.joint[k][v]
+                    if all(knob_value(cand, n) == x for n, x in change.items()):
+                        continue
+                elif v == knob_value(cand, k):
                     continue
+                else:
+                    change = {k: v}
                 try:
-                    other = with_knobs(cand, **{k: v}).canonical()
+                    other = with_knobs(cand, **change).canonical()
                 except ConfigError:
                     continue
                 out = self.admit(other)

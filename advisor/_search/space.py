@@ -208,6 +208,13 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
             values[k.name] = k.search
         if not k.searched_in(trainer):
             values[k.name] = (k.default,)  # a Candidate field every candidate has: held at its default
+    # the values a trainer decides from the target (online RL's generation engine: vLLM only on CUDA, server mode
+    # only with several GPUs): its `search_values`, declared in its module under advisor/trainers/
+    from ..trainers import get_trainer
+
+    own = getattr(get_trainer(trainer), "search_values", None)
+    if own is not None:
+        values.update(own(workload, values))
     return SearchSpace(values)
 
 

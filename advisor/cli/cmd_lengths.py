@@ -22,6 +22,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_workload_args(p)
     p.add_argument("--max-length", type=int, nargs="+", default=None, metavar="L",
                    help="max_length values to evaluate (default: the advisor's candidates for --max-truncation)")
+    p.add_argument("--max-completion-length", type=int, default=None, metavar="C",
+                   help="prompt data (--trainer grpo|rloo): the completion length each prompt is counted with "
+                        "(GRPOConfig / RLOOConfig max_completion_length; default: TRL's 512). The online trainers "
+                        "have no max_length")
     p.add_argument("--max-truncation", default="1%",
                    help="share of trained tokens that truncation may drop, for the suggested max_length "
                         "(default: %(default)s)")
@@ -40,12 +44,24 @@ def run(ns: argparse.Namespace) -> int:
     max_truncation = parse_fraction(ns.max_truncation, "--max-truncation")
     check_writable(ns.plot, "--plot")
     bad = [v for v in (ns.max_length or []) if v < 1] + [v for v in (ns.micro_batch or []) if v < 1]
+    if ns.max_completion_length is not None and ns.max_completion_length < 1:
+        bad.append(ns.max_completion_length)
     if bad:
-        raise UsageError(f"--max-length / --micro-batch {bad}: must be positive integers, e.g. --max-length 1024")
+        raise UsageError(f"--max-length / --micro-batch / --max-completion-length {bad}: must be positive integers, "
+                         "e.g. --max-length 1024")
     model = resolve_model(ns.model)
     # the trainer reads its own data; the report is that of its kind of data (rows, pairs)
     data = get_trainer(ns.trainer).load_dataset(ns.dataset, model, ns.tokenizer, sample=ns.sample, seed=ns.seed,
                                                 progress=sys.stderr.isatty())
+    if data.unit == "prompts" and ns.max_length:
+        # GRPOConfig / RLOOConfig have no max_length: reading N as the completion length would be a silent guess
+        raise UsageError(f"--max-length {' '.join(map(str, ns.max_length))} with --trainer {ns.trainer}: "
+                         f"{get_trainer(ns.trainer).config_name} has no max_length (TRL 1.16 truncates no prompt; "
+                         "completions end at max_completion_length); use --max-completion-length "
+                         f"{ns.max_length[0]} (suggest: --fix max_completion_length={ns.max_length[0]})")
+    if data.unit != "prompts" and ns.max_completion_length is not None:
+        raise UsageError(f"--max-completion-length {ns.max_completion_length} with --trainer {ns.trainer}: only the "
+                         "online trainers (--trainer grpo|rloo) generate completions; use --max-length")
     report_of = _REPORTS.get(data.unit)
     if report_of is None:
         raise UsageError(f"--trainer {ns.trainer}: `advisor lengths` has no report for {data.unit} yet; use "
@@ -146,11 +162,11 @@ def _preference(ns: argparse.Namespace, data, max_truncation: float) -> int:
 
 
 def _prompts(ns: argparse.Namespace, data, max_truncation: float) -> int:
-    """Prompts (`advisor lengths --trainer grpo|rloo`): the prompts' lengths and prompt + max_completion_length (the
-    first --max-length, else TRL's 512): the online trainers truncate neither."""
+    """Prompts (`advisor lengths --trainer grpo|rloo`): the prompts' lengths and prompt + max_completion_length
+    (--max-completion-length, else TRL's 512): the online trainers truncate neither."""
     from ..trainers.prompts import DEFAULT_COMPLETION, prompt_length_report
 
-    report = prompt_length_report(data, ns.max_length[0] if ns.max_length else DEFAULT_COMPLETION)
+    report = prompt_length_report(data, ns.max_completion_length or DEFAULT_COMPLETION)
     if ns.json:
         print(emit_json(report.to_dict()))
         return 0

@@ -96,6 +96,23 @@ def _vllm_on(c: Candidate) -> bool:
     return bool(c.base.get("use_vllm", False))
 
 
+def _colocated(c: Candidate) -> bool:
+    """vLLM in the training processes: what sleep mode and the utilization act on (server mode takes neither from the
+    training config: `trl vllm-serve` has its own --gpu-memory-utilization)."""
+    return _vllm_on(c) and c.base.get("vllm_mode", VllmMode.COLOCATE.value) == VllmMode.COLOCATE.value
+
+
+def _served(c: Candidate) -> bool:
+    return _vllm_on(c) and c.base.get("vllm_mode", VllmMode.COLOCATE.value) == VllmMode.SERVER.value
+
+
+def _zero3(c: Candidate) -> bool:
+    """DeepSpeed ZeRO-3 shards the policy: the only layout TRL reads ds3_gather_for_generation under
+    (trl/models/utils.py unwrap_model_for_generation: gather_deepspeed3_params)."""
+    layout = c.parallelism
+    return getattr(getattr(getattr(layout, "parallelism", None), "strategy", None), "value", None) == "zero3"
+
+
 def _vllm_summary(c: Candidate) -> str:
     if not c.base.get("use_vllm", False):
         return "model.generate"
@@ -153,26 +170,44 @@ KNOBS = register_knobs(
          carried=True, label="beta", summary=lambda c: None),
     Knob("use_vllm", Kind.BOOL, False, Home.TRAINER_CONFIG, "use_vllm",
          "generate with vLLM instead of model.generate (needs a CUDA target and `pip install vllm`)",
-         trainers=ONLINE, carried=True, requires="vllm", search=(False, True), label="generation",
-         summary=_vllm_summary, short=_vllm_short),
+         trainers=ONLINE, carried=True, requires="vllm", label="generation", summary=_vllm_summary,
+         short=_vllm_short),
+    # The generation engine is ONE searched dimension of use_vllm, vllm_mode, vllm_enable_sleep_mode,
+    # vllm_server_gpus (and expandable_segments, ds3_gather_for_generation where they go with it): its values are
+    # OnlineRLTrainer.search_values (CUDA only for vLLM, server mode only with --num-gpus > 1) and its choices
+    # OnlineRLTrainer.joint_dimensions (generate, vLLM colocate, vLLM colocate + sleep with expandable_segments off,
+    # vLLM server on k GPUs), so no trial goes to a combination TRL or vLLM refuses.
     Knob("vllm_mode", Kind.ENUM, VllmMode.COLOCATE, Home.TRAINER_CONFIG, "vllm_mode",
          "colocate: vLLM in the training processes; server: `trl vllm-serve` on vllm_server_gpus of --num-gpus",
-         enum=VllmMode, active=_vllm_on, trainers=ONLINE, carried=True),
+         enum=VllmMode, active=_vllm_on, trainers=ONLINE, carried=True, memory=Memory.UNORDERED),
     Knob("vllm_gpu_memory_utilization", Kind.FLOAT, 0.3, Home.TRAINER_CONFIG, "vllm_gpu_memory_utilization",
          "the share of each card colocated vLLM claims (weights, activations and its KV pool) outside PyTorch's "
-         "allocator", bounds=(0.0, 1.0), active=_vllm_on, trainers=ONLINE, carried=True, memory=Memory.GROWS),
+         "allocator. Not a search dimension: derived per candidate (OnlineRLTrainer.derive) as the smallest pool, "
+         "rounded up to 0.01, that holds the generation batch at full length (prompt + max_completion_length) by "
+         "vLLM's accounting (advisor/_physics/vllm.py min_utilization), never below one max_model_len sequence "
+         "(what vLLM needs to start); a --fix of it is kept as given", bounds=(0.0, 1.0), active=_colocated,
+         trainers=ONLINE, carried=True, memory=Memory.GROWS),
     Knob("vllm_enable_sleep_mode", Kind.BOOL, False, Home.TRAINER_CONFIG, "vllm_enable_sleep_mode",
          "colocated vLLM sleeps (level 2) while the policy trains, giving its weights and KV pool back; vLLM's "
-         "CuMemAllocator refuses expandable segments in PYTORCH_CUDA_ALLOC_CONF", active=_vllm_on,
-         trainers=ONLINE, carried=True, memory=Memory.SAVES_WHEN_ON),
+         "CuMemAllocator refuses expandable segments in PYTORCH_CUDA_ALLOC_CONF (the search turns them off with "
+         "it: one choice of the engine dimension)", active=_colocated, trainers=ONLINE, carried=True,
+         memory=Memory.SAVES_WHEN_ON),
     Knob("vllm_server_gpus", Kind.INT, 0, Home.ACCELERATE, "vllm_server_gpus",
          "server mode: the GPUs of --num-gpus that run `trl vllm-serve` (CUDA_VISIBLE_DEVICES split; "
-         "--tensor-parallel-size); the others train", minimum=0, trainers=ONLINE, carried=True),
+         "--tensor-parallel-size); the others train", minimum=0, active=_served, trainers=ONLINE, carried=True),
     Knob("ds3_gather_for_generation", Kind.BOOL, True, Home.TRAINER_CONFIG, "ds3_gather_for_generation",
-         "ZeRO-3 gathers the whole policy to generate (False: generates layer by layer, slower; vLLM needs True)",
-         trainers=ONLINE, carried=True, memory=Memory.UNORDERED),
+         "ZeRO-3 gathers the whole policy to generate (False: generates layer by layer, slower, less memory; vLLM "
+         "needs True). Read by TRL only under ZeRO-3 (active there; searched, with model.generate, only where the "
+         "space offers a ZeRO-3 layout)", active=_zero3, trainers=ONLINE, carried=True, memory=Memory.UNORDERED),
     Knob("cast_lm_head_to_fp32", Kind.BOOL, False, Home.TRAINER_CONFIG, "cast_lm_head_to_fp32",
-         "the LM head (and its log-probs) in float32", trainers=_GRPO, carried=True),
+         "the LM head (and its log-probs) in float32", trainers=_GRPO, carried=True,
+         # never searched (search=None): GRPOConfig 1.16's help says it casts "the language modeling head of the
+         # policy and reference models to float32. As recommended by the ScaleRL recipe" (arXiv 2510.13786): the
+         # log-probs, hence the importance ratios and the loss, change numerically; a quality decision, the user's
+         # (--fix cast_lm_head_to_fp32=true). TRL supports it only with untied embeddings (tie_word_embeddings
+         # False) and not with a LoRA adapter on lm_head (GRPOTrainer.__init__ raises)
+         quality="the LM head's log-probs in float32 change the numerics of the ratios and the loss (ScaleRL's "
+                 "recommendation; the user's, never searched)"),
     Knob("vllm_importance_sampling_correction", Kind.BOOL, True, Home.TRAINER_CONFIG,
          "vllm_importance_sampling_correction",
          "with vLLM: the old policy's no-grad forward on the completions, to correct vLLM's sampling mismatch",
@@ -417,6 +452,159 @@ class OnlineRLTrainer(TrlTrainer):
         return GpuSplit(train_gpus=num_gpus - n, train_env=f"CUDA_VISIBLE_DEVICES={train}",
                         server_command=f"CUDA_VISIBLE_DEVICES={serve} {cmd}",
                         chosen=f"vLLM server on GPU(s) {serve}, training on {train}")
+
+    # ---- the search space (advisor/_search/space.py default_space, advisor/_search/params.py StudySpace) ---------
+    batch_unit = "completions"  # what per_device_train_batch_size counts (a dataset row is a prompt)
+    ENGINE = "generation_engine"  # the name of the one searched dimension of the generation engine
+
+    def search_values(self, workload: Workload, values: Mapping[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
+        """The default space's values of the engine knobs, from the target: vLLM (colocated with or without sleep
+        mode) only on a CUDA target, server mode on k of --num-gpus (k in 1..num_gpus-1: at least one GPU trains)
+        only when --num-gpus > 1; expandable_segments off offered beside the space's own value (it goes with sleep
+        mode: `joint_dimensions`). `values`: the space so far (the shared knobs' values)."""
+        out: dict[str, tuple[Any, ...]] = {}
+        n = max(1, int(workload.num_gpus))
+        if workload.gpu.is_cuda:
+            out["use_vllm"] = (False, True)
+            out["vllm_enable_sleep_mode"] = (False, True)
+            out["expandable_segments"] = tuple(dict.fromkeys((*values.get("expandable_segments", (True,)), False)))
+            if n > 1:
+                out["vllm_mode"] = (VllmMode.COLOCATE.value, VllmMode.SERVER.value)
+                out["vllm_server_gpus"] = tuple(range(1, n))
+        else:
+            out["use_vllm"] = (False,)  # vLLM generates on CUDA GPUs only
+        return out
+
+    def joint_dimensions(self, values: Mapping[str, tuple[Any, ...]]) -> dict[str, tuple[tuple[str, dict], ...]]:
+        """The generation engine as ONE categorical of the study (label -> the knobs it sets), the choices of what
+        `values` (the space, --fix pins applied) offers: model.generate (and, where ZeRO-3 is offered, generating
+        layer by layer: ds3_gather_for_generation False), vLLM colocate without sleep, vLLM colocate with sleep and
+        expandable_segments off (vLLM's CuMemAllocator refuses them: one decision, not a refused combination), vLLM
+        server on k GPUs. A knob the user pinned holds: sleep mode with expandable_segments pinned on stays a choice,
+        refused by the rule with its fix. Empty when the space offers no choice of engine."""
+        from ..knobs import knob
+
+        def offered(name: str, value: Any) -> bool:
+            return value in values.get(name, (knob(name).default,))
+
+        es = offered("expandable_segments", True)
+        # ds3_gather_for_generation: both ways where a ZeRO-3 layout is offered (TRL reads it only there; the
+        # --fix'd parallelism counts), as the user pinned it otherwise
+        zero3 = any(str(getattr(layout, "value", layout)).startswith("zero3")
+                    for layout in values.get("parallelism", ()))
+        gathers = tuple(values.get("ds3_gather_for_generation", (True, False) if zero3 else (True,)))
+        opts: list[tuple[str, dict]] = []
+        if offered("use_vllm", False):
+            for gather in (True, False):
+                if gather in gathers:
+                    opts.append(("generate" if gather else "generate-layerwise",
+                                 {"use_vllm": False, "ds3_gather_for_generation": gather, "expandable_segments": es}))
+        if offered("use_vllm", True):
+            on = {"use_vllm": True, "ds3_gather_for_generation": True in gathers}  # TRL: vLLM needs it gathered
+            colocate, server = VllmMode.COLOCATE.value, VllmMode.SERVER.value
+            if offered("vllm_mode", colocate):
+                if offered("vllm_enable_sleep_mode", False):
+                    opts.append(("vllm-colocate", {**on, "vllm_mode": colocate, "vllm_enable_sleep_mode": False,
+                                                   "expandable_segments": es}))
+                if offered("vllm_enable_sleep_mode", True):
+                    opts.append(("vllm-colocate-sleep", {
+                        **on, "vllm_mode": colocate, "vllm_enable_sleep_mode": True,
+                        "expandable_segments": not offered("expandable_segments", False)}))
+            if offered("vllm_mode", server):
+                for k in values.get("vllm_server_gpus", ()):
+                    if int(k) >= 1:
+                        opts.append((f"vllm-server-{k}", {**on, "vllm_mode": server, "vllm_server_gpus": int(k),
+                                                          "expandable_segments": es}))
+        return {self.ENGINE: tuple(opts)} if opts else {}
+
+    def canonical(self, candidate: Candidate) -> Candidate:
+        """This trainer's own knobs that have no effect (their `active`: sleep mode and the utilization off colocated
+        vLLM, vllm_server_gpus off server mode, vllm_mode without vLLM, ds3_gather_for_generation off ZeRO-3) back to
+        their defaults, so equivalent candidates compare equal (Candidate.canonical does it for the shared knobs)."""
+        from ..space import with_knobs
+
+        reset = {k.name: k.default for k in KNOBS
+                 if not k.is_active(candidate) and candidate.base.get(k.name, k.default) != k.default}
+        if not reset:
+            return candidate
+        return with_knobs(candidate, **{n: v.value if isinstance(v, Enum) else v for n, v in reset.items()})
+
+    def training_gpus(self, candidate: Candidate, num_gpus: int) -> int:
+        """The ranks that train (accelerate's num_processes): --num-gpus less the server's GPUs in server mode."""
+        k = self.knobs(candidate)
+        return max(1, num_gpus - k.vllm_server_gpus) if k.served else num_gpus
+
+    def vllm_pool_need(self, workload: Workload, candidate: Candidate) -> Any:
+        """vLLM's own accounting of the pool colocated vLLM needs for this candidate (advisor/_physics/vllm.py
+        `min_utilization`, on `online_vllm_side`'s weights, profile activations, non-torch memory and KV layout, as
+        the estimate builds them): the generation batch TRL hands it (max_num_seqs = per_device_train_batch_size x
+        steps_per_generation, tensor-parallel 1) at full length (the longest prompt + max_completion_length, capped
+        at max_model_len), never below one max_model_len sequence (what vLLM needs to start)."""
+        from .._physics import architecture, online_vllm_side, vllm_min_utilization
+
+        c = candidate
+        k = self.knobs(c)
+        b = c.per_device_train_batch_size
+        world = self.training_gpus(c, max(1, int(workload.num_gpus)))
+        spg = k.steps_per_generation or (k.generation_batch_size // (b * world) if k.generation_batch_size
+                                         else c.gradient_accumulation_steps)
+        gen = b * max(1, int(spg))
+        lengths = getattr(workload.dataset, "lengths", None)
+        prompt = int(max(lengths)) if lengths is not None and len(lengths) else 0
+        gpu = workload.gpu
+        side = online_vllm_side(workload.model.config, parameters=architecture(workload.model).total,
+                                generation_batch=gen, vllm_max_model_length=c.base.get("vllm_max_model_length"),
+                                supports_bf16=gpu.supports_bf16)
+        length = min(prompt + int(k.max_completion_length), side.max_model_len)
+        need = vllm_min_utilization(gpu.memory_bytes, weights_bytes=side.weights_bytes,
+                                    activation_bytes=side.activation_bytes, non_torch_bytes=side.non_torch_bytes,
+                                    layout=side.layout, sequences=gen, sequence_length=length,
+                                    max_model_len=side.max_model_len)
+        return need, side, gen, prompt, length
+
+    def derive(self, workload: Workload, candidate: Candidate, values: Mapping[str, tuple[Any, ...]]
+               ) -> Candidate | str:
+        """The knobs the search derives rather than searches: colocated vLLM's `vllm_gpu_memory_utilization`, the
+        smallest pool that holds the generation batch at full length (`vllm_pool_need`, rounded up to 0.01), unless
+        the space pins it (the user's --fix: kept as given). A pool of the whole card or more is the reason the
+        candidate is not admitted."""
+        k = self.knobs(candidate)
+        if not k.colocated or "vllm_gpu_memory_utilization" in values:
+            return candidate
+        try:
+            need = self.vllm_pool_need(workload, candidate)[0]
+        except ConfigError as exc:
+            return "; ".join(exc.problems)
+        if need.value >= 1.0:
+            return (f"colocated vLLM: the pool that holds the generation batch at full length is {need.exact:.1%} of "
+                    f"the card ({need.pool_bytes / 2**30:.2f} GiB of {workload.gpu.memory_bytes / 2**30:.2f}): "
+                    "nothing is left to train; a smaller micro-batch or steps_per_generation, or vLLM server mode")
+        from ..space import with_knobs
+
+        return with_knobs(candidate, vllm_gpu_memory_utilization=need.value)
+
+    def derivation_notes(self, workload: Workload, candidate: Candidate, values: Mapping[str, tuple[Any, ...]]
+                         ) -> list[str]:
+        """How the pick's derived knobs were derived (the search's notes)."""
+        k = self.knobs(candidate)
+        if not k.colocated:
+            return []
+        if "vllm_gpu_memory_utilization" in values:
+            return [f"vllm_gpu_memory_utilization={k.vllm_gpu_memory_utilization:g}: yours (--fix), kept as given"]
+        try:
+            need, side, gen, prompt, length = self.vllm_pool_need(workload, candidate)
+        except ConfigError:
+            return []
+        gib = 2**30
+        return [f"vllm_gpu_memory_utilization={need.value:.2f}: derived, not searched: the smallest share of the "
+                f"{workload.gpu.memory_bytes / gib:.2f} GiB card, rounded up to 0.01 (exact {need.exact:.4f}), whose "
+                f"pool ({need.pool_bytes / gib:.2f} GiB) holds vLLM's weights ({side.weights_bytes / gib:.2f} GiB), "
+                f"its profile run's activations ({side.activation_bytes / gib:.2f} GiB), non-torch memory "
+                f"({side.non_torch_bytes / gib:.2f} GiB) and KV pages ({need.kv_bytes / gib:.2f} GiB) for the "
+                f"{need.binding} (the generation batch: {gen} sequences x {length} tokens = the longest prompt "
+                f"{prompt} + max_completion_length {k.max_completion_length}; one sequence: max_model_len "
+                f"{side.max_model_len}), by vLLM's accounting (advisor/_physics/vllm.py min_utilization); "
+                "--fix vllm_gpu_memory_utilization=X keeps yours"]
 
     # ---- config ------------------------------------------------------------------------------------------------
     def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
