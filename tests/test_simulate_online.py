@@ -207,3 +207,21 @@ def test_what_fake_tensors_cannot_run_is_modelled_in_every_phase(tiny_model, h10
     state = adam.breakdown[Category.OPTIMIZER.value]
     assert eight.breakdown[Category.OPTIMIZER.value] == state - state * 3 // 4  # two uint8 moments for two fp32
     assert eight.device_bytes < adam.device_bytes
+
+
+def test_flash_attention_is_a_typed_error_not_a_crash(tiny_model, h100_target):
+    """FlashAttention in an online step is not simulated yet: an ERROR Measurement naming the key and the fix (the
+    search skips it), where it raised transformers' KeyError from inside the fake run."""
+    from advisor.measurement import Status
+    from advisor.simulator import simulate
+    from advisor.space import Candidate, with_knobs
+    from advisor.trainers.prompts import synthetic_prompts
+    from advisor.workload import Goals, Workload
+
+    wl = Workload(model=tiny_model, gpu=h100_target, dataset=synthetic_prompts(1024, rows=8, median=16, max_len=32),
+                  goals=Goals(), trainer="grpo")
+    cand = with_knobs(Candidate(per_device_train_batch_size=2, attn_implementation="kernels-community/flash-attn2"),
+                      num_generations=2, max_completion_length=8)
+    m = simulate(wl, cand)
+    assert m.status is Status.ERROR
+    assert "attn_implementation=kernels-community/flash-attn2" in m.message and "sdpa" in m.message

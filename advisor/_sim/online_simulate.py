@@ -82,6 +82,15 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         return Measurement(status=Status.ERROR, source=Source.SIMULATE,
                            message=f"use_vllm=True on {target.name}: vLLM generates on CUDA GPUs only; set "
                                    "use_vllm=False (transformers' generate) for a CPU target")
+    if candidate.attn_implementation.is_flash:
+        # the FlashAttention stand-in (_sim/flash.py) answers the varlen kernel's data-dependent shapes from one
+        # batch's facts; an online step runs several shapes (prefill, each decode step, the scoring and training
+        # batches), which it does not describe yet: a typed ERROR the search skips, never a KeyError or a guess
+        return Measurement(status=Status.ERROR, source=Source.SIMULATE,
+                           message=f"attn_implementation={candidate.attn_implementation.value}: the simulate "
+                                   "backend does not run FlashAttention's kernels in an online RL step yet (its "
+                                   "generate / score / train shapes); simulate attn_implementation=sdpa, or measure "
+                                   "this one with --backend estimate or --backend cuda")
     run_cand, notes = runnable(candidate, target)
     engine = "vllm" if k.use_vllm else "generate"
     built = _build_and_run(workload, run_cand, candidate, target, kind, steps=steps, engine=engine,
