@@ -197,7 +197,7 @@ def test_shipped_baselines_match_their_run_yaml():
     for f in files:
         b = load_baseline(f)
         assert b.backend == "simulate" and b.workload.model == "Qwen/Qwen2.5-0.5B"
-        assert load_run_config(root / b.config_path).candidate == b.candidate, f
+        assert load_run_config(root / b.config_path, trainer=b.workload.trainer).candidate == b.candidate, f
     defaults = load_baseline(root / "profiles/baselines/qwen2.5-0.5b-h100-trl-defaults.json")
     # nothing set: the attention is what transformers picks (sdpa for Qwen2), not written in the file
     assert defaults.candidate == Candidate.trl_defaults().replace(attn_implementation=None)
