@@ -648,10 +648,12 @@ def checkpoint_kwargs(c: Candidate) -> dict[str, Any]:
             if getattr(c, k.name) != k.default}
 
 
-def trial_label(c: Candidate) -> str:
+def trial_label(c: Candidate, trainer: str | None = None) -> str:
     """The trial table's candidate cell: each knob's token, in registry order (a trainer's own knob after the
-    shared ones, shown only where the candidate carries it)."""
-    return " ".join(t for t in (k.short(c) for k in registry() if k.short is not None) if t)
+    shared ones, shown only where the candidate carries it); with `trainer`, only the knobs its config has (a GRPO
+    candidate's cell shows no max_length or padding, which GRPOConfig does not have)."""
+    return " ".join(t for t in (k.short(c) for k in registry()
+                                if k.short is not None and (trainer is None or k.accepts(trainer))) if t)
 
 
 def summary_rows(c: Candidate, trainer: str | None = None) -> list[list[str]]:

@@ -36,7 +36,7 @@ def _step(m: Measurement) -> str:
 def _knobs(t: Trial, trainer: Any) -> str:
     """The candidate cell: each knob's token (advisor/knobs.py `short`), a trainer's own knobs included (DPO's
     ref=precomputed is its knob's token)."""
-    return trial_label(t.candidate)
+    return trial_label(t.candidate, getattr(trainer, "name", trainer))
 
 
 def _trainer_rows(s: Suggestion) -> list[list[str]]:
