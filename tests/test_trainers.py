@@ -22,8 +22,8 @@ def test_every_trainer_implements_the_protocol_and_names_its_trl_classes():
         assert isinstance(t, Trainer) and t.name == name
         assert t.trainer_class().__name__.lower().startswith(name)
         assert t.config_class().__name__.lower().startswith(name)
-    with pytest.raises(ConfigError, match=r"trainer='grpo': not a trainer the advisor knows; use one of"):
-        get_trainer("grpo")
+    with pytest.raises(ConfigError, match=r"trainer='ppo': not a trainer the advisor knows; use one of"):
+        get_trainer("ppo")  # TRL's PPOTrainer: no module declares it (grpo and rloo do since issue 23)
 
 
 def _parse(trainer, text: str, tmp_path):
