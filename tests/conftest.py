@@ -119,6 +119,34 @@ def tiny_config(tmp_path, monkeypatch):
     return str(path)
 
 
+def save_bpe_qwen2_tokenizer(path, corpus: list[str], vocab_size: int = 400) -> None:
+    """A byte-level BPE tokenizer trained on `corpus` on the spot, saved in `path` as Qwen2Tokenizer: the class TRL
+    (AutoTokenizer / AutoProcessor) and the advisor's loader both read for a qwen2 model."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split()) for m in model["merges"]]
+    Qwen2Tokenizer(vocab=model["vocab"], merges=merges).save_pretrained(path)
+
+
+def save_tiny_qwen2(path, corpus: list[str]) -> None:
+    """A local model directory: TINY_QWEN2 with seeded random weights and save_bpe_qwen2_tokenizer's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    save_bpe_qwen2_tokenizer(path, corpus)
+    torch.manual_seed(0)
+    config = Qwen2Config(**{k: v for k, v in TINY_QWEN2.items() if k not in ("model_type", "architectures")})
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
     """A word-level tokenizer trained on the spot, with a chat template; saved as a directory."""

@@ -18,47 +18,6 @@ from collections import deque
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _allocator_peaks(prof) -> tuple[int, int]:
-    """(all threads, the main thread) highest running sum of the profiler's Allocation events in time order (frees
-    are negative). The main thread runs the model, FSDP2 and the optimizer; gloo's worker threads (two by default)
-    allocate a little of their own, whose NCCL equivalents live outside PyTorch's allocator: the main thread's peak
-    drops every allocation made on another thread and its free (so far it has equalled the all-threads peak)."""
-    from torch._C._profiler import _EventType
-
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.typed[0] == _EventType.Allocation:
-            events.append((e.start_time_ns, e.typed[1].alloc_size, e.typed[1].ptr, e.start_tid))
-        stack.extend(e.children)
-    events.sort(key=lambda x: x[0])
-    main = _main_tid(events)
-    current = peak = mine = mine_peak = 0
-    owner: dict[int, int] = {}
-    for _, size, ptr, tid in events:
-        current += size
-        peak = max(peak, current)
-        if size > 0:
-            owner[ptr] = tid
-        keep = (owner.get(ptr, main) if size < 0 else tid) == main
-        if size < 0:
-            owner.pop(ptr, None)
-        if keep:
-            mine += size
-            mine_peak = max(mine_peak, mine)
-    return peak, mine_peak
-
-
-def _main_tid(events) -> int:
-    """The thread that allocated the most bytes: the one running train()."""
-    total: dict[int, int] = {}
-    for _, size, _, tid in events:
-        if size > 0:
-            total[tid] = total.get(tid, 0) + size
-    return max(total, key=total.get)
-
-
 def workload(config: dict | None = None):
     sys.path.insert(0, HERE)
     from conftest import TINY_QWEN2
@@ -87,6 +46,8 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
     from advisor.modeling import BatchFeed as _BatchFeed
     from advisor.modeling import build_model, placeholder_tokenizer
     from advisor.parallelism import Parallelism
+    from advisor.probing.meters import cpu_peak, memory_profiler
+    from advisor.probing.worker import _free_gloo_work_on_this_thread
     from advisor.simulator import worst_batch
     from advisor.simulator import worst_rows as _worst_rows
     from advisor.space import Candidate
@@ -94,6 +55,7 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    _free_gloo_work_on_this_thread()  # as the probe of several ranks measures (meters.memory_profiler)
     wl = workload(spec.get("config"))
     cand = Candidate(**spec["candidate"])
     par = Parallelism(**spec.get("parallelism", {}))
@@ -134,17 +96,15 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
                 live[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         gc.collect()
         dist.barrier()
-        from advisor.probing.meters import memory_profiler
-
         prof = memory_profiler(user_scopes=False)  # gloo's collectives unrecorded (see its docstring)
         try:
             trainer.train()
         finally:
             prof.__exit__(None, None, None)
-        peak, main = _allocator_peaks(prof)
+        # every thread's events, with the frees gloo's worker threads made unseen replayed (its docstring)
+        peak = cpu_peak(prof, backend_frees=True).peak_bytes
     with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"rank": rank, "peak": sum(live.values()) + main, "all_threads": sum(live.values()) + peak,
-                   "before": sum(live.values())}, f)
+        json.dump({"rank": rank, "peak": sum(live.values()) + peak, "before": sum(live.values())}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -312,7 +312,19 @@ def swallowed_interrupt():
     unregister_backend("swallowed")
 
 
-def test_ctrl_c_swallowed_in_a_weakref_callback_still_ends_the_run(model_json, cache, capsys, swallowed_interrupt):
+@pytest.fixture
+def interactive():
+    """SIGINT as an interactive shell leaves it (Python's default handler): a test run started in the background
+    (`pytest ... &` without job control) inherits it ignored, which the CLI keeps (the next test but one)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_swallowed_in_a_weakref_callback_still_ends_the_run(model_json, cache, capsys, swallowed_interrupt,
+                                                                   interactive):
     argv = ["suggest", "--model", model_json, "--gpu", "cpu", "--backend", "swallowed", "--trials", "8",
             "--jobs", "1"]
     assert main(argv) == 130  # main: the search went on to 8 trials and exited 0
@@ -322,6 +334,21 @@ def test_ctrl_c_swallowed_in_a_weakref_callback_still_ends_the_run(model_json, c
     assert main(["studies", "--json"]) == 0
     studies = json.loads(capsys.readouterr().out)["studies"]
     assert [s["trials"] for s in studies if s["backend"] == "swallowed"] == [2]  # what was measured stays
+
+
+def test_ctrl_c_ignored_by_the_caller_stays_ignored(model_json, cache, capsys, swallowed_interrupt):
+    """Started with SIGINT ignored (nohup, `&` in a script): the CLI keeps it ignored, so the same signal ends
+    nothing and the search runs to its answer; the caller's disposition is left as it was."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert main(["suggest", "--model", model_json, "--gpu", "cpu", "--backend", "swallowed", "--trials", "8",
+                     "--jobs", "1"]) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(swallowed_interrupt) > 2 and "interrupted" not in capsys.readouterr().err
 
 
 # ---- messages that blamed the wrong thing -----------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TINY_QWEN2
+from conftest import save_tiny_qwen2
 
 from advisor.space import Candidate, with_knobs
 
@@ -24,22 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny Qwen2 with random weights and a byte-level BPE tokenizer saved as Qwen2Tokenizer (what TRL loads)."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2Tokenizer
-
-    corpus = [f"hello world number {i} the quick brown fox jumps over the lazy dog" for i in range(200)]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split()) for m in model["merges"]]
     path = tmp_path_factory.mktemp("tiny-qwen2")
-    Qwen2Tokenizer(vocab=model["vocab"], merges=merges).save_pretrained(path)
-    torch.manual_seed(0)
-    config = Qwen2Config(**{k: v for k, v in TINY_QWEN2.items() if k not in ("model_type", "architectures")})
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    save_tiny_qwen2(path, [f"hello world number {i} the quick brown fox jumps over the lazy dog" for i in range(200)])
     return path
 
 

@@ -196,7 +196,7 @@ def test_cast_lm_head_to_fp32_is_never_searched(model):
         wl, ss = study(model, gpu=gpu, num_gpus=n)
         assert "cast_lm_head_to_fp32" not in ss.params
         assert all(knob_value(c, "cast_lm_head_to_fp32") is False for c in ss.candidates())
-    from advisor.trainers.online_rl import KNOBS
+    from advisor.trainers.online_knobs import KNOBS
 
     assert {k.name: k for k in KNOBS}["cast_lm_head_to_fp32"].quality
     _, ss = study(model, fix={"cast_lm_head_to_fp32": "true"})

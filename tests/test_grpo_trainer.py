@@ -16,7 +16,7 @@ from advisor.cli import main
 from advisor.errors import ConfigError
 from advisor.space import Candidate, with_knobs
 from advisor.trainers import choices, get_trainer, names
-from advisor.trainers.online_rl import KNOBS, TRL_DEFAULTS, OnlineKnobs
+from advisor.trainers.online_knobs import KNOBS, TRL_DEFAULTS, OnlineKnobs
 from advisor.trainers.phases import ClosedForm, PhaseKind, Resident
 
 ONLINE = ("grpo", "rloo")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TINY_QWEN2
+from conftest import TINY_QWEN2, save_tiny_qwen2
 
 ROOT = Path(__file__).resolve().parent.parent
 METER = Path(__file__).resolve().parent / "trl_meter"
@@ -28,25 +28,14 @@ def model_dir(tmp_path_factory) -> Path:
     """A tiny Qwen2 with seeded random weights and a byte-level BPE tokenizer trained on the spot, saved as
     Qwen2Tokenizer: what AutoTokenizer (TRL's loader) and the advisor's loader both read the same way (a generic
     fast tokenizer saved beside a qwen2 config.json is not: see the report of issue 25)."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2Tokenizer
+    from transformers import AutoTokenizer
 
     from advisor.data import load_tokenizer
     from advisor.profiles import resolve_model
 
     corpus = [f"hello world number {i} {TEXT}" for i in range(200)]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split()) for m in model["merges"]]
     path = tmp_path_factory.mktemp("tiny-qwen2")
-    Qwen2Tokenizer(vocab=model["vocab"], merges=merges).save_pretrained(path)
-    torch.manual_seed(0)
-    config = Qwen2Config(**{k: v for k, v in TINY_QWEN2.items() if k not in ("model_type", "architectures")})
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    save_tiny_qwen2(path, corpus)
     ids = AutoTokenizer.from_pretrained(path)(corpus[3])["input_ids"]
     assert load_tokenizer(None, resolve_model(str(path)))(corpus[3])["input_ids"] == ids
     assert max(ids) < TINY_QWEN2["vocab_size"]

@@ -44,6 +44,25 @@ def _reward(completions, **_):
     return [float(i % 3) for i in range(len(completions))]  # as the real run's: varied, so advantages are not zero
 
 
+def _run_inputs(case: real.Case) -> tuple[dict, object, object, object]:
+    """What the fake and the real run are both given: the config's keyword arguments (scripts/grpo_cpu_peak.py's
+    BASE with the case's, on the CPU, quiet), the LoRA config (None without LoRA), the tokenizer, the prompts."""
+    import datasets
+
+    kwargs = dict(real.BASE, **case.args)
+    kwargs.update(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none", save_strategy="no",
+                  logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    peft_config = None
+    if case.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    tok = real._tokenizer(real.TINY_QWEN2["vocab_size"], real.TINY_QWEN2["pad_token_id"],
+                          real.TINY_QWEN2["eos_token_id"])
+    data = datasets.Dataset.from_dict({"prompt": real._prompts(case, real.TINY_QWEN2["vocab_size"])})
+    return kwargs, peft_config, tok, data
+
+
 def _reward_model(config, device: str):
     """A one-label sequence classifier on the policy's architecture: a reward model given as a model (resident)."""
     import copy
@@ -59,7 +78,6 @@ def _reward_model(config, device: str):
 def _fake_trainer(case: real.Case, size: str | dict = SIZE, *, engine: str = "generate", reward_model: bool = False):
     """The trainer the real run builds, on a meta policy (as the simulator builds models). `size`: a size of
     scripts/grpo_cpu_peak.py or a transformers config as a dict."""
-    import datasets
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from advisor.simulator import make_online_trainer_class, online_construction
@@ -68,21 +86,11 @@ def _fake_trainer(case: real.Case, size: str | dict = SIZE, *, engine: str = "ge
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config._name_or_path = "policy-built-on-meta"  # TRL's reference is built from this name: on meta too
-    n = case.args.get("max_completion_length", real.BASE["max_completion_length"])
-    kwargs = dict(real.BASE, **case.args)
-    kwargs.update(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none", save_strategy="no",
-                  logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
-                  generation_kwargs={"min_new_tokens": n})
+    kwargs, peft_config, tok, data = _run_inputs(case)
+    n = kwargs["max_completion_length"]
+    kwargs["generation_kwargs"] = {"min_new_tokens": n}
     if engine == "vllm":
         kwargs.update(use_vllm=True, vllm_mode=kwargs.get("vllm_mode", "colocate"))
-    peft_config = None
-    if case.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-    tok = real._tokenizer(real.TINY_QWEN2["vocab_size"], real.TINY_QWEN2["pad_token_id"],
-                          real.TINY_QWEN2["eos_token_id"])
-    data = datasets.Dataset.from_dict({"prompt": real._prompts(case, real.TINY_QWEN2["vocab_size"])})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if case.trainer == "grpo":
@@ -173,7 +181,6 @@ def _real_peak(case: real.Case, size: str = SIZE, *, engine: str = "generate", r
     before. No reference is loaded here: the cases run have none (beta 0, or LoRA's adapters disabled)."""
     import gc
 
-    import datasets
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -185,22 +192,12 @@ def _real_peak(case: real.Case, size: str = SIZE, *, engine: str = "generate", r
     torch.manual_seed(0)
     config = AutoConfig.for_model(**real.SIZES[size])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    n = case.args.get("max_completion_length", real.BASE["max_completion_length"])
-    kwargs = dict(real.BASE, **case.args)
-    kwargs.update(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none", save_strategy="no",
-                  logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    kwargs, peft_config, tok, data = _run_inputs(case)
+    n = kwargs["max_completion_length"]
     if engine == "vllm":
         kwargs.update(use_vllm=True, vllm_mode="colocate")
     else:
-        kwargs.update(generation_kwargs={"min_new_tokens": n})
-    peft_config = None
-    if case.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-    tok = real._tokenizer(real.TINY_QWEN2["vocab_size"], real.TINY_QWEN2["pad_token_id"],
-                          real.TINY_QWEN2["eos_token_id"])
-    data = datasets.Dataset.from_dict({"prompt": real._prompts(case, real.TINY_QWEN2["vocab_size"])})
+        kwargs["generation_kwargs"] = {"min_new_tokens": n}
     rewards = [_reward, _reward_model(config, "cpu")] if reward_model else _reward
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

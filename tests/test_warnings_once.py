@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_QWEN2
+from conftest import TINY_QWEN2, save_bpe_qwen2_tokenizer
 
 from advisor.cli import main
 
@@ -29,18 +29,8 @@ WARNING = "The tokenized prompt is not a prefix of the tokenized prompt+completi
 def model_dir(tmp_path_factory) -> Path:
     """A tiny Qwen2 config.json and a byte-level BPE tokenizer trained on the spot on the words above, saved as
     Qwen2Tokenizer (the class TRL loads; no note of a rebuilt class)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-
-    corpus = [f"{TEXT} {i}" for i in range(200)]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split()) for m in model["merges"]]
     path = tmp_path_factory.mktemp("split-words-qwen2")
-    Qwen2Tokenizer(vocab=model["vocab"], merges=merges).save_pretrained(path)
+    save_bpe_qwen2_tokenizer(path, [f"{TEXT} {i}" for i in range(200)], vocab_size=300)
     (path / "config.json").write_text(json.dumps(TINY_QWEN2))
     return path
 

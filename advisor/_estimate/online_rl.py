@@ -22,16 +22,14 @@ from .._physics import (
     online_build_step,
     online_phase_allocator_bytes,
     online_Reference,
-    online_step_time,
+    online_step_time_on,
     online_vllm_terms,
     online_VllmRefusal,
-    time_constants,
     vllm_Mode,
     vllm_Sleep,
     vllm_TRL_SLEEP_LEVEL,
 )
 from .._physics import online_device_peak as device_peak
-from .._physics import peak_flops as _peak_flops
 from ..errors import ConfigError
 from ..measurement import Category, Measurement, Source, Status
 from ..space import Optimizer, Precision
@@ -237,16 +235,8 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
                               f"{with_sleep / 2**30:.2f} GiB instead of {device / 2**30:.2f} GiB (vllm.py asleep)")
     # step time: the training passes of the shared step-time model, plus online RL's own terms
     arch = architecture(workload.model)
-    tc = time_constants(gpu)
     train = expected_step_time(proxy, arch, sft_c, parts.batch, parts.offload_volume)
-    dense = arch.decoder_linear + arch.vocab * arch.hidden
-    from .._physics import interconnect
-
-    timed = online_step_time(step, tc, train_s=train.step_s, dense_params=dense,
-                             interconnect_bytes_s=interconnect(gpu).intra_gbs * 1e9 if cuda else None,
-                             peak_flops=_peak_flops(gpu, c.precision.value),
-                             vllm_weights_bytes=step.vllm.weights_bytes if step.vllm is not None else None,
-                             vllm_waves=getattr(vllm, "waves", 1))
+    timed = online_step_time_on(step, gpu, arch, precision=c.precision.value, train_s=train.step_s, vllm=vllm)
     notes += [
         f"peak in the {phases[at].phase} phase; per phase (allocator + outside it, bytes): "
         + ", ".join(f"{p} {dp.allocator[p]:,} + {dp.outside_allocator[p]:,}" for p in dp.allocator),

@@ -78,7 +78,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "online_VllmTerms", "online_VllmRefusal", "online_OnlineDevicePeak", "online_OnlineTime",
         "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes", "online_vllm_terms",
         "online_vllm_profile_activation_bytes", "online_startup_bytes", "online_device_peak", "online_step_time",
-        "online_constants", "online_PHASES", "online_vllm_side", "online_colocated_vllm", "online_build_step",
+        "online_step_time_on", "online_constants", "online_PHASES", "online_vllm_side", "online_colocated_vllm",
+        "online_build_step",
     )},
 }
 

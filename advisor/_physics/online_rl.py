@@ -743,3 +743,18 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
     terms = {"generation": gens * (prefill + decode), "weight_sync": syncs * sync, "scoring_forwards": gens * scoring,
              "training": float(train_s)}
     return OnlineTime({k: v for k, v in terms.items()}, step.trained_tokens_per_step, tuple(notes))
+
+
+def step_time_on(step: OnlineStep, gpu: Any, arch: Any, *, precision: str, train_s: float,
+                 vllm: VllmTerms | None = None) -> OnlineTime:
+    """`step_time` on the target `gpu` (a GPUSpec): its time constants, peak FLOPs at `precision`, its interconnect
+    (a served vLLM's weight sync; None on a CPU target), the dense parameters of `arch` (decoder linears + the head),
+    vLLM's weights and KV-cache rounds from `step` and `vllm`. What the estimate and the simulator both call."""
+    from . import interconnect, peak_flops, time_constants
+
+    return step_time(step, time_constants(gpu), train_s=train_s,
+                     dense_params=arch.decoder_linear + arch.vocab * arch.hidden,
+                     interconnect_bytes_s=interconnect(gpu).intra_gbs * 1e9 if gpu.is_cuda else None,
+                     peak_flops=peak_flops(gpu, precision),
+                     vllm_weights_bytes=step.vllm.weights_bytes if step.vllm is not None else None,
+                     vllm_waves=getattr(vllm, "waves", 1))

@@ -67,7 +67,6 @@ class IncompleteGeneration(RuntimeError):
 def full_length_generate(model: torch.nn.Module, shadow: DataShadow) -> Iterator[None]:
     """While inside (with `shadow` entered above the tracker), `model.generate` runs every sequence to its maximum
     length on fake tensors and its output ids are known to `shadow`. Restores `model.generate` on exit."""
-    had = "generate" in vars(model)
     original = model.generate
     token = filler_token(model)
 
@@ -87,14 +86,24 @@ def full_length_generate(model: torch.nn.Module, shadow: DataShadow) -> Iterator
                 f"values")
         return out
 
+    with generate_replaced(model, generate):
+        yield
+
+
+@contextlib.contextmanager
+def generate_replaced(model: torch.nn.Module, generate: Any) -> Iterator[None]:
+    """`model.generate` is `generate` (an instance attribute) while inside; on exit the model's own again: the
+    instance attribute it had, or none, so the class's method shows again."""
+    had = "generate" in vars(model)
+    own = vars(model).get("generate")
     model.generate = generate
     try:
         yield
     finally:
         if had:
-            model.generate = original
+            model.generate = own
         else:
-            del model.generate  # the instance attribute: the class's method shows again
+            del model.generate
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ from ..errors import AdvisorError, UsageError
 from ..measurement import Category
 from ..trainers.phases import PhaseKind
 from .fake_step import BatchFacts, ScalarOracle, _frozen_heap, _label_training_state, _materialise, real_path_patches
-from .generation import IncompleteGeneration, filler_token
+from .generation import IncompleteGeneration, filler_token, generate_replaced
 from .shadow import DataShadow
 from .tracker import StorageTracker
 
@@ -473,7 +473,6 @@ def _generate_extrapolated(model: torch.nn.Module, shadow: DataShadow, tracker: 
                            decode_lengths: tuple[int, int] | None, record: list) -> Iterator[None]:
     """`model.generate` on fake tensors, every completion at its maximum length (full_length_generate's rules), its
     peak inside generate extrapolated from `decode_lengths` (None: the full decode loop)."""
-    had = "generate" in vars(model)
     original = model.generate
     token = filler_token(model)
 
@@ -537,14 +536,8 @@ def _generate_extrapolated(model: torch.nn.Module, shadow: DataShadow, tracker: 
         record.append(GenerateExtrapolation(full, tuple(sorted(decode_lengths)), slope, peak))
         return out
 
-    model.generate = generate
-    try:
+    with generate_replaced(model, generate):
         yield
-    finally:
-        if had:
-            model.generate = original
-        else:
-            del model.generate
 
 
 def _check_full(seqs: torch.Tensor, target: int, shadow: DataShadow) -> None:

@@ -69,10 +69,9 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         cublas_workspace_bytes,
         online_build_step,
         online_device_peak,
-        online_step_time,
+        online_step_time_on,
         online_vllm_terms,
         online_VllmRefusal,
-        time_constants,
     )
     from .modelled import runnable
 
@@ -185,16 +184,8 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
                    f"{step.sleep.value}: vllm.py asleep, vLLM's CuMemAllocator.sleep unmaps its weights and KV cache)")
                 + f"; its KV cache takes the generation batch in {vllm.waves} round(s)")
     # step time: the training passes costed from the fake run's own ops, online RL's terms from the physics
-    tc = time_constants(target)
-    from .._physics import interconnect
-    from .._physics import peak_flops as _peak_flops
-
-    dense = arch.decoder_linear + arch.vocab * arch.hidden
-    timed = online_step_time(step, tc, train_s=built.train_s, dense_params=dense,
-                             interconnect_bytes_s=interconnect(target).intra_gbs * 1e9 if cuda else None,
-                             peak_flops=_peak_flops(target, candidate.precision.value),
-                             vllm_weights_bytes=step.vllm.weights_bytes if step.vllm is not None else None,
-                             vllm_waves=getattr(vllm, "waves", 1))
+    timed = online_step_time_on(step, target, arch, precision=candidate.precision.value, train_s=built.train_s,
+                                vllm=vllm)
     notes.append(f"time: the training passes ({built.train_s:.4g} s a step) from the fake run's ops of the last "
                  f"optimizer step's micro-steps ({built.timed_ops:,d} ops in {built.timed_micro_steps}), TRAIN phase "
                  "only (advisor/_sim/timing_hook.py, the step-time model "
