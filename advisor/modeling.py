@@ -77,6 +77,34 @@ def save_random_model(spec: ModelSpec, directory: str | Path, candidate: Candida
     return directory
 
 
+def reward_model_config(spec: ModelSpec, pad_token_id: int):
+    """The config of a reward model given as a model (`--reward-model`): `trl grpo` / `trl rloo` load
+    `reward_model_name_or_path` with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1) (GRPOTrainer
+    / RLOOTrainer.__init__); the pad token is the reward tokenizer's where the config has none."""
+    from transformers import AutoConfig
+
+    cfg = dict(spec.config)
+    cfg.pop("architectures", None)
+    config = AutoConfig.for_model(**{**cfg, "num_labels": 1})
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = pad_token_id
+    return config
+
+
+def save_random_reward_model(spec: ModelSpec, directory: str | Path) -> Path:
+    """Save a reward model of `spec`'s architecture with random weights, so the trainer loads it by path as
+    `trl grpo` loads `reward_model_name_or_path` (its dtype and attention from model_init_kwargs). Its tokenizer is
+    placeholder_tokenizer(spec), given as the reward processing class (AutoTokenizer would read a saved one beside a
+    config.json by the model type's class, e.g. Qwen2Tokenizer, which drops a word-level vocabulary)."""
+    from transformers import AutoModelForSequenceClassification
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = reward_model_config(spec, placeholder_tokenizer(spec).pad_token_id)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def placeholder_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
     """A tokenizer whose vocabulary covers the model's ids, for pre-tokenized data.
 

@@ -31,18 +31,33 @@ def test_cpu_probe_runs_the_real_online_trainer(trainer, tiny_model, cpu_target)
     assert m.trained_tokens_per_step == 4 * 8
 
 
-def test_the_probe_refuses_a_reward_model_it_would_leave_out(tiny_model, cpu_target):
+def test_the_probe_loads_a_reward_model_and_simulate_predicts_it(tiny_model, cpu_target):
+    """--reward-model: the probe's child loads one of its architecture by path, as `trl grpo` loads
+    reward_model_name_or_path, resident and run on every completion; the whole chain (simulate(), which builds it on
+    meta) predicts that real peak, and the real run holds the reward model's bytes beyond the run without it (a probe
+    that silently left it out would read the lower peak)."""
     import dataclasses
 
-    from advisor.errors import ConfigError
     from advisor.probing.runner import probe
+    from advisor.simulator import simulate
     from advisor.trainers.prompts import synthetic_prompts
     from advisor.workload import Goals, Workload
 
-    wl = Workload(model=tiny_model, gpu=cpu_target, dataset=synthetic_prompts(1024, rows=16, median=32, max_len=64),
-                  goals=Goals(), trainer="grpo", reward_model=dataclasses.replace(tiny_model, name="org/rm"))
-    with pytest.raises(ConfigError, match="--reward-model org/rm: the probe's child does not load reward models"):
-        probe(wl, Candidate(), "cpu", steps=1, warmup=0)
+    wide = dataclasses.replace(tiny_model, name="org/rm", config={**tiny_model.config, "intermediate_size": 512})
+    plain = Workload(model=tiny_model, gpu=cpu_target, dataset=synthetic_prompts(1024, rows=16, median=32, max_len=64),
+                     goals=Goals(), trainer="grpo")
+    wl = dataclasses.replace(plain, reward_model=wide)
+    cand = with_knobs(Candidate(per_device_train_batch_size=4, expandable_segments=False), num_generations=2,
+                      max_completion_length=8)
+    real = probe(wl, cand, "cpu", steps=1, warmup=1, timeout_s=300)
+    assert real.status is Status.OK, real.message
+    assert any(n.startswith("--reward-model org/rm: a reward model of its architecture") for n in real.notes)
+    sim, without = simulate(wl, cand), simulate(plain, cand)
+    assert sim.status is Status.OK and without.status is Status.OK
+    assert sim.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01)
+    rm_bytes = sim.peak_bytes - without.peak_bytes
+    assert rm_bytes > 0.5e6  # the reward model's float32 weights (a 512-wide MLP), beyond the same run without it
+    assert real.peak_bytes - without.peak_bytes >= 0.9 * rm_bytes
 
 
 @pytest.mark.parametrize("trainer,knobs", [("grpo", {}), ("rloo", {})])

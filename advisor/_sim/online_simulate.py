@@ -257,16 +257,13 @@ def _reward_model(workload: Workload, dtype: Any) -> tuple[Any, Any]:
     if spec is None:
         return None, None
     import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
+    from ..modeling import reward_model_config
     from .depth import _tokenizer
 
-    cfg = dict(spec.config)
-    cfg.pop("architectures", None)
-    config = AutoConfig.for_model(**{**cfg, "num_labels": 1})
     tok = _tokenizer(spec)
-    if getattr(config, "pad_token_id", None) is None:
-        config.pad_token_id = tok.pad_token_id
+    config = reward_model_config(spec, tok.pad_token_id)
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
     model.config._name_or_path = spec.name

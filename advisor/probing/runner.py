@@ -124,12 +124,9 @@ def job_dict(
         "memory_budget_bytes": memory_budget_bytes,
         "weights": weights,
         "candidate": candidate.to_dict(),
-        "model": {
-            "name": workload.model.name,
-            "config": dict(workload.model.config),
-            "source": workload.model.source,
-            "local_dir": str(workload.model.local_dir) if workload.model.local_dir else None,
-        },
+        "model": _model_dict(workload.model),
+        # --reward-model (online RL): resident beside the policy; the child loads one of its architecture
+        "reward_model": _model_dict(workload.reward_model) if workload.reward_model is not None else None,
         "gpu": dataclasses.asdict(workload.gpu),
         "goals": goals_to_dict(workload.goals),
         # what names the workload (as a baseline or a study does); the child rebuilds from the values above
@@ -147,6 +144,11 @@ def job_dict(
         "num_gpus": workload.num_gpus,
         "parallelism": candidate.parallelism.value,
     }
+
+
+def _model_dict(spec: Any) -> dict[str, Any]:
+    return {"name": spec.name, "config": dict(spec.config), "source": spec.source,
+            "local_dir": str(spec.local_dir) if spec.local_dir else None}
 
 
 def probe(
@@ -186,10 +188,6 @@ def probe(
         problems.append(f"--timeout {timeout_s}: must be a positive number of seconds")
     if memory_budget_bytes is not None and memory_budget_bytes <= 0:
         problems.append(f"--memory-budget {memory_budget_bytes}: must be positive, e.g. 40GB")
-    if getattr(workload, "reward_model", None) is not None:  # never a run without it measured silently for one with
-        problems.append(f"--reward-model {workload.reward_model.name}: the probe's child does not load reward models "
-                        "yet (its run would leave the resident reward model out); probe without --reward-model, or "
-                        "use --backend estimate, which counts it")
     world = workload.num_gpus
     if world > 1:  # several ranks (issue 16): never one GPU measured silently for N
         problems.extend(_world_problems(workload, candidate, backend))

@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +88,21 @@ def _random_model(spec, jobdir: Path, candidate, rank: int, heartbeat: Heartbeat
     """Rank 0 saves the random model once; the other ranks wait for it (rank 0's heartbeat keeps the timeout)."""
     from ..modeling import save_random_model
 
-    path, ready = jobdir / "model", jobdir / "model.ready"
+    return _saved_once(jobdir / "model", rank, lambda path: save_random_model(spec, path, candidate))
+
+
+def _random_reward_model(spec, jobdir: Path, rank: int) -> str:
+    """--reward-model: one of its architecture with random weights, saved once, which the trainer loads by path as
+    `trl grpo` loads reward_model_name_or_path (resident beside the policy, run on every completion)."""
+    from ..modeling import save_random_reward_model
+
+    return _saved_once(jobdir / "reward_model", rank, lambda path: save_random_reward_model(spec, path))
+
+
+def _saved_once(path: Path, rank: int, save: Callable[[Path], Any]) -> str:
+    ready = path.with_name(path.name + ".ready")
     if rank == 0:
-        save_random_model(spec, path, candidate)
+        save(path)
         ready.touch()
     else:
         while not ready.exists():
@@ -152,9 +165,12 @@ def _rebuild(job: dict[str, Any]):
     from ..trainers import DEFAULT, get_trainer
     from ..workload import Goals, GPUSpec, ModelSpec, Workload
 
-    m = job["model"]
-    spec = ModelSpec(name=m["name"], config=m["config"], source=m["source"],
-                     local_dir=Path(m["local_dir"]) if m.get("local_dir") else None)
+    def model_spec(m: dict[str, Any]) -> ModelSpec:
+        return ModelSpec(name=m["name"], config=m["config"], source=m["source"],
+                         local_dir=Path(m["local_dir"]) if m.get("local_dir") else None)
+
+    spec = model_spec(job["model"])
+    reward_model = model_spec(job["reward_model"]) if job.get("reward_model") else None
     gpu_fields = dict(job["gpu"])
     gpu_fields["aliases"] = tuple(gpu_fields.get("aliases") or ())
     d = job["dataset"]
@@ -162,7 +178,7 @@ def _rebuild(job: dict[str, Any]):
     dataset = trainer.dataset_from_rows(d["name"], d["source"], tuple(d["rows"]), dataset_name=d.get("dataset_name"),
                                         completion_only_loss=d.get("completion_only_loss"))
     workload = Workload(model=spec, gpu=GPUSpec(**gpu_fields), dataset=dataset, goals=Goals(**job["goals"]),
-                        trainer=trainer.name)
+                        trainer=trainer.name, reward_model=reward_model)
     return workload, Candidate.from_dict(job["candidate"])
 
 
@@ -360,6 +376,14 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         report_to="none", save_strategy="no", logging_strategy="steps", logging_steps=total,
         train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True, seed=0,
     )
+    own = dict(getattr(kind, "trainer_kwargs", lambda w, c: {})(workload, candidate))  # its own (online RL: rewards)
+    if workload.reward_model is not None:  # saved now; the trainer loads it under the meter, as the policy: counted
+        funcs = list(own.get("reward_funcs", []))
+        own["reward_funcs"] = [*funcs, _random_reward_model(workload.reward_model, jobdir, rank)]
+        own["reward_processing_classes"] = [None] * len(funcs) + [placeholder_tokenizer(workload.reward_model)]
+        notes.append(f"--reward-model {workload.reward_model.name}: a reward model of its architecture with random "
+                     "weights, loaded by the trainer from a path as trl grpo loads reward_model_name_or_path "
+                     "(AutoModelForSequenceClassification, num_labels=1, model_init_kwargs)")
     meter = StepMeter(cuda, heartbeat, fault)
     prof = None
     if not cuda:
@@ -367,8 +391,7 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     trainer = _trainer_class(meter, kind, shard=(rank, world) if cpu_fsdp2 else None)(
         model=model_path, args=config, train_dataset=train_dataset, processing_class=tokenizer,
         peft_config=kind.peft_config(candidate, spec), quantization_config=quantization_config(candidate),
-        callbacks=[_callback(meter)],
-        **getattr(kind, "trainer_kwargs", lambda w, c: {})(workload, candidate),  # its own (online RL: rewards)
+        callbacks=[_callback(meter)], **own,
     )
     if cpu_fsdp2:  # accelerate's own fsdp2_prepare_model on the gloo mesh, before train() builds the optimizer
         from ..parallelism import Layout

@@ -419,7 +419,7 @@ class OnlineRLTrainer(TrlTrainer):
     def trainer_kwargs(self, workload: Workload, candidate: Candidate) -> dict[str, Any]:
         """What a measured run (the probe's child) passes `<Trainer>(...)` beyond the shared arguments: the reward.
         The emitted default, built as trl grpo builds it (REWARD_REGISTRY): a host function, no device memory. A
-        reward model given by --reward-model is not loaded by the probe (the notes say so)."""
+        reward model given by --reward-model is the probe's to add (it loads one of its architecture by path)."""
         from trl.rewards import get_soft_overlong_punishment
 
         return {"reward_funcs": [get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)]}
