@@ -8,7 +8,8 @@ rules; what fake tensors cannot run is modelled and noted.
 
 Online RL (GRPO, RLOO: a trainer declaring `ClosedForm.ONLINE_RL`) runs TRL's own `train()` at full depth instead,
 generation, scoring and training (advisor/_sim/online_simulate.py over advisor/_sim/online_rl.py), with colocated
-vLLM's share of the card modelled by the physics (advisor/_physics/online_rl.py).
+vLLM's share of the card modelled by the physics (advisor/_physics/online_rl.py); on several GPUs one rank under DDP
+(`_online_rank`), a sharded layout the estimate's closed form, saying so.
 
 `simulate_per_rank()` is one rank of N GPUs: FSDP2 on the fake process group, DDP and ZeRO as the single-GPU
 run with their model states in closed form, the collectives' time over the interconnect.
@@ -230,12 +231,17 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     from .trainers.phases import ClosedForm
 
     kind = get_trainer(getattr(workload, "trainer", "sft"))
-    if kind.closed_form is ClosedForm.ONLINE_RL:  # the step's kind it declares: generation inside the step
-        raise ConfigError([f"num_gpus={num_gpus}: the simulate backend runs {kind.trainer_name}.train() on one GPU "
-                           "only (its generation batch and vLLM's weight sync across ranks are not simulated yet); "
-                           "use --backend estimate for several GPUs, or simulate with --num-gpus 1"],
-                          context="simulate")
-    if parallelism.strategy is Strategy.FSDP2:
+    online = kind.closed_form is ClosedForm.ONLINE_RL  # the step's kind it declares: generation inside the step
+    if online:
+        m, simulated = _online_rank(workload, candidate, parallelism, num_gpus, target, kind, steps)
+        if not simulated:  # the estimate's closed form is per rank and global already (its source says estimate)
+            device = m.device_bytes or m.peak_bytes
+            fits = device <= workload.budget_bytes
+            return dataclasses.replace(m, status=Status.OK if fits else Status.OOM, message="" if fits else
+                                       f"device peak {device} B over budget {workload.budget_bytes} B per rank")
+        m, more = _modelled_rank(m, workload, candidate, parallelism, num_gpus)
+        notes.extend(more)
+    elif parallelism.strategy is Strategy.FSDP2:
         # at full depth: FSDP2's prefetch pairs each layer's gathered parameters with the next layer's work, which
         # the layer-by-layer extrapolation (advisor/_sim/layers.py) does not split (NotSeparable)
         with fake_process_group(num_gpus) as mesh, fsdp2_sharding(mesh, parallelism, candidate.precision.value):
@@ -266,7 +272,9 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     # the layout's device copies and this rank's optimizer share (the closed form for what the fake run does not do)
     m = apply_layout_traffic(m, workload, candidate, parallelism, num_gpus, target,
                              gathers_simulated=parallelism.strategy is Strategy.FSDP2)
-    comm = _comm(workload, candidate, parallelism, target, num_gpus, num_machines, m)
+    # the gradients' all-reduce overlaps the backward: online RL's generation and scoring hide none of it
+    hiding = dataclasses.replace(m, step_time_s=m.time_breakdown.get("training")) if online else m
+    comm = _comm(workload, candidate, parallelism, target, num_gpus, num_machines, hiding)
     host = offload_time_s(workload, candidate, parallelism, num_gpus) if target.is_cuda else 0.0
     if host:
         notes.append(f"CPU offload: {host:.3g} s a step added (the host optimizer step and the gradients' copies, "
@@ -288,6 +296,40 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
         time_breakdown=times, notes=tuple(m.notes) + tuple(notes),
         message="" if status is Status.OK else f"device peak {device} B over budget {workload.budget_bytes} B per rank",
     )
+
+
+def _online_rank(workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int, target: Any, kind: Any,
+                 steps: int) -> tuple[Any, bool]:
+    """One rank of an online RL run (GRPO, RLOO) on `num_gpus` ranks, and whether it was simulated.
+
+    Under DDP each rank generates, scores and trains its own share, per_device_train_batch_size x
+    steps_per_generation completions (TRL's RepeatSampler deals the prompts; colocated vLLM generates on each rank's
+    share of its card; a served one is pushed to from rank 0), so the rank runs the single-GPU step at its per-device
+    settings (`simulate`), to which `_modelled_rank` adds DDP's gradient buckets. What the fake run does not do yet,
+    a sharded layout (ZeRO-3's ds3_gather_for_generation, FSDP2's per-layer gathers while generating, which phase
+    holds which shards) or a group of num_generations spanning ranks (TRL checks the rule on one process), is the
+    estimate's closed form (advisor/_estimate/online_rl.py, which shards the model states per phase), its source
+    saying so: modelled, not run."""
+    k = kind.knobs(candidate)
+    local = candidate.per_device_train_batch_size * k.steps(candidate)
+    why = ""
+    if parallelism.strategy is not Strategy.DDP:
+        why = (f"{parallelism.strategy.value}: the fake run of {kind.trainer_name}.train() on several GPUs is DDP's "
+               "only (a sharded layout's gathers for generation are not simulated yet)")
+    elif local % k.num_generations:
+        why = (f"a rank's generation batch of {local} completions is not a multiple of num_generations="
+               f"{k.num_generations}, so a group spans ranks, which the one-process fake run does not run")
+    if why:
+        from .estimator import estimate
+
+        m = estimate(workload, candidate)
+        return dataclasses.replace(m, notes=(*m.notes, f"not simulated, the estimate's closed form instead: {why}")
+                                   ), False
+    m = simulate(workload, candidate, target, steps=steps)
+    note = (f"online RL on {num_gpus} ranks under DDP: this rank's generation, scoring and training run as one GPU's "
+            f"at the per-device settings ({local} completions a generation); the other ranks the same; the "
+            "gradients' all-reduce below")
+    return dataclasses.replace(m, notes=(*m.notes, note)), True
 
 
 def _modelled_rank(m: Any, workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int):

@@ -8,6 +8,7 @@ the CPU), vLLM's refusals as typed OOM outcomes naming the cause, sleep mode and
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import warnings
 
@@ -36,7 +37,7 @@ def _candidate(**knobs):
     get_trainer("grpo")  # the online knobs are declared by the trainer modules
     base = Candidate(per_device_train_batch_size=4, expandable_segments=False, activation_checkpointing=False,
                      precision=Precision.FP32, optim=Optimizer.ADAMW_TORCH)
-    return with_knobs(base, num_generations=2, max_completion_length=C, **knobs)
+    return with_knobs(base, **{"num_generations": 2, "max_completion_length": C, **knobs})
 
 
 def _by_hand(workload, candidate):
@@ -161,12 +162,42 @@ def test_cli_simulate_and_suggest(tmp_path, tiny_config, capsys):
     assert yaml.safe_load(out.read_text())["max_completion_length"] == C
 
 
-def test_several_gpus_are_refused_by_name(tiny_model, h100_target):
-    from advisor.errors import ConfigError
+def test_several_gpus_under_ddp_add_the_buckets_and_count_every_rank(tiny_model, h100_target):
+    """One rank under DDP: the single-GPU step at the per-device settings plus DDP's gradient buckets (one more copy
+    of the trainable gradients); throughput counts every rank. (Against a real 2-rank gloo run:
+    tests/test_grpo_probe.py.)"""
+    from advisor.parallelism import Parallelism, Strategy
+    from advisor.simulator import simulate, simulate_per_rank
+
+    wl, cand = _workload(tiny_model, h100_target), _candidate()
+    one = simulate(wl, cand)
+    two = simulate_per_rank(wl, cand, num_gpus=2, parallelism=Parallelism(strategy=Strategy.DDP))
+    assert one.status is Status.OK and two.status is Status.OK, (one.message, two.message)
+    grads = two.breakdown[Category.GRADIENTS.value] - one.breakdown.get(Category.GRADIENTS.value, 0)
+    assert grads > 0 and two.peak_bytes == one.peak_bytes + grads
+    assert two.trained_tokens_per_step == 2 * one.trained_tokens_per_step
+    assert any("online RL on 2 ranks under DDP" in n for n in two.notes)
+
+
+@pytest.mark.parametrize("strategy,knobs,says", [
+    ("fsdp2", {}, "fsdp2: the fake run of GRPOTrainer.train() on several GPUs is DDP's only"),
+    ("ddp", {"num_generations": 8}, "a rank's generation batch of 4 completions is not a multiple of "
+                                    "num_generations=8"),
+])
+def test_what_several_gpus_do_not_simulate_is_the_estimate_saying_so(tiny_model, h100_target, strategy, knobs, says):
+    """Never a crash nor a silent stand-in: what the fake run does not do on several GPUs (a sharded layout, a group
+    spanning ranks) is the estimate's closed form, its source `estimate` and a note naming why."""
+    from advisor.estimator import estimate
+    from advisor.measurement import Source
+    from advisor.parallelism import Parallelism, Strategy
     from advisor.simulator import simulate_per_rank
 
-    with pytest.raises(ConfigError, match="num_gpus=2: the simulate backend runs GRPOTrainer.train"):
-        simulate_per_rank(_workload(tiny_model, h100_target), _candidate(), num_gpus=2)
+    wl = dataclasses.replace(_workload(tiny_model, h100_target), num_gpus=2)
+    cand = _candidate(**knobs).replace(parallelism=strategy)
+    m = simulate_per_rank(wl, cand, num_gpus=2, parallelism=Parallelism(strategy=Strategy(strategy)))
+    assert m.source is Source.ESTIMATE and m.status is Status.OK
+    assert any(n.startswith("not simulated, the estimate's closed form instead: ") and says in n for n in m.notes)
+    assert m.peak_bytes == estimate(wl, cand).peak_bytes
 
 
 def test_a_reward_model_given_as_a_model_is_resident(tiny_model, cpu_target):

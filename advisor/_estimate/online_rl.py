@@ -268,11 +268,19 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
         "gradient_accumulation_steps x max_completion_length) over the step's time end to end",
     ]
     terms = {**{k: v for k, v in train.terms.items()}, **{k: v for k, v in timed.terms.items() if k != "training"}}
-    step_s = timed.step_s
+    step_s, trained = timed.step_s, timed.trained_tokens_per_step
+    if workload.num_gpus > 1:  # global throughput, as the SFT estimate: every training rank's completions, plus
+        # the collectives' time the training passes do not hide (generation and scoring hide none of it)
+        from .._physics import estimate_rank_time
+
+        with_comm, trained, exposed, comm_note = estimate_rank_time(workload, c, train.step_s, trained)
+        step_s += with_comm - train.step_s
+        terms["communication_exposed"] = exposed
+        notes.append(comm_note)
     return Measurement(
         status=Status.OK, source=Source.ESTIMATE, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device,
         breakdown=breakdown, step_time_s=step_s,
-        tokens_per_second=timed.tokens_per_second, trained_tokens_per_step=timed.trained_tokens_per_step,
+        tokens_per_second=trained / step_s if step_s > 0 else None, trained_tokens_per_step=trained,
         time_breakdown=terms, worst_step_time_s=step_s,
         peak_batch=f"{step.per_device_train_batch_size}x{step.sequence_length} ({step.generation_batch} generated)",
         notes=tuple(notes), outside_allocator_bytes=outside,
