@@ -69,12 +69,33 @@ def _estimate(workload: Workload, candidate: Candidate) -> Measurement:
 
 def _simulate(workload: Workload, candidate: Candidate) -> Measurement:
     if workload.num_gpus > 1:  # one rank of N (issue 16), the candidate's parallelism
+        from .errors import NotSimulated
         from .simulator import simulate_per_rank
 
-        return simulate_per_rank(workload, candidate, parallelism=candidate.parallelism.parallelism)
+        try:
+            return simulate_per_rank(workload, candidate, parallelism=candidate.parallelism.parallelism)
+        except NotSimulated as why:  # what the fake run does not do yet: the estimate's closed form, saying so
+            return _estimated_instead(workload, candidate, why.reason)
     from .simulator import simulate
 
     return simulate(workload, candidate)
+
+
+def _estimated_instead(workload: Workload, candidate: Candidate, reason: str) -> Measurement:
+    """The estimate of `candidate` (its source `estimate`: modelled, not run), with the simulate backend's verdict
+    against the per-rank budget and a note naming what was not simulated."""
+    import dataclasses
+
+    from .estimator import estimate
+    from .measurement import Status
+
+    m = estimate(workload, candidate)
+    device = m.device_bytes or m.peak_bytes
+    fits = device <= workload.budget_bytes
+    return dataclasses.replace(
+        m, status=Status.OK if fits else Status.OOM,
+        message="" if fits else f"device peak {device} B over budget {workload.budget_bytes} B per rank",
+        notes=(*m.notes, f"not simulated, the estimate's closed form instead: {reason}"))
 
 
 def _probe(kind: str) -> Measure:

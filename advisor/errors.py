@@ -28,6 +28,15 @@ class ConfigError(UsageError):
         super().__init__(message)
 
 
+class NotSimulated(ConfigError):
+    """What the simulate backend does not run yet (`reason`), for a configuration the estimate's closed form covers:
+    the simulate backend answers it with the estimate, saying so."""
+
+    def __init__(self, reason: str, *, context: str = "simulate"):
+        self.reason = reason
+        super().__init__([f"{reason}; --backend estimate answers it in closed form"], context=context)
+
+
 class UnknownModelError(UsageError):
     """A model id, directory or config.json that cannot be resolved."""
 

@@ -9,7 +9,7 @@ rules; what fake tensors cannot run is modelled and noted.
 Online RL (GRPO, RLOO: a trainer declaring `ClosedForm.ONLINE_RL`) runs TRL's own `train()` at full depth instead,
 generation, scoring and training (advisor/_sim/online_simulate.py over advisor/_sim/online_rl.py), with colocated
 vLLM's share of the card modelled by the physics (advisor/_physics/online_rl.py); on several GPUs one rank under DDP
-(`_online_rank`), a sharded layout the estimate's closed form, saying so.
+(`_online_rank`; what it does not run raises NotSimulated, which the simulate backend answers with the estimate).
 
 `simulate_per_rank()` is one rank of N GPUs: FSDP2 on the fake process group, DDP and ZeRO as the single-GPU
 run with their model states in closed form, the collectives' time over the interconnect.
@@ -233,12 +233,7 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     kind = get_trainer(getattr(workload, "trainer", "sft"))
     online = kind.closed_form is ClosedForm.ONLINE_RL  # the step's kind it declares: generation inside the step
     if online:
-        m, simulated = _online_rank(workload, candidate, parallelism, num_gpus, target, kind, steps)
-        if not simulated:  # the estimate's closed form is per rank and global already (its source says estimate)
-            device = m.device_bytes or m.peak_bytes
-            fits = device <= workload.budget_bytes
-            return dataclasses.replace(m, status=Status.OK if fits else Status.OOM, message="" if fits else
-                                       f"device peak {device} B over budget {workload.budget_bytes} B per rank")
+        m = _online_rank(workload, candidate, parallelism, num_gpus, target, kind, steps)
         m, more = _modelled_rank(m, workload, candidate, parallelism, num_gpus)
         notes.extend(more)
     elif parallelism.strategy is Strategy.FSDP2:
@@ -299,37 +294,32 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
 
 
 def _online_rank(workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int, target: Any, kind: Any,
-                 steps: int) -> tuple[Any, bool]:
-    """One rank of an online RL run (GRPO, RLOO) on `num_gpus` ranks, and whether it was simulated.
+                 steps: int) -> Any:
+    """One rank of an online RL run (GRPO, RLOO) on `num_gpus` ranks under DDP: each rank generates, scores and
+    trains its own share, per_device_train_batch_size x steps_per_generation completions (TRL's RepeatSampler deals
+    the prompts; colocated vLLM generates on each rank's share of its card; a served one is pushed to from rank 0),
+    so the rank runs the single-GPU step at its per-device settings (`simulate`), to which `_modelled_rank` adds
+    DDP's gradient buckets. What the fake run does not do yet raises NotSimulated (the simulate backend answers it
+    with the estimate's closed form, saying so): a sharded layout (ZeRO-3's ds3_gather_for_generation, FSDP2's
+    per-layer gathers while generating, which phase holds which shards), or a group of num_generations spanning
+    ranks (TRL checks its rule on one process)."""
+    from .errors import NotSimulated
 
-    Under DDP each rank generates, scores and trains its own share, per_device_train_batch_size x
-    steps_per_generation completions (TRL's RepeatSampler deals the prompts; colocated vLLM generates on each rank's
-    share of its card; a served one is pushed to from rank 0), so the rank runs the single-GPU step at its per-device
-    settings (`simulate`), to which `_modelled_rank` adds DDP's gradient buckets. What the fake run does not do yet,
-    a sharded layout (ZeRO-3's ds3_gather_for_generation, FSDP2's per-layer gathers while generating, which phase
-    holds which shards) or a group of num_generations spanning ranks (TRL checks the rule on one process), is the
-    estimate's closed form (advisor/_estimate/online_rl.py, which shards the model states per phase), its source
-    saying so: modelled, not run."""
     k = kind.knobs(candidate)
     local = candidate.per_device_train_batch_size * k.steps(candidate)
-    why = ""
     if parallelism.strategy is not Strategy.DDP:
-        why = (f"{parallelism.strategy.value}: the fake run of {kind.trainer_name}.train() on several GPUs is DDP's "
-               "only (a sharded layout's gathers for generation are not simulated yet)")
-    elif local % k.num_generations:
-        why = (f"a rank's generation batch of {local} completions is not a multiple of num_generations="
-               f"{k.num_generations}, so a group spans ranks, which the one-process fake run does not run")
-    if why:
-        from .estimator import estimate
-
-        m = estimate(workload, candidate)
-        return dataclasses.replace(m, notes=(*m.notes, f"not simulated, the estimate's closed form instead: {why}")
-                                   ), False
+        raise NotSimulated(f"num_gpus={num_gpus} with {parallelism.strategy.value}: the fake run of "
+                           f"{kind.trainer_name}.train() on several GPUs is DDP's only (a sharded layout's gathers "
+                           "for generation are not simulated yet)")
+    if local % k.num_generations:
+        raise NotSimulated(f"num_gpus={num_gpus}: a rank's generation batch of {local} completions is not a multiple "
+                           f"of num_generations={k.num_generations}, so a group spans ranks, which the one-process "
+                           "fake run does not run")
     m = simulate(workload, candidate, target, steps=steps)
     note = (f"online RL on {num_gpus} ranks under DDP: this rank's generation, scoring and training run as one GPU's "
             f"at the per-device settings ({local} completions a generation); the other ranks the same; the "
             "gradients' all-reduce below")
-    return dataclasses.replace(m, notes=(*m.notes, note)), True
+    return dataclasses.replace(m, notes=(*m.notes, note))
 
 
 def _modelled_rank(m: Any, workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int):

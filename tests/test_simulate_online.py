@@ -9,6 +9,7 @@ the CPU), vLLM's refusals as typed OOM outcomes naming the cause, sleep mode and
 from __future__ import annotations
 
 import dataclasses
+import re
 import tempfile
 import warnings
 
@@ -186,15 +187,19 @@ def test_several_gpus_under_ddp_add_the_buckets_and_count_every_rank(tiny_model,
 ])
 def test_what_several_gpus_do_not_simulate_is_the_estimate_saying_so(tiny_model, h100_target, strategy, knobs, says):
     """Never a crash nor a silent stand-in: what the fake run does not do on several GPUs (a sharded layout, a group
-    spanning ranks) is the estimate's closed form, its source `estimate` and a note naming why."""
+    spanning ranks) is a typed NotSimulated from simulate, which the simulate backend answers with the estimate's
+    closed form, its source `estimate` and a note naming why."""
+    from advisor.errors import NotSimulated
     from advisor.estimator import estimate
     from advisor.measurement import Source
-    from advisor.parallelism import Parallelism, Strategy
+    from advisor.search import get_backend
     from advisor.simulator import simulate_per_rank
 
     wl = dataclasses.replace(_workload(tiny_model, h100_target), num_gpus=2)
     cand = _candidate(**knobs).replace(parallelism=strategy)
-    m = simulate_per_rank(wl, cand, num_gpus=2, parallelism=Parallelism(strategy=Strategy(strategy)))
+    with pytest.raises(NotSimulated, match=re.escape(says)):  # simulate itself: a typed refusal naming why
+        simulate_per_rank(wl, cand, parallelism=cand.parallelism.parallelism)
+    m = get_backend("simulate").measure(wl, cand)  # the search's backend: the estimate, saying so
     assert m.source is Source.ESTIMATE and m.status is Status.OK
     assert any(n.startswith("not simulated, the estimate's closed form instead: ") and says in n for n in m.notes)
     assert m.peak_bytes == estimate(wl, cand).peak_bytes
