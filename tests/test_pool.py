@@ -88,6 +88,33 @@ def misbehaving(workload, candidate):
     return simulate(workload, candidate)
 
 
+def forks_after_a_simulation(workload, candidate):
+    """Simulates (autograd on fake tensors, as every worker does), then forks a child that runs a real backward and
+    says how it went, with the GPUs this worker sees: a worker whose forkserver started autograd's device threads
+    fails the child ("Unable to handle autograd's threading in combination with fork-based multiprocessing")."""
+    import dataclasses
+
+    import torch
+
+    from advisor.simulator import simulate
+
+    m = simulate(workload, candidate)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            x = torch.ones(2, requires_grad=True)
+            (x * 3).sum().backward()
+            os.write(write, b"ok")
+        except BaseException as exc:  # noqa: BLE001
+            os.write(write, f"{type(exc).__name__}: {exc}".encode()[:4000])
+        os._exit(0)
+    os.close(write)
+    said = os.read(read, 4096).decode()
+    os.waitpid(pid, 0)
+    return dataclasses.replace(m, message=f"{said}|{os.environ.get('CUDA_VISIBLE_DEVICES')!r}")
+
+
 def loud(workload, candidate):
     """Says things every way a library can: a warning, a log record, a print, and C-level writes to fds 1, 2."""
     import logging
@@ -135,6 +162,19 @@ def test_pool_measures_what_simulate_measures_in_process_with_the_same_messages(
     said = [messages_of(f) for f in futures]
     assert said == [messages_of(f) for f in local], "the same library messages, with the same counts"
     assert any("padding-free" in text for (_, text) in said[2]), said[2]
+
+
+@pytest.mark.slow
+def test_a_worker_sees_no_gpu_and_its_forks_run_autograd(tiny_workload, backend):
+    """The workers simulate on fake tensors: their forkserver hides the GPUs and initialises autograd's engine with
+    no device, so that neither it nor a worker started autograd's device threads before a fork. With a CUDA build of
+    torch (CI runs this module with one too) every simulation in the workers failed before: the engine counted the
+    GPUs, or the no-op CUDA guard FakeTensorMode installs on a machine without one."""
+    name = backend("pool-forks", forks_after_a_simulation)
+    with open_pool(name, jobs=2) as pool:
+        m = pool.submit(tiny_workload, Candidate(**{**BASE, "per_device_train_batch_size": 2})).result(timeout=300)
+    assert m.ok and m.peak_bytes > 0
+    assert m.message == "ok|''", m.message
 
 
 @pytest.mark.slow

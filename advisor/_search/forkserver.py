@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .pool_child import _WARM_ENV
+from .pool_child import _WARM_ENV, HIDE_GPUS
 
 # What every worker needs imported: the forkserver imports it once, every worker is a fork of that. The last one
 # (pool_child.py, with _WARM_ENV set in the forkserver's environment only) also simulates two tiny candidates
@@ -44,9 +44,10 @@ class Server:
                 if not server_up:
                     ctx.set_forkserver_preload(list(PRELOAD))
                 # What the server (and the tracker) say goes to the log; the variables reach only the server,
-                # which imports the preload from this process's sys.path (a script may have extended it).
+                # which imports the preload from this process's sys.path (a script may have extended it) and
+                # sees no GPU (HIDE_GPUS: why, in pool_child.py).
                 path = os.pathsep.join(p for p in sys.path if p)
-                with fds_to(log), _env(_WARM_ENV, "1"), _env("PYTHONPATH", path):
+                with fds_to(log), _env(_WARM_ENV, "1"), _env("PYTHONPATH", path), _hidden_gpus():
                     forkserver.ensure_running()
                 cls.own_server, cls.own_tracker = not server_up, not tracker_up
             cls.users += 1
@@ -73,6 +74,14 @@ class Server:
                 with contextlib.suppress(Exception):
                     resource_tracker._resource_tracker._stop()
             cls.own_server = cls.own_tracker = False
+
+
+@contextlib.contextmanager
+def _hidden_gpus() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for name in HIDE_GPUS:
+            stack.enter_context(_env(name, ""))
+        yield
 
 
 @contextlib.contextmanager

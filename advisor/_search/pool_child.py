@@ -14,6 +14,9 @@ import sys
 from typing import Any
 
 _WARM_ENV = "ADVISOR_POOL_WARM_FORKSERVER"
+# Set empty in the forkserver's environment (so in every worker's): the workers simulate on fake tensors and never
+# use a GPU, and autograd's engine must count no device when it first runs there (`_autograd_without_threads`).
+HIDE_GPUS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 _WORKLOADS_KEPT = 4  # workloads a worker keeps (by fingerprint); a search uses one
 
 
@@ -25,6 +28,23 @@ def _resolve(ref: str) -> Any:
     return obj
 
 
+def _autograd_without_threads() -> None:
+    """In the forkserver, before anything else runs autograd: one backward on a real CPU tensor, while no device
+    is visible (HIDE_GPUS), so that autograd's engine initialises its device threads, once per process, with none.
+
+    The engine starts a thread per device of every non-CPU device type it counts at its first backward, and from
+    then on a forked child's backward raises "Unable to handle autograd's threading in combination with
+    fork-based multiprocessing". With a CUDA build of torch it counts CUDA's devices: the GPUs on a GPU machine,
+    and on a machine without one, the one device of the no-op CUDA guard that FakeTensorMode installs when it is
+    first entered (`torch._C._ensureCUDADeviceGuardSet`). Either way every simulation in the workers failed. The
+    engine counts only once: initialised here with no device, it starts no thread in the server or its forks,
+    whatever a simulation installs later (the CPU build's engine never counts a device, so nothing changes there)."""
+    import torch
+
+    x = torch.zeros((), requires_grad=True)
+    x.backward()
+
+
 def _warm_up() -> None:
     """In the forkserver: simulate a tiny model's full and LoRA candidate on a CUDA target once, single-threaded
     (no OpenMP pool exists before the fork), so that every worker forks with the simulator's lazy imports and
@@ -32,6 +52,7 @@ def _warm_up() -> None:
     os.environ.pop(_WARM_ENV, None)
     import torch
 
+    _autograd_without_threads()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
