@@ -46,7 +46,9 @@ class FunctionBackend:
     it runs only where a CUDA device is visible; `deterministic`: the same inputs give the same peak, so a
     baseline recorded with it can be checked later; `parallel`: a measurement takes seconds (it runs the training
     step), so the search measures several at once in warm worker processes (advisor/_search/pool.py); a cheap
-    backend runs in the caller, where a worker's start-up would cost more than it saves.
+    backend runs in the caller, where a worker's start-up would cost more than it saves. `runs_here`: it runs the
+    candidate's training on this machine (the real probes), so a candidate needing a package missing here is never
+    given to it (advisor/packages.py).
     """
 
     name: str
@@ -56,6 +58,7 @@ class FunctionBackend:
     needs_gpu: bool = False
     deterministic: bool = True
     parallel: bool = False
+    runs_here: bool = False
 
     def measure(self, workload: Workload, candidate: Candidate) -> Measurement:
         return self.fn(workload, candidate)
@@ -111,8 +114,8 @@ def _probe(kind: str) -> Measure:
 BUILTIN: tuple[FunctionBackend, ...] = (
     FunctionBackend("estimate", _estimate, cost=0, source=Source.ESTIMATE),
     FunctionBackend("simulate", _simulate, cost=1, source=Source.SIMULATE, parallel=True),
-    FunctionBackend("cpu", _probe("cpu"), cost=2, source=Source.PROBE_CPU),
-    FunctionBackend("cuda", _probe("cuda"), cost=3, source=Source.PROBE_CUDA, needs_gpu=True),
+    FunctionBackend("cpu", _probe("cpu"), cost=2, source=Source.PROBE_CPU, runs_here=True),
+    FunctionBackend("cuda", _probe("cuda"), cost=3, source=Source.PROBE_CUDA, needs_gpu=True, runs_here=True),
 )
 _REGISTRY: dict[str, FunctionBackend] = {b.name: b for b in BUILTIN}
 # The real probes' backends: `advisor probe --backend` and `advisor.probe(backend=)` take these names.
@@ -120,12 +123,13 @@ PROBE_BACKENDS = ("cuda", "cpu")
 
 
 def register_backend(name: str, fn: Measure, cost: int = 1, *, source: Source | str = Source.EXTERNAL,
-                     needs_gpu: bool = False, deterministic: bool = True, parallel: bool = False) -> FunctionBackend:
+                     needs_gpu: bool = False, deterministic: bool = True, parallel: bool = False,
+                     runs_here: bool = False) -> FunctionBackend:
     """Plug in a backend (tests register fakes); replaces one of the same name. It is then usable by `suggest`,
     `advisor baseline` and `advisor check` alike."""
     if not name or not isinstance(name, str):
         raise UsageError(f"register_backend(name={name!r}): give a non-empty name")
-    backend = FunctionBackend(name, fn, cost, Source(source), needs_gpu, deterministic, parallel)
+    backend = FunctionBackend(name, fn, cost, Source(source), needs_gpu, deterministic, parallel, runs_here)
     _REGISTRY[name] = backend
     return backend
 

@@ -38,6 +38,7 @@ class EventKind(str, Enum):
     METHOD = "method"  # the pick's method, when not full fine-tuning
     SHOWN_FROM_STORED = "shown-from-stored"  # stored_suggestion: nothing measured
     NO_CONFIRMATION_STORED = "no-confirmation-stored"
+    NOT_INSTALLED = "not-installed"  # a run here: candidates needing a missing package were left out, and the gain
 
 
 _BY_KIND: dict[EventKind, type[Event]] = {}
@@ -178,6 +179,16 @@ class NoConfirmationStored(Event, kind=EventKind.NO_CONFIRMATION_STORED):
     """Nothing but its kind."""
 
 
+class NotInstalled(Event, kind=EventKind.NOT_INSTALLED):
+    """The run is on this machine, so the candidates needing `package` (missing here) were neither measured nor
+    picked: `values` are the knob values it would unlock, `gain` the best of them that fits over the pick, by the
+    estimate corrected on this search's measurements (None: none of them fits)."""
+
+    package: str
+    values: tuple[str, ...]
+    gain: float | None
+
+
 @dataclass(frozen=True)
 class Progress:
     """Reported after every trial (the CLI draws a bar from it)."""
@@ -228,6 +239,19 @@ def _drift(e: ConfirmationDrift) -> str:
             "the chosen one are as good as ties")
 
 
+def _not_installed(e: NotInstalled) -> str:
+    unlock = f"`pip install {e.package}` would unlock {', '.join(e.values)}"
+    if e.gain is None:
+        verdict = "none of those candidates fits the limit"
+    elif e.gain > 0:
+        verdict = f"the best of them that fits is predicted {e.gain:.1%} faster than the pick"
+    else:
+        verdict = f"none is predicted faster than the pick (the best: {-e.gain:.1%} slower)"
+    return (f"{e.package} is not installed here, and the run is on this machine, so the candidates needing it were "
+            f"neither measured nor picked: {unlock}; {verdict} (the estimate, corrected by this search's "
+            "measurements; not measured)")
+
+
 def _library(e: LibraryMessages) -> str:
     shown = "; ".join(m if len(m) <= 240 else m[:239] + "…" for m in e.shown)
     more = f"; {e.total - len(e.shown)} more" if e.total > len(e.shown) else ""
@@ -268,6 +292,7 @@ _TEXT: dict[EventKind, str | Callable[[Any], str]] = {
                                  "measured again",
     EventKind.NO_CONFIRMATION_STORED: "no confirmation is stored for this candidate (the search was interrupted): "
                                       "its numbers are the search's single measurement",
+    EventKind.NOT_INSTALLED: _not_installed,
 }
 if set(_TEXT) != set(EventKind) or set(_BY_KIND) != set(EventKind):
     raise RuntimeError(f"advisor/events.py: every EventKind needs one Event class and one line in _TEXT; classes "

@@ -45,10 +45,10 @@ def build_workload(
     if offline_note:
         notes.append(offline_note)
     spec = resolve_model(model)
+    local = detect_gpu()
     if gpu is None:
-        target = detect_gpu()
-        if target is None:
-            target = resolve_gpu(DEFAULT_GPU)
+        target = local if local is not None else resolve_gpu(DEFAULT_GPU)
+        if local is None:
             notes.append(f"no --gpu given and no local GPU found: assuming {target.name}")
         else:
             notes.append(f"no --gpu given: using the local {target.name}")
@@ -66,7 +66,8 @@ def build_workload(
         notes.append(context)
     scorer = resolve_model(reward_model) if reward_model is not None else None  # its config: resident, counted
     return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
-                    num_gpus=num_gpus, num_machines=num_machines, trainer=trainer, reward_model=scorer)
+                    num_gpus=num_gpus, num_machines=num_machines, trainer=trainer, reward_model=scorer,
+                    local_gpu=local is not None and target.is_cuda and target.name == local.name)
 
 
 def context_note(model: ModelSpec, data: Dataset) -> str | None:

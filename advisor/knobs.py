@@ -338,11 +338,9 @@ def _shown_if_on(field: str) -> Callable[[Candidate], str | None]:
 
 def kernels_available() -> bool:
     """transformers' own check that a compatible `kernels` package is importable (what `use_kernels=True` needs)."""
-    try:
-        from transformers.utils.import_utils import is_kernels_available
-    except ImportError:  # pragma: no cover - transformers 5 has it
-        return False
-    return bool(is_kernels_available())
+    from .packages import installed
+
+    return installed("kernels")
 
 
 # ---- the registry -------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ the estimate's rank).
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from enum import Enum
 
@@ -143,7 +142,9 @@ def search_layouts(num_gpus: int) -> tuple[Layout, ...]:
 
 def deepspeed_available() -> bool:
     """DeepSpeed is an optional extra (`pip install advisor[deepspeed]`)."""
-    return importlib.util.find_spec("deepspeed") is not None
+    from .packages import installed
+
+    return installed("deepspeed")
 
 
 def accumulation_for(global_rows: int, per_device_rows: int, num_gpus: int) -> int:

@@ -69,12 +69,14 @@ from ._search import (
     feasible,
     fit_check,
     fit_correction,
+    installed_space,
     is_storage_failure,
     messages_of,
     method_order,
     needs_at_least,
     next_knob,
     no_fit_message,
+    not_installed,
     open_for_reading,
     open_pool,
     open_search_pool,
@@ -86,6 +88,7 @@ from ._search import (
     space_from_json,
     study_names,
     study_spec,
+    value_requirements,
     walk_parameters,
     with_accumulation,
     work,
@@ -137,6 +140,7 @@ __all__ = [
     "candidate_key", "device_bytes", "feasible", "needs_at_least", "PRUNE_FACTOR",
     # the space and the effective batch
     "default_space", "RowTokens", "default_tokens_per_step", "accumulation_for", "with_accumulation", "StudySpace",
+    "value_requirements",
     # measuring through a pool (--jobs)
     "open_pool", "open_search_pool", "SerialPool", "InProcessPool", "ProcessPool", "check_jobs", "default_jobs",
     "messages_of", "get_backend",
@@ -351,8 +355,13 @@ def suggest(
         events.append(EffectiveBatch(tps, unit))
     smallest: list[tuple[int, Candidate]] = []
     runs: list[StudyRun] = []
-    spaces = {m: StudySpace(workload, apply_pins(default_space(workload, m), pins), tps, rows) for m in order}
-    empty = {m: sp.why_empty() for m, sp in spaces.items()}
+    full = {m: StudySpace(workload, apply_pins(default_space(workload, m), pins), tps, rows) for m in order}
+    spaces, left = dict(full), {}
+    if workload.runs_here or be.runs_here:  # a run on this machine: only what it can import (advisor/packages.py)
+        for m in order:
+            installed, left[m] = installed_space(full[m].space, pins)
+            spaces[m] = StudySpace(workload, installed, tps, rows)
+    empty = {m: left[m].why_empty() if m in left and left[m].emptied else sp.why_empty() for m, sp in spaces.items()}
     if all(empty.values()):  # no method has an admissible candidate: bad input, not "nothing fits"
         why = "; ".join(f"{m.value}: {w}" for m, w in empty.items())
         batch_blocks = workload.num_gpus > 1 and all(w and w.startswith(NO_ACCUMULATION) for w in empty.values())
@@ -395,6 +404,8 @@ def suggest(
                     events.append(AnsweredFromStored(name))
                 elif kept:
                     events.append(StoredAs(name, storage))
+                if left.get(m) and left[m].by_package:
+                    events += not_installed(run, full[m], left[m], entry.candidate)
                 return build_suggestion(workload, runs, entry, confirmed, events, backend_name)
             if not run.ledger.measured and time_budget_s is not None and run.stopped_by_time:
                 raise NoFitError(

@@ -204,7 +204,7 @@ class Candidate:
             # kernels-community/*: loaded from the Hub through `kernels`; flash_attention_N: the flash-attn package
             # (transformers falls back to the Hub kernel only where `kernels` is installed instead)
             out.append(self.attn_implementation.package)
-        return tuple(out)
+        return tuple(dict.fromkeys(out))  # each once (use_kernels and a Hub kernel's attention both need `kernels`)
 
     def quality_cost(self, truncated_fraction: float = 0.0) -> QualityCost:
         """`truncated_fraction` comes from the dataset's length distribution (data.TokenizedDataset)."""

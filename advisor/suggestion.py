@@ -233,8 +233,16 @@ class Suggestion:
 
     @property
     def requirements_note(self) -> str:
+        """What the target must have installed; for a target that is not this machine, which of it this one lacks
+        (a run here left such candidates out: advisor/packages.py)."""
+        from .packages import missing
+
         pkgs = self.candidate.requirements()
-        return f"training with this configuration needs: pip install {' '.join(pkgs)}" if pkgs else ""
+        if not pkgs:
+            return ""
+        absent = missing(pkgs)
+        here = f" ({', '.join(absent)} not installed on this machine: the target must have it)" if absent else ""
+        return f"training with this configuration needs: pip install {' '.join(pkgs)}{here}"
 
     @property
     def truncated_fraction(self) -> float:

@@ -202,6 +202,9 @@ class Workload:
     # a reward model given as a model (online RL's `--reward-model ID`, trl grpo's reward_model_name_or_path): resident
     # on the device beside the policy, so counted; reward functions run on the host and are not
     reward_model: ModelSpec | None = None
+    # the target GPU is this machine's own (build_workload: detected through NVML, or a --gpu naming it): a run has
+    # the packages installed here, so the search leaves out candidates needing one that is missing (`runs_here`)
+    local_gpu: bool = False
 
     def __post_init__(self) -> None:
         check_budget(self.goals, self.gpu)
@@ -214,6 +217,11 @@ class Workload:
             raise ConfigError([f"reward_model={self.reward_model.name!r}: trainer {self.trainer!r} scores with no "
                                f"reward model; use --trainer {' or '.join(takers)}, or drop --reward-model"],
                               context="workload")
+
+    @property
+    def runs_here(self) -> bool:
+        """The target is this machine (its own GPU, or the host CPU): a run can use only what is installed here."""
+        return self.local_gpu or self.gpu.kind == "cpu"
 
     @property
     def budget_bytes(self) -> int:

@@ -26,6 +26,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "no_fit_message": ("answer", "no_fit_message"),
     "empty_message": ("answer", "empty_message"),
     "raise_if_backend_failed": ("answer", "raise_if_backend_failed"),
+    "not_installed": ("answer", "not_installed"),  # what installing a missing package would unlock, and its gain
     # ---- measuring: the evaluator's pool, failures, the pools (evaluator.py, pool.py) -----------------------------
     "open_search_pool": ("evaluator", "_open_pool"),  # the pool a search measures through (SerialPool for objects)
     "SerialPool": ("evaluator", "SerialPool"),
@@ -59,6 +60,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "with_accumulation": ("space", "with_accumulation"),
     "parse_fix": ("space", "parse_fix"),
     "apply_pins": ("space", "apply_pins"),
+    "installed_space": ("space", "installed_space"),  # a run here: without what needs a missing package
+    "value_requirements": ("space", "value_requirements"),
     "method_order": ("space", "method_order"),
     "StudySpace": ("params", "StudySpace"),
     "space_from_json": ("params", "space_from_json"),

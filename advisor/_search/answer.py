@@ -16,6 +16,7 @@ from ..events import (
     Event,
     LibraryMessages,
     MethodUsed,
+    NotInstalled,
     describe,
     render,
 )
@@ -27,7 +28,7 @@ from .evaluator import failure_reason
 from .ledger import Entry, candidate_key, device_bytes, feasible
 from .loop import StudyRun
 from .params import NO_ACCUMULATION, StudySpace
-from .space import BATCH_TOLERANCE, DEFAULT_ROWS_PER_STEP, RowTokens
+from .space import BATCH_TOLERANCE, DEFAULT_ROWS_PER_STEP, LeftOut, RowTokens
 
 _GiB = 2**30
 
@@ -155,6 +156,29 @@ def front(trials: list[Trial], limit: int) -> tuple[Trial, ...]:
             out.append(t)
             best = t.measurement.tokens_per_second or 0
     return tuple(out)
+
+
+def not_installed(run: StudyRun, full: StudySpace, left: LeftOut, pick: Candidate) -> list[NotInstalled]:
+    """For each package a run here lacks, what installing it alone would unlock: the knob values `installed_space`
+    left out, and the best candidate of the whole space needing it (and nothing else missing) that the corrected
+    estimate puts under the limit, against the same estimate of the pick."""
+    from ..packages import missing
+
+    ev = run.evaluator
+    base = ev.predicted(pick)
+    base_tps = base[0] if base else 0.0
+    best: dict[str, float | None] = dict.fromkeys(left.by_package)
+    for cand in full.candidates():
+        gone = missing(cand.requirements())
+        if len(gone) != 1 or gone[0] not in best:
+            continue
+        predicted = ev.predicted(cand)
+        if predicted is None or (predicted[1] is not None and predicted[1] > run.limit):
+            continue
+        best[gone[0]] = max(best[gone[0]] or 0.0, predicted[0])
+    return [NotInstalled(package, tuple(dict.fromkeys(f"{k}={getattr(v, 'value', v)}" for k, v in values)),
+                         None if best[package] is None or not base_tps else best[package] / base_tps - 1.0)
+            for package, values in left.by_package.items()]
 
 
 def build_suggestion(workload: Workload, runs: list[StudyRun], entry: Entry, confirmed: Measurement,

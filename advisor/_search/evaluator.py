@@ -102,23 +102,29 @@ class Evaluator:
             self._correction, self._fitted_on = fidelity.fit(pairs), len(measured)
         return self._correction
 
-    def estimated_tps(self, cand: Candidate) -> float:
-        """The (corrected) estimate's tokens/s; 0 when it cannot price `cand`, -1 when it puts it far over the
-        limit."""
+    def predicted(self, cand: Candidate) -> tuple[float, int | None] | None:
+        """The (corrected) estimate's tokens/s and device bytes of `cand`; None when it cannot price it."""
         est = self.estimate(cand)
         if est is None or not est.ok:
-            return 0.0
+            return None
         corr = self.correction()
         if corr.changes:
             d = corr.device_bytes(est) if self._memory_trusted(cand) else device_bytes(est)
-            if d is not None and d > self.limit * PRUNE_FACTOR:
-                return -1.0
-            return corr.tokens_per_second(est)
-        d = device_bytes(est)
-        # As a backend the estimate is exact about itself: what it puts over the limit does not fit.
-        if d is not None and d > self.limit * (PRUNE_FACTOR if self.prunes else 1.0):
+            return corr.tokens_per_second(est), d
+        return est.tokens_per_second or 0.0, device_bytes(est)
+
+    def estimated_tps(self, cand: Candidate) -> float:
+        """The (corrected) estimate's tokens/s; 0 when it cannot price `cand`, -1 when it puts it far over the
+        limit."""
+        predicted = self.predicted(cand)
+        if predicted is None:
+            return 0.0
+        tps, d = predicted
+        # As a backend the estimate is exact about itself (uncorrected): what it puts over the limit does not fit.
+        far = PRUNE_FACTOR if (self.prunes or self.correction().changes) else 1.0
+        if d is not None and d > self.limit * far:
             return -1.0
-        return est.tokens_per_second or 0.0
+        return tps
 
     # -- one candidate ---------------------------------------------------------------------------------------
     def prepare(self, cand: Candidate, number: int | None) -> tuple[Entry, bool] | None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UsageError
 from ..space import (
     Attention,
     Candidate,
@@ -21,6 +21,7 @@ from ..space import (
     SearchSpace,
     WeightsDtype,
     default_lora_targets,
+    with_knobs,
 )
 from ..workload import Method
 
@@ -216,6 +217,67 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
     if own is not None:
         values.update(own(workload, values))
     return SearchSpace(values)
+
+
+# ---- what a run here can import ------------------------------------------------------------------------------
+def value_requirements(name: str, value: Any) -> tuple[str, ...]:
+    """The packages a run needs for knob `name` at `value`, beyond what the default candidate needs
+    (Candidate.requirements: 8-bit optimizers and quantization need bitsandbytes, Hub kernels `kernels`, vLLM
+    `vllm`)."""
+    try:
+        cand = with_knobs(Candidate(), **{name: value})
+    except (ConfigError, TypeError, ValueError):
+        return ()
+    default = set(Candidate().requirements())
+    return tuple(p for p in cand.requirements() if p not in default)
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """What `installed_space` left out of a space for a run on this machine: the knob values that need each missing
+    package, and the knobs none of whose values were left (the space is then empty)."""
+
+    by_package: Mapping[str, tuple[tuple[str, Any], ...]]
+    emptied: Mapping[str, tuple[str, ...]]
+
+    def why_empty(self) -> str | None:
+        """Why no candidate is left, when a knob lost every value; else None."""
+        from ..packages import install_hint
+
+        if not self.emptied:
+            return None
+        needs = tuple(dict.fromkeys(p for ps in self.emptied.values() for p in ps))
+        return (f"every value of {', '.join(self.emptied)} needs {', '.join(needs)}, which is not installed here "
+                f"and the run is on this machine ({install_hint(needs)})")
+
+
+def installed_space(space: SearchSpace, pins: Pins) -> tuple[SearchSpace, LeftOut]:
+    """For a run on this machine: `space` without the knob values that need a package missing here, and what was
+    left out (where a knob would lose every value, the space has no admissible candidate: LeftOut.why_empty). A
+    --fix that leaves a knob only such values is refused (UsageError) naming it and the install."""
+    from ..packages import install_hint, missing
+
+    values: dict[str, tuple[Any, ...]] = {}
+    left: dict[str, list[tuple[str, Any]]] = {}
+    emptied: dict[str, tuple[str, ...]] = {}
+    for name, vals in space.values.items():
+        keep = []
+        for v in vals:
+            gone = missing(value_requirements(name, v))
+            for package in gone:
+                left.setdefault(package, []).append((name, v))
+            if not gone:
+                keep.append(v)
+        if vals and not keep:  # kept whole (a SearchSpace has a value for every knob); `why_empty` says why not
+            emptied[name] = missing(p for v in vals for p in value_requirements(name, v))
+        values[name] = tuple(keep) or vals
+    refused = [f"--fix {name}={','.join(str(getattr(v, 'value', v)) for v in space.values[name])}: needs "
+               f"{', '.join(needs)}, which is not installed here, and the run is on this machine (its GPU, or a "
+               f"probe); {install_hint(needs)}, or drop the --fix"
+               for name, needs in emptied.items() if name in pins.values]
+    if refused:
+        raise UsageError("; ".join(refused))
+    return SearchSpace(values), LeftOut({p: tuple(v) for p, v in left.items()}, emptied)
 
 
 def attention_refusal(space: SearchSpace, cand: Candidate) -> str | None:

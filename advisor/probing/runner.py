@@ -412,4 +412,10 @@ def _device_problems(workload: Workload, candidate: Candidate, backend: str, wei
         out.extend(f"--backend cpu: {p}" for p in candidate.problems(resolve_gpu("cpu")))
     if weights is not None and not Path(weights).is_dir() and os.environ.get("HF_HUB_OFFLINE"):
         out.append(f"--weights {weights}: not a directory, and the hub is offline; give a local model directory")
+    from ..packages import install_hint, missing
+
+    absent = missing(candidate.requirements())
+    if absent:  # the run is here: it would stop at once with transformers' or TRL's ImportError
+        out.append(f"--backend {backend}: the configuration needs {', '.join(absent)}, which is not installed here; "
+                   f"{install_hint(absent)}, or change the configuration")
     return out
