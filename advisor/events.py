@@ -243,8 +243,10 @@ def _not_installed(e: NotInstalled) -> str:
     unlock = f"`pip install {e.package}` would unlock {', '.join(e.values)}"
     if e.gain is None:
         verdict = "none of those candidates fits the limit"
-    elif e.gain > 0:
+    elif e.gain >= 0.0005:
         verdict = f"the best of them that fits is predicted {e.gain:.1%} faster than the pick"
+    elif e.gain > -0.0005:
+        verdict = "the best of them that fits is predicted as fast as the pick"
     else:
         verdict = f"none is predicted faster than the pick (the best: {-e.gain:.1%} slower)"
     return (f"{e.package} is not installed here, and the run is on this machine, so the candidates needing it were "
