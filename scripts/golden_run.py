@@ -10,8 +10,10 @@ emitted texts (their header's timing-free lines). Wall times are dropped.
     python scripts/golden_run.py --tree . --out after.json
     python scripts/golden_run.py --compare before.json after.json     # exit 1 on any difference, listed
 
-The cases cover SFT, DPO and Reward, one GPU and several (DDP / FSDP2 / ZeRO in the space), full, LoRA and QLoRA,
-on the estimate backend (deterministic, seconds) and two on the simulate backend (fake tensors, a few trials).
+The cases cover SFT, DPO, Reward, GRPO and RLOO (model.generate, colocated vLLM, vLLM server mode on several GPUs,
+a --reward-model, --fix of the online knobs, a CPU target), one GPU and several (DDP / FSDP2 / ZeRO in the space),
+full, LoRA and QLoRA, on the estimate backend (deterministic, seconds) and five on the simulate backend (fake
+tensors, a few trials).
 """
 
 from __future__ import annotations
@@ -37,11 +39,28 @@ CASES: dict[str, list[str]] = {
     "dpo-qwen05-2xl4": ["--model", "Qwen/Qwen2.5-0.5B", "--gpu", "L4", "--num-gpus", "2", "--trainer", "dpo"],
     "reward-llama8b-8xh100": ["--model", "meta-llama/Llama-3.1-8B", "--gpu", "H100-80GB", "--num-gpus", "8",
                               "--trainer", "reward", "--method", "full"],
+    "grpo-qwen05-h100": ["--model", "Qwen/Qwen2.5-0.5B", "--gpu", "H100-80GB", "--trainer", "grpo"],
+    "grpo-qwen05-l4-lora": ["--model", "Qwen/Qwen2.5-0.5B", "--gpu", "L4", "--trainer", "grpo", "--method", "lora"],
+    "grpo-qwen05-4xh100": ["--model", "Qwen/Qwen2.5-0.5B", "--gpu", "H100-80GB", "--num-gpus", "4",
+                           "--trainer", "grpo"],
+    "grpo-qwen05-h100-fix": ["--model", "Qwen/Qwen2.5-0.5B", "--gpu", "H100-80GB", "--trainer", "grpo",
+                             "--fix", "num_generations=4", "--fix", "beta=0.04", "--fix", "max_completion_length=256",
+                             "--fix", "vllm_gpu_memory_utilization=0.4"],
+    "grpo-smol-cpu": ["--model", "HuggingFaceTB/SmolLM2-135M", "--gpu", "cpu", "--trainer", "grpo"],
+    "rloo-qwen05-h100": ["--model", "Qwen/Qwen2.5-0.5B", "--gpu", "H100-80GB", "--trainer", "rloo"],
+    "rloo-qwen05-l4-rm": ["--model", "Qwen/Qwen2.5-0.5B", "--gpu", "L4", "--trainer", "rloo",
+                          "--reward-model", "Qwen/Qwen2.5-0.5B"],
 }
 SIMULATE_CASES: dict[str, list[str]] = {
     "sim-sft-smol-l4": ["--model", "HuggingFaceTB/SmolLM2-135M", "--gpu", "L4", "--trials", "3", "--jobs", "1"],
     "sim-dpo-smol-l4": ["--model", "HuggingFaceTB/SmolLM2-135M", "--gpu", "L4", "--trainer", "dpo",
                         "--trials", "3", "--jobs", "1"],
+    "sim-reward-smol-l4": ["--model", "HuggingFaceTB/SmolLM2-135M", "--gpu", "L4", "--trainer", "reward",
+                           "--trials", "2", "--jobs", "1"],
+    "sim-grpo-smol-l4": ["--model", "HuggingFaceTB/SmolLM2-135M", "--gpu", "L4", "--trainer", "grpo",
+                         "--trials", "2", "--jobs", "1"],
+    "sim-rloo-smol-l4-rm": ["--model", "HuggingFaceTB/SmolLM2-135M", "--gpu", "L4", "--trainer", "rloo",
+                            "--reward-model", "HuggingFaceTB/SmolLM2-135M", "--trials", "2", "--jobs", "1"],
 }
 
 
