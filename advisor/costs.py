@@ -29,8 +29,9 @@ _NAMES = (
     "vllm_start", "vllm_training_gpu_peak", "vllm_dtype", "vllm_KVLayout", "vllm_LayerKV",
     "vllm_batch_kv_bytes", "vllm_UtilizationNeed", "vllm_Asleep", "vllm_DevicePeak", "vllm_TRL_SLEEP_LEVEL",
     "vllm_TRL_MAX_NUM_BATCHED_TOKENS", "vllm_NULL_BLOCKS",
-    # online RL's step in closed form (advisor/_physics/online_rl.py), prefixed online_
-    "online_OnlineStep", "online_VllmSide", "online_Reference", "online_HeadBytes", "online_PhaseBytes",
+    # online RL's step (advisor/_physics/online_step.py) and its closed form (online_costs.py), prefixed online_
+    "online_PhaseKind", "online_TrainingState", "online_OnlineStep", "online_VllmSide", "online_Reference",
+    "online_HeadBytes", "online_PhaseBytes",
     "online_VllmTerms", "online_VllmRefusal", "online_OnlineDevicePeak", "online_OnlineTime",
     "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes", "online_vllm_terms",
     "online_vllm_profile_activation_bytes",

@@ -41,8 +41,8 @@ class Category(str, Enum):
     LM_HEAD = "lm_head_and_loss"
     TEMPORARIES = "temporaries"
     OTHER = "other"
-    # reserved outside PyTorch's caching allocator by a phase of the step (colocated vLLM's share of the card,
-    # advisor.trainers.phases): never in peak / reserved bytes, always in device bytes
+    # reserved outside PyTorch's caching allocator during the step (colocated vLLM's share of the card, advisor/
+    # _physics/online_costs.py): never in peak / reserved bytes, always in device bytes
     OUTSIDE_ALLOCATOR = "outside_allocator"
 
 
@@ -123,17 +123,6 @@ class Measurement:
                 return int(v) + self.outside_allocator_bytes
         return None
 
-    def plus_outside_allocator(self, nbytes: int) -> Measurement:
-        """This prediction with `nbytes` reserved outside PyTorch's allocator (what the step's phases reserve):
-        in device bytes, in the breakdown as Category.OUTSIDE_ALLOCATOR; itself when there are none."""
-        if not nbytes:
-            return self
-        key = Category.OUTSIDE_ALLOCATOR.value
-        return dataclasses.replace(
-            self, outside_allocator_bytes=self.outside_allocator_bytes + int(nbytes),
-            device_bytes=None if self.device_bytes is None else self.device_bytes + int(nbytes),
-            breakdown={**self.breakdown, key: self.breakdown.get(key, 0) + int(nbytes)})
-
     def fits(self, limit_bytes: int) -> bool:
         """True when the run succeeded and its budget bytes are within `limit_bytes`."""
         used = self.budget_bytes
@@ -150,9 +139,9 @@ class Measurement:
         data["notes"] = list(self.notes)
         if self.ranks:
             data["ranks"] = [{**r, "status": Status(r["status"]).value} for r in data["ranks"]]
-        else:  # one process: the dict is as before ranks existed
+        else:  # one process: no ranks
             del data["ranks"]
-        if not self.outside_allocator_bytes:  # as before phases reserved memory outside the allocator
+        if not self.outside_allocator_bytes:  # nothing reserved outside the allocator: no key
             del data["outside_allocator_bytes"]
         return data
 

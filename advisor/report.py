@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import UsageError
 from .knobs import summary_rows, trial_label
@@ -11,6 +11,7 @@ from .knobs import summary_rows, trial_label
 if TYPE_CHECKING:
     from .measurement import Measurement
     from .suggestion import Suggestion, Trial
+    from .trainers import Trainer
 
 _GiB = 2**30
 
@@ -33,10 +34,10 @@ def _step(m: Measurement) -> str:
     return f"{m.step_time_s:.4f}" + (f" ({parts}{mfu})" if parts or mfu else "")
 
 
-def _knobs(t: Trial, trainer: Any) -> str:
+def _knobs(t: Trial, trainer: Trainer | None) -> str:
     """The candidate cell: each knob's token (advisor/knobs.py `short`), a trainer's own knobs included (DPO's
     ref=precomputed is its knob's token)."""
-    return trial_label(t.candidate, getattr(trainer, "name", trainer))
+    return trial_label(t.candidate, trainer)
 
 
 def _trainer_rows(s: Suggestion) -> list[list[str]]:
@@ -98,7 +99,7 @@ def render_summary(s: Suggestion) -> str:
                                             f"{_gib(wl.budget_bytes)} GiB)"],
         ["method", c.method.value],
         *_trainer_rows(s),
-        *summary_rows(c, wl.trainer),  # each knob's label and value, of the knobs its trainer has (advisor/knobs.py)
+        *summary_rows(c, s.trainer),  # each knob's label and value, of the knobs its trainer has (advisor/knobs.py)
         [f"device peak (GiB, {_kind(s)})", _gib(m.budget_bytes)],
         [f"tokens/s (trained, {_kind(s)})", _tps(m.tokens_per_second)],
         [f"step time (s, {_kind(s)})", _step(m)],

@@ -215,7 +215,8 @@ def test_a_reward_model_given_as_a_model_is_resident(tiny_model, cpu_target):
     cand = _candidate()
     plain = simulate(_workload(tiny_model, cpu_target), cand)
     wl = Workload(model=tiny_model, gpu=cpu_target, dataset=synthetic_prompts(1024, rows=16, median=32, max_len=64),
-                  goals=Goals(), trainer="grpo", reward_model=dataclasses.replace(tiny_model, name="org/rm"))
+                  goals=Goals(), trainer="grpo",
+                  models={"reward_model": dataclasses.replace(tiny_model, name="org/rm")})
     scored = simulate(wl, cand)
     params = Category.PARAMETERS.value
     # the tied-embedding policy's weights again, plus the one-label score head (hidden x 1, float32)

@@ -50,19 +50,20 @@ class DepthRun:
 
 def simulate_depth(
     workload: Workload, candidate: Candidate, target: GPUSpec, layers: int, *, steps: int = 2,
-    original: Candidate | None = None, trainer: str | Trainer = "sft",
+    original: Candidate | None = None, trainer: str | Trainer | None = None,
 ) -> DepthRun:
     """One fake run of `candidate` (already runnable on fake tensors) with `layers` decoder layers.
 
     `original` is the candidate as the user runs it (its attention, quantization and optimizer are what the
-    step-time model costs, where the runnable one stands in for kernels fake tensors cannot run)."""
+    step-time model costs, where the runnable one stands in for kernels fake tensors cannot run). `trainer`: the
+    workload's unless given."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from ..trainers import get_trainer
+    from ..trainers import get_trainer, trainer_of
     from .fake_step import make_trainer_class, run_fake_training
     from .timing_hook import TimingHook, layout_of
 
-    kind = get_trainer(trainer)
+    kind = get_trainer(trainer) if trainer is not None else trainer_of(workload)
     spec = with_depth(workload.model, layers)
     model = kind.build_model(spec, candidate, device="meta")
     rows = kind.worst_rows(workload, candidate)
@@ -289,16 +290,18 @@ def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expanda
     )
 
 
-def worst_rows(workload: Workload, candidate: Candidate, trainer: str | Trainer = "sft") -> list[dict]:
-    """The rows of the longest micro-batch, the batch a simulated step runs (the trainer's `worst_rows`)."""
-    from ..trainers import get_trainer
+def worst_rows(workload: Workload, candidate: Candidate, trainer: str | Trainer | None = None) -> list[dict]:
+    """The rows of the longest micro-batch, the batch a simulated step runs (the trainer's `worst_rows`; the
+    workload's trainer unless given)."""
+    from ..trainers import get_trainer, trainer_of
 
-    return get_trainer(trainer).worst_rows(workload, candidate)
+    kind = get_trainer(trainer) if trainer is not None else trainer_of(workload)
+    return kind.worst_rows(workload, candidate)
 
 
 def worst_batch(trainer: Any, batch_size: int, spec: str | Trainer | None = None) -> dict:
     """The batch that needs the most memory, as `trainer`'s collator builds it (`spec`: its
-    advisor.trainers.Trainer or name; SFT when not given)."""
+    advisor.trainers.Trainer or name; the default trainer when not given)."""
     from .fake_step import worst_batch as of_trainer
 
     return of_trainer(trainer, batch_size, spec)

@@ -1,6 +1,6 @@
 """Runs a TRL trainer's own `train()` for a few optimizer steps on fake tensors, with every storage tracked.
 
-What differs between trainers (SFT, DPO, Reward) comes from their `advisor.trainers.Trainer`: the class, the
+What differs between trainers comes from their `advisor.trainers.Trainer`: the class, the
 methods the fake class replaces, the models besides the policy (DPO's reference), the passes before training
 (DPO's precomputed reference log-probs) and the labels of a batch.
 
@@ -93,10 +93,10 @@ def _seq_lengths(batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
 
 def worst_batch(trainer: Any, batch_size: int, spec: Any = None) -> dict[str, torch.Tensor]:
     """The batch that needs the most memory, as the trainer's collator builds it (`spec`: its
-    advisor.trainers.Trainer; SFT when not given)."""
-    from ..trainers import get_trainer
+    advisor.trainers.Trainer; the default trainer when not given)."""
+    from ..trainers import DEFAULT, get_trainer
 
-    return get_trainer(spec or "sft").worst_batch(trainer, batch_size)
+    return get_trainer(spec or DEFAULT).worst_batch(trainer, batch_size)
 
 
 def _in_module(prefix: str) -> bool:
@@ -193,11 +193,11 @@ def _bool_index(indices: Any) -> bool:
 
 
 def make_trainer_class(spec: Any = None):
-    """The trainer class of `spec` (an advisor.trainers.Trainer or its name; SFT when not given) that leaves
-    placement alone, trains on batches handed to it, and takes the trainer's own fake-run overrides."""
-    from ..trainers import get_trainer
+    """The trainer class of `spec` (an advisor.trainers.Trainer or its name; the default trainer when not given)
+    that leaves placement alone, trains on batches handed to it, and takes the trainer's own fake-run overrides."""
+    from ..trainers import DEFAULT, get_trainer
 
-    spec = get_trainer(spec or "sft")
+    spec = get_trainer(spec or DEFAULT)
     base = spec.trainer_class()
 
     def _move_model_to_device(self, model, device):
@@ -230,10 +230,11 @@ def run_fake_training(
     count_saved: bool = False,
 ) -> FakeRunResult:
     """Materialise `trainer.model` (and the trainer's other models) as fake tensors, run the trainer's passes before
-    training, then `trainer.train()` for `steps` optimizer steps. `spec`: the advisor.trainers.Trainer (SFT)."""
-    from ..trainers import get_trainer
+    training, then `trainer.train()` for `steps` optimizer steps. `spec`: the advisor.trainers.Trainer (the default
+    trainer when not given)."""
+    from ..trainers import DEFAULT, get_trainer
 
-    spec = get_trainer(spec or "sft")
+    spec = get_trainer(spec or DEFAULT)
     facts = batch_facts(batch, spec.labels(batch))
     ga = trainer.args.gradient_accumulation_steps
     mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -39,16 +39,16 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
                    help="with --num-gpus N > 1 and --config: how accelerate shards the model (the accelerate config "
                         "`advisor suggest --accelerate-output` writes; default ddp, accelerate's MULTI_GPU). "
                         "suggest searches it: pin it there with --fix parallelism=VALUE")
-    from ..trainers import DEFAULT, choices
+    from ..trainers import DEFAULT, choices, get_trainer, model_inputs
 
+    data = "; ".join(f"{n}: {get_trainer(n).data_hint}" for n in choices())
     g.add_argument("--trainer", choices=choices(), default=DEFAULT,
                    help=f"the TRL trainer, one of {', '.join(choices())} (default {DEFAULT}); --dataset is that "
-                   "trainer's data (dpo, reward: prompt/chosen/rejected pairs; grpo, rloo: a 'prompt' column; "
-                   "default: the built-in synthetic set of its kind); --config is then a `trl <trainer>` file")
-    g.add_argument("--reward-model", default=None, metavar="ID",
-                   help="online RL (grpo, rloo): a reward model (hub id or local directory) resident beside the "
-                   "policy, counted in the memory (reward functions run on the host and are not); written as "
-                   "reward_model_name_or_path")
+                   f"trainer's data ({data}; default: the built-in synthetic set of its kind); --config is then a "
+                   "`trl <trainer>` file")
+    for m in model_inputs():  # the models a trainer takes beside the policy, as the trainers declare them
+        takers = ", ".join(n for n in choices() if m in get_trainer(n).model_inputs)
+        g.add_argument(m.flag, dest=m.param, default=None, metavar="ID", help=f"{takers}: {m.help}")
 
 
 def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -61,13 +61,16 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     dataset = getattr(ns, "dataset", None)
     config_path = getattr(ns, "config", None)
     from .._files import check_names
+    from ..trainers import DEFAULT, model_inputs
 
+    models = {m.param: getattr(ns, m.param, None) for m in model_inputs()}
+    trainer = getattr(ns, "trainer", DEFAULT)
     check_names({"--model": model, "--dataset": dataset, "--tokenizer": getattr(ns, "tokenizer", None),
-                 "--config": config_path, "--reward-model": getattr(ns, "reward_model", None)})
+                 "--config": config_path, **{m.flag: models[m.param] for m in model_inputs()}})
     if config_path and (model is None or dataset is None):
         from ..emit import load_run_config
 
-        rc = load_run_config(config_path, trainer=getattr(ns, "trainer", "sft"))
+        rc = load_run_config(config_path, trainer=trainer)
         model = model or rc.model_name_or_path
         dataset = dataset or rc.dataset
     if model is None:
@@ -83,8 +86,7 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     try:
         wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
                             sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
-                            num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"),
-                            reward_model=getattr(ns, "reward_model", None))
+                            num_machines=getattr(ns, "num_machines", 1), trainer=trainer, **models)
     except UsageError as exc:
         if not from_config:
             raise
@@ -161,13 +163,11 @@ def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None
         cand = cand.replace(parallelism=layout)
     if workload is not None:  # the trainer's rules (SFT: the candidate's own; DPO: no packing, ...)
         from ..errors import ConfigError
-        from ..trainers import get_trainer
+        from ..trainers import trainer_of
 
-        kind = get_trainer(workload.trainer)
+        kind = trainer_of(workload)
         problems = kind.problems(cand, workload.gpu, workload.model)
-        world_rules = getattr(kind, "check_world", None)  # rules that need --num-gpus (online RL's server GPUs)
-        if world_rules is not None:
-            problems += world_rules(cand, workload.num_gpus)
+        problems += kind.check_world(cand, workload.num_gpus)  # rules that need --num-gpus (online RL's server GPUs)
         if problems:
             raise ConfigError(problems, context=f"--config {ns.config}")
         cand.check(workload.gpu, workload.model)

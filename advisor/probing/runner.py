@@ -68,11 +68,11 @@ def plan_batches(workload: Workload, candidate: Candidate, steps: int, warmup: i
     as accelerate deals them), so rank 0 gets the longest micro-batch.
     """
     total_steps = warmup + steps
-    from ..trainers import get_trainer
+    from ..trainers import trainer_of
 
-    kind = get_trainer(workload.trainer)
+    kind = trainer_of(workload)
     # micro-batch rows per dataset row: online RL samples num_generations completions of each prompt
-    per_row = getattr(kind, "completions_per_row", lambda c: 1)(candidate)
+    per_row = kind.completions_per_row(candidate)
     rows_per_step = -(-candidate.per_device_train_batch_size * candidate.gradient_accumulation_steps
                       * workload.num_gpus // per_row)
     ds = workload.dataset
@@ -125,8 +125,9 @@ def job_dict(
         "weights": weights,
         "candidate": candidate.to_dict(),
         "model": _model_dict(workload.model),
-        # --reward-model (online RL): resident beside the policy; the child loads one of its architecture
-        "reward_model": _model_dict(workload.reward_model) if workload.reward_model is not None else None,
+        # the models beside the policy (a trainer's ModelInput: online RL's reward model), by role: resident; the
+        # child loads one of each architecture
+        "models": {role: _model_dict(spec) for role, spec in workload.models},
         "gpu": dataclasses.asdict(workload.gpu),
         "goals": goals_to_dict(workload.goals),
         # what names the workload (as a baseline or a study does); the child rebuilds from the values above

@@ -91,12 +91,19 @@ def _random_model(spec, jobdir: Path, candidate, rank: int, heartbeat: Heartbeat
     return _saved_once(jobdir / "model", rank, lambda path: save_random_model(spec, path, candidate))
 
 
-def _random_reward_model(spec, jobdir: Path, rank: int) -> str:
-    """--reward-model: one of its architecture with random weights, saved once, which the trainer loads by path as
-    `trl grpo` loads reward_model_name_or_path (resident beside the policy, run on every completion)."""
-    from ..modeling import save_random_reward_model
+def _random_input_models(workload, kind, jobdir: Path, rank: int) -> dict[str, tuple[str, Any]]:
+    """The models given beside the policy (the trainer's ModelInputs): one of each architecture with random weights,
+    saved once, which the trainer loads by path as `trl <command>` loads its YAML key (resident beside the policy),
+    with its placeholder tokenizer."""
+    from ..modeling import placeholder_tokenizer, save_random_input_model
 
-    return _saved_once(jobdir / "reward_model", rank, lambda path: save_random_reward_model(spec, path))
+    out = {}
+    for inp in kind.model_inputs:
+        spec = workload.model_of(inp.role)
+        if spec is not None:
+            path = _saved_once(jobdir / inp.role, rank, lambda p, s=spec, h=inp.head: save_random_input_model(s, h, p))
+            out[inp.role] = (path, placeholder_tokenizer(spec))
+    return out
 
 
 def _saved_once(path: Path, rank: int, save: Callable[[Path], Any]) -> str:
@@ -170,7 +177,7 @@ def _rebuild(job: dict[str, Any]):
                          local_dir=Path(m["local_dir"]) if m.get("local_dir") else None)
 
     spec = model_spec(job["model"])
-    reward_model = model_spec(job["reward_model"]) if job.get("reward_model") else None
+    models = {role: model_spec(m) for role, m in (job.get("models") or {}).items()}
     gpu_fields = dict(job["gpu"])
     gpu_fields["aliases"] = tuple(gpu_fields.get("aliases") or ())
     d = job["dataset"]
@@ -178,7 +185,7 @@ def _rebuild(job: dict[str, Any]):
     dataset = trainer.dataset_from_rows(d["name"], d["source"], tuple(d["rows"]), dataset_name=d.get("dataset_name"),
                                         completion_only_loss=d.get("completion_only_loss"))
     workload = Workload(model=spec, gpu=GPUSpec(**gpu_fields), dataset=dataset, goals=Goals(**job["goals"]),
-                        trainer=trainer.name, reward_model=reward_model)
+                        trainer=trainer.name, models=models)
     return workload, Candidate.from_dict(job["candidate"])
 
 
@@ -376,14 +383,12 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         report_to="none", save_strategy="no", logging_strategy="steps", logging_steps=total,
         train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True, seed=0,
     )
-    own = dict(getattr(kind, "trainer_kwargs", lambda w, c: {})(workload, candidate))  # its own (online RL: rewards)
-    if workload.reward_model is not None:  # saved now; the trainer loads it under the meter, as the policy: counted
-        funcs = list(own.get("reward_funcs", []))
-        own["reward_funcs"] = [*funcs, _random_reward_model(workload.reward_model, jobdir, rank)]
-        own["reward_processing_classes"] = [None] * len(funcs) + [placeholder_tokenizer(workload.reward_model)]
-        notes.append(f"--reward-model {workload.reward_model.name}: a reward model of its architecture with random "
-                     "weights, loaded by the trainer from a path as trl grpo loads reward_model_name_or_path "
-                     "(AutoModelForSequenceClassification, num_labels=1, model_init_kwargs)")
+    # the models beside the policy, saved now; the trainer loads them under the meter, as the policy: counted
+    models = _random_input_models(workload, kind, jobdir, rank)
+    own = kind.trainer_kwargs(workload, candidate, models)  # its own (online RL: the rewards)
+    notes.extend(f"{inp.flag} {workload.model_of(inp.role).name}: one of its architecture with random weights, "
+                 f"loaded by the trainer from a path as trl {kind.command} loads {inp.yaml_key}"
+                 for inp in kind.model_inputs if inp.role in models)
     meter = StepMeter(cuda, heartbeat, fault)
     prof = None
     if not cuda:

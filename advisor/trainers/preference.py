@@ -10,21 +10,16 @@ completion, text) is refused naming the missing columns.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from ..data import (
-    SYNTHETIC_MAX,
-    SYNTHETIC_MEDIAN,
-    SYNTHETIC_MIN,  # noqa: F401  (the chat set's, which these were copies of)
-    SYNTHETIC_SEED,
-    SYNTHETIC_SIGMA,  # noqa: F401
-    synthetic_lengths,
-)
+from ..data import SYNTHETIC_MAX, SYNTHETIC_MEDIAN, SYNTHETIC_SEED, TokenizedDataset, synthetic_lengths
 from ..errors import ConfigError, DatasetError
+from .registry import get_trainer
 
 if TYPE_CHECKING:
     import datasets
@@ -115,6 +110,22 @@ class PreferenceDataset:
             out[keep] += np.minimum(full[keep], max_length) - p[keep]
         return out
 
+    def sequences(self) -> TokenizedDataset:
+        """The pairs as the sequences a step runs: prompt + chosen and prompt + rejected, each its own row, the
+        completion trained (a micro-batch of 2B such rows pads as B pairs do: chosen and rejected share it)."""
+        rows = []
+        for p, ch, rj in zip(self.prompt_lengths, self.chosen_lengths, self.rejected_lengths, strict=True):
+            for full in (int(ch), int(rj)):
+                rows.append({"input_ids": [0] * full, "completion_mask": [0] * int(p) + [1] * (full - int(p))})
+        return TokenizedDataset(name=f"{self.name} (pairs as rows)", source=self.source, rows=tuple(rows),
+                                completion_only_loss=True)
+
+    def trained_tokens_per_row(self, candidate: Any) -> float:
+        """Trained tokens per micro-batch row, a row being one pair: its chosen and rejected completion tokens,
+        untruncated (the effective batch is a number of pairs)."""
+        n = self.trained_tokens(None)
+        return float(n.mean()) if len(n) else 1.0
+
     def truncated_fraction(self, max_length: int | None) -> tuple[float, float]:
         """Shares of the chosen and of the rejected completion tokens that `max_length` cuts off (kept pairs)."""
         if max_length is None:
@@ -158,6 +169,19 @@ def synthetic_preferences(vocab_size: int, rows: int = SYNTHETIC_PAIRS, seed: in
         rows=tuple(out),
         notes=("synthetic preference data: no dataset was given; lengths are log-normal, see README",),
     )
+
+
+def preference_max_lengths(dataset: PreferenceDataset, max_truncation: float) -> tuple[int, ...]:
+    """max_length values for preference pairs: percentiles of the longer of prompt + chosen and prompt + rejected,
+    rounded up to 64, kept where neither the chosen nor the rejected completions lose more than `max_truncation`
+    of their tokens (PreferenceDataset.truncated_fraction); the shortest such value is always offered."""
+    lengths = np.asarray(dataset.lengths)
+    if lengths.size == 0:
+        return (1024,)
+    grid = sorted({max(64, int(math.ceil(float(np.percentile(lengths, q)) / 64.0) * 64))
+                   for q in (50, 75, 90, 95, 99, 99.5, 100)})
+    ok = [v for v in grid if max(dataset.truncated_fraction(v)) <= max_truncation]
+    return tuple(ok) if ok else (grid[-1],)
 
 
 def missing_columns(row: Any) -> list[str]:
@@ -219,8 +243,9 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
         prepared = [{c: list(r[c]) for c in TOKEN_COLUMNS} for r in rows]
         return PreferenceDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
                                  dataset_name=spec if raw.source == "hub" else None, **kept)
-    tok = load_tokenizer(tokenizer, model, trainer)
-    loaded_as = tokenizer_note(tok, tokenizer, model, trainer)
+    kind = get_trainer(trainer)
+    tok = load_tokenizer(tokenizer, model, kind)
+    loaded_as = tokenizer_note(tok, tokenizer, model, kind)
     if loaded_as is not None:
         kept["notes"] = (*kept["notes"], loaded_as)
     prepared, conversational, said = prepare_with_trl(rows, tok, spec)

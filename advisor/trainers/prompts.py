@@ -25,6 +25,7 @@ import numpy as np
 
 from ..data import SYNTHETIC_MAX, SYNTHETIC_MEDIAN, SYNTHETIC_SEED, synthetic_lengths
 from ..errors import ConfigError, DatasetError
+from .registry import get_trainer
 
 if TYPE_CHECKING:
     import datasets
@@ -106,6 +107,12 @@ class PromptDataset:
         """Trained tokens per micro-batch row, a row being one completion (per_device_train_batch_size counts
         completions): max_completion_length, so an effective batch of tokens is a number of completions."""
         return float(candidate.base.get("max_completion_length", DEFAULT_COMPLETION))
+
+    def sequences(self) -> Any:
+        """Prompts make sequences only with their completions, which the online step generates (its closed form
+        counts them: advisor/_estimate/online_step.py); refused by name."""
+        raise DatasetError(f"dataset {self.name}: prompts have no sequences of their own (each completes at "
+                           "max_completion_length in the online step)")
 
     def to_hf(self, rows: Sequence[int] | None = None) -> datasets.Dataset:
         """A `prompt` column of plain text that advisor.modeling's placeholder tokenizer (one word `<tN>` per id)
@@ -246,8 +253,9 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
         indices = np.sort(np.random.default_rng(seed).choice(population, size=sample, replace=False))
     rows = [raw.rows[int(i)] for i in indices]
     conversational = check_prompt_rows(rows, raw.label, trainer)
-    tok = load_tokenizer(tokenizer, model, trainer)  # as GRPOTrainer / RLOOTrainer load it (AutoProcessor)
-    loaded_as = tokenizer_note(tok, tokenizer, model, trainer)
+    kind = get_trainer(trainer)
+    tok = load_tokenizer(tokenizer, model, kind)  # as GRPOTrainer / RLOOTrainer load it (AutoProcessor)
+    loaded_as = tokenizer_note(tok, tokenizer, model, kind)
     ids = tokenize_prompts([r[PROMPT_COLUMN] for r in rows], tok, trainer=trainer,
                            chat_template_kwargs=chat_template_kwargs, label=raw.label)
     return PromptDataset(name=raw.label, source=raw.source, rows=tuple(tuple(r) for r in ids),
