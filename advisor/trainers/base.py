@@ -12,11 +12,32 @@ knobs its TRL config class has; a trainer adds only the keys no knob owns (`conf
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from .._emit import (
+    candidate_from_run_dict,
+    config_keys,
+    config_kwargs,
+    env_vars,
+    peft_config,
+    quantization_config,
+    run_config_dict,
+    trl_fields,
+    write_python,
+    write_yaml,
+)
+from ..data import TokenizedDataset, load_dataset, load_processing_class
 from ..errors import ConfigError
-from ..knobs import Home, KnobView
+from ..knobs import Home, KnobView, owned_rows
+from ..lengths import max_length_candidates
+from ..modeling import build_model
+from ..space import Candidate
+from .preference import PreferenceDataset, check_preference_rows, load_preferences, preference_max_lengths
 from .protocol import GpuSplit, ModelInput, StepShape
 from .registry import register  # noqa: F401  (a trainer module registers its trainer through here)
 
@@ -59,18 +80,16 @@ class TrlTrainer:
 
     # ---- TRL's classes --------------------------------------------------------------------------------------------
     def config_class(self) -> type:
-        import trl
+        import trl  # start-up: loaded on first use
 
         return getattr(trl, self.config_name)
 
     def trainer_class(self) -> type:
-        import trl
+        import trl  # start-up: loaded on first use
 
         return getattr(trl, self.trainer_name)
 
     def make_parser(self) -> Any:
-        import importlib
-
         return importlib.import_module(f"trl.scripts.{self.command}").make_parser()
 
     def config_fields(self) -> frozenset[str]:
@@ -104,8 +123,6 @@ class TrlTrainer:
         return self.knob_view.of(candidate)
 
     def defaults(self) -> Candidate:
-        from ..space import Candidate
-
         return Candidate.trl_defaults()  # every built-in config's memory defaults equal SFTConfig's (1024, bf16, ...)
 
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
@@ -139,7 +156,6 @@ class TrlTrainer:
     def max_length_values(self, workload: Workload) -> tuple[int, ...]:
         """The default space's max_length rungs from its data: the smallest losing at most --max-truncation of the
         trained tokens, then larger rungs up to the longest row (advisor/lengths.py max_length_candidates)."""
-        from ..lengths import max_length_candidates
 
         return tuple(sorted({int(v) for v in max_length_candidates(workload.dataset, workload.goals.max_truncation)}))
 
@@ -149,8 +165,6 @@ class TrlTrainer:
     # ---- the config and the files: the one writer (advisor/_emit) -------------------------------------------------
     def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
                       measured: bool = False) -> dict[str, Any]:
-        from .._emit import config_kwargs
-
         return config_kwargs(self, candidate, workload, measured=measured)
 
     def config_extras(self, candidate: Candidate, workload: Workload | None, *, measured: bool) -> dict[str, Any]:
@@ -172,7 +186,6 @@ class TrlTrainer:
     def trl_config(self, candidate: Candidate, workload: Workload | None = None, **overrides: Any) -> Any:
         """`<Config>(**emit_kwargs)` through its constructor; its `model_init_kwargs` carry the BitsAndBytesConfig
         when quantized, so `<Trainer>(model=<id>, args=config, peft_config=...)` loads the pick quantized."""
-        from .._emit import quantization_config
 
         kwargs = self.emit_kwargs(candidate, workload)
         qc = quantization_config(candidate)
@@ -192,8 +205,6 @@ class TrlTrainer:
         return {}
 
     def env(self, candidate: Candidate) -> dict[str, str]:
-        from .._emit import env_vars
-
         return env_vars(candidate)
 
     def snippet_arguments(self, candidate: Candidate, workload: Workload | None
@@ -202,15 +213,12 @@ class TrlTrainer:
 
     def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
                         dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
-        from .._emit import run_config_dict
-
         return run_config_dict(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
                                workload=workload)
 
     def to_yaml(self, candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None,
                 workload: Workload | None = None, header: str | None = None) -> str:
         """The file `trl <command> --config` reads, through the one writer."""
-        from .._emit import write_yaml
 
         data = self.run_config_dict(candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
                                     workload=workload)
@@ -219,7 +227,6 @@ class TrlTrainer:
     def to_python(self, candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None = None,
                   workload: Workload | None = None) -> str:
         """A snippet that trains the candidate with this trainer's TRL classes, through the one writer."""
-        from .._emit import write_python
 
         return write_python(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
                             workload=workload)
@@ -240,7 +247,6 @@ class TrlTrainer:
     def read_config(self, shared: Mapping[str, Any], own: Mapping[str, Any], *, source: str) -> Candidate:
         """The shared keys read as advisor/_emit reads them, the output_dir the writer gives this trainer left out,
         and `own` (the trainer's own keys) in the base as written."""
-        from .._emit import candidate_from_run_dict
 
         cand = candidate_from_run_dict(dict(shared), source=source)
         base = cand.base.as_dict()
@@ -251,13 +257,9 @@ class TrlTrainer:
 
     # ---- the model ---------------------------------------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
-        from ..modeling import build_model
-
         return build_model(spec, candidate, device=device)
 
     def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any:
-        from .._emit import peft_config
-
         return peft_config(candidate, spec)
 
     def trainer_kwargs(self, workload: Workload, candidate: Candidate, models: Mapping[str, tuple[Any, Any]]
@@ -268,20 +270,15 @@ class TrlTrainer:
     def load_processing_class(self, path: str) -> Any:
         """The tokenizer this trainer's `trl <command>` tokenizes with: `transformers.<processing_class_loader>` on
         `path`, as `<Trainer>.__init__` calls it (advisor/data.py `load_processing_class`)."""
-        from ..data import load_processing_class
 
         return load_processing_class(self.processing_class_loader, path)
 
     def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
                      sample: int | None = None, seed: int = 0, progress: bool = False) -> Any:
-        from ..data import load_dataset
-
         return load_dataset(spec, model, tokenizer=tokenizer, sample=sample, seed=seed, progress=progress,
                             trainer=self)
 
     def check_dataset(self, workload: Workload) -> None:
-        from ..data import TokenizedDataset
-
         if not isinstance(workload.dataset, TokenizedDataset):
             raise ConfigError([f"dataset={workload.dataset.name}: {workload.dataset.unit} given to the {self.name} "
                                "trainer, which reads chat rows (prompt/completion, messages or text); give such data, "
@@ -289,15 +286,12 @@ class TrlTrainer:
 
     def dataset_from_rows(self, name: str, source: str, rows: tuple[dict, ...], *, dataset_name: str | None = None,
                           completion_only_loss: bool | None = None) -> Any:
-        from ..data import TokenizedDataset
-
         return TokenizedDataset(name=name, source=source, rows=rows, completion_only_loss=completion_only_loss,
                                 dataset_name=dataset_name)
 
     def kept_rows(self, workload: Workload, candidate: Candidate) -> Any:
         """Indices of the rows TRL keeps: with a completion-only loss, rows whose trained tokens all fall past
         `max_length` are dropped as fully masked (SFTTrainer's "Dropping fully masked examples")."""
-        import numpy as np
 
         data = workload.dataset
         if not data.completion_only_loss or not candidate.max_length:
@@ -306,7 +300,6 @@ class TrlTrainer:
 
     def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]:
         """Enough of the longest rows to fill one micro-batch (packed rows when packing), of the rows TRL keeps."""
-        import numpy as np
 
         b = candidate.per_device_train_batch_size
         data = workload.dataset
@@ -371,7 +364,6 @@ class TrlTrainer:
     def report_rows(self, candidate: Candidate) -> list[list[str]]:
         """The summary's rows of this trainer: which TRL trainer runs, then its own knobs (their labels and values
         from their declarations in the knob registry)."""
-        from ..knobs import owned_rows
 
         return [["trainer", f"{self.name} ({self.trainer_name})"], *owned_rows(candidate, self)]
 
@@ -388,27 +380,19 @@ class PairTrainer(TrlTrainer):
     space_adds = frozenset({"packing_strategy"})
 
     def max_length_values(self, workload: Workload) -> tuple[int, ...]:
-        from .preference import preference_max_lengths
-
         return preference_max_lengths(workload.dataset, workload.goals.max_truncation)
 
     def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
                      sample: int | None = None, seed: int = 0, progress: bool = False) -> Any:
-        from .preference import load_preferences
-
         return load_preferences(spec, model, tokenizer, trainer=self.name, sample=sample, seed=seed)
 
     def check_dataset(self, workload: Workload) -> None:
-        from .preference import PreferenceDataset, check_preference_rows
-
         data = workload.dataset
         if not isinstance(data, PreferenceDataset):
             check_preference_rows(list(data.rows[:1]), data.name, self.name)
 
     def dataset_from_rows(self, name: str, source: str, rows: tuple[dict, ...], *, dataset_name: str | None = None,
                           completion_only_loss: bool | None = None) -> Any:
-        from .preference import PreferenceDataset
-
         return PreferenceDataset(name=name, source=source, rows=rows, dataset_name=dataset_name)
 
     def kept_rows(self, workload: Workload, candidate: Candidate) -> Any:
@@ -427,27 +411,23 @@ class PairTrainer(TrlTrainer):
 
 def every_row(workload: Workload) -> Any:
     """Indices (numpy) of every row of the workload's data: what TRL keeps of pairs and prompts."""
-    import numpy as np
 
     return np.arange(len(workload.dataset.rows))
 
 
 def field_names(cls: type) -> set[str]:
     """The dataclass fields of a TRL config class."""
-    import dataclasses
 
     return {f.name for f in dataclasses.fields(cls)}
 
 
 def sft_only_keys(trainer: TrlTrainer) -> set[str]:
     """The keys the shared reader knows as SFTConfig's that `trainer`'s config lacks (refused by name in its file)."""
-    from .._emit import config_keys
 
     return set(config_keys()) - set(trainer.config_fields())
 
 
 def own_keys(trainer: TrlTrainer) -> set[str]:
     """The keys of `trainer`'s config the shared reader does not know (its own: DPO's loss, GRPO's generation)."""
-    from .._emit import trl_fields
 
     return set(trainer.config_fields()) - set(trl_fields())

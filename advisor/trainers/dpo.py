@@ -19,9 +19,14 @@ from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..errors import ConfigError
 from ..knobs import Home, Kind, Knob, KnobView, Memory, knob_view
+from ..modeling import build_model
+from ..space import WeightsDtype
 from .base import PairTrainer, own_keys, register
+from .preference import TOKEN_COLUMNS
 from .protocol import StepShape
 
 if TYPE_CHECKING:
@@ -138,7 +143,6 @@ class DPO(PairTrainer):
     def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]:
         """The pairs of the longest micro-batch (enough for the precompute pass's batch too): the longest of
         prompt + chosen and prompt + rejected after truncation, among the pairs TRL keeps."""
-        import numpy as np
 
         data: PreferenceDataset = workload.dataset
         cap = candidate.max_length
@@ -198,7 +202,7 @@ class DPO(PairTrainer):
         real = trainer.data_collator(_longest_pairs(dataset, batch_size, trainer.args.max_length))
 
         def run(batch: dict) -> None:
-            import torch
+            import torch  # start-up: loaded on first use
 
             model = trainer.ref_model or trainer.model
             chosen, rejected = trainer.compute_ref_log_probs(model, batch)
@@ -241,7 +245,6 @@ def _longest_pairs(dataset: Any, n: int, max_length: int | None) -> list[dict]:
     if max_length:
         lengths = [min(x, max_length) for x in lengths]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:n]
-    from .preference import TOKEN_COLUMNS
 
     keep = (*TOKEN_COLUMNS, "ref_chosen_logps", "ref_rejected_logps")
     return [{k: v for k, v in dataset[i].items() if k in keep} for i in order]
@@ -252,11 +255,8 @@ def _meta_construction(spec: ModelSpec, candidate: Candidate) -> Iterator[None]:
     """DPOTrainer.__init__ on a meta policy: its reference is built as TRL builds it (`create_model_from_path`
     with the policy's dtype and attention implementation), on meta; `hash_module` (the precompute cache's key)
     cannot read meta weights."""
-    import torch
-    import trl.trainer.dpo_trainer as dt
-
-    from ..modeling import build_model
-    from ..space import WeightsDtype
+    import torch  # start-up: loaded on first use
+    import trl.trainer.dpo_trainer as dt  # start-up: loaded on first use
 
     def reference(model_id: str, architecture: Any = None, **kwargs: Any):
         dtype = kwargs.get("dtype", "float32")

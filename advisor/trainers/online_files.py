@@ -9,9 +9,10 @@ import shlex
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._emit import ALLOC_ENV, model_input_keys
 from ..errors import ConfigError
 from .base import own_keys, sft_only_keys
-from .online_knobs import LIGER_LOSS_GONE, SCRIPT_KEYS, world_problems
+from .online_knobs import LIGER_LOSS_GONE, world_problems
 from .protocol import GpuSplit
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ REWARD_REGISTRY = {
     "get_soft_overlong_punishment": "get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)",
 }
 REWARD_MODEL_KEY = "reward_model_name_or_path"
+# GRPOScriptArguments / RLOOScriptArguments' own keys (trl/scripts/grpo.py): ride in the candidate's base
+SCRIPT_KEYS = (REWARD_MODEL_KEY, "reward_funcs")
 
 
 def config_extras(c: Candidate, k: Any, *, measured: bool) -> dict[str, Any]:
@@ -51,7 +54,6 @@ def config_extras(c: Candidate, k: Any, *, measured: bool) -> dict[str, Any]:
 def reward_model(trainer: TrlTrainer, c: Candidate, workload: Workload | None) -> str | None:
     """The reward model given as a model (the writer's ModelInput keys: the workload's --reward-model, else the
     config's reward_model_name_or_path), or None."""
-    from .._emit import model_input_keys
 
     return model_input_keys(trainer, c, workload).get(REWARD_MODEL_KEY)
 
@@ -70,7 +72,6 @@ def allocator_env(c: Candidate) -> dict[str, str]:
     """Both allocator variables, explicitly: PyTorch 2.10+ reads PYTORCH_ALLOC_CONF, vLLM's CuMemAllocator (sleep
     mode) only PYTORCH_CUDA_ALLOC_CONF, and refuses expandable_segments:True there (under sleep mode the rule asks
     for expandable_segments off; written as the knob says)."""
-    from .._emit import ALLOC_ENV
 
     on = bool(c.expandable_segments)
     return {name: f"expandable_segments:{on}" for name in ALLOC_ENV}

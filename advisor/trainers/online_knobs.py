@@ -24,20 +24,6 @@ class VllmMode(str, Enum):
     SERVER = "server"  # `trl vllm-serve` on GPUs of its own
 
 
-# The reward function the emitted file names when the user gave none: `trl grpo` / `trl rloo` build the trainer from
-# `reward_funcs` and `reward_model_name_or_path` (trl/scripts/grpo.py); TRL's get_soft_overlong_punishment reads only
-# the completions' token ids, so it runs on plain and conversational prompts alike (think_format_reward needs
-# conversational completions). A placeholder the notes name; a reward function runs on the host: no device memory.
-DEFAULT_REWARD_FUNCS = ("get_soft_overlong_punishment",)
-# trl grpo's reward_funcs registry (trl/scripts/grpo.py `reward_funcs_registry`): the name -> the object it passes
-REWARD_REGISTRY = {
-    "accuracy_reward": "accuracy_reward",
-    "reasoning_accuracy_reward": "reasoning_accuracy_reward",
-    "think_format_reward": "think_format_reward",
-    "get_soft_overlong_punishment": "get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)",
-}
-# GRPOScriptArguments / RLOOScriptArguments' own keys (trl/scripts/grpo.py): ride in the candidate's base
-SCRIPT_KEYS = ("reward_model_name_or_path", "reward_funcs")
 
 
 def _value(c: Candidate, name: str) -> Any:

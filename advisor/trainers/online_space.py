@@ -9,7 +9,10 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from .._physics import architecture, online_vllm_side, vllm_min_utilization
 from ..errors import ConfigError
+from ..knobs import knob
+from ..space import with_knobs
 from .online_knobs import KNOBS, VllmMode
 
 if TYPE_CHECKING:
@@ -45,7 +48,6 @@ def joint_dimensions(values: Mapping[str, tuple[Any, ...]]) -> dict[str, tuple[t
     expandable_segments off (vLLM's CuMemAllocator refuses them: one decision, not a refused combination), vLLM
     server on k GPUs. A knob the user pinned holds: sleep mode with expandable_segments pinned on stays a choice,
     refused by the rule with its fix. Empty when the space offers no choice of engine."""
-    from ..knobs import knob
 
     def offered(name: str, value: Any) -> bool:
         return value in values.get(name, (knob(name).default,))
@@ -91,7 +93,6 @@ def canonical(candidate: Candidate) -> Candidate:
     """The online knobs that have no effect (their `active`: sleep mode and the utilization off colocated vLLM,
     vllm_server_gpus off server mode, vllm_mode without vLLM, ds3_gather_for_generation off ZeRO-3) back to their
     defaults, so equivalent candidates compare equal (Candidate.canonical does it for the shared knobs)."""
-    from ..space import with_knobs
 
     reset = {k.name: k.default for k in KNOBS
              if not k.is_active(candidate) and candidate.base.get(k.name, k.default) != k.default}
@@ -111,7 +112,6 @@ def vllm_pool_need(workload: Workload, candidate: Candidate, k: Any) -> Any:
     the estimate builds them): the generation batch TRL hands it (max_num_seqs = per_device_train_batch_size x
     steps_per_generation, tensor-parallel 1) at full length (the longest prompt + max_completion_length, capped
     at max_model_len), never below one max_model_len sequence (what vLLM needs to start)."""
-    from .._physics import architecture, online_vllm_side, vllm_min_utilization
 
     c = candidate
     b = c.per_device_train_batch_size
@@ -149,7 +149,6 @@ def derive(workload: Workload, candidate: Candidate, k: Any, values: Mapping[str
         return (f"colocated vLLM: the pool that holds the generation batch at full length is {need.exact:.1%} of "
                 f"the card ({need.pool_bytes / 2**30:.2f} GiB of {workload.gpu.memory_bytes / 2**30:.2f}): "
                 "nothing is left to train; a smaller micro-batch or steps_per_generation, or vLLM server mode")
-    from ..space import with_knobs
 
     return with_knobs(candidate, vllm_gpu_memory_utilization=need.value)
 

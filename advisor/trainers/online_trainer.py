@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from . import online_files, online_space
 from .base import TrlTrainer, every_row
 from .online_knobs import OnlineKnobs, problems, world_problems
+from .prompts import PROMPT_COLUMN, PromptDataset, check_prompt_rows, load_prompts, placeholder_text
 from .protocol import GpuSplit, ModelInput, StepShape
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ class OnlineRLTrainer(TrlTrainer):
         """What a measured run passes `<Trainer>(...)` beyond the shared arguments: the reward. The emitted default,
         built as trl grpo builds it (online_files.REWARD_REGISTRY): a host function, no device memory; a reward
         model given (`models`: its module or path and its tokenizer) scores beside it, resident."""
-        from trl.rewards import get_soft_overlong_punishment
+        from trl.rewards import get_soft_overlong_punishment  # start-up: loaded on first use
 
         funcs: list[Any] = [get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)]
         out: dict[str, Any] = {"reward_funcs": funcs}
@@ -148,21 +149,15 @@ class OnlineRLTrainer(TrlTrainer):
     # ---- data ----------------------------------------------------------------------------------------------------
     def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
                      sample: int | None = None, seed: int = 0, progress: bool = False) -> Any:
-        from .prompts import load_prompts
-
         return load_prompts(spec, model, tokenizer, trainer=self.name, sample=sample, seed=seed)
 
     def check_dataset(self, workload: Workload) -> None:
-        from .prompts import PromptDataset, check_prompt_rows
-
         data = workload.dataset
         if not isinstance(data, PromptDataset):
             check_prompt_rows(list(data.rows[:1]), data.name, self.name)
 
     def dataset_from_rows(self, name: str, source: str, rows: tuple[dict, ...], *, dataset_name: str | None = None,
                           completion_only_loss: bool | None = None) -> Any:
-        from .prompts import PromptDataset
-
         return PromptDataset(name=name, source=source, rows=tuple(tuple(int(t) for t in r) for r in rows),
                              dataset_name=dataset_name)
 
@@ -180,9 +175,7 @@ class OnlineRLTrainer(TrlTrainer):
 
     def train_dataset(self, workload: Workload, rows: list | None = None) -> datasets.Dataset:
         """The `prompt` column the trainer reads: advisor.modeling's placeholder text of each prompt's token ids."""
-        import datasets
-
-        from .prompts import PROMPT_COLUMN, placeholder_text
+        import datasets  # start-up: loaded on first use
 
         picked = workload.dataset.rows if rows is None else rows
         return datasets.Dataset.from_dict({PROMPT_COLUMN: [placeholder_text(r) for r in picked]})
@@ -205,7 +198,7 @@ class OnlineRLTrainer(TrlTrainer):
         return True  # the completion mask comes from the first EOS of each completion: data-dependent
 
     def extra_models(self, trainer: Any) -> list:
-        import torch
+        import torch  # start-up: loaded on first use
 
         out = [trainer.ref_model] if getattr(trainer, "ref_model", None) is not None else []
         out += [f for f in getattr(trainer, "reward_funcs", []) if isinstance(f, torch.nn.Module)]

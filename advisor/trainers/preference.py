@@ -11,14 +11,29 @@ from __future__ import annotations
 
 import hashlib
 import math
+import tempfile
+import types
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from ..data import SYNTHETIC_MAX, SYNTHETIC_MEDIAN, SYNTHETIC_SEED, TokenizedDataset, synthetic_lengths
+from .._messages import capture, said_note
+from ..data import (
+    SYNTHETIC_MAX,
+    SYNTHETIC_MEDIAN,
+    SYNTHETIC_SEED,
+    TokenizedDataset,
+    load_tokenizer,
+    progress_bars,
+    read_raw,
+    synthetic_lengths,
+    tokenizer_note,
+)
 from ..errors import ConfigError, DatasetError
+from ..lengths import Percentiles
 from .registry import get_trainer
 
 if TYPE_CHECKING:
@@ -140,7 +155,7 @@ class PreferenceDataset:
         return out[0], out[1]
 
     def to_hf(self, rows: Sequence[dict[str, Any]] | None = None) -> datasets.Dataset:
-        import datasets
+        import datasets  # start-up: loaded on first use
 
         rows = list(self.rows if rows is None else rows)
         return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in TOKEN_COLUMNS})
@@ -214,7 +229,6 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
     """None: the synthetic set. Else the file / directory / hub id, tokenized by DPOTrainer's own preparation.
     `sample`: a seeded random sample of that many pairs, drawn as advisor.data.load_dataset draws rows (the same
     indices for the same file size and seed), so `--sample N` reads N pairs whatever the trainer."""
-    from ..errors import DatasetError
 
     if sample is not None and sample <= 0:
         raise DatasetError(f"--sample {sample}: must be a positive number of pairs, e.g. --sample 2000")
@@ -226,7 +240,6 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
             note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} pairs)"
             data = dataclasses.replace(data, notes=data.notes + (note,))
         return data
-    from ..data import load_tokenizer, read_raw, tokenizer_note
 
     raw = read_raw(spec)
     population = len(raw.rows)
@@ -260,15 +273,10 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str
                      ) -> tuple[list[dict[str, list[int]]], bool, str | None]:
     """DPOTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`; with whether the pairs
     are conversational and a note of what the libraries said meanwhile, each distinct message once (or None)."""
-    import tempfile
-    import types
-    import warnings
 
-    import datasets
-    from trl import DPOConfig, DPOTrainer
-    from trl.data_utils import is_conversational
-
-    from .._messages import capture, said_note
+    import datasets  # start-up: loaded on first use
+    from trl import DPOConfig, DPOTrainer  # start-up: loaded on first use
+    from trl.data_utils import is_conversational  # start-up: loaded on first use
 
     keep = [c for c in (*PREFERENCE_COLUMNS, "tools", "chat_template_kwargs") if any(c in r for r in rows)]
     try:
@@ -281,7 +289,6 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     trainer_like = types.SimpleNamespace(_tokenizer=tok)
-    from ..data import progress_bars
 
     try:
         with progress_bars(False), capture() as said:
@@ -349,7 +356,6 @@ def preference_length_report(data: PreferenceDataset, max_lengths: Sequence[int]
                              max_truncation: float = 0.01, multiple: int = 64) -> PreferenceLengthReport:
     """The report; the suggested max_length is the smallest multiple of `multiple` at which neither the chosen nor
     the rejected completions lose more than `max_truncation` of their tokens."""
-    from ..lengths import Percentiles
 
     longest = int(data.lengths.max()) if len(data.rows) else multiple
     top = max(multiple, -(-longest // multiple) * multiple)

@@ -23,8 +23,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from ..data import SYNTHETIC_MAX, SYNTHETIC_MEDIAN, SYNTHETIC_SEED, synthetic_lengths
+from ..data import (
+    SYNTHETIC_MAX,
+    SYNTHETIC_MEDIAN,
+    SYNTHETIC_SEED,
+    load_tokenizer,
+    read_raw,
+    synthetic_lengths,
+    tokenizer_note,
+)
 from ..errors import ConfigError, DatasetError
+from ..lengths import Percentiles
 from .registry import get_trainer
 
 if TYPE_CHECKING:
@@ -117,7 +126,7 @@ class PromptDataset:
     def to_hf(self, rows: Sequence[int] | None = None) -> datasets.Dataset:
         """A `prompt` column of plain text that advisor.modeling's placeholder tokenizer (one word `<tN>` per id)
         turns back into exactly these ids: the same lengths, whatever the original format."""
-        import datasets
+        import datasets  # start-up: loaded on first use
 
         picked = self.rows if rows is None else [self.rows[int(i)] for i in rows]
         return datasets.Dataset.from_dict({PROMPT_COLUMN: [placeholder_text(ids) for ids in picked]})
@@ -203,7 +212,7 @@ def tokenize_prompts(prompts: Sequence[Any], tok: Any, *, trainer: str = "grpo",
     if trainer not in _TRAINERS:
         raise ConfigError(f"trainer={trainer!r} does not read prompt-only data; use one of {', '.join(_TRAINERS)}",
                           context="trainer")
-    import trl
+    import trl  # start-up: loaded on first use
 
     cls = getattr(trl, _TRAINERS[trainer])
     conversational = bool(prompts) and _is_messages(prompts[0])
@@ -241,7 +250,6 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
             note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} prompts)"
             data = dataclasses.replace(data, notes=data.notes + (note,))
         return data
-    from ..data import load_tokenizer, read_raw, tokenizer_note
 
     raw = read_raw(spec)
     population = len(raw.rows)
@@ -286,8 +294,6 @@ class PromptLengthReport:
 
 
 def prompt_length_report(data: PromptDataset, max_completion_length: int = DEFAULT_COMPLETION) -> PromptLengthReport:
-    from ..lengths import Percentiles
-
     return PromptLengthReport(name=data.name, synthetic=data.synthetic, prompts=len(data.rows),
                               prompt=Percentiles.of(data.lengths), max_completion_length=int(max_completion_length),
                               sequence=Percentiles.of(data.sequence_lengths(max_completion_length)),

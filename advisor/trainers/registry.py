@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from ..knobs import register_knobs, unregister_knobs
 from ..workload import DEFAULT_TRAINER
 from .protocol import ModelInput, Trainer
 
@@ -23,7 +24,6 @@ def register(trainer: Trainer) -> Trainer:
     """Add a trainer under its `name`, and its own knobs (`trainer.knob_view.KNOBS`) to the knob registry. A name
     already taken by another trainer, or a knob name another knob has, is refused (ConfigError naming it): one
     declaration per trainer, as `trl <command>` has one script."""
-    from ..knobs import register_knobs
 
     if not isinstance(trainer, Trainer):
         raise TypeError(f"{trainer!r} does not implement advisor.trainers.Trainer")
@@ -51,7 +51,6 @@ def _check_inputs(trainer: Trainer) -> None:
 
 def unregister(name: str) -> None:
     """Take a trainer of one's own out again (a test's), with its own knobs that no other trainer declares."""
-    from ..knobs import unregister_knobs
 
     if name in BUILTIN:
         raise ConfigError([f"name={name!r}: a built-in trainer stays registered"], context="trainer")

@@ -12,6 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from .._emit import peft_config
+from ..errors import ConfigError
+from ..modeling import default_attention
 from .base import PairTrainer, own_keys, register
 from .protocol import StepShape
 
@@ -55,7 +60,6 @@ class Reward(PairTrainer):
         """A `trl reward` config read back: the shared keys as advisor/_emit reads them, with what this trainer
         emits itself accepted (`lora_task_type: SEQ_CLS` under LoRA, the default output_dir) and its own keys in
         the base. Another LoRA task type is refused by name."""
-        from ..errors import ConfigError
 
         mine = own_keys(self)
         shared = {k: v for k, v in data.items() if k not in mine}
@@ -69,10 +73,8 @@ class Reward(PairTrainer):
     # ---- the model -------------------------------------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
         """What `trl reward` trains: AutoModelForSequenceClassification with one label, random weights."""
-        import torch
-        from transformers import AutoModelForSequenceClassification
-
-        from ..modeling import default_attention
+        import torch  # start-up: loaded on first use
+        from transformers import AutoModelForSequenceClassification  # start-up: loaded on first use
 
         config = spec.hf_config()
         config.num_labels = 1
@@ -89,7 +91,6 @@ class Reward(PairTrainer):
 
     def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any:
         """trl.get_peft_config with `lora_task_type: SEQ_CLS` (as emitted): PEFT then also trains the score head."""
-        from .._emit import peft_config
 
         config = peft_config(candidate, spec)
         if config is not None:
@@ -99,7 +100,6 @@ class Reward(PairTrainer):
     # ---- data ----------------------------------------------------------------------------------------------------
     def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]:
         """The B pairs with the longest sequence among those RewardTrainer keeps (both within `max_length`)."""
-        import numpy as np
 
         data: PreferenceDataset = workload.dataset
         longest = data.lengths
@@ -110,7 +110,7 @@ class Reward(PairTrainer):
         return [_pair(data.rows[i]) for i in order]
 
     def train_dataset(self, workload: Workload, rows: list[dict] | None = None) -> datasets.Dataset:
-        import datasets
+        import datasets  # start-up: loaded on first use
 
         rows = [_pair(r) for r in workload.dataset.rows] if rows is None else rows
         return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in ("chosen_ids", "rejected_ids")})
