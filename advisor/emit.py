@@ -36,6 +36,7 @@ from ._emit import (
     trl_fields,
     write_yaml,
 )
+from ._emit import load_run_config as read_run_config
 from .trainers import DEFAULT, get_trainer
 
 if TYPE_CHECKING:
@@ -88,6 +89,4 @@ def to_python(candidate: Candidate, *, trainer: str | Trainer = DEFAULT, model_n
 def load_run_config(path: str | Path, trainer: str | Trainer = DEFAULT) -> RunConfig:
     """Read a RUN.yaml (what `advisor suggest --format yaml` writes and `trl <command> --config` accepts) as
     `trainer` reads it: another trainer's keys, e.g. `packing` in a DPO config, are refused by name."""
-    from ._emit import load_run_config as read
-
-    return read(path, get_trainer(trainer))
+    return read_run_config(path, get_trainer(trainer))

@@ -22,6 +22,7 @@ forward; a step that generates is online RL's closed form (`_estimate/online_ste
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ._estimate import (
@@ -78,8 +79,6 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
 def _with_models(workload: Workload, candidate: Candidate, m: Measurement) -> Measurement:
     """The models given beside the policy (`Workload.models`, a trainer's ModelInputs), resident through the step:
     their weights at the policy's element size added to every moment's bytes."""
-    import dataclasses
-
     c = candidate
     extra = resident_bytes((spec for _, spec in workload.models), DTYPE_BYTES[c.weights_dtype])
     cuda = workload.gpu.is_cuda
@@ -194,8 +193,6 @@ def _sequences_closed_form(workload: Workload, candidate: Candidate, shape: Step
     reference copy of the weights (`reference_copy`), the LM head's logits left out for a one-label score head
     (`lm_head` False), and a reference's no-grad forward taken as a third of the step's compute
     (`reference_forward`)."""
-    import dataclasses
-
     c = candidate
     per_row = shape.sequences_per_row
     rows = dataclasses.replace(workload, dataset=_sequences(workload.dataset))

@@ -18,6 +18,7 @@ from typing import Any
 from .data import Dataset
 from .errors import ConfigError, UsageError
 from .profiles import decide_offline, detect_gpu, resolve_gpu, resolve_model
+from .trainers import get_trainer, model_input, model_inputs, trainer_of
 from .workload import DEFAULT_TRAINER, Goals, Method, ModelSpec, Workload, check_budget, check_world
 
 DEFAULT_GPU = "H100-80GB"
@@ -40,7 +41,6 @@ def build_workload(
     the models the trainer takes beside the policy, each by its declared parameter (advisor.trainers ModelInput,
     e.g. online RL's `reward_model`), a hub id or a local directory; one the trainer takes none of is refused."""
     from ._files import check_names
-    from .trainers import get_trainer, model_inputs, trainer_of
 
     declared = {m.param: m for m in model_inputs()}
     unknown = sorted(set(models) - set(declared))
@@ -149,8 +149,6 @@ class WorkloadRef:
         if not self.model:
             raise ConfigError("the workload was given as a Workload object, not by name: pass workload=... "
                               "to rebuild it", context="workload")
-        from .trainers import model_input
-
         models = {model_input(role).param: name for role, name in self.models}
         return build_workload(self.model, gpu=self.gpu, dataset=self.dataset, tokenizer=self.tokenizer,
                               sample=self.sample, goals=goals or self.goals, num_gpus=self.num_gpus,
@@ -194,6 +192,4 @@ class WorkloadRef:
 def _models_of(data: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     """The models beside the policy a baseline's or a spec's keys name: each declared role's key (advisor.trainers
     ModelInput), where it is set."""
-    from .trainers import model_inputs
-
     return tuple((m.role, str(data[m.role])) for m in model_inputs() if data.get(m.role))

@@ -115,9 +115,10 @@ from .events import (
     TrialsIgnored,
     render,
 )
+from .inputs import build_workload
 from .space import Candidate, PackingStrategy, SearchSpace
 from .suggestion import Suggestion
-from .trainers import choices, get_trainer, trainer_of
+from .trainers import DEFAULT, choices, get_trainer, model_inputs, trainer_of
 from .workload import Goals, Method, Workload, parse_fraction, parse_size
 
 __all__ = [
@@ -173,8 +174,6 @@ _MODEL = (_PATHLIKE, "a hub id or a local directory (str): {what}")  # a model b
 def _check_parameters(**given: Any) -> None:
     """A parameter of the wrong type is a ConfigError naming it, the value and what to pass (every one at once),
     not the TypeError / AttributeError of wherever the value is first used."""
-    from .trainers import model_inputs
-
     declared = {m.param: m for m in model_inputs()}
     problems = []
     for name, value in given.items():
@@ -257,9 +256,6 @@ def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | Non
             raise UsageError(f"suggest(trainer={trainer!r}): the Workload was built for trainer={model.trainer!r} "
                              "(its dataset is that trainer's); build it with trainer=... or drop the argument")
         return dataclasses.replace(model, goals=_goals(model.goals, **goals), **world)
-    from .inputs import build_workload
-    from .trainers import DEFAULT
-
     return build_workload(model, gpu=gpu, dataset=dataset, goals=_goals(None, **goals), trainer=trainer or DEFAULT,
                           **models, **world)
 
@@ -267,8 +263,6 @@ def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | Non
 def _split_keywords(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """suggest()'s other keywords: the models beside the policy (each trainer's declared ModelInput parameter:
     online RL's `reward_model`) and the goals."""
-    from .trainers import model_inputs
-
     params = {m.param for m in model_inputs()}
     return ({k: v for k, v in given.items() if k in params}, {k: v for k, v in given.items() if k not in params})
 
@@ -503,8 +497,6 @@ def _derive_keyword_parameters() -> None:
     """suggest()'s signature and docstring list the models beside the policy as the trainers declare them
     (advisor.trainers ModelInput) and the goals as `Goals` declares them (keyword-only, None: not given)."""
     import inspect
-
-    from .trainers import model_inputs
 
     sig = inspect.signature(suggest)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]

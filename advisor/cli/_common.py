@@ -14,6 +14,7 @@ from ..errors import ConfigError, UsageError
 from ..inputs import build_workload
 from ..measurement import Measurement
 from ..space import Candidate
+from ..trainers import DEFAULT, choices, get_trainer, model_inputs, trainer_of
 from ..workload import Goals, Workload, parse_fraction, parse_size  # noqa: F401 (the CLI's)
 
 
@@ -39,8 +40,6 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
                    help="with --num-gpus N > 1 and --config: how accelerate shards the model (the accelerate config "
                         "`advisor suggest --accelerate-output` writes; default ddp, accelerate's MULTI_GPU). "
                         "suggest searches it: pin it there with --fix parallelism=VALUE")
-    from ..trainers import DEFAULT, choices, get_trainer, model_inputs
-
     data = "; ".join(f"{n}: {get_trainer(n).data_hint}" for n in choices())
     g.add_argument("--trainer", choices=choices(), default=DEFAULT,
                    help=f"the TRL trainer, one of {', '.join(choices())} (default {DEFAULT}); --dataset is that "
@@ -61,8 +60,6 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     dataset = getattr(ns, "dataset", None)
     config_path = getattr(ns, "config", None)
     from .._files import check_names
-    from ..trainers import DEFAULT, model_inputs
-
     models = {m.param: getattr(ns, m.param, None) for m in model_inputs()}
     trainer = getattr(ns, "trainer", DEFAULT)
     check_names({"--model": model, "--dataset": dataset, "--tokenizer": getattr(ns, "tokenizer", None),
@@ -155,16 +152,12 @@ def write_output(path: str | Path, text: str, flag: str) -> None:
 def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None) -> Candidate:
     """The Candidate of --config, checked against the target and the model (every problem at once)."""
     from ..emit import load_run_config
-    from ..trainers import DEFAULT
 
     cand = load_run_config(ns.config, trainer=getattr(ns, "trainer", DEFAULT)).candidate
     layout = getattr(ns, "parallelism", None)
     if layout is not None:  # the accelerate side of the run (not in the TRL YAML)
         cand = cand.replace(parallelism=layout)
     if workload is not None:  # the trainer's rules (SFT: the candidate's own; DPO: no packing, ...)
-        from ..errors import ConfigError
-        from ..trainers import trainer_of
-
         kind = trainer_of(workload)
         problems = kind.problems(cand, workload.gpu, workload.model)
         problems += kind.check_world(cand, workload.num_gpus)  # rules that need --num-gpus (online RL's server GPUs)
