@@ -256,7 +256,7 @@ KNOBS: tuple[Knob, ...] = (
          aliases=("torch_dtype",), short=lambda c: None if c.weights_dtype.value == "float32" else
          c.weights_dtype.value, quality="pure low-precision weights (no float32 master copy)"),
     Knob("attn_implementation", Kind.OPTIONAL_ENUM, Attention.SDPA, Home.MODEL_CONFIG, "attn_implementation",
-         "transformers' attention (None: what transformers picks, see modeling.default_attention)", enum=Attention,
+         "transformers' attention (None: what transformers picks, see space.default_attention)", enum=Attention,
          aliases=("attention",),
          label="attention", summary=_attn_summary, short=_attn_short, absent=None),
     Knob("precision", Kind.ENUM, Precision.BF16, Home.TRAINING_ARGUMENTS, "bf16",

@@ -48,7 +48,7 @@ class Category(str, Enum):
 
 @dataclass(frozen=True)
 class RankResult:
-    """One rank of a multi-process probe (issue 16): its outcome and its own peaks, step time and trained tokens."""
+    """One rank of a multi-process probe: its outcome and its own peaks, step time and trained tokens."""
 
     rank: int
     status: Status

@@ -6,6 +6,8 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .space import default_attention
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
@@ -54,18 +56,6 @@ def build_model(spec: ModelSpec, candidate: Candidate | None = None, device: str
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(candidate))
     return model
-
-
-def default_attention(spec: ModelSpec):
-    """The attention transformers 5 picks when none is asked for (`PreTrainedModel.get_correct_attn_implementation`
-    with None): sdpa where the model class supports it, else eager (Gemma2: softcapping, no sdpa)."""
-    from transformers import AutoModelForCausalLM
-
-    from .space import Attention
-
-    config = spec.hf_config()
-    cls = AutoModelForCausalLM._model_mapping[type(config)]
-    return Attention.SDPA if getattr(cls, "_supports_sdpa", False) else Attention.EAGER
 
 
 def save_random_model(spec: ModelSpec, directory: str | Path, candidate: Candidate | None = None) -> Path:

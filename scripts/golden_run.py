@@ -1,6 +1,6 @@
 """A golden run: the picks, trials and bytes of a fixed set of searches, to compare two trees side by side.
 
-A refactor that must not change what the advisor answers (issue 22: the trainer seam) is checked by running the
+A refactor that must not change what the advisor answers (a redesign of the trainer seam) is checked by running the
 same searches before and after and comparing what they print. Each case runs `advisor suggest ... --json` and
 `--format yaml` / `--format python` with `--no-cache` in a subprocess of the chosen tree; the record keeps the
 pick's config, its peak / reserved / device bytes and tokens/s, every trial's config, status and bytes, and the

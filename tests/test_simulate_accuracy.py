@@ -126,7 +126,7 @@ def test_unpadded_batch_takes_the_real_path(small_workload):
     assert patched.peak_bytes == pytest.approx(real, rel=0.01)
 
 
-# ---- the config as written (issue 10, items 4 and 5) --------------------------------------------------------------
+# ---- the config as written -------------------------------------------------------------------------------------
 # The real run here is built the way `trl sft --config` builds it, independently of advisor.emit: TRL's own parser
 # reads the YAML, trl.get_peft_config builds the LoraConfig, and the model is created with the YAML's dtype and
 # attn_implementation (None: transformers picks). Only the batch (the longest rows, as the simulator picks them) is

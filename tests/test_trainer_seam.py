@@ -1,4 +1,4 @@
-"""Every trainer through one seam (issue 22): what is emitted and measured for DPO and Reward is what SFT gets, by
+"""Every trainer through one seam: what is emitted and measured for DPO and Reward is what SFT gets, by
 the trainer's own declarations: the launch line runs `trl <command>`, `--sample N` reads N pairs, a QLoRA pick's
 snippet and config object carry the 4-bit config with the YAML's kwargs."""
 

@@ -15,7 +15,7 @@ from .knob import (
     knob_view,
     parse_bool,
 )
-from .rules import LLAMA_LINEARS, candidate_problems, model_linear_names, peft_default_targets
+from .rules import LLAMA_LINEARS, candidate_problems, default_attention, model_linear_names, peft_default_targets
 from .runbase import CHECKPOINT_EXTRA, QualityCost, RunBase
 from .values import (
     UNSUPPORTED_OPTIMIZERS,
@@ -30,7 +30,7 @@ from .values import (
 __all__ = [  # noqa: RUF022
     "PackingStrategy", "Precision", "WeightsDtype", "Quantization", "Optimizer", "Attention", "UNSUPPORTED_OPTIMIZERS",
     "RunBase", "QualityCost", "CHECKPOINT_EXTRA",
-    "candidate_problems", "model_linear_names", "peft_default_targets", "LLAMA_LINEARS",
+    "candidate_problems", "model_linear_names", "peft_default_targets", "LLAMA_LINEARS", "default_attention",
     "Home", "Kind", "Memory", "FixResult", "Knob", "KnobView", "knob_view", "annotation", "parse_bool", "TRL_DEFAULT",
     "NO_STAND_IN",
 ]

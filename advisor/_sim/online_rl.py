@@ -1,4 +1,4 @@
-"""TRL's own `GRPOTrainer.train()` / `RLOOTrainer.train()` on fake tensors (online RL, issue 23).
+"""TRL's own `GRPOTrainer.train()` / `RLOOTrainer.train()` on fake tensors (online RL).
 
 The trainer is built by the caller from `make_online_trainer_class(trl.GRPOTrainer | trl.RLOOTrainer)` on a policy
 built on the `meta` device, inside `online_construction(...)`, so that the reference TRL builds from the policy's name
