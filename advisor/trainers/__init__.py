@@ -1,12 +1,13 @@
 """TRL trainers behind one seam (the protocol: protocol.py; the defaults: base.py; the registry: registry.py).
-Importing this package registers the built-in trainers, each with its own knobs."""
+Importing this package imports every module in it, so each built-in trainer module registers its trainer (and its own
+knobs) by being here: adding one is adding its module, no list to edit."""
 
+import pkgutil
 from importlib import import_module
 
 from .base import PairTrainer, TrlTrainer
 from .protocol import GpuSplit, Head, ModelInput, StepShape, Trainer
 from .registry import (
-    BUILTIN,
     DEFAULT,
     choices,
     get_trainer,
@@ -19,8 +20,8 @@ from .registry import (
     unregister,
 )
 
-for _name in BUILTIN:  # each module registers its trainer at import
-    import_module(f".{_name}", __name__)
+for _module in pkgutil.iter_modules(__path__):  # in name order; a trainer module registers its trainer at import
+    import_module(f".{_module.name}", __name__)
 
 __all__ = ["DEFAULT", "GpuSplit", "Head", "ModelInput", "PairTrainer", "StepShape", "Trainer", "TrlTrainer", "choices",
            "get_trainer", "model_input", "model_inputs", "names", "owners", "register", "trainer_of", "unregister"]

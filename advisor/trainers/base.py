@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     import torch
 
     from ..knobs import Knob
-    from ..space import Candidate
     from ..workload import GPUSpec, ModelSpec, Workload
 
 _CONFIG_HOMES = (Home.TRAINING_ARGUMENTS, Home.TRAINER_CONFIG)

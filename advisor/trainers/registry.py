@@ -1,6 +1,6 @@
 """The trainer registry: each trainer registered once by its name, with its own knobs (its typed view) registered in
-the knob registry at the same time. Importing `advisor.trainers` registers the built-ins (`BUILTIN`); a trainer of
-one's own is a `register(MyTrainer())` away, with no list here to edit."""
+the knob registry at the same time. Importing `advisor.trainers` registers the built-ins (every module of the
+package); a trainer of one's own is a `register(MyTrainer())` away, with no list to edit."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from .protocol import ModelInput, Trainer
 if TYPE_CHECKING:
     from ..workload import Workload
 
-BUILTIN = ("sft", "dpo", "reward", "grpo", "rloo")  # the built-in modules (advisor/trainers/<name>.py)
 DEFAULT = DEFAULT_TRAINER  # the trainer a workload is for unless it names another (--trainer's default)
 
 _REGISTRY: dict[str, Trainer] = {}
@@ -52,7 +51,8 @@ def _check_inputs(trainer: Trainer) -> None:
 def unregister(name: str) -> None:
     """Take a trainer of one's own out again (a test's), with its own knobs that no other trainer declares."""
 
-    if name in BUILTIN:
+    taken = _REGISTRY.get(name)
+    if taken is not None and type(taken).__module__.startswith(f"{__package__}."):
         raise ConfigError([f"name={name!r}: a built-in trainer stays registered"], context="trainer")
     gone = _REGISTRY.pop(name, None)
     if gone is not None:
@@ -61,7 +61,7 @@ def unregister(name: str) -> None:
 
 
 def names() -> tuple[str, ...]:
-    """Every registered trainer's name, the built-ins first."""
+    """Every registered trainer's name, the built-ins first (in their modules' name order)."""
     return tuple(_REGISTRY)
 
 
