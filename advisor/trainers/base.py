@@ -121,9 +121,6 @@ class TrlTrainer:
         """Its own knobs of `candidate`, typed (its TRL defaults resolved)."""
         return self.knob_view.of(candidate)
 
-    def defaults(self) -> Candidate:
-        return Candidate.trl_defaults()  # every built-in config's memory defaults equal SFTConfig's (1024, bf16, ...)
-
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
                  ) -> list[str]:
         return candidate.problems(gpu, model)

@@ -108,6 +108,8 @@ class Trainer(Protocol):
 
     def make_parser(self) -> Any: ...  # the TrlParser `trl <command>` builds (trl/scripts/<command>.py)
 
+    def config_fields(self) -> frozenset[str]: ...  # the dataclass fields of its TRL config class
+
     # ---- knobs, rules ------------------------------------------------------------------------------------------
     def accepts(self, knob: Knob) -> bool: ...  # its config has the knob's field (its own: its view's)
 
