@@ -1,6 +1,7 @@
-"""GRPO and RLOO on the trainer seam (advisor/trainers/online_rl.py, grpo.py, rloo.py): the registry, the knobs'
+"""GRPO and RLOO on the trainer seam (advisor/trainers/online_trainer.py, online_knobs.py, online_space.py,
+online_files.py, grpo.py, rloo.py): the registry, the knobs'
 TRL 1.16 defaults read back from the installed configs, the files through `trl grpo` / `trl rloo`'s own parser with
-nothing left over, the config objects, the snippet, the phases, server mode's GPU split, the search space at a fixed
+nothing left over, the config objects, the snippet, server mode's GPU split, the search space at a fixed
 number of completions per optimizer step, and each bad input as a ConfigError naming the key and the fix."""
 
 from __future__ import annotations

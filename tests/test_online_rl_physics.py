@@ -1,5 +1,5 @@
-"""Online RL's closed form (advisor/_physics/online_rl.py) and the estimate's (advisor/_estimate/online_rl.py) against
-vLLM's own rules, a real transformers DynamicCache and TRL's real GRPOTrainer / RLOOTrainer.train() on the CPU.
+"""Online RL's closed form (advisor/_physics/online_costs.py) and the estimate's (advisor/_estimate/online_step.py)
+against vLLM's own rules, a real transformers DynamicCache and TRL's real GRPOTrainer / RLOOTrainer.train() on the CPU.
 
 Expected numbers are worked out by hand in the comments from the rule each term names (vLLM's file and function,
 transformers' cache, TRL's chunked log-prob head), not by calling the function under test."""
