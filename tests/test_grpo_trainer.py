@@ -359,6 +359,22 @@ def test_a_reward_model_is_part_of_the_workload_and_the_files(tiny_config):
         build_workload(tiny_config, gpu="H100-80GB-SXM", reward_model=tiny_config)
 
 
+def test_the_estimate_counts_a_reward_model(tiny_config):
+    """The online estimate counts its training micro-batch as an SFT workload; that workload kept the reward model,
+    which an SFT workload refuses, so every GRPO estimate with --reward-model ended in an error (and a search with it
+    found nothing)."""
+    from advisor.estimator import estimate
+    from advisor.inputs import build_workload
+    from advisor.measurement import Category
+
+    scored = estimate(build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo", reward_model=tiny_config),
+                      Candidate())
+    plain = estimate(build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo"), Candidate())
+    assert scored.ok and plain.ok, scored.message
+    params = Category.PARAMETERS.value
+    assert scored.breakdown[params] == 2 * plain.breakdown[params]  # the policy's weights again, resident
+
+
 def test_reward_model_flag_on_the_cli(tiny_config, capsys):
     rc = main(["suggest", "--trainer", "sft", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--backend",
                "estimate", "--reward-model", tiny_config])
