@@ -375,6 +375,27 @@ def test_the_estimate_counts_a_reward_model(tiny_config):
     assert scored.breakdown[params] == 2 * plain.breakdown[params]  # the policy's weights again, resident
 
 
+def test_simulate_reads_the_reward_model_the_file_names(tiny_config, tmp_path, capsys):
+    """The file `suggest --reward-model ID` writes names it (reward_model_name_or_path, as trl grpo loads it);
+    `simulate --config` took the model and the data from the file but not the reward model, so it simulated the step
+    without it (a smaller peak than the suggestion's, by the reward model's weights)."""
+    from advisor.inputs import build_workload
+
+    wl = build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo", reward_model=tiny_config)
+    run = tmp_path / "run.yaml"
+    run.write_text(get_trainer("grpo").to_yaml(Candidate(), model_name_or_path=tiny_config, workload=wl))
+    assert yaml.safe_load(run.read_text())["reward_model_name_or_path"] == tiny_config
+    argv = ["simulate", "--trainer", "grpo", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--config"]
+    assert main([*argv, str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert any("1 reward model(s) resident" in n for n in out["notes"])
+    bad = tmp_path / "bad.yaml"  # a reward model that is not there: the error names the file's key
+    bad.write_text(yaml.safe_dump({**yaml.safe_load(run.read_text()),
+                                   "reward_model_name_or_path": str(tmp_path / "missing")}))
+    assert main([*argv, str(bad)]) == 2
+    assert f"--config {bad}: reward_model_name_or_path" in capsys.readouterr().err
+
+
 def test_reward_model_flag_on_the_cli(tiny_config, capsys):
     rc = main(["suggest", "--trainer", "sft", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--backend",
                "estimate", "--reward-model", tiny_config])

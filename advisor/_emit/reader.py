@@ -46,6 +46,9 @@ class RunConfig:
     path: Path | None = None
     datasets: list[dict[str, Any]] | None = None  # a `datasets:` entry of local data (what the writer emits)
     use_cpu: bool | None = None  # the target's (the writer's `use_cpu`), not the candidate's
+    # online RL's reward model given as a model (trl grpo's script key): resident beside the policy, part of the
+    # workload (--reward-model) as the model and the data are
+    reward_model_name_or_path: str | None = None
 
     @property
     def dataset(self) -> str | None:
@@ -308,6 +311,7 @@ def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
         path=path,
         datasets=data["datasets"] if dataset_of(data.get("datasets")) is not None else None,
         use_cpu=data.get("use_cpu"),
+        reward_model_name_or_path=data.get("reward_model_name_or_path"),
     )
 
 

@@ -59,17 +59,19 @@ def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True) ->
 def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Workload:
     model = ns.model
     dataset = getattr(ns, "dataset", None)
+    reward_model = getattr(ns, "reward_model", None)
     config_path = getattr(ns, "config", None)
     from .._files import check_names
 
     check_names({"--model": model, "--dataset": dataset, "--tokenizer": getattr(ns, "tokenizer", None),
-                 "--config": config_path, "--reward-model": getattr(ns, "reward_model", None)})
-    if config_path and (model is None or dataset is None):
+                 "--config": config_path, "--reward-model": reward_model})
+    if config_path and (model is None or dataset is None or reward_model is None):
         from ..emit import load_run_config
 
         rc = load_run_config(config_path, trainer=getattr(ns, "trainer", "sft"))
         model = model or rc.model_name_or_path
         dataset = dataset or rc.dataset
+        reward_model = reward_model or rc.reward_model_name_or_path  # the file's, as trl grpo loads it
     if model is None:
         raise UsageError("--model is required (or model_name_or_path in --config)")
     from ..profiles import decide_offline
@@ -78,13 +80,14 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     if offline:
         print(f"advisor: {offline}", file=sys.stderr)
     from_config = {flag: f"--config {config_path}: {key}" for flag, key, given in (
-        ("--model", "model_name_or_path", ns.model), ("--dataset", "dataset_name", getattr(ns, "dataset", None)))
+        ("--model", "model_name_or_path", ns.model), ("--dataset", "dataset_name", getattr(ns, "dataset", None)),
+        ("--reward-model", "reward_model_name_or_path", getattr(ns, "reward_model", None)))
         if given is None and config_path}  # a value the config wrote, not a flag: its error names the key
     try:
         wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
                             sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
                             num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"),
-                            reward_model=getattr(ns, "reward_model", None))
+                            reward_model=reward_model)
     except UsageError as exc:
         if not from_config:
             raise
