@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ._emit import (
     ALLOC_CONF,  # noqa: F401  (public, outside __all__ as before)
+    ALLOC_ENV,  # noqa: F401  (the allocator variables the files set)
     KEY_USES,
     KeyUse,
     RunConfig,

@@ -51,9 +51,15 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
                    "reward_model_name_or_path")
 
 
-def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True, launch: bool = True) -> None:
     parser.add_argument("--config", required=required, metavar="RUN.yaml",
                         help="a trl sft --config file (what `advisor suggest --format yaml` writes)")
+    if launch:
+        parser.add_argument("--accelerate-config", default=None, metavar="FILE",
+                            help="with --num-gpus N > 1: the accelerate config the run launches with (what `advisor "
+                            "suggest --accelerate-output FILE` writes): its layout (instead of --parallelism) and its "
+                            "num_processes, the ranks that train (online RL's vLLM server mode: the other GPUs of "
+                            "--num-gpus run `trl vllm-serve`)")
 
 
 def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Workload:
@@ -154,33 +160,82 @@ def write_output(path: str | Path, text: str, flag: str) -> None:
 
 
 def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None) -> Candidate:
-    """The Candidate of --config, checked against the target and the model (every problem at once)."""
+    """The Candidate of --config (and --accelerate-config, --parallelism: the accelerate side of the run, which the
+    TRL file does not hold), checked against the target and the model (every problem at once)."""
     from ..emit import load_run_config
     from ..trainers import DEFAULT
 
     cand = load_run_config(ns.config, trainer=getattr(ns, "trainer", DEFAULT)).candidate
     layout = getattr(ns, "parallelism", None)
-    if layout is not None:  # the accelerate side of the run (not in the TRL YAML)
+    launch = None
+    if getattr(ns, "accelerate_config", None):
+        from ..accelerate_config import read_accelerate_config
+
+        launch = read_accelerate_config(ns.accelerate_config)
+        if layout is not None and layout != launch.layout.value:
+            raise UsageError(f"--parallelism {layout} with --accelerate-config {ns.accelerate_config}, whose layout "
+                             f"is {launch.layout.value}: give one of them")
+        layout = launch.layout
+    if layout is not None:
         cand = cand.replace(parallelism=layout)
     if workload is not None:  # the trainer's rules (SFT: the candidate's own; DPO: no packing, ...)
         from ..errors import ConfigError
-        from ..trainers import get_trainer
+        from ..trainers import get_trainer, launched_candidate, training_workload
 
         kind = get_trainer(workload.trainer)
-        problems = kind.problems(cand, workload.gpu, workload.model)
-        world_rules = getattr(kind, "check_world", None)  # rules that need --num-gpus (online RL's server GPUs)
-        if world_rules is not None:
-            problems += world_rules(cand, workload.num_gpus)
-        if problems:
-            raise ConfigError(problems, context=f"--config {ns.config}")
-        cand.check(workload.gpu, workload.model)
+        try:
+            # the knobs the TRL file cannot hold, read back from the launch (online RL's vLLM server GPUs), and the
+            # world's rules (server mode leaves a GPU to train)
+            cand = launched_candidate(kind, cand, workload.num_gpus, launch.num_processes if launch else None)
+            problems = kind.problems(cand, workload.gpu, workload.model)
+            if problems:
+                raise ConfigError(problems)
+            cand.check(workload.gpu, workload.model)
+        except ConfigError as exc:  # the fixes said as the file's keys: this command has no --fix
+            raise ConfigError([in_config_file(p, ns.config) for p in exc.problems],
+                              context=f"--config {ns.config}") from None
+        train = training_workload(workload, cand)
+        if launch is not None:
+            launch.matches(cand, kind.command)
+            if launch.num_machines != train.num_machines:
+                raise UsageError(f"--num-machines {workload.num_machines} with --accelerate-config "
+                                 f"{ns.accelerate_config}, whose num_machines is {launch.num_machines}: give "
+                                 f"--num-machines {launch.num_machines}")
         from ..parallelism import layout_problems
 
         world = [p.replace("parallelism=", "--parallelism ") for p in layout_problems(cand.parallelism,
-                                                                                    workload.num_gpus)]
+                                                                                    train.num_gpus)]
         if world:
             raise UsageError("; ".join(world).replace("--fix parallelism", "--parallelism"))
     return cand
+
+
+def in_config_file(problem: str, path: str) -> str:
+    """A rule's problem as a command reading `--config FILE` says it: each `--fix NAME=VALUE` (the search's way to
+    pin a knob, which such a command has not) becomes what to write in the file: the knob's key in the TRL file,
+    both allocator variables of its `env:` block, or the accelerate config."""
+    import re
+
+    from ..emit import ALLOC_ENV
+    from ..knobs import Home, fix_names, yaml_keys
+    from ..trainers import names as trainer_names
+
+    trainer_names()  # every built-in trainer's own knobs registered
+    names = fix_names()
+
+    def key(m: re.Match) -> str:
+        entry = names.get(m.group(1))
+        value = m.group(2)
+        if entry is None:
+            return f"{m.group(1)}: {value} in --config {path}"
+        k = entry[0]
+        if k.home is Home.ENV:
+            return f"env {' / '.join(ALLOC_ENV)}: {k.name}:{value.capitalize()} in --config {path}"
+        if k.home is Home.ACCELERATE:
+            return f"{k.name}={value} in the accelerate config (--accelerate-config)"
+        return f"{(yaml_keys(k) or (k.key,))[0]}: {value} in --config {path}"
+
+    return re.sub(r"--fix ([\w.]+)=([^\s,;)]+)", key, problem)
 
 
 def emit_json(obj: Any) -> str:
