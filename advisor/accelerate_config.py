@@ -179,6 +179,13 @@ def read_accelerate_config(path: Any) -> LaunchRead:
                           "--accelerate-output FILE` wrote", context=source) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"not YAML ({exc})", context=source) from None
+    if isinstance(data, dict):
+        from .emit import answer_part
+
+        data = answer_part(data, "accelerate_config")  # `advisor suggest --json`'s answer: its accelerate config
+        if data is None:
+            raise ConfigError("an answer of `advisor suggest --json` for one GPU: it has no accelerate config (it "
+                              "launches without one); drop --accelerate-config", context=source)
     if not isinstance(data, dict):
         raise ConfigError("not a mapping of accelerate's keys (what `accelerate config` writes)", context=source)
     problems: list[str] = []

@@ -22,6 +22,7 @@ from ._emit import (
     KEY_USES,
     KeyUse,
     RunConfig,
+    answer_part,
     build_sft_config,
     candidate_from_run_dict,
     emitted_sft_kwargs,
@@ -40,7 +41,8 @@ from ._emit import (
 )
 
 __all__ = [  # noqa: RUF022
-    "KEY_USES", "KeyUse", "RunConfig", "build_sft_config", "candidate_from_run_dict", "env_vars", "load_run_config",
+    "KEY_USES", "KeyUse", "RunConfig", "answer_part", "build_sft_config", "candidate_from_run_dict", "env_vars",
+    "load_run_config",
     "model_init_kwargs", "peft_config", "quantization_config", "run_config_dict", "sft_config_kwargs",
     "emitted_sft_kwargs", "to_python",
     "to_yaml", "trl_fields", "write_python", "write_yaml",

@@ -1,8 +1,9 @@
 """Round trips: every file `advisor suggest` writes (the `trl <command>` YAML and, on several GPUs, the accelerate
-config) simulates back to the numbers the suggestion measured, and a command reading those files names only flags it
-has. The matrix is chosen to break it: one and several GPUs (DDP, FSDP2: the accelerate config decides), every
-trainer, online RL with generate, colocated vLLM with and without sleep, vLLM server mode on 2 GPUs (the TRL file
-cannot say how many GPUs serve), a reward model given as a model (the file names it), LoRA and QLoRA."""
+config; or both in its --json answer) simulates back to the numbers the suggestion measured, and a command reading
+those files names only flags it has. The matrix is chosen to break it: one and several GPUs (DDP, FSDP2: the
+accelerate config decides), every trainer, online RL with generate, colocated vLLM with and without sleep, vLLM server
+mode on 2 GPUs (the TRL file cannot say how many GPUs serve), a reward model given as a model (the file names it),
+LoRA and QLoRA."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import yaml
 import advisor
 from advisor.accelerate_config import accelerate_config, read_accelerate_config
 from advisor.cli import main
+from advisor.cli._common import emit_json
 from advisor.errors import ConfigError
 from advisor.measurement import Source
 from advisor.parallelism import Layout, deepspeed_available
@@ -77,6 +79,16 @@ def test_every_file_suggest_writes_simulates_back(trainer, num_gpus, fix, picked
     back = json.loads(capsys.readouterr().out)
     for key in ("peak_bytes", "reserved_bytes", "device_bytes", "tokens_per_second"):
         assert back[key] == getattr(m, key), (key, back[key], getattr(m, key))
+    # `suggest --json -o answer.json`: the run config (and on several GPUs the accelerate config) in one file
+    answer = tmp_path / "answer.json"
+    answer.write_text(emit_json(s.to_json_dict()))
+    argv = [str(answer) if a in (str(run), str(tmp_path / "accelerate.yaml")) else a for a in argv]
+    assert main(argv) == 0, capsys.readouterr().err
+    again = json.loads(capsys.readouterr().out)
+    assert all(again[k] == back[k] for k in ("peak_bytes", "reserved_bytes", "device_bytes", "tokens_per_second"))
+    if num_gpus == 1:  # a one-GPU answer launches without an accelerate config: asking for one is refused
+        assert main([*argv, "--accelerate-config", str(answer)]) == 2
+        assert "it has no accelerate config" in capsys.readouterr().err
 
 
 def test_the_server_mode_file_simulates_back_on_two_gpus_without_more(tiny_config, tmp_path, capsys):
