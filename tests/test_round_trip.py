@@ -194,3 +194,14 @@ def test_a_rule_broken_in_a_file_names_the_files_key(tiny_config, tmp_path, caps
     err = capsys.readouterr().err
     assert "Expandable segments are not compatible with memory pool" in err and "--fix" not in err
     assert f"env PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF: expandable_segments:False in --config {run}" in err
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo", "dpo"])
+def test_a_file_of_another_trainer_names_the_trainer_flag(trainer, tiny_config, tmp_path, capsys):
+    """The issue's command had no --trainer: a GRPO file read as the default sft's listed every GRPO key as unknown,
+    never saying which --trainer reads it."""
+    run = tmp_path / "run.yaml"
+    run.write_text(get_trainer(trainer).to_yaml(Candidate(), model_name_or_path=tiny_config))
+    assert main(["simulate", "--model", tiny_config, "--gpu", GPU, "--config", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "config, not `trl sft`'s: give " in err and f"--trainer {trainer}" in err

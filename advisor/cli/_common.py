@@ -62,6 +62,34 @@ def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True, la
                             "--num-gpus run `trl vllm-serve`)")
 
 
+def read_run_config(ns: argparse.Namespace) -> Any:
+    """--config read as --trainer's `trl <command>` reads it (a RunConfig). A file another trainer's command reads
+    and this one refuses (a GRPO file read as the default sft's: every GRPO key unknown) says which --trainer reads
+    it."""
+    from ..emit import load_run_config
+    from ..trainers import names
+
+    trainer = getattr(ns, "trainer", "sft")
+    try:
+        return load_run_config(ns.config, trainer=trainer)
+    except ConfigError as exc:
+        readers = []
+        for other in names():
+            if other == trainer:
+                continue
+            try:
+                load_run_config(ns.config, trainer=other)
+            except (ConfigError, UsageError):
+                continue
+            readers.append(other)
+        if not readers:
+            raise
+        commands = " or ".join(f"`trl {r}`" for r in readers)
+        which = " or ".join(f"--trainer {r}" for r in readers)
+        raise ConfigError([*exc.problems, f"the file reads as a {commands} config, not `trl {trainer}`'s: give "
+                           f"{which}"], context=f"--config {ns.config}") from None
+
+
 def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Workload:
     model = ns.model
     dataset = getattr(ns, "dataset", None)
@@ -72,9 +100,7 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     check_names({"--model": model, "--dataset": dataset, "--tokenizer": getattr(ns, "tokenizer", None),
                  "--config": config_path, "--reward-model": reward_model})
     if config_path and (model is None or dataset is None or reward_model is None):
-        from ..emit import load_run_config
-
-        rc = load_run_config(config_path, trainer=getattr(ns, "trainer", "sft"))
+        rc = read_run_config(ns)
         model = model or rc.model_name_or_path
         dataset = dataset or rc.dataset
         reward_model = reward_model or rc.reward_model_name_or_path  # the file's, as trl grpo loads it
@@ -162,10 +188,7 @@ def write_output(path: str | Path, text: str, flag: str) -> None:
 def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None) -> Candidate:
     """The Candidate of --config (and --accelerate-config, --parallelism: the accelerate side of the run, which the
     TRL file does not hold), checked against the target and the model (every problem at once)."""
-    from ..emit import load_run_config
-    from ..trainers import DEFAULT
-
-    cand = load_run_config(ns.config, trainer=getattr(ns, "trainer", DEFAULT)).candidate
+    cand = read_run_config(ns).candidate
     layout = getattr(ns, "parallelism", None)
     launch = None
     if getattr(ns, "accelerate_config", None):
