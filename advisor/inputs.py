@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Any
 
 from .data import Dataset
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .profiles import decide_offline, detect_gpu, resolve_gpu, resolve_model
 from .workload import Goals, Method, ModelSpec, Workload, check_budget, check_world
 
@@ -64,10 +64,19 @@ def build_workload(
     context = context_note(spec, data)
     if context:
         notes.append(context)
-    scorer = resolve_model(reward_model) if reward_model is not None else None  # its config: resident, counted
+    scorer = _reward_model(reward_model) if reward_model is not None else None  # its config: resident, counted
     return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
                     num_gpus=num_gpus, num_machines=num_machines, trainer=trainer, reward_model=scorer,
                     local_gpu=local is not None and target.is_cuda and target.name == local.name)
+
+
+def _reward_model(name: str) -> ModelSpec:
+    """The reward model's config, resolved as a model is; its errors name --reward-model (resolve_model's name
+    --model, the policy's flag)."""
+    try:
+        return resolve_model(name)
+    except UsageError as exc:
+        raise type(exc)(str(exc).replace("--model ", "--reward-model ", 1)) from None
 
 
 def context_note(model: ModelSpec, data: Dataset) -> str | None:

@@ -65,13 +65,14 @@ def _knob(c: Candidate, name: str) -> Any:
 
 
 def _proxy(workload: Workload, rows: int, prompt: int, completion: int) -> Any:
-    """The training micro-batch as SFT rows: `rows` sequences of prompt + completion, the completion trained."""
+    """The training micro-batch as SFT rows: `rows` sequences of prompt + completion, the completion trained (an SFT
+    workload: no reward model, which the online step counts itself as `reward_model_bytes`)."""
     from ..data import TokenizedDataset
 
     row = {"input_ids": [0] * (prompt + completion), "completion_mask": [0] * prompt + [1] * completion}
     data = TokenizedDataset(name=f"{getattr(workload.dataset, 'name', 'prompts')} (completions as rows)",
                             source="synthetic", rows=(row,) * rows, completion_only_loss=True)
-    return dataclasses.replace(workload, dataset=data, trainer="sft")
+    return dataclasses.replace(workload, dataset=data, trainer="sft", reward_model=None)
 
 
 def _declares(workload: Workload, attribute: str) -> bool:
