@@ -15,6 +15,9 @@ weights, checkpointed, peaked at 1,762,590,208 B while the simulation read 1.283
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -136,6 +139,63 @@ def test_fused_head_allocates_as_on_cuda(monkeypatch, weight_dtype, trainable):
     assert simulated.ops == on_cuda.ops
     assert simulated.made == on_cuda.made
     assert simulated.peak == on_cuda.peak
+
+
+def test_outside_allocator_per_cuda_major_and_gpu():
+    """The memory outside the caching allocator is looked up per CUDA major and compute capability; the H200's
+    measurement (CUDA 13, sm90) carries its source, other combinations take the unverified default."""
+    from advisor.costs import context_bytes, cuda_constants, local_cuda_major
+
+    ctx = cuda_constants()["cuda_context_bytes"]
+    measured = ctx["measured"]["cuda13"]["sm90"]
+    assert measured["bytes"] == 794_820_608 and "H200" in measured["gpu"] and measured["source"]
+    assert context_bytes("9.0", cuda_major=13) == 794_820_608
+    assert context_bytes("9.0", cuda_major=12) == ctx["default"]  # not measured on CUDA 12
+    assert context_bytes("8.0", cuda_major=13) == ctx["default"]  # nor on an A100
+    assert context_bytes(None) == ctx["default"]
+    # the local build's CUDA major decides; a build without CUDA takes the newest CUDA major measured for the GPU
+    expected = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
+    assert local_cuda_major() == expected
+    assert context_bytes("9.0") == context_bytes("9.0", cuda_major=13 if expected is None else expected)
+
+
+def test_two_cublas_workspaces_on_hopper():
+    """A training step issues GEMMs from two threads (the forward's, autograd's), each with its own cuBLAS handle
+    and workspace: 2 x 32 MiB on Hopper (sm90), 2 x 8,519,680 B before."""
+    from advisor.costs import cublas_workspace_bytes
+
+    assert cublas_workspace_bytes("9.0") == 2 * 32 * 2**20
+    assert cublas_workspace_bytes("9.0", threads=1) == 32 * 2**20
+    assert cublas_workspace_bytes("8.0") == 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)
+
+
+_WORKSPACES = r"""
+import json, torch
+torch.cuda.init()
+x = torch.randn(512, 512, device="cuda", requires_grad=True)
+w = torch.randn(512, 512, device="cuda", requires_grad=True)
+torch.cuda.synchronize()
+before = torch.cuda.memory_allocated()
+y = x @ w  # a GEMM on this (the Python) thread
+loss = y.sum()
+loss.backward()  # GEMMs on autograd's device thread
+del loss
+torch.cuda.synchronize()
+held = torch.cuda.memory_allocated() - before - sum(t.nbytes for t in (y, x.grad, w.grad))
+cc = torch.cuda.get_device_capability()
+print(json.dumps({"held": held, "cc": f"{cc[0]}.{cc[1]}"}))
+"""
+
+
+@pytest.mark.gpu
+def test_cublas_workspaces_measured():
+    """On a GPU, in a fresh process: after one GEMM forward and its backward the allocator holds, besides the tensors,
+    exactly the workspaces `cublas_workspace_bytes` counts (one per thread that ran a GEMM)."""
+    from advisor.costs import cublas_workspace_bytes
+
+    out = subprocess.run([sys.executable, "-c", _WORKSPACES], capture_output=True, text=True, check=True, timeout=120)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["held"] == cublas_workspace_bytes(got["cc"])
 
 
 @pytest.mark.slow

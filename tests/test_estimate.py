@@ -69,11 +69,10 @@ def test_estimate_is_a_measurement_with_every_category(tiny_workload):
 def test_cuda_adds_context_and_fragmentation(tiny_model, h100_target, tiny_data):
     m = estimate(Workload(model=tiny_model, gpu=h100_target, dataset=tiny_data), Candidate())
     assert m.reserved_bytes > m.peak_bytes
-    # the CUDA context and cuBLAS workspace come from the same calibration file as the simulator's
-    from advisor.costs import cuda_constants as constants
+    # the CUDA context and cuBLAS workspaces come from the same calibration file as the simulator's
+    from advisor.costs import context_bytes, cublas_workspace_bytes
 
-    c = constants()
-    assert m.device_bytes == m.reserved_bytes + c["cuda_context_bytes"]["default"] + c["cublas_workspace_bytes"]["sm90"]
+    assert m.device_bytes == m.reserved_bytes + context_bytes("9.0") + cublas_workspace_bytes("9.0")
 
 
 def test_monotonic_sanity(h100_target):
