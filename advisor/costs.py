@@ -20,8 +20,9 @@ from typing import Any
 _NAMES = (
     "Basis", "BatchDistribution", "BatchPoint", "OptimizerImpl", "StepCost", "Term",
     "attention_kind", "attention_tile_s", "batch_distribution", "context_bytes", "cublas_workspace_bytes",
-    "cuda_constants", "dequant_s", "evaluate", "gemm_s", "memory_s", "model_flops", "offload_copy_s_per_token",
-    "optimizer_cost", "optimizer_impl", "peak_flops", "replay", "round_size", "time_constants",
+    "cuda_constants", "local_cuda_major", "dequant_s", "evaluate", "gemm_s", "memory_s", "model_flops",
+    "offload_copy_s_per_token", "optimizer_cost", "optimizer_impl", "peak_flops", "replay", "round_size",
+    "time_constants",
     "zero_bytes", "ZeroTerms", "comm_time_s", "interconnect",
     # vLLM's memory in closed form (advisor/_physics/vllm.py), prefixed vllm_
     "vllm_BLOCK_SIZE", "vllm_Mode", "vllm_Pool", "vllm_PoolSplit", "vllm_Refusal", "vllm_Refused", "vllm_Sleep",

@@ -164,7 +164,8 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
         cast_lm_head_to_fp32=bool(_knob(c, "cast_lm_head_to_fp32")),
         gradient_checkpointing=c.activation_checkpointing, old_logps_always=_declares(workload, "old_logps_always"),
         reference_bytes=ref_bytes, reward_model_bytes=reward, card_bytes=gpu.memory_bytes, cuda=gpu.is_cuda,
-        context_bytes=outside_allocator_bytes(gpu) if gpu.is_cuda else 0, supports_bf16=gpu.supports_bf16,
+        # when vLLM snapshots the device no backward has run: the Python thread's cuBLAS workspace only
+        context_bytes=outside_allocator_bytes(gpu, threads=1) if gpu.is_cuda else 0, supports_bf16=gpu.supports_bf16,
         world_size=world, zero3=zero3, optimizer_temporary_bytes=opt_temp, train_activation_bytes=parts.activations,
         train_recompute_bytes=parts.recompute,
     )

@@ -42,8 +42,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{name: ("modelled", name) for name in ("knob_memory_savings", "knob_time")},
     # ---- the CUDA caching allocator and the memory outside it (cuda_rules.py) -------------------------------------
     "cuda_constants": ("cuda_rules", "constants"),
-    **{name: ("cuda_rules", name) for name in ("context_bytes", "cublas_workspace_bytes", "replay", "round_size",
-                                                 "RESERVED_FACTOR")},
+    **{name: ("cuda_rules", name) for name in ("context_bytes", "cublas_workspace_bytes", "local_cuda_major", "replay",
+                                                 "round_size", "RESERVED_FACTOR")},
     # ---- the step-time model (timing/) ----------------------------------------------------------------------------
     **{name: ("timing", name) for name in (
         "AttentionKind", "Basis", "BatchDistribution", "BatchPoint", "OptimizerCost", "OptimizerImpl", "SamplerSpec",
