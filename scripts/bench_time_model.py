@@ -149,15 +149,24 @@ CALIBRATION = {
 def calibrate() -> dict:
     """Per decoder layer and micro-step: kernel launches, host ops and memory-bound bytes per token, split into
     forward (what checkpointing recomputes) and backward, in multiples of hidden and intermediate (two models with
-    different ratios solve the 2x2 system)."""
+    different ratios solve the 2x2 system); the ops by how the host issues them (host.OpClass: grad off, grad on,
+    autograd's engine), inside a layer and outside the layers, and the syncs."""
     import numpy as np
 
-    from advisor.costs import Basis, Term, time_constants
+    from advisor.costs import Basis, OpClass, Term, time_constants
     from advisor.simulator import runnable as _runnable
     from advisor.simulator import simulate_depth
 
     _TERMS = tuple(Term)  # the order of the model's terms
     from advisor.space import Candidate
+
+    mem = _TERMS.index(Term.MEMORY)
+    classes = {c.name.lower(): int(c) for c in OpClass}
+
+    def counts(trace, inside):
+        ops = {k: int(((trace.cls == v) & inside).sum()) for k, v in classes.items()}
+        launches = {k: int(((trace.cls == v) & inside & trace.kernel).sum()) for k, v in classes.items()}
+        return ops, launches
 
     per: dict[str, dict[str, tuple]] = {}
     for model in ("Qwen/Qwen2.5-0.5B", "HuggingFaceTB/SmolLM2-135M"):
@@ -168,17 +177,35 @@ def calibrate() -> dict:
             c = Candidate(max_length=1024, per_device_train_batch_size=4, **fields)
             rc, _ = _runnable(c, wl.gpu)
             lo, hi = (simulate_depth(wl, rc, wl.gpu, n, steps=2, original=c).cost for n in (2, 3))
-            mem = _TERMS.index(Term.MEMORY)
             dbytes = (hi.device[mem, Basis.TOKENS] - lo.device[mem, Basis.TOKENS]) * tc.mem_bw
+            tlo, thi = lo.micro[-1][0], hi.micro[-1][0]
+            layer = thi.layer == 1  # a middle layer of the 3-layer run
+            ops, launches = counts(thi, layer)
+            out_ops, out_launches = counts(thi, thi.layer < 0)
+            fwd = (thi.cls != int(OpClass.BACKWARD)) & layer
+            row_mem = thi.device[:, Basis.TOKENS] * (thi.term == mem)
+            fwd_share = float(row_mem[fwd].sum() / max(row_mem[layer].sum(), 1e-30))
             per.setdefault(name, {})[model] = (h, inter, float(dbytes), hi.launches - lo.launches,
-                                               (hi.host_s - lo.host_s) / tc.op_s, lo.launches - 2 * (hi.launches
-                                                                                                     - lo.launches))
+                                               (hi.host_s - lo.host_s), lo.launches - 2 * (hi.launches
+                                                                                          - lo.launches),
+                                               ops, launches, out_ops, out_launches, fwd_share, thi.syncs)
     out: dict[str, dict] = {}
     for name, by_model in per.items():
-        (h1, i1, b1, l1, o1, x1), (h2, i2, b2, l2, o2, x2) = by_model.values()
+        rows = list(by_model.values())
+        (h1, i1, b1, l1, _, x1, *_), (h2, i2, b2, l2, _, x2, *_) = rows
         coef = np.linalg.solve(np.array([[h1, i1], [h2, i2]], dtype=float), np.array([b1, b2]))
+
+        def mean(i, key):
+            return round((rows[0][i][key] + rows[1][i][key]) / 2, 1)
+
         out[name] = {"bytes_per_token": {"hidden": round(float(coef[0]), 1), "intermediate": round(float(coef[1]), 1)},
-                     "launches": round((l1 + l2) / 2, 1), "host_ops": round((o1 + o2) / 2, 1),
+                     "launches": round((l1 + l2) / 2, 1),
+                     "ops": {k: mean(6, k) for k in ("nograd", "grad", "backward")},
+                     "kernel_ops": {k: mean(7, k) for k in ("nograd", "grad", "backward")},
+                     "outside_ops": {k: mean(8, k) for k in ("nograd", "grad", "backward")},
+                     "outside_kernel_ops": {k: mean(9, k) for k in ("nograd", "grad", "backward")},
+                     "forward_memory_share": round((rows[0][10] + rows[1][10]) / 2, 3),
+                     "syncs": max(rows[0][11], rows[1][11]),
                      "outside_launches": round((x1 + x2) / 2, 1)}
     return out
 

@@ -24,7 +24,7 @@ def gemm_s(m: int, n: int, k: int, itemsize: int, peak: float, tc: TimeConstants
     flops = 2.0 * m * n * k * batch
     if not tc.cuda:
         compute = flops / (peak * tc.gemm_eff)
-        return max(compute, (m * k + k * n + m * n) * batch * itemsize / tc.mem_bw)
+        return max(compute, (m * k + k * n + m * n) * batch * itemsize / tc.mem_bw, tc.gemm_floor_s)
     best = math.inf
     for tm, tn, rel in tc.tiles:
         tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
