@@ -192,7 +192,7 @@ def simulate(
         time_breakdown=dict(timed.terms) if timed is not None else {},
         mfu=timed.mfu if timed is not None else None,
         worst_step_time_s=timed.worst_step_s if timed is not None else None,
-        time_detail=_time_detail(timed, target),
+        time_detail=_time_detail(timed if timed is not None else _worst(combined.cost), target),
         peak_batch=batch_label(b, s, combined.unpadded, runs[-1].padding_free_sequences),
         message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes),
@@ -202,6 +202,15 @@ def simulate(
 
 
 # ---- one rank's Measurement ----------------------------------------------------------------------------------------
+
+def _worst(cost: Any) -> Any:
+    """The step-time model on the worst batch at every micro-step (a trainer not timed over the sampler's batches)."""
+    if cost is None:
+        return None
+    from ._physics import BatchDistribution, evaluate
+
+    return evaluate(cost, BatchDistribution.single(cost.worst))
+
 
 def _time_detail(timed: Any, target: Any) -> dict[str, Any]:
     if timed is None:

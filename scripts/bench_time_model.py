@@ -3,6 +3,8 @@
   python scripts/bench_time_model.py                      # the reference table (simulate and estimate), L4 and H100
   python scripts/bench_time_model.py --json out.json      # also write the rows
   python scripts/bench_time_model.py --calibrate-estimate # the estimate's per-layer op and byte counts, from fake runs
+  python scripts/bench_time_model.py --h200 --json after.json  # the H200 runs of issue 30: 0.5B SFT and GRPO picks
+      # (PYTHONPATH=<another checkout> with the same script: that revision's predictions, for the ratio)
   python scripts/bench_time_model.py --layouts --json after.json [--before before.json]
       # several GPUs: per term, simulate vs estimate for each layout (DDP, FSDP2 with and without resharding, FSDP2
       # offload, ZeRO-2/3) on Llama-3.1-8B x 8 H100 and Qwen2.5-0.5B x 2 L4, and the pick (the fastest layout that
@@ -178,7 +180,7 @@ def calibrate() -> dict:
             rc, _ = _runnable(c, wl.gpu)
             lo, hi = (simulate_depth(wl, rc, wl.gpu, n, steps=2, original=c).cost for n in (2, 3))
             dbytes = (hi.device[mem, Basis.TOKENS] - lo.device[mem, Basis.TOKENS]) * tc.mem_bw
-            tlo, thi = lo.micro[-1][0], hi.micro[-1][0]
+            thi = hi.micro[-1][0]
             layer = thi.layer == 1  # a middle layer of the 3-layer run
             ops, launches = counts(thi, layer)
             out_ops, out_launches = counts(thi, thi.layer < 0)
@@ -195,7 +197,7 @@ def calibrate() -> dict:
         (h1, i1, b1, l1, _, x1, *_), (h2, i2, b2, l2, _, x2, *_) = rows
         coef = np.linalg.solve(np.array([[h1, i1], [h2, i2]], dtype=float), np.array([b1, b2]))
 
-        def mean(i, key):
+        def mean(i, key, rows=rows):
             return round((rows[0][i][key] + rows[1][i][key]) / 2, 1)
 
         out[name] = {"bytes_per_token": {"hidden": round(float(coef[0]), 1), "intermediate": round(float(coef[1]), 1)},
@@ -280,6 +282,45 @@ def print_layouts(rows: list[dict], before: list[dict] | None) -> None:
     print("(terms in ms per optimizer step; the pick: the fastest layout that fits, among these knobs)")
 
 
+# the held-out H200 runs of issue 30: Qwen2.5-0.5B, 4 x 1024 packed with checkpointing and the fused AdamW (SFT);
+# GRPO at TRL 1.16's defaults with transformers' generate (profiles/baselines/qwen2.5-0.5b-h100-grpo-trl-defaults)
+H200_SFT = {"per_device_train_batch_size": 4, "max_length": 1024, "packing": True, "activation_checkpointing": True,
+            "optim": "adamw_torch_fused", "precision": "bf16"}
+
+
+def h200(rows: list[dict]) -> None:
+    """Both cases through simulate and estimate on the H200 profile, with the time's parts and the two queues."""
+    from advisor.baseline import load_baseline
+    from advisor.estimator import estimate
+    from advisor.inputs import build_workload
+    from advisor.simulator import simulate
+    from advisor.space import Candidate
+
+    grpo = load_baseline(ROOT / "profiles" / "baselines" / "qwen2.5-0.5b-h100-grpo-trl-defaults.json")
+    cases = (("sft 4x1024 packed ckpt fused", build_workload("Qwen/Qwen2.5-0.5B", gpu="H200"),
+              Candidate(**H200_SFT)),
+             ("grpo trl defaults (generate)", build_workload("Qwen/Qwen2.5-0.5B", gpu="H200", trainer="grpo"),
+              grpo.candidate))
+    for name, wl, cand in cases:
+        cand = cand.for_model(wl.model)  # transformers' attention as the run resolves it
+        for backend, fn in (("simulate", simulate), ("estimate", estimate)):
+            started = time.perf_counter()
+            m = fn(wl, cand)
+            detail = getattr(m, "time_detail", {}) or {}
+            rows.append({"case": name, "backend": backend, "step_time_s": m.step_time_s,
+                         "tokens_per_second": m.tokens_per_second, "terms": dict(m.time_breakdown),
+                         "detail": {k: v for k, v in detail.items() if not isinstance(v, list)}})
+            print(f"  {name} {backend}: {time.perf_counter() - started:.0f} s, {m.step_time_s} s a step",
+                  file=sys.stderr, flush=True)
+    for r in rows:
+        parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(r["terms"].items(), key=lambda kv: -kv[1]))
+        d = r["detail"]
+        queues = (f"; host-bound {1e3 * d['host_bound_s']:.1f} ms, {d['ops']:,.0f} ops, {d['syncs']:.0f} syncs"
+                  if "host_bound_s" in d else "")
+        gen = f"; decode {1e3 * d['decode_token_s']:.2f} ms a token" if "decode_token_s" in d else ""
+        print(f"{r['case']:<30}{r['backend']:<9}{r['step_time_s']:9.4f} s  ({parts} ms{queues}{gen})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write the rows to this file")
@@ -288,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", action="store_true",
                    help="several GPUs: each layout per term, simulate vs estimate, and the pick")
     p.add_argument("--before", help="with --layouts: rows (--json) of another revision, to print its picks too")
+    p.add_argument("--h200", action="store_true", help="the H200 runs of issue 30 (0.5B SFT, GRPO with generate)")
     a = p.parse_args(argv)
     import warnings
 
@@ -297,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     rows: list[dict] = []
-    if a.layouts:
+    if a.h200:
+        h200(rows)
+    elif a.layouts:
         layouts(rows)
         print_layouts(rows, json.loads(Path(a.before).read_text()) if a.before else None)
     else:

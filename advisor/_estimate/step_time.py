@@ -170,8 +170,8 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
     return tm.evaluate(cost, dist)
 
 
-# pieces a segment of the closed form's trace is cut into: the two queues' overlap within it to min(host, device) / 48
-_PIECES = 48
+# pieces a segment of the closed form's trace is cut into (the two queues' overlap within min(host, device) / 24)
+_PIECES = 24
 
 
 def _micro_trace(tc, layers: int, lo: dict, hi: dict, f: float, dev: np.ndarray, fwd_dev: np.ndarray,

@@ -194,6 +194,7 @@ class StepMeter:
         self.memory_steps = 0
         self.timing: dict[str, Any] | None = None
         self.timing_started = 0.0
+        self._cpu = 0.0
         self.train_begin_ns = 0
         self.setup_peak = (0, 0)
         self.ends_ns: list[int] = []
@@ -218,6 +219,7 @@ class StepMeter:
             torch.cuda.reset_peak_memory_stats()
         self.heartbeat.beat()
         self.train_begin_ns = time.time_ns()
+        self._cpu = time.process_time()
 
     def step_begin(self) -> None:
         if not self.steps:
@@ -235,6 +237,9 @@ class StepMeter:
         now = time.time_ns()
         previous = self.ends_ns[-1] if self.ends_ns else self.train_begin_ns
         record["time_s"] = (now - previous) / 1e9
+        cpu = time.process_time()  # the process's own CPU time: on a shared machine, without what others take
+        record["cpu_s"] = cpu - self._cpu
+        self._cpu = cpu
         self.ends_ns.append(now)
         self.steps.append(record)
         self._shapes, self._trained = [], 0
@@ -498,9 +503,13 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         step_time = statistics.median(last)
         per_step = int(statistics.median(r["trained_tokens"] for r in meter.steps[total + 1:][-w:]))
         tps = per_step / step_time if step_time > 0 else None
+        cpu = [r["cpu_s"] for r in meter.steps[total + 1:]]
         detail = {"timed_steps": len(timed), "spread": max(last) / min(last) - 1.0,
                   "stable": len(timed) >= 2 * w and steady(timed, w, float(timing["tolerance"])),
-                  "timed_batch": "longest", "steady_step_s": timed}
+                  "timed_batch": "longest", "steady_step_s": timed,
+                  # the CPU time of the same steps (all threads of the process): on the cpu backend with one thread,
+                  # the step's own work, without what other processes of a shared machine take from it
+                  "steady_cpu_s": cpu, "cpu_step_s": statistics.median(cpu[-w:]) if cpu else None}
         notes.append(f"step time: the median of the last {len(last)} of {len(timed)} steady-state steps of the "
                      f"longest rows (each shape run once untimed first), spread {detail['spread']:.1%}"
                      + ("" if detail["stable"] else f"; not stable within {float(timing['tolerance']):.0%} when "

@@ -9,7 +9,8 @@ measurement, never a constant fitted to a case:
 
 - `gemm_<dtype>_flops`: the achieved FLOP/s of a large square GEMM; `gemm_<dtype>_<m>x<n>x<k>_s` the time of each
   shape measured (small shapes show the GEMM's floor, `gemm_floor_s`: a tiny GEMM less a tiny elementwise op);
-- `memory_bandwidth`: bytes/s of a large elementwise op (its read and its write, into a fresh output);
+- `memory_bandwidth`: bytes/s of a large elementwise op (its read and its write, into an output allocated before);
+  on a CPU also `cache_bandwidth` over a working set of `cache_bytes` (what a small model's ops move);
 - `attention_<fwd|bwd>_eff`: scaled-dot-product attention's causal FLOPs over its time, relative to the GEMM rate;
   `attention_<fwd|bwd>_floor_s` a tiny call's time past an op's dispatch (the CPU kernel's fixed cost);
 - `host_<class>_s`: the host's cost per op on this device (advisor/_physics/timing/host.py's microbenchmark with
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 OFF_ENV = "ADVISOR_CALIBRATION"
+CACHE_BYTES = 1 << 20  # the working set of the in-cache bandwidth (a small model's tensors on a CPU)
 GEMM_SHAPES = ((16, 64, 64), (256, 256, 256), (1024, 1024, 1024), (4096, 4096, 4096))
 BANDWIDTH_BYTES = 1 << 27
 
@@ -67,10 +69,13 @@ def gemm_s(device: str, dtype: Any, m: int, n: int, k: int) -> float:
 
 
 def elementwise_s(device: str, numel: int) -> float:
+    """An elementwise op over `numel` floats into an output already allocated (as a training step's reuse the
+    allocator's cached blocks: a fresh large allocation would time the page faults)."""
     import torch
 
     x = torch.randn(numel, device=device)
-    return timed(lambda: x * 2.0, device, repeats=10)
+    y = torch.empty_like(x)
+    return timed(lambda: torch.mul(x, 2.0, out=y), device, repeats=10)
 
 
 def attention_s(device: str, dtype: Any, heads: int = 8, seq: int = 512, head_dim: int = 64) -> tuple[float, ...]:
@@ -143,6 +148,8 @@ def measurements(device: str, quick: bool = False) -> list[tuple[str, Callable[[
     rows.append(("elementwise_tiny_s", lambda: elementwise_s(device, 16)))
     big = BANDWIDTH_BYTES // (32 if quick else 1)
     rows.append(("elementwise_large_s", lambda: (elementwise_s(device, big // 4), big)))
+    if device == "cpu":
+        rows.append(("elementwise_cached_s", lambda: (elementwise_s(device, CACHE_BYTES // 8), CACHE_BYTES // 2)))
     attn_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     rows.append(("attention_fwd_bwd_s", lambda: attention_s(device, attn_dtype, seq=128 if quick else 512)
                  + (128 if quick else 512,)))
@@ -174,6 +181,10 @@ def derived(rows: dict[str, Any]) -> dict[str, float]:
     if "elementwise_large_s" in rows:
         seconds, nbytes = rows["elementwise_large_s"]
         out["memory_bandwidth"] = 2.0 * nbytes / seconds
+    if "elementwise_cached_s" in rows:  # read + write of half the working set each
+        seconds, nbytes = rows["elementwise_cached_s"]
+        out["cache_bandwidth"] = 2.0 * nbytes / seconds
+        out["cache_bytes"] = float(CACHE_BYTES)
     if "attention_fwd_bwd_s" in rows and out:
         fwd, bwd, seq = rows["attention_fwd_bwd_s"]
         rate = out.get("gemm_bf16_flops" if "gemm_bf16_flops" in out and rows.get("device", "cpu") != "cpu"

@@ -81,6 +81,8 @@ class TimeConstants:
     sync_s: float
     gemm_floor_s: float  # a GEMM's minimum time where measured (the CPU's BLAS call), 0 where the kernel floor rules
     attn_floor_s: tuple[float, float]  # an attention call's minimum (forward, backward) time where measured
+    cache_bw: float  # bytes/s of an op whose bytes fit `cache_bytes` (a CPU's caches, where measured), else 0
+    cache_bytes: float
     micro_step_s: float
     collate_row_s: float
     step_s: float
@@ -172,6 +174,8 @@ def _time_constants(gpu: GPUSpec, host: HostCost, calibration: str) -> TimeConst
     sync_s = float(h["sync_us"]) * 1e-6 if cuda else 0.0
     gemm_floor_s = 0.0
     attn_floor = (0.0, 0.0)
+    cache_bw = cache_bytes = 0.0
+    attn_block = int(a["block"])
     block = json.loads(calibration) if calibration else None
     if block:  # measured where it runs (calibrate.py): every value it has replaces the shipped assumption
         c = block["constants"]
@@ -192,6 +196,8 @@ def _time_constants(gpu: GPUSpec, host: HostCost, calibration: str) -> TimeConst
                 mem_eff = c["memory_bandwidth"] / (gpu.memory_bandwidth_gbs * 1e9)
             gemm_floor_s = float(c.get("gemm_floor_s", 0.0))
             attn_floor = (float(c.get("attention_fwd_floor_s", 0.0)), float(c.get("attention_bwd_floor_s", 0.0)))
+            cache_bw, cache_bytes = float(c.get("cache_bandwidth", 0.0)), float(c.get("cache_bytes", 0.0))
+            attn_block = 1  # the CPU's sdpa has no 128-wide tiles to fill: every causal score is computed once
         if c.get("attention_fwd_eff"):
             attn_fwd = c["attention_fwd_eff"] * gemm_eff
             attn_bwd = c["attention_bwd_eff"] * gemm_eff
@@ -210,10 +216,12 @@ def _time_constants(gpu: GPUSpec, host: HostCost, calibration: str) -> TimeConst
         sync_s=sync_s,
         gemm_floor_s=gemm_floor_s,
         attn_floor_s=attn_floor,
+        cache_bw=cache_bw,
+        cache_bytes=cache_bytes,
         micro_step_s=float(h["micro_step_us"]) * 1e-6 * fit.get(Term.HOST.value, 1.0),
         collate_row_s=float(h["collate_row_us"]) * 1e-6,
         step_s=float(h["step_us"]) * 1e-6,
-        attn_block=int(a["block"]),
+        attn_block=attn_block,
         attn_fwd_eff=attn_fwd / fit.get(Term.ATTENTION.value, 1.0),
         attn_bwd_eff=attn_bwd / fit.get(Term.ATTENTION.value, 1.0),
         attn_bwd_factor=float(a["backward_flops_factor"]),
