@@ -155,14 +155,14 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
     kind = tm.attention_kind(c.attn_implementation.value, masked=bool(worst.mask_bytes))
     dequant_host = tc.issue_s(tm.OpClass.NOGRAD, L * dequants, L * dequants)
     head_host = (head_host, dequant_host * dequants_fwd / dequants if dequants else 0.0, dequant_host)
-    trace, host, views, syncs = _micro_trace(tc, L, lo, hi, f, dev, fwd_dev, head_host)
+    segments, host, views, syncs = _micro_segments(tc, L, lo, hi, f, dev, fwd_dev, head_host)
     cost = tm.StepCost(
         device=dev, host_s=host, serial_host_s=tc.micro_step_s, collate_row_s=tc.collate_row_s,
         optimizer=opt, step_host_s=tc.step_s, serial=not cuda, accumulation=ga, flops_per_token=flops[0],
         flops_per_sq=flops[1], peak_flops=tm.peak_flops(gpu, c.precision.value),
         worst=tm.BatchPoint(float(worst.rows * worst.seq), float(max(1, worst.trained)), float(
             dist.attention.max()), float(worst.rows)), attention_kind=kind,
-        launches=launches, micro=((trace, ga),), views=views, syncs=syncs,
+        launches=launches, segments=segments, sync_s=tc.sync_s, views=views, syncs=syncs,
     )
     if c.activation_offloading:
         cost = cost.with_(copy_s_per_token=tm.offload_copy_s_per_token(activations, worst.rows * worst.seq, tc))
@@ -170,17 +170,13 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
     return tm.evaluate(cost, dist)
 
 
-# pieces a segment of the closed form's trace is cut into (the two queues' overlap within min(host, device) / 24)
-_PIECES = 24
-
-
-def _micro_trace(tc, layers: int, lo: dict, hi: dict, f: float, dev: np.ndarray, fwd_dev: np.ndarray,
+def _micro_segments(tc, layers: int, lo: dict, hi: dict, f: float, dev: np.ndarray, fwd_dev: np.ndarray,
                  extra_host: tuple[float, float, float]):
     """The micro-step as the host issues it, in closed form: the forward (the layers' ops with grad on, what runs
     outside them), TRL's metrics draining the queue, the backward (autograd's engine, a checkpointed recompute with
     grad on), the Trainer's nan check draining it again. Ops per layer and class from the fake run
     (time_constants.json "estimate"). `extra_host`: TRL's head's host time, bitsandbytes' dequantize launches' in the
-    forward and in all. Returns (trace, host seconds, ops without a kernel, syncs)."""
+    forward and in all. Returns (the segments, host seconds, ops without a kernel, syncs)."""
     from .. import _physics as tm
 
     grad, back, nograd = tm.OpClass.GRAD, tm.OpClass.BACKWARD, tm.OpClass.NOGRAD
@@ -204,17 +200,12 @@ def _micro_trace(tc, layers: int, lo: dict, hi: dict, f: float, dev: np.ndarray,
     k_f = fwd_kernels + out_k["grad"] + out_k["nograd"]
     k_b = bwd_kernels + redo_kernels + out_k["backward"]
     syncs = int(round(at("syncs", "syncs") if isinstance(lo["syncs"], dict) else lo["syncs"]))
-    b = tm.TraceBuilder()
-    b.block(host_f, fwd_dev, ops=min(_PIECES, round(n_f)), launches=min(_PIECES, round(k_f)), cls=int(grad))
-    for _ in range(max(1, syncs - 2)):  # TRL's metrics: .item() after the forward
-        b.op(0.0, cls=int(grad))
-        b.mark_sync()
-    b.block(host_b, dev - fwd_dev, ops=min(_PIECES, round(n_b)), launches=min(_PIECES, round(k_b)), cls=int(back))
-    for _ in range(2):  # the Trainer's nan check of the loss: isnan, isinf, each read on the host
-        b.op(0.0, cls=int(grad))
-        b.mark_sync()
+    segments = (
+        tm.Segment(host_f, fwd_dev, pieces=max(1, round(k_f)), syncs=max(1, syncs - 2)),  # TRL's metrics' .item()
+        tm.Segment(host_b, dev - fwd_dev, pieces=max(1, round(k_b)), syncs=2),  # the nan check: isnan, isinf
+    )
     views = n_f + n_b - k_f - k_b
-    return b.build(layers=layers, sync_s=tc.sync_s), host_f + host_b, views, syncs
+    return segments, host_f + host_b, views, syncs
 
 
 def _trainable_sizes(arch: Architecture, c: Candidate) -> list[int]:

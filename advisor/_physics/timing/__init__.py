@@ -93,7 +93,7 @@ from .kernels import (
     peak_flops,
 )
 from .optimizer import OptimizerCost, OptimizerImpl, optimizer_cost, optimizer_impl
-from .queues import OpTrace, QueueTimes, TraceBuilder, deepen, extrapolate_trace, run_queues
+from .queues import OpTrace, QueueTimes, Segment, TraceBuilder, deepen, extrapolate_trace, run_queues, segment_times
 from .sampler import SamplerSpec, batch_distribution, sampler_spec
 from .step import (
     BatchDistribution,
@@ -119,6 +119,8 @@ __all__ = [
     "OpTrace",
     "QueueShare",
     "QueueTimes",
+    "Segment",
+    "segment_times",
     "TraceBuilder",
     "deepen",
     "extrapolate_trace",

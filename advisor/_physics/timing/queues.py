@@ -206,6 +206,38 @@ def run_queues(trace: OpTrace, bases: np.ndarray, *, serial: bool) -> QueueTimes
     return QueueTimes(total, busy, per_term)
 
 
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """A stretch of a micro-step in closed form (the estimate): `pieces` kernels issued at an even pace by `host_s` of
+    host time, sharing `device` (terms x bases, seconds per unit of each basis), then `syncs` reads of a value (the
+    first drains the queue, each costs the host a sync's latency)."""
+
+    host_s: float
+    device: np.ndarray
+    pieces: int
+    syncs: int = 0
+
+
+def segment_times(segments: tuple[Segment, ...], bases: np.ndarray, *, serial: bool, sync_s: float) -> QueueTimes:
+    """The two queues over uniform segments, exactly: n pieces of host h and device d each end at
+    max(h + n d, n h + d) (the device waits for the first piece, or the last piece waits for the host); one thread
+    (the CPU): n (h + d)."""
+    bases = np.atleast_2d(np.asarray(bases, dtype=float))
+    total = np.zeros(bases.shape[0])
+    per_term = np.zeros((bases.shape[0], _NT))
+    for seg in segments:
+        terms = (seg.device @ bases.T).T  # (P, terms)
+        d = terms.sum(axis=1)
+        n = max(1, int(seg.pieces))
+        if serial:
+            t = seg.host_s + d
+        else:
+            t = np.maximum(seg.host_s / n + d, seg.host_s + d / n) + seg.syncs * sync_s
+        total += t
+        per_term += terms
+    return QueueTimes(total, per_term.sum(axis=1), per_term)
+
+
 def deepen(trace: OpTrace, extra: int, block: tuple[int, ...]) -> OpTrace | None:
     """The trace of a model `extra` decoder layers deeper: every run of consecutive ops tagged with a layer of `block`
     (the forward's, the backward's, a recompute's) repeated `extra / len(block)` more times after itself. None where

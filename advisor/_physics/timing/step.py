@@ -11,7 +11,7 @@ import numpy as np
 
 from .constants import _NT, _TERMS, AttentionKind, Term
 from .optimizer import OptimizerCost
-from .queues import OpTrace, TraceBuilder, concat, extrapolate_trace, run_queues, take
+from .queues import OpTrace, Segment, TraceBuilder, concat, extrapolate_trace, run_queues, segment_times, take
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class StepCost:
     micro: tuple[tuple[OpTrace, int], ...] = ()
     views: float = 0.0  # ops without a kernel per micro-step
     syncs: float = 0.0  # syncs per micro-step (.item(), nonzero, the Trainer's nan check)
+    # the closed form's micro-step (the estimate): uniform segments between syncs, timed exactly (segment_times)
+    segments: tuple[Segment, ...] = ()
+    sync_s: float = 0.0  # a sync's latency (the segments')
 
     def with_(self, **changes: Any) -> StepCost:
         return replace(self, **changes)
@@ -170,6 +173,14 @@ def _reconciled(trace: OpTrace, device: np.ndarray, per_micro: float) -> OpTrace
 
 def _micro_times(cost: StepCost, bases: np.ndarray):
     """Per batch point: (the micro-steps' total over the recorded ones, busy, per term), per micro-step."""
+    if cost.segments and not cost.micro:
+        have = sum(seg.device for seg in cost.segments)
+        scale = np.divide(cost.device, have, out=np.ones_like(cost.device), where=have > 0)
+        extra = np.where(have > 0, 0.0, cost.device)  # a term knob_time added (the offloaded checkpoints' copies)
+        segs = tuple(Segment(seg.host_s, seg.device * scale + (extra if i == len(cost.segments) - 1 else 0.0),
+                             seg.pieces, seg.syncs) for i, seg in enumerate(cost.segments))
+        q = segment_times(segs, bases, serial=cost.serial, sync_s=cost.sync_s)
+        return q.total, q.busy, q.per_term
     parts = cost.traces()
     covered = sum(n for _, n in parts)
     total = busy = per_term = 0.0
