@@ -24,6 +24,10 @@ _NAMES = (
     "offload_copy_s_per_token", "optimizer_cost", "optimizer_impl", "peak_flops", "replay", "round_size",
     "time_constants",
     "zero_bytes", "ZeroTerms", "comm_time_s", "interconnect",
+    # host and device as two queues: this host's cost per op, a micro-step's ops in issue order
+    "HostCost", "OpClass", "OpTrace", "TraceBuilder", "host_cost", "run_queues", "uniform_trace",
+    # the constants measured where the target runs (scripts/gpu_calibrate.py)
+    "calibration_rows", "calibration_path", "read_calibration", "write_calibration_row", "host_name",
     # vLLM's memory in closed form (advisor/_physics/vllm.py), prefixed vllm_
     "vllm_BLOCK_SIZE", "vllm_Mode", "vllm_Pool", "vllm_PoolSplit", "vllm_Refusal", "vllm_Refused", "vllm_Sleep",
     "vllm_Started", "vllm_asleep", "vllm_derived_max_model_len", "vllm_kv_layout", "vllm_min_utilization",

@@ -51,6 +51,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "attention_units", "batch_distribution", "causal_tiles", "dequant_s", "evaluate", "extrapolate_cost",
         "fitted_multipliers", "full_tiles", "gemm_s", "memory_s", "model_flops", "offload_copy_s_per_token",
         "optimizer_cost", "optimizer_impl", "peak_flops", "raw_constants", "sampler_spec", "time_constants",
+        "HostCost", "OpClass", "OpTrace", "QueueShare", "QueueTimes", "TraceBuilder", "deepen", "extrapolate_trace",
+        "host_cost", "op_class", "run_queues", "uniform_trace", "time_detail", "calibration_rows",
+        "calibration_path", "read_calibration", "write_calibration_row", "host_name", "Segment", "segment_times",
     )},
     # the cost matrix's sizes (terms x bases), which the fake run's timing hook (advisor/_sim/timing_hook.py) fills
     **{name: ("timing.constants", name) for name in ("_NB", "_NT")},

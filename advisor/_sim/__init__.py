@@ -58,6 +58,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "simulate_online": ("online_simulate", "simulate_online"),
     # ---- the fake run's ops costed by the step-time model (timing_hook.py; the model itself: advisor._physics) -----
     **{name: ("timing_hook", name) for name in ("TimingHook", "BatchLayout")},
+    "StorageTracker": ("tracker", "StorageTracker"),  # what hands the hook each op (`on_op`) of a fake run
     # ---- one rank of N GPUs (distributed.py: advisor.simulator.simulate_per_rank, the real multi-process probe) ---
     **{name: ("distributed", name) for name in ("fake_process_group", "fsdp2_sharding", "prepare_fsdp2")},
 }

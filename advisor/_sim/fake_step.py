@@ -202,6 +202,25 @@ class CompactIndexing(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class SyncWatch(torch.utils._python_dispatch.TorchDispatchMode):
+    """Entered above every other mode of the fake run: tells `tracker.on_sync` of each op the host waits at
+    (advisor/_sim/timing_hook.is_sync), after the op ran. Above the shadows, which answer `.item()` on known values
+    without handing it down, it sees every one."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from .timing_hook import is_sync
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.tracker.on_sync is not None and is_sync(func, args, kwargs):
+            self.tracker.on_sync(func)
+        return out
+
+
 def _bool_index(indices: Any) -> bool:
     return (
         isinstance(indices, (list, tuple))
@@ -243,13 +262,17 @@ def run_fake_training(
     steps: int,
     cuda: bool,
     on_op: Callable[[Any, tuple, dict, Any], None] | None = None,
+    on_sync: Callable[[Any], None] | None = None,
+    on_tracker: Callable[[StorageTracker], None] | None = None,
     record_events: bool = False,
     num_layers: int = 0,
     spec: Any = None,
     count_saved: bool = False,
 ) -> FakeRunResult:
     """Materialise `trainer.model` (and the trainer's other models) as fake tensors, run the trainer's passes before
-    training, then `trainer.train()` for `steps` optimizer steps. `spec`: the advisor.trainers.Trainer (SFT)."""
+    training, then `trainer.train()` for `steps` optimizer steps. `spec`: the advisor.trainers.Trainer (SFT).
+    `on_op` sees every op of train(), `on_sync` every op the host waits at (SyncWatch), `on_tracker` the tracker
+    (whose `layer` tags the ops with their decoder layer)."""
     from ..trainers import get_trainer
 
     spec = get_trainer(spec or "sft")
@@ -291,6 +314,11 @@ def run_fake_training(
                 run(lift(real))
             batches = deque(lift(batch) for _ in range(steps * ga))
             tracker.on_op = on_op
+            if on_tracker is not None:
+                on_tracker(tracker)
+            if on_sync is not None:
+                tracker.on_sync = on_sync
+                stack.enter_context(SyncWatch(tracker))
             trainer._fake_batches = batches
             trainer.train_dataset = _Sized(steps * ga)
             _label_training_state(trainer, tracker, cuda=cuda)
