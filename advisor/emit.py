@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from ._emit import (
     ALLOC_CONF,  # noqa: F401  (public, outside __all__)
+    ALLOC_ENV,  # noqa: F401  (the allocator variables the files set)
     KEY_USES,
     KeyUse,
     RunConfig,
+    answer_part,
     candidate_from_run_dict,
     env_vars,
     model_init_kwargs,
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
     from .workload import Workload
 
 __all__ = [  # noqa: RUF022
-    "KEY_USES", "KeyUse", "RunConfig", "candidate_from_run_dict", "env_vars", "load_run_config",
+    "KEY_USES", "KeyUse", "RunConfig", "answer_part", "candidate_from_run_dict", "env_vars", "load_run_config",
     "model_init_kwargs", "peft_config", "quantization_config", "config_kwargs", "build_config",
     "run_config_dict", "to_yaml", "to_python", "trl_fields", "write_yaml",
 ]

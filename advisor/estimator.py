@@ -47,6 +47,8 @@ from ._physics import (
     lora_parameters,
     quantized_linear_bytes,
     resident_bytes,
+    time_constants,
+    time_detail,
 )
 from .measurement import Category, Measurement, Source, Status
 from .space import Precision, WeightsDtype
@@ -166,6 +168,7 @@ def _rows_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
         time_breakdown=terms,
         mfu=timed.mfu,
         worst_step_time_s=timed.worst_step_s,
+        time_detail=time_detail(timed, time_constants(gpu)),
         peak_batch=f"{worst.rows}x{worst.seq}",
         notes=tuple(notes),
     )

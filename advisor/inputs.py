@@ -74,10 +74,19 @@ def build_workload(
         notes.append(context)
     out = Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
                    num_gpus=num_gpus, num_machines=num_machines, trainer=trainer,
-                   models={m.role: resolve_model(v) for m, v in given.items()},  # their configs: resident, counted
+                   models={m.role: _resolved(m.flag, v) for m, v in given.items()},  # their configs: resident, counted
                    local_gpu=local is not None and target.is_cuda and target.name == local.name)
     trainer_of(out)  # a model the trainer takes none of: refused, naming the trainers that take one
     return out
+
+
+def _resolved(flag: str, name: str) -> ModelSpec:
+    """A model given beside the policy (its ModelInput's `flag`), resolved as a model is; its errors name `flag`
+    (resolve_model's name --model, the policy's flag)."""
+    try:
+        return resolve_model(name)
+    except UsageError as exc:
+        raise type(exc)(str(exc).replace("--model ", f"{flag} ", 1)) from None
 
 
 def context_note(model: ModelSpec, data: Dataset) -> str | None:

@@ -98,6 +98,11 @@ class Measurement:
     # reserved outside PyTorch's allocator by a phase of the step (Category.OUTSIDE_ALLOCATOR): part of
     # device_bytes when that is known, added to reserved / peak bytes by `budget_bytes` when it is not
     outside_allocator_bytes: int = 0
+    # a predicted step as two queues (advisor/_physics/timing): per optimizer step the seconds the device waits on
+    # the host ("host_bound_s") and the rest ("device_bound_s"), the ops it dispatches ("ops", "launches", "views",
+    # "syncs"), and where the host's cost and the constants come from ("host", "calibration"). A probe: how its step
+    # time was taken ("timed_steps", "spread"). Empty where neither applies
+    time_detail: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", Status(self.status))
@@ -143,6 +148,8 @@ class Measurement:
             del data["ranks"]
         if not self.outside_allocator_bytes:  # nothing reserved outside the allocator: no key
             del data["outside_allocator_bytes"]
+        if not self.time_detail:
+            del data["time_detail"]
         return data
 
     @classmethod

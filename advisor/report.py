@@ -58,6 +58,27 @@ def time_lines(m: Measurement) -> list[str]:
         out.append(f"  {term:<18}{seconds * 1e3:9.2f} ms  {seconds / m.step_time_s:6.1%}")
     if m.mfu is not None:
         out.append(f"MFU           {m.mfu:.1%}  (model FLOPs over the dense peak)")
+    out += queue_lines(m.time_detail, m.step_time_s)
+    return out
+
+
+def queue_lines(d: dict, step_s: float) -> list[str]:
+    """Host-bound against device-bound time, the ops dispatched, and where the host's cost and the constants come
+    from (a prediction), or how a probe timed its steps."""
+    out = []
+    if "host_bound_s" in d:
+        hb, db = float(d["host_bound_s"]), float(d["device_bound_s"])
+        out.append(f"queues        host-bound {hb * 1e3:.2f} ms ({hb / step_s:.0%}), device-bound {db * 1e3:.2f} ms "
+                   f"({db / step_s:.0%}) a step")
+        out.append(f"ops           {d['ops']:,.0f} a step: {d['launches']:,.0f} kernel launches, {d['views']:,.0f} "
+                   f"without a kernel, {d['syncs']:,.0f} syncs")
+    if d.get("host"):
+        out.append(f"host          {d['host']}")
+    if d.get("calibration"):
+        out.append(f"constants     {d['calibration']}")
+    if "timed_steps" in d:
+        out.append(f"timed         {d['timed_steps']} steady-state steps (median), spread {d['spread']:.1%} "
+                   f"(last 5: max / min - 1){'' if d.get('stable') else ', not stable within 5%'}")
     return out
 
 

@@ -24,7 +24,8 @@ test may use are re-exported here: one run at one depth (`simulate_depth`, `Dept
 `with_depth`), the batch a simulated step runs (`worst_rows`, `worst_batch`), the layer-by-layer build
 (`LayerStream`, `synthesize`, `synthesize_checked`, `NotSeparable`), the candidate as fake tensors run it
 (`runnable`), the FlashAttention stand-in (`fake_flash_attention`, `flash_attention_names`, `attention_flops`,
-`batch_facts`, `materialise`) and the timing hook (`TimingHook`, `BatchLayout`). Each is imported on first use.
+`batch_facts`, `materialise`) and the timing hook (`TimingHook`, `BatchLayout`, and the `StorageTracker` that hands
+it the ops). Each is imported on first use.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 _PARTS = ("simulate_depth", "DepthRun", "plan_depths", "with_depth", "worst_rows", "worst_batch", "runnable",
           "LayerStream", "NotSeparable", "synthesize", "synthesize_checked", "fake_flash_attention",
           "flash_attention_names", "attention_flops", "batch_facts", "materialise", "TimingHook", "BatchLayout",
+          "StorageTracker",
           # online RL: TRL's GRPOTrainer/RLOOTrainer.train() on fake tensors
           "make_online_trainer_class", "online_construction", "run_online_fake", "OnlineRunResult",
           "GenerateExtrapolation", "NotAffine")
@@ -160,7 +162,8 @@ def _device_bytes(workload: Workload, candidate: Candidate, target: GPUSpec, com
     ws = cublas_workspace_bytes(target.compute_capability)
     breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
     notes.append(
-        "device_bytes = reserved + CUDA context + cuBLAS workspace (profiles/measurements/cuda_constants.json)"
+        "device_bytes = reserved + CUDA context; peak and reserved include the cuBLAS workspaces, one per thread "
+        "issuing GEMMs (the forward's, autograd's) (profiles/measurements/cuda_constants.json)"
     )
     device = reserved + ws + context_bytes(target.compute_capability)
     return allocated + ws, reserved + ws, device, breakdown, activations_saved
@@ -189,7 +192,7 @@ def _simulate_offline(workload: Workload, candidate: Candidate, target: GPUSpec,
         step_time, trained, tps = timed.step_s, timed.trained_per_step, timed.tokens_per_second
         notes.append(
             "time: the step-time model (advisor/_physics/timing/) over the batches the sampler makes "
-            f"(worst batch {timed.worst_step_s:.4g} s a step); constants unverified until gpu_validate fits them"
+            f"(worst batch {timed.worst_step_s:.4g} s a step), host and device as two queues"
         )
     else:
         trained = combined.trained_tokens * candidate.gradient_accumulation_steps
@@ -203,6 +206,7 @@ def _simulate_offline(workload: Workload, candidate: Candidate, target: GPUSpec,
         trained_tokens_per_step=int(round(trained)), time_breakdown=dict(timed.terms) if timed is not None else {},
         mfu=timed.mfu if timed is not None else None,
         worst_step_time_s=timed.worst_step_s if timed is not None else None,
+        time_detail=_time_detail(timed if timed is not None else _worst(combined.cost), target),
         peak_batch=batch_label(b, s, combined.unpadded, runs[-1].padding_free_sequences),
         message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes),
@@ -210,6 +214,23 @@ def _simulate_offline(workload: Workload, candidate: Candidate, target: GPUSpec,
 
 
 # ---- one rank's Measurement ----------------------------------------------------------------------------------------
+
+def _worst(cost: Any) -> Any:
+    """The step-time model on the worst batch at every micro-step (a trainer not timed over the sampler's batches)."""
+    if cost is None:
+        return None
+    from ._physics import BatchDistribution, evaluate
+
+    return evaluate(cost, BatchDistribution.single(cost.worst))
+
+
+def _time_detail(timed: Any, target: Any) -> dict[str, Any]:
+    if timed is None:
+        return {}
+    from ._physics import time_constants, time_detail
+
+    return time_detail(timed, time_constants(target))
+
 
 def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None,
                       parallelism: Parallelism | None = None, *, num_machines: int | None = None, gpu: Any = None,

@@ -12,7 +12,7 @@ from .config import (
     quantization_config,
 )
 from .keys import KEY_USES, KeyUse, config_keys, trl_fields
-from .reader import RunConfig, candidate_from_run_dict, load_run_config
+from .reader import RunConfig, answer_part, candidate_from_run_dict, load_run_config
 from .target import add_workload_keys, dataset_entry, dataset_of, load_line, target_keys, workload_keys
 from .writer import model_input_keys, run_config_dict, write_python, write_yaml
 
@@ -22,5 +22,5 @@ __all__ = [  # noqa: RUF022
     "env_vars",
     "run_config_dict", "write_yaml", "write_python", "model_input_keys", "add_workload_keys", "workload_keys",
     "target_keys", "load_line", "dataset_of", "dataset_entry",
-    "RunConfig", "candidate_from_run_dict", "load_run_config",
+    "RunConfig", "answer_part", "candidate_from_run_dict", "load_run_config",
 ]

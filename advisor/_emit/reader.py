@@ -49,6 +49,9 @@ class RunConfig:
     path: Path | None = None
     datasets: list[dict[str, Any]] | None = None  # a `datasets:` entry of local data (what the writer emits)
     use_cpu: bool | None = None  # the target's (the writer's `use_cpu`), not the candidate's
+    # the models the trainer takes beside the policy (its ModelInputs: online RL's reward_model_name_or_path), by
+    # parameter: resident beside the policy, part of the workload (their flags) as the model and the data are
+    models: dict[str, str] = field(default_factory=dict)
 
     @property
     def dataset(self) -> str | None:
@@ -314,6 +317,7 @@ def load_run_config(path: str | Path, trainer: Trainer) -> RunConfig:
         raise UsageError(f"--config {path}: not valid YAML ({exc}); fix the file") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: must be a YAML mapping of trl sft keys, got {type(data).__name__}")
+    data = answer_part(data, "config")  # `advisor suggest --json`'s answer: its run config
     env = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
     data = typed_run_dict(data, trainer=trainer, source=f"--config {path}")
     trainer.check_run_keys(data, source=f"--config {path}")
@@ -329,7 +333,17 @@ def load_run_config(path: str | Path, trainer: Trainer) -> RunConfig:
         path=path,
         datasets=data["datasets"] if dataset_of(data.get("datasets")) is not None else None,
         use_cpu=data.get("use_cpu"),
+        models={m.param: str(data[m.yaml_key]) for m in trainer.model_inputs if data.get(m.yaml_key)},
     )
+
+
+def answer_part(data: dict[str, Any], key: str) -> Any:
+    """`data` itself, or where it is the answer `advisor suggest --json` writes (Suggestion.to_json_dict: the
+    measurement beside `config`, the run config, and on several GPUs `accelerate_config`), its part `key`: every
+    file suggest writes reads back."""
+    if not ({"config", "peak_bytes", "source"} <= data.keys() and isinstance(data.get("config"), dict)):
+        return data
+    return data.get(key)
 
 
 def _check_keys(data: dict[str, Any], path: Path, extra: set[str] | frozenset[str] = frozenset()) -> None:

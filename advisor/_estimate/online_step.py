@@ -107,7 +107,9 @@ def build_step(workload: Workload, candidate: Candidate, knobs: Any) -> tuple[An
         train_activation_bytes=parts.activations, train_recompute_bytes=parts.recompute, world_size=world,
         zero3=zero3)
     step = online_build_step(arch, workload.model.config, c, k, state, gpu,
-                             context_bytes=outside_allocator_bytes(gpu) if gpu.is_cuda else 0)
+                             # when vLLM snapshots the device no backward has run: the Python thread's cuBLAS
+                             # workspace only
+                             context_bytes=outside_allocator_bytes(gpu, threads=1) if gpu.is_cuda else 0)
     return step, parts, rows, rows_c
 
 

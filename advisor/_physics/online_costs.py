@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from .online_step import GENERATE, PHASES, SCORE, TRAIN, OnlineStep, VllmSide, _c
+from .online_step import GENERATE, PHASES, SCORE, TRAIN, OnlineStep, VllmSide, _c, _constants_block
+from .timing import OpClass
 from .vllm import (
     Mode,
     Pool,
@@ -249,7 +250,7 @@ def colocated_vllm(side: VllmSide, *, card_bytes: int, utilization: float, sleep
     free = card_bytes - startup_bytes
     outcome = start(pool, free_at_startup=free, weights_bytes=side.weights_bytes,
                     activation_bytes=side.activation_bytes, non_torch_bytes=side.non_torch_bytes, layout=side.layout,
-                    max_model_len=side.max_model_len)
+                    max_model_len=side.max_model_len, cudagraph_bytes=side.cudagraph_bytes)
     shape = _Shape(side, card_bytes, generation_batch, prompt_length, max_completion_length)
     if isinstance(outcome, Refused):
         return VllmRefusal(outcome, _fix(shape, outcome, free))
@@ -279,7 +280,7 @@ def _need(step: _Shape, sequences: int) -> Any:
     length = min(step.sequence_length, v.max_model_len)
     return min_utilization(step.card_bytes, weights_bytes=v.weights_bytes, activation_bytes=v.activation_bytes,
                            non_torch_bytes=v.non_torch_bytes, layout=v.layout, sequences=sequences,
-                           sequence_length=length, max_model_len=v.max_model_len)
+                           sequence_length=length, max_model_len=v.max_model_len, cudagraph_bytes=v.cudagraph_bytes)
 
 
 def _fix(step: _Shape, refused: Refused, free: int) -> str:
@@ -376,7 +377,7 @@ class OnlineTime:
 
 def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, peak_flops: float,
               interconnect_bytes_s: float | None = None, vllm_weights_bytes: int | None = None,
-              vllm_waves: int = 1) -> OnlineTime:
+              vllm_waves: int = 1, generation_s: float | None = None, scoring_s: float | None = None) -> OnlineTime:
     """One optimizer step: `train_s` (the training passes of gradient_accumulation_steps micro-batches, from the
     step-time model, advisor/_physics/timing/) plus, per generation call (`generations_per_step` of them):
     - generation: prefill (2 x dense params FLOPs per prompt token, compute-bound at the GEMM efficiency) and
@@ -387,7 +388,10 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
     - the weight sync (once per optimizer step): colocated, `load_weights` copies every weight (read + write over
       the device's bandwidth); served, the weights over the interconnect to the server; with sleep, wake-up
       (vllm_wake_up_s, unverified) and the same re-push;
-    - the scoring forwards (old policy, reference): 2 x dense params FLOPs per token over the generation batch.
+    - the scoring forwards (old policy, reference): 2 x dense params FLOPs per token over the generation batch,
+      against the host's ops of each no-grad forward.
+    `generation_s` / `scoring_s`: one generation call's generate / scoring timed from the simulator's fake run as two
+    queues (advisor/_sim/phase_timing.py), in place of the closed forms (generate: transformers' engine only).
     `tc`: advisor/_physics/timing TimeConstants of the target."""
     gens = step.generations_per_step
     g, p, c = step.generation_batch, step.prompt_length, step.max_completion_length
@@ -402,12 +406,17 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
     decode_flops = c * 2.0 * dense_params * g / eff_peak
     decode_dev = max(decode_device, decode_flops)
     notes = []
-    if step.engine is Mode.GENERATE:
-        host = c * step.layers * _c("hf_generate_host_ops_per_layer") * tc.op_s
-        decode = (decode_dev + host) if not tc.cuda else max(decode_dev, host)
-        notes.append("generation: transformers' generate, prefill compute-bound, decode bandwidth-bound (weights + "
-                     "KV read per token) against its host ops per step (online_rl_constants.json "
-                     "hf_generate_host_ops_per_layer, unverified)")
+    if step.engine is Mode.GENERATE and generation_s is not None:
+        prefill, decode = 0.0, generation_s
+        notes.append("generation: transformers' generate timed from the fake run's own ops, per window of the "
+                     "decode loop (the prefill, each decode step) as host and device queues with the host's read of "
+                     "the stopping criteria each token (advisor/_sim/phase_timing.py)")
+        sync = 0.0
+    elif step.engine is Mode.GENERATE:
+        decode = c * _hf_decode_token_s(step, tc, decode_dev / max(c, 1))
+        notes.append("generation: transformers' generate, prefill compute-bound; each decode step the larger of its "
+                     "kernels (weights + KV read) and the host's ops (online_rl_constants.json hf_generate_ops), "
+                     "then the host's read of the stopping criteria")
         sync = 0.0
     else:
         decode = decode_dev / _c("vllm_decode_efficiency") * max(1, vllm_waves)
@@ -425,15 +434,37 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
             bw = interconnect_bytes_s or tc.pcie_bw
             sync = wbytes / bw
             notes.append("weight sync: the weights to the vLLM server over the interconnect once per step")
-    scoring = step.scoring_forwards * 2.0 * dense_params * g * step.sequence_length / eff_peak
+    if scoring_s is not None:
+        scoring = scoring_s
+        notes.append("scoring (old policy / reference forwards, rewards, advantages): timed from the fake run's ops "
+                     "as host and device queues")
+    else:
+        forward_host = tc.issue_s(OpClass.NOGRAD, step.layers * _c("forward_ops_per_layer"),
+                                  step.layers * _c("forward_kernel_ops_per_layer"))
+        ops = _constants_block("score_ops")
+        scoring = step.scoring_forwards * max(2.0 * dense_params * g * step.sequence_length / eff_peak,
+                                              forward_host) + tc.issue_s(OpClass.NOGRAD, ops["ops"], ops["kernel_ops"])
     syncs = min(1.0, gens)
     terms = {"generation": gens * (prefill + decode), "weight_sync": syncs * sync, "scoring_forwards": gens * scoring,
              "training": float(train_s)}
     return OnlineTime({k: v for k, v in terms.items()}, step.trained_tokens_per_step, tuple(notes))
 
 
+def _hf_decode_token_s(step: OnlineStep, tc: Any, device_s: float) -> float:
+    """One decode step of transformers' generate in closed form: the host issues its ops (per layer and outside the
+    layers: the logits processors, sampling, the stopping criteria; online_rl_constants.json hf_generate_ops,
+    counted on the fake run) while the device runs `device_s`, then waits for it (the stopping check)."""
+    ops = _constants_block("hf_generate_ops")
+    host = tc.issue_s(OpClass.NOGRAD, step.layers * ops["per_layer"] + ops["outside"],
+                      step.layers * ops["kernel_per_layer"] + ops["kernel_outside"])
+    if not tc.cuda:
+        return host + device_s
+    return max(host, device_s) + tc.sync_s
+
+
 def step_time_on(step: OnlineStep, gpu: Any, arch: Any, *, precision: str, train_s: float,
-                 vllm: VllmTerms | None = None) -> OnlineTime:
+                 vllm: VllmTerms | None = None, generation_s: float | None = None,
+                 scoring_s: float | None = None) -> OnlineTime:
     """`step_time` on the target `gpu` (a GPUSpec): its time constants, peak FLOPs at `precision`, its interconnect
     (a served vLLM's weight sync; None on a CPU target), the dense parameters of `arch` (decoder linears + the head),
     vLLM's weights and KV-cache rounds from `step` and `vllm`. What the estimate and the simulator both call."""
@@ -444,4 +475,4 @@ def step_time_on(step: OnlineStep, gpu: Any, arch: Any, *, precision: str, train
                      interconnect_bytes_s=interconnect(gpu).intra_gbs * 1e9 if gpu.is_cuda else None,
                      peak_flops=peak_flops(gpu, precision),
                      vllm_weights_bytes=step.vllm.weights_bytes if step.vllm is not None else None,
-                     vllm_waves=getattr(vllm, "waves", 1))
+                     vllm_waves=getattr(vllm, "waves", 1), generation_s=generation_s, scoring_s=scoring_s)

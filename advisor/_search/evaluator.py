@@ -191,15 +191,11 @@ class Evaluator:
         return entry
 
     def workload_for(self, cand: Candidate) -> Workload:
-        """The workload a backend measures `cand` on: the training side of the run. Where its trainer sets GPUs of
-        --num-gpus aside for this candidate (`training_gpus`: vLLM server mode's `trl vllm-serve` GPUs), the rest
-        train, and the per-rank peak, the sharding and the trained tokens per second count those ranks only."""
-        wl = self.workload
-        # the ranks that train a candidate, where its trainer sets GPUs aside (online RL's vLLM server)
-        n = self.trainer.training_gpus(cand, wl.num_gpus)
-        if n == wl.num_gpus:
-            return wl
-        return dataclasses.replace(wl, num_gpus=n, num_machines=wl.num_machines if n % wl.num_machines == 0 else 1)
+        """The workload a backend measures `cand` on: the training side of the run (advisor/trainers/registry.py
+        `training_workload`: vLLM server mode's `trl vllm-serve` GPUs left out)."""
+        from ..trainers import training_workload
+
+        return training_workload(self.workload, cand)
 
     def evaluate(self, cand: Candidate, number: int | None) -> tuple[Entry, bool]:
         """(entry, cached). Measures only a candidate never seen, not bounded and not far over by the estimate."""

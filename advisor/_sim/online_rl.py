@@ -89,7 +89,15 @@ from .._physics import online_PhaseKind as PhaseKind
 from ..errors import UsageError
 from ..measurement import Category
 from .decode_extrapolation import GenerateExtrapolation, generate_extrapolated
-from .fake_step import BatchFacts, ScalarOracle, _frozen_heap, _label_training_state, _materialise, real_path_patches
+from .fake_step import (
+    BatchFacts,
+    ScalarOracle,
+    SyncWatch,
+    _frozen_heap,
+    _label_training_state,
+    _materialise,
+    real_path_patches,
+)
 from .generation import filler_token
 from .shadow import DataShadow
 from .tracker import StorageTracker
@@ -403,6 +411,8 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
                      "taken as zeros: the value changes no allocation)")
     with _frozen_heap(), real_path_patches(cuda), mode, tracker, contextlib.ExitStack() as stack:
         stack.enter_context(shadow)
+        if tracker.on_sync is not None:  # above the shadow: it answers `.item()` on known values itself
+            stack.enter_context(SyncWatch(tracker))
         for m in models:
             _materialise(m)
             tracker.set_category([*m.parameters(), *m.buffers()], Category.PARAMETERS)

@@ -81,8 +81,9 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
     if refused is not None:
         return refused
     run_cand, notes = runnable(candidate, target)
-    built = _build_and_run(workload, run_cand, candidate, target, kind, steps=steps,
-                           engine="vllm" if k.use_vllm else "generate", decode_lengths=decode_lengths)
+    engine = "vllm" if k.use_vllm else "generate"
+    built = _build_and_run(workload, run_cand, candidate, target, kind, steps=steps, engine=engine,
+                           decode_lengths=decode_lengths)
     result = built.result
     notes.extend(result.notes)
     notes.extend(kind.notes(candidate, workload))
@@ -99,7 +100,11 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         optimizer_bytes=int(result.breakdown.get(Category.OPTIMIZER, 0)) + adjust.get(Category.OPTIMIZER.value, 0),
         trainable=built.trainable, prompt_length=built.prompt_length, reference_bytes=built.reference_bytes,
         model_inputs_bytes=built.model_inputs_bytes)
-    step = online_build_step(arch, workload.model.config, candidate, k, state, target, context_bytes=ctx + ws)
+    step = online_build_step(arch, workload.model.config, candidate, k, state, target,
+                             # when vLLM snapshots the device no backward has run: the Python thread's cuBLAS
+                             # workspace only
+                             context_bytes=ctx + (cublas_workspace_bytes(target.compute_capability, threads=1)
+                                                  if cuda else 0))
     vllm = online_vllm_terms(step)
     if isinstance(vllm, online_VllmRefusal):
         return Measurement(
@@ -111,13 +116,21 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         candidate, result, phase_peaks, adjust, vllm, cuda=cuda, ws=ws, ctx=ctx, notes=notes)
     notes.extend(_vllm_notes(vllm, step, k))
     # step time: the training passes costed from the fake run's own ops, online RL's terms from the physics
-    timed = online_step_time_on(step, target, arch, precision=candidate.precision.value, train_s=built.train_s,
-                                vllm=vllm)
+    phases = built.phases
+    timed = online_step_time_on(
+        step, target, arch, precision=candidate.precision.value, train_s=built.train_s, vllm=vllm,
+        generation_s=phases.generation_s if phases is not None and engine == "generate" else None,
+        scoring_s=phases.scoring_s if phases is not None else None)
+    if phases is not None and engine == "generate":
+        notes.append(f"generate: {phases.per_token_s * 1e3:.3g} ms a decode step ({phases.decode_ops:,d} ops, "
+                     f"{phases.decode_syncs} sync(s)), prefill {phases.prefill_s * 1e3:.3g} ms; scoring "
+                     f"{phases.scoring_s * 1e3:.3g} ms a generation ({phases.scoring_ops:,d} ops)")
     notes.append(f"time: the training passes ({built.train_s:.4g} s a step) from the fake run's ops of the last "
                  f"optimizer step's micro-steps ({built.timed_ops:,d} ops in {built.timed_micro_steps}), TRAIN phase "
                  "only (advisor/_sim/timing_hook.py, the step-time model "
-                 "of advisor/_physics/timing/); generation, weight sync (and wake-up with sleep mode) and the scoring "
-                 "forwards from advisor/_physics/online_costs.py step_time")
+                 "of advisor/_physics/timing/); generation and scoring from the GENERATE and SCORE phases' ops "
+                 "(advisor/_sim/phase_timing.py; vLLM's generation and the weight sync in closed form, "
+                 "advisor/_physics/online_costs.py step_time)")
     notes.extend(timed.notes)
     notes.append("objective: trained completion tokens per optimizer step (per_device_train_batch_size x "
                  "gradient_accumulation_steps x max_completion_length) over the step's time end to end")
@@ -130,6 +143,7 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         trained_tokens_per_step=timed.trained_tokens_per_step, time_breakdown=dict(timed.terms),
         worst_step_time_s=step_s if step_s > 0 else None,
         peak_batch=f"{b}x{step.sequence_length} ({step.generation_batch} generated)",
+        time_detail=_time_detail(built, target, step.generations_per_step),
         message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes), wall_time_s=time.perf_counter() - started, outside_allocator_bytes=int(outside),
     )
@@ -176,7 +190,7 @@ def _device(candidate: Candidate, result: Any, phase_peaks: dict, adjust: dict[s
         notes.append(f"device_bytes = the peak phase's allocator bytes x {factor} (the caching allocator's reserved "
                      "over allocated, advisor/_physics/cuda_rules.py RESERVED_FACTOR: the online fake run records no "
                      "allocation stream to replay) + what vLLM holds outside the allocator then + CUDA context + "
-                     "cuBLAS workspace (profiles/measurements/cuda_constants.json)")
+                     "cuBLAS workspaces, one per thread issuing GEMMs (profiles/measurements/cuda_constants.json)")
     else:
         peak_bytes = reserved_bytes = peak
         device_bytes = dp.peak_bytes
@@ -204,6 +218,18 @@ def _vllm_notes(vllm: Any, step: Any, k: Any) -> list[str]:
            f"held while generating, {vllm.held_bytes('train'):,} B kept asleep otherwise (sleep level "
            f"{step.sleep.value}: vllm.py asleep, vLLM's CuMemAllocator.sleep unmaps its weights and KV cache)")
         + f"; its KV cache takes the generation batch in {vllm.waves} round(s)"]
+
+
+def _time_detail(built: Any, target: GPUSpec, generations: float) -> dict[str, Any]:
+    """The training passes' two queues (per optimizer step), the ops of one decode step and its time."""
+    from .._physics import time_constants, time_detail
+
+    out = time_detail(built.train_timed, time_constants(target))
+    phases = built.phases
+    if phases is not None:
+        out.update(decode_token_s=phases.per_token_s, decode_ops=phases.decode_ops,
+                   generation_s=generations * phases.generation_s, scoring_s=generations * phases.scoring_s)
+    return out
 
 
 _RESIDENT = (Category.PARAMETERS.value, Category.OPTIMIZER.value, Category.TEMPORARIES.value)
@@ -265,10 +291,12 @@ def _model_inputs(workload: Workload, kind: Trainer, dtype: Any) -> dict[str, tu
 
 
 @contextlib.contextmanager
-def _train_ops_timed(hook: Any) -> Iterator[None]:
-    """The timing hook on the fake run's ops in the TRAIN phase: run_online_fake builds its own phase tracker, so
-    its class is extended for the run with `on_op` filtered by phase (generation and scoring run inside
-    `training_step`, through `_prepare_inputs`, and are costed by the physics instead)."""
+def _phases_timed(hook: Any, timers: Any) -> Iterator[None]:
+    """The fake run's ops and syncs by phase: the TRAIN phase's to the timing hook (the training passes), the
+    GENERATE and SCORE phases' to `timers` (advisor/_sim/phase_timing.py). run_online_fake builds its own phase
+    tracker, so its class is extended for the run (generation and scoring run inside `training_step`, through
+    `_prepare_inputs`); the short decode runs of the extrapolated generate (suspended for memory) are what is timed
+    of generation."""
     from .._physics import online_PhaseKind as PhaseKind
     from . import online_rl
 
@@ -277,11 +305,29 @@ def _train_ops_timed(hook: Any) -> Iterator[None]:
     class _Timed(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.on_op = self._train_op
+            self.on_op = self._phase_op
+            self.on_sync = self._phase_sync
+            hook.bind(self)
 
-        def _train_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-            if self.phase is PhaseKind.TRAIN and not self.suspended:
+        def _phase_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+            if self.phase is PhaseKind.GENERATE:
+                timers.generate_op(func, args, kwargs, out)
+                return
+            timers.generate_end()
+            if self.phase is PhaseKind.SCORE:
+                timers.score_op(func, args, kwargs, out)
+                return
+            timers.score_end()
+            if not self.suspended:
                 hook(func, args, kwargs, out)
+
+        def _phase_sync(self, func: Any) -> None:
+            if self.phase is PhaseKind.GENERATE:
+                timers.generate_sync(func)
+            elif self.phase is PhaseKind.SCORE:
+                timers.score_sync(func)
+            elif not self.suspended:
+                hook.sync(func)
 
     online_rl._PhaseTracker = _Timed
     try:
@@ -294,8 +340,9 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
                    steps: int, engine: str, decode_lengths: tuple[int, int] | None) -> _Built:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from .depth import _quiet, _record_last_step, _step_cost, _tokenizer, _worst_step_s
-    from .online_rl import SHORT_DECODES, make_online_trainer_class, online_construction, run_online_fake
+    from .depth import _quiet, _record_last_step, _step_cost, _tokenizer, _worst_step
+    from .online_rl import SHORT_DECODES, _hf_model, make_online_trainer_class, online_construction, run_online_fake
+    from .phase_timing import PhaseTimers
     from .timing_hook import BatchLayout, TimingHook
 
     spec = workload.model
@@ -330,18 +377,25 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
                           quantized=original.quantization.value if original.quantization.value != "none" else None,
                           model=trainer.model)
         _record_last_step(trainer, hook, steps, run_cand.gradient_accumulation_steps)
+        timers = PhaseTimers(target, original.attn_implementation.value,
+                             quantized=original.quantization.value if original.quantization.value != "none" else None,
+                             model=trainer.model)
+        forward = _hf_model(trainer.model).register_forward_pre_hook(
+            lambda module, args, kw: timers.forward(kw.get("input_ids", args[0] if args else None)), with_kwargs=True)
         policy = _model_bytes(trainer.model)
         trainable_params = [p for p in trainer.model.parameters() if p.requires_grad]
-        with _train_ops_timed(hook):
+        with _phases_timed(hook, timers):
             result = run_online_fake(trainer, steps=steps, cuda=target.is_cuda, engine=engine,
                                      decode_lengths=SHORT_DECODES if decode_lengths is None else decode_lengths)
+        forward.remove()
         if not hook.micro_steps or not hook.ops:  # the tracker's ops never reached the hook: a defect, not a time
             from ..errors import AdvisorError
 
             raise AdvisorError("simulate: no op of the training passes reached the timing hook (advisor/_sim/"
-                               "online_simulate.py _train_ops_timed no longer matches online_rl.py's tracker)")
-        cost = _step_cost(trainer, hook, original, target)
-        train_s = _worst_step_s(cost)
+                               "online_simulate.py _phases_timed no longer matches online_rl.py's tracker)")
+        cost = _step_cost(trainer, hook, original, target, spec.num_layers)
+        train_timed = _worst_step(cost)
+        train_s = train_timed.step_s
     return _Built(
         result=result, prompt_length=prompt, policy_bytes=policy,
         trainable=sum(p.numel() for p in trainable_params),
@@ -349,4 +403,5 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
         reference_bytes=_model_bytes(getattr(trainer, "ref_model", None)),
         model_inputs_bytes=sum(_model_bytes(m) for m, _ in models.values()),
         train_s=train_s, timed_ops=hook.ops, timed_micro_steps=hook.micro_steps,
+        phases=timers.timed(completion), train_timed=train_timed,
     )

@@ -11,12 +11,14 @@ from .registry import (
     DEFAULT,
     choices,
     get_trainer,
+    launched_candidate,
     model_input,
     model_inputs,
     names,
     owners,
     register,
     trainer_of,
+    training_workload,
     unregister,
 )
 
@@ -24,4 +26,5 @@ for _module in pkgutil.iter_modules(__path__):  # in name order; a trainer modul
     import_module(f".{_module.name}", __name__)
 
 __all__ = ["DEFAULT", "GpuSplit", "Head", "ModelInput", "PairTrainer", "StepShape", "Trainer", "TrlTrainer", "choices",
-           "get_trainer", "model_input", "model_inputs", "names", "owners", "register", "trainer_of", "unregister"]
+           "get_trainer", "launched_candidate", "model_input", "model_inputs", "names", "owners", "register",
+           "trainer_of", "training_workload", "unregister"]

@@ -149,6 +149,9 @@ class TrlTrainer:
     def training_gpus(self, candidate: Candidate, num_gpus: int) -> int:
         return num_gpus
 
+    def world_from_launch(self, candidate: Candidate, num_gpus: int, processes: int | None = None) -> Candidate:
+        return candidate
+
     def max_length_values(self, workload: Workload) -> tuple[int, ...]:
         """The default space's max_length rungs from its data: the smallest losing at most --max-truncation of the
         trained tokens, then larger rungs up to the longest row (advisor/lengths.py max_length_candidates)."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._emit import ALLOC_ENV, model_input_keys
 from ..errors import ConfigError
+from ..space import with_knobs
 from .base import own_keys, sft_only_keys
 from .online_knobs import LIGER_LOSS_GONE, world_problems
 from .protocol import GpuSplit
@@ -111,6 +112,38 @@ def gpu_split(c: Candidate, k: Any, model_name_or_path: str, num_gpus: int) -> G
     return GpuSplit(train_gpus=num_gpus - n, train_env=f"CUDA_VISIBLE_DEVICES={train}",
                     server_command=f"CUDA_VISIBLE_DEVICES={serve} {cmd}",
                     chosen=f"vLLM server on GPU(s) {serve}, training on {train}")
+
+
+def world_from_launch(c: Candidate, k: Any, num_gpus: int, processes: int | None = None) -> Candidate:
+    """A server-mode run read back from its files on `num_gpus` GPUs: the server's GPUs are those the accelerate
+    config does not launch (`processes`, its num_processes: the training ranks, when that file is given), else the
+    one split two GPUs allow (one serves, one trains). `vllm_server_gpus` lives in the launch, not in the TRL file
+    (TRL has no key for it, and `trl grpo --config` refuses a key it does not know). Other candidates as they are."""
+    if not k.served:
+        return c
+    if processes is not None:
+        served = num_gpus - processes
+        if served < 1:
+            raise ConfigError([
+                f"vllm_mode='server' on --num-gpus {num_gpus} with num_processes {processes} in the accelerate "
+                "config (--accelerate-config): no GPU is left for `trl vllm-serve`; give --num-gpus the "
+                "training GPUs plus the server's (the suggestion's --num-gpus), or set vllm_mode: colocate"])
+    elif k.vllm_server_gpus >= 1:
+        return c  # set where the candidate was built (the search's)
+    elif num_gpus == 2:
+        served = 1
+    elif num_gpus < 2:
+        raise ConfigError([
+            f"vllm_mode='server' on --num-gpus {num_gpus}: server mode runs `trl vllm-serve` on GPUs of its own "
+            "beside those that train; give --num-gpus N (N >= 2: the training GPUs plus the server's; with "
+            "N > 2 also --accelerate-config FILE, which says how many train), or set vllm_mode: colocate"])
+    else:
+        raise ConfigError([
+            f"vllm_mode='server' on --num-gpus {num_gpus}: how many of them run `trl vllm-serve` is not in the "
+            "TRL file (TRL has no key for it); give --accelerate-config FILE, the accelerate config `advisor "
+            "suggest --accelerate-output FILE` wrote beside it (its num_processes train, the other GPUs of "
+            "--num-gpus serve)"])
+    return with_knobs(c, vllm_server_gpus=served)
 
 
 def check_run_keys(trainer: TrlTrainer, data: Mapping[str, Any], *, source: str) -> None:

@@ -108,8 +108,8 @@ def training_gpus(k: Any, num_gpus: int) -> int:
 
 def vllm_pool_need(workload: Workload, candidate: Candidate, k: Any) -> Any:
     """vLLM's own accounting of the pool colocated vLLM needs for this candidate (advisor/_physics/vllm.py
-    `min_utilization`, on `online_vllm_side`'s weights, profile activations, non-torch memory and KV layout, as
-    the estimate builds them): the generation batch TRL hands it (max_num_seqs = per_device_train_batch_size x
+    `min_utilization`, on `online_vllm_side`'s weights, profile activations, non-torch memory, CUDA graphs and KV
+    layout, as the estimate builds them): the generation batch TRL hands it (max_num_seqs = per_device_train_batch_size x
     steps_per_generation, tensor-parallel 1) at full length (the longest prompt + max_completion_length, capped
     at max_model_len), never below one max_model_len sequence (what vLLM needs to start)."""
 
@@ -129,7 +129,7 @@ def vllm_pool_need(workload: Workload, candidate: Candidate, k: Any) -> Any:
     need = vllm_min_utilization(gpu.memory_bytes, weights_bytes=side.weights_bytes,
                                 activation_bytes=side.activation_bytes, non_torch_bytes=side.non_torch_bytes,
                                 layout=side.layout, sequences=gen, sequence_length=length,
-                                max_model_len=side.max_model_len)
+                                max_model_len=side.max_model_len, cudagraph_bytes=side.cudagraph_bytes)
     return need, side, gen, prompt, length
 
 
@@ -169,7 +169,8 @@ def derivation_notes(workload: Workload, candidate: Candidate, k: Any, values: M
             f"{workload.gpu.memory_bytes / gib:.2f} GiB card, rounded up to 0.01 (exact {need.exact:.4f}), whose "
             f"pool ({need.pool_bytes / gib:.2f} GiB) holds vLLM's weights ({side.weights_bytes / gib:.2f} GiB), "
             f"its profile run's activations ({side.activation_bytes / gib:.2f} GiB), non-torch memory "
-            f"({side.non_torch_bytes / gib:.2f} GiB) and KV pages ({need.kv_bytes / gib:.2f} GiB) for the "
+            f"({side.non_torch_bytes / gib:.2f} GiB), its CUDA graphs ({side.cudagraph_bytes / gib:.2f} GiB, "
+            f"inside the pool since vLLM 0.21) and KV pages ({need.kv_bytes / gib:.2f} GiB) for the "
             f"{need.binding} (the generation batch: {gen} sequences x {length} tokens = the longest prompt "
             f"{prompt} + max_completion_length {k.max_completion_length}; one sequence: max_model_len "
             f"{side.max_model_len}), by vLLM's accounting (advisor/_physics/vllm.py min_utilization); "

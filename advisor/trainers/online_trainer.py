@@ -125,6 +125,9 @@ class OnlineRLTrainer(TrlTrainer):
     def gpu_split(self, candidate: Candidate, model_name_or_path: str, num_gpus: int) -> GpuSplit | None:
         return online_files.gpu_split(candidate, self.knobs(candidate), model_name_or_path, num_gpus)
 
+    def world_from_launch(self, candidate: Candidate, num_gpus: int, processes: int | None = None) -> Candidate:
+        return online_files.world_from_launch(candidate, self.knobs(candidate), num_gpus, processes)
+
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
         online_files.check_run_keys(self, data, source=source)
 

@@ -139,6 +139,9 @@ class Trainer(Protocol):
 
     def training_gpus(self, candidate: Candidate, num_gpus: int) -> int: ...  # the ranks that train
 
+    def world_from_launch(self, candidate: Candidate, num_gpus: int, processes: int | None = None
+                          ) -> Candidate: ...  # a run read back from its files: the knobs its launch carries
+
     def max_length_values(self, workload: Workload) -> tuple[int, ...]: ...  # max_length rungs from its data
 
     def completions_per_row(self, candidate: Candidate) -> int: ...  # micro-batch rows per dataset row

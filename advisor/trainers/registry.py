@@ -12,6 +12,7 @@ from ..workload import DEFAULT_TRAINER
 from .protocol import ModelInput, Trainer
 
 if TYPE_CHECKING:
+    from ..space import Candidate
     from ..workload import Workload
 
 DEFAULT = DEFAULT_TRAINER  # the trainer a workload is for unless it names another (--trainer's default)
@@ -116,3 +117,35 @@ def model_input(role: str) -> ModelInput | None:
 def owners(knob: Any) -> tuple[str, ...]:
     """The registered trainers whose config has `knob` (an error naming where a --fix belongs)."""
     return tuple(t.name for t in _REGISTRY.values() if t.accepts(knob))
+
+
+def training_workload(workload: Workload, candidate: Candidate) -> Workload:
+    """The workload a backend measures `candidate` on: the training side of the run. Where its trainer sets GPUs of
+    --num-gpus aside (`training_gpus`: online RL's `trl vllm-serve` GPUs in server mode), the rest train, and the
+    per-rank peak, the sharding and the trained tokens per second count those ranks only. The search
+    (advisor/_search/evaluator.py) and `advisor simulate|probe|baseline --config` measure through this one rule."""
+    import dataclasses
+
+    n = get_trainer(workload.trainer).training_gpus(candidate, workload.num_gpus)
+    if n == workload.num_gpus:
+        return workload
+    machines = workload.num_machines if n % workload.num_machines == 0 else 1
+    return dataclasses.replace(workload, num_gpus=n, num_machines=machines)
+
+
+def launched_candidate(trainer: Trainer, candidate: Candidate, num_gpus: int, processes: int | None = None
+                       ) -> Candidate:
+    """`candidate` read back from a run's files, launched on `num_gpus` GPUs (`processes`: the accelerate config's
+    num_processes, when that file is given): the knobs a trainer keeps outside the TRL file read back from the
+    launch (`world_from_launch`: online RL's server GPUs), then the accelerate config checked to launch the ranks
+    that train. ConfigError naming the flags and the fix."""
+    cand = trainer.world_from_launch(candidate, num_gpus, processes)
+    problems = list(trainer.check_world(cand, num_gpus))
+    train = trainer.training_gpus(cand, num_gpus)
+    if processes is not None and processes != train:
+        problems.append(f"num_processes {processes} in the accelerate config (--accelerate-config) with --num-gpus "
+                        f"{num_gpus}: this run trains on {train} rank(s); give --num-gpus {processes} (the "
+                        "suggestion's), or the accelerate config written with this TRL file")
+    if problems:
+        raise ConfigError(problems, context="num_gpus")
+    return cand
