@@ -215,11 +215,10 @@ class StudyRun:
     def run(self, *, trials: int, time_budget_s: float | None, exhaustive: bool, queue_only: bool = False,
             idle_s: float = 0.0) -> None:
         """Ask, evaluate, tell until `trials` distinct measurements (in the study), the time budget, or no new point."""
-        start = time.perf_counter()
-        total = trials
+        self._started, self._total, self._misses = time.perf_counter(), trials, 0
         if exhaustive:
             grid = list(self.space.candidates())
-            total = len(grid)  # the progress bar counts toward the grid, not --trials
+            self._total = len(grid)  # the progress bar counts toward the grid, not --trials
             self.evaluator.skip_losers = False
             self.enqueue(grid, "exhaustive")
         elif not queue_only:
@@ -228,50 +227,27 @@ class StudyRun:
                 if warm_up is not None:
                     warm_up()
             self._seed()
-        misses, turn = 0, 0
+        turn = 0
         idle_since: float | None = None
         batch: list[_InFlight] = []
-
-        def told(results: list[tuple[Entry | None, bool]]) -> None:
-            nonlocal misses
-            for entry, cached in results:
-                misses = misses + 1 if (cached or entry is None or not entry.measured) else 0
-                if self.progress is not None:
-                    best = self.ledger.best()
-                    self.progress(Progress(len(self.ledger.measured), total, best.measurement.tokens_per_second
-                                           if best else None, time.perf_counter() - start,
-                                           describe(entry.candidate) if entry else ""))
-
         while True:
             if interrupt_requested():  # a Ctrl-C swallowed where it landed (a weakref callback): end here
-                measured = 0  # what finished measuring is told (it stays), the rest is failed for a rerun
-                while measured < len(batch) and batch[measured].pending is not None \
-                        and batch[measured].pending.future.done():
-                    measured += 1
-                if measured:
-                    told(self._finish(batch[:measured]))
-                for f in batch[measured:]:
-                    f.beat.close()
-                    liveness.fail(self.study, f.trial)
-                raise KeyboardInterrupt
+                self._interrupted(batch)
             if len(batch) >= self.jobs:
-                told(self._finish(batch))
-                batch = []
+                batch = self._told_all(batch)
             if not queue_only:
                 self.refresh()  # other runs sharing the study count toward `trials` as soon as they finish
             done = len(self.ledger.measured) + len(batch)  # in flight counts toward `trials`
             if not exhaustive and not queue_only and done >= trials:
                 break
-            if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+            if time_budget_s is not None and time.perf_counter() - self._started > time_budget_s:
                 self.events.append(TimeBudget(time_budget_s, done))
                 self.stopped_by_time = True
                 break
-            waiting = self.waiting()
-            if not waiting:
+            if not self.waiting():
                 if exhaustive or queue_only:
                     if batch:  # what is in flight may bound or answer what is left: finish it, then look again
-                        told(self._finish(batch))
-                        batch = []
+                        batch = self._told_all(batch)
                         continue
                     if queue_only and idle_s > 0:
                         idle_since = idle_since or time.perf_counter()
@@ -279,26 +255,12 @@ class StudyRun:
                             time.sleep(0.2)
                             continue
                     break
-                if self._multi_fidelity:
-                    nxt = proposers.frontier(self.space, self.ledger, self.evaluator, frozenset(self._in_flight))
-                    if nxt is None:
-                        if batch:  # what is in flight corrects the estimate: finish it, then look again
-                            told(self._finish(batch))
-                            batch = []
-                            continue
-                        ev = self.evaluator.correction()
-                        self.events.append(Converged(len(self.ledger.measured), ev.time_resolution,
-                                                     ev.memory_resolution, sum(1 for _ in self.space.candidates())))
-                        break
-                    self.enqueue([nxt], "frontier")
-                else:
-                    turn += 1
-                    if turn % 2:
-                        nb = proposers.next_neighbour(self.space, self.ledger, self.evaluator)
-                        if nb is not None:
-                            self.enqueue([nb], "neighbour")
-                if misses >= MISS_LIMIT:
-                    self.events.append(NoNewCandidate(MISS_LIMIT))
+                turn += 1
+                proposed = self._propose(batch, turn)
+                if proposed is None:  # what is in flight corrects the estimate: finished; look again
+                    batch = []
+                    continue
+                if not proposed:
                     break
             idle_since = None
             trial = liveness.ask(self.study)  # a re-queued candidate first
@@ -309,9 +271,61 @@ class StudyRun:
             if isinstance(started, _InFlight):
                 batch.append(started)
             else:
-                told([started])
+                self._told([started])
         if batch:
-            told(self._finish(batch))
+            self._told(self._finish(batch))
+
+    def _told(self, results: list[tuple[Entry | None, bool]]) -> None:
+        """Count the misses (a proposal that measured nothing new) and show the progress."""
+        for entry, cached in results:
+            self._misses = self._misses + 1 if (cached or entry is None or not entry.measured) else 0
+            if self.progress is not None:
+                best = self.ledger.best()
+                self.progress(Progress(len(self.ledger.measured), self._total, best.measurement.tokens_per_second
+                                       if best else None, time.perf_counter() - self._started,
+                                       describe(entry.candidate) if entry else ""))
+
+    def _told_all(self, batch: list[_InFlight]) -> list[_InFlight]:
+        """Finish the batch in flight and tell its results; the empty batch after it."""
+        self._told(self._finish(batch))
+        return []
+
+    def _interrupted(self, batch: list[_InFlight]) -> None:
+        """A Ctrl-C: what finished measuring is told (it stays), the rest is failed for a rerun."""
+        measured = 0
+        while measured < len(batch) and batch[measured].pending is not None \
+                and batch[measured].pending.future.done():
+            measured += 1
+        if measured:
+            self._told(self._finish(batch[:measured]))
+        for f in batch[measured:]:
+            f.beat.close()
+            liveness.fail(self.study, f.trial)
+        raise KeyboardInterrupt
+
+    def _propose(self, batch: list[_InFlight], turn: int) -> bool | None:
+        """Nothing waits in the queue: the policy proposes the next point. True: go on; False: the search ends
+        (converged, or no new candidate in MISS_LIMIT proposals); None: the batch in flight was finished first (the
+        caller empties it and looks again)."""
+        if self._multi_fidelity:
+            nxt = proposers.frontier(self.space, self.ledger, self.evaluator, frozenset(self._in_flight))
+            if nxt is None:
+                if batch:
+                    self._told(self._finish(batch))
+                    return None
+                ev = self.evaluator.correction()
+                self.events.append(Converged(len(self.ledger.measured), ev.time_resolution,
+                                             ev.memory_resolution, sum(1 for _ in self.space.candidates())))
+                return False
+            self.enqueue([nxt], "frontier")
+        elif turn % 2:
+            nb = proposers.next_neighbour(self.space, self.ledger, self.evaluator)
+            if nb is not None:
+                self.enqueue([nb], "neighbour")
+        if self._misses >= MISS_LIMIT:
+            self.events.append(NoNewCandidate(MISS_LIMIT))
+            return False
+        return True
 
     def wait_for_running(self, timeout_s: float = 600.0) -> None:
         """Workers, or other runs sharing the study, may still be measuring; their results belong in the answer.

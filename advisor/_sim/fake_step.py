@@ -297,12 +297,7 @@ def run_fake_training(
 
     with _frozen_heap(), real_path_patches(cuda), fake_flash_attention(lambda: tracker.answer_scalar.facts), mode, \
             tracker:
-        hooks = []
-        for m in models:
-            _materialise(m)
-            tracker.set_category([p for p in m.parameters()], Category.PARAMETERS)
-            tracker.set_category([b for b in m.buffers()], Category.PARAMETERS)
-            hooks += install_layer_hooks(m, tracker, num_layers)
+        hooks = _materialised(models, tracker, num_layers)
         _outside_layers_after(trainer, "training_step", tracker)
         trainer.accelerator.device_placement = False  # model.to() cannot swap fake parameters; it is a no-op anyway
         with contextlib.ExitStack() as stack:
@@ -329,15 +324,21 @@ def run_fake_training(
         events = tracker.finish_events()
         for handle in hooks:
             handle.remove()
-    return FakeRunResult(
-        peak=tracker.peak,
-        facts=facts,
-        allocations=tracker.allocations,
-        events=events,
-        event_layers=tracker.event_layers,
-        event_categories=tracker.event_categories,
-        saved_bytes=saved.most if saved is not None else 0,
-    )
+    return FakeRunResult(peak=tracker.peak, facts=facts, allocations=tracker.allocations, events=events,
+                         event_layers=tracker.event_layers, event_categories=tracker.event_categories,
+                         saved_bytes=saved.most if saved is not None else 0)
+
+
+def _materialised(models: list, tracker: StorageTracker, num_layers: int) -> list:
+    """Each model's parameters and buffers as fake tensors, counted as parameters, with the hooks that tag its ops
+    with their decoder layer (returned, to remove after the run)."""
+    hooks = []
+    for m in models:
+        _materialise(m)
+        tracker.set_category([p for p in m.parameters()], Category.PARAMETERS)
+        tracker.set_category([b for b in m.buffers()], Category.PARAMETERS)
+        hooks += install_layer_hooks(m, tracker, num_layers)
+    return hooks
 
 
 class _SavedCounter:

@@ -173,6 +173,12 @@ def run(ns: argparse.Namespace) -> int:
             return exc.exit_code
         finally:
             bar.close()
+    _answer(ns, s, fmt)
+    return 0
+
+
+def _answer(ns: argparse.Namespace, s: Any, fmt: str) -> None:
+    """The suggestion as asked: printed in `fmt`, and the files --output, --plot, --accelerate-output written."""
     if ns.verbose:
         for msg in s.messages:
             print(f"advisor: while measuring: {msg}", file=sys.stderr)
@@ -192,22 +198,7 @@ def run(ns: argparse.Namespace) -> int:
         write_output(ns.accelerate_output, s.accelerate_yaml(ns.accelerate_output, ns.output or "run.yaml"),
                      "--accelerate-output")
     if fmt == "table":
-        from ..report import render_report, render_summary
-
-        print(render_report(s) if ns.report else render_summary(s))
-        if ns.output:
-            print(f"\nwrote {ns.output}")
-        if ns.plot:
-            print(f"wrote the plot (device peak against tokens/s) to {ns.plot}")
-        if ns.accelerate_output:
-            print(f"wrote {ns.accelerate_output}")
-        if s.workload.num_gpus > 1:
-            lc = s.launch(config_file=ns.accelerate_output or "accelerate.yaml",
-                          trl_config_file=ns.output or "run.yaml")
-            print(f"\n{s.workload.num_gpus} GPUs: {lc.chosen}; launch with\n  {lc.command}")
-            if not ns.accelerate_output:
-                print("  (write the accelerate config with --accelerate-output accelerate.yaml)")
-        print("\n" + next_step(ns, s))
+        _print_table(ns, s)
     else:
         print(config_text, end="" if config_text.endswith("\n") else "\n")
         if ns.output:
@@ -216,7 +207,26 @@ def run(ns: argparse.Namespace) -> int:
             print(f"advisor: wrote {ns.accelerate_output}", file=sys.stderr)
         if ns.plot:
             print(f"advisor: wrote the plot to {ns.plot}", file=sys.stderr)
-    return 0
+
+
+def _print_table(ns: argparse.Namespace, s: Any) -> None:
+    """The table answer: the summary (or --report), the files written, the launch on several GPUs, the next step."""
+    from ..report import render_report, render_summary
+
+    print(render_report(s) if ns.report else render_summary(s))
+    if ns.output:
+        print(f"\nwrote {ns.output}")
+    if ns.plot:
+        print(f"wrote the plot (device peak against tokens/s) to {ns.plot}")
+    if ns.accelerate_output:
+        print(f"wrote {ns.accelerate_output}")
+    if s.workload.num_gpus > 1:
+        lc = s.launch(config_file=ns.accelerate_output or "accelerate.yaml",
+                      trl_config_file=ns.output or "run.yaml")
+        print(f"\n{s.workload.num_gpus} GPUs: {lc.chosen}; launch with\n  {lc.command}")
+        if not ns.accelerate_output:
+            print("  (write the accelerate config with --accelerate-output accelerate.yaml)")
+    print("\n" + next_step(ns, s))
 
 
 def next_step(ns: argparse.Namespace, s) -> str:

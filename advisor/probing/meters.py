@@ -1,4 +1,5 @@
-"""Memory meters of a probe's child process: the CPU allocator's events, torch.cuda's peaks, NVML sampling.
+"""Meters of a probe's child process: the CPU allocator's events, torch.cuda's peaks, NVML sampling, and each
+optimizer step's time, shapes and peaks (`StepMeter`, driven by the Trainer callback `step_callback`).
 
 Everything here runs inside the child (advisor.probing.worker); the parent never touches a device.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -278,3 +281,114 @@ def cap_cuda(budget_bytes: int, ctx: CudaContext) -> float:
     fraction = min(1.0, usable / ctx.total_bytes)
     torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device())
     return fraction
+
+
+class StepMeter:
+    """Per optimizer step: end time, micro-batch shapes, trained tokens, and (CUDA) the allocator's peaks. After the
+    `memory_steps` (the peaks' steps) `on_memory_done` runs (the CPU's profiler stops) and the steady state is timed
+    (`timing`: runner.Timing's fields, set for the timing run; `done()` says when to stop)."""
+
+    def __init__(self, cuda: bool, beat: Callable[[], None], first_step: Callable[[], None]):
+        self.cuda = cuda
+        self.beat = beat  # the heartbeat the parent's timeout counts from
+        self.first_step = first_step  # the test hook's fault at the first step
+        self.memory_steps = 0
+        self.timing: dict[str, Any] | None = None
+        self.timing_started = 0.0
+        self._cpu = 0.0
+        self.train_begin_ns = 0
+        self.setup_peak = (0, 0)
+        self.ends_ns: list[int] = []
+        self.steps: list[dict[str, Any]] = []
+        self._shapes: list[list[int]] = []
+        self._trained = 0
+
+    def micro_batch(self, inputs: dict[str, Any]) -> None:
+        ids = inputs.get("input_ids", inputs.get("completion_ids"))  # online RL: the generated completions
+        labels = inputs.get("labels")
+        if ids is not None:
+            self._shapes.append(list(ids.shape))
+        if labels is not None:
+            self._trained += int((labels != -100).sum())
+
+    def train_begin(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            self.setup_peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+        self.beat()
+        self.train_begin_ns = time.time_ns()
+        self._cpu = time.process_time()
+
+    def step_begin(self) -> None:
+        if not self.steps:
+            self.first_step()
+
+    def step_end(self) -> None:
+        record: dict[str, Any] = {"shapes": self._shapes, "trained_tokens": self._trained}
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            record["peak_bytes"] = torch.cuda.max_memory_allocated()
+            record["reserved_bytes"] = torch.cuda.max_memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+        now = time.time_ns()
+        previous = self.ends_ns[-1] if self.ends_ns else self.train_begin_ns
+        record["time_s"] = (now - previous) / 1e9
+        cpu = time.process_time()  # the process's own CPU time: on a shared machine, without what others take
+        record["cpu_s"] = cpu - self._cpu
+        self._cpu = cpu
+        self.ends_ns.append(now)
+        self.steps.append(record)
+        self._shapes, self._trained = [], 0
+        self.beat()
+
+    def time_steady_state(self, timing: dict[str, Any]) -> None:
+        """The steps from now on are the timing run's."""
+        self.memory_steps, self.timing, self.timing_started = len(self.steps), timing, time.monotonic()
+
+    def timed(self) -> list[float]:
+        """The steady-state steps' times: after the memory steps and one untimed step of the timed shape."""
+        return [r["time_s"] for r in self.steps[self.memory_steps + 1:]]
+
+    def done(self) -> bool:
+        """Whether the steady state is timed: the median of the last `window` steps within `tolerance` of the median
+        of the `window` before them, or the bounds reached."""
+        t = self.timing
+        if not t or len(self.steps) <= self.memory_steps:
+            return False
+        times = self.timed()
+        w = int(t["window"])
+        if len(times) >= int(t["max_steps"]) or time.monotonic() - self.timing_started > float(t["max_s"]):
+            return True
+        return len(times) >= 2 * w and steady(times, w, float(t["tolerance"]))
+
+
+def steady(times: list[float], window: int, tolerance: float) -> bool:
+    """The median of the last `window` times within `tolerance` of the median of the `window` before them."""
+    import statistics
+
+    now, before = statistics.median(times[-window:]), statistics.median(times[-2 * window:-window])
+    return abs(now - before) <= tolerance * now
+
+
+def step_callback(meter: StepMeter):
+    """The Trainer callback that drives `meter` and stops training once the steady state is timed."""
+    from transformers import TrainerCallback
+
+    class _Callback(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            meter.train_begin()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            meter.step_begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            meter.step_end()
+            if meter.done():
+                control.should_training_stop = True
+
+    return _Callback()

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .._files import write_atomic
+from .meters import StepMeter, steady, step_callback
 from .runner import FAULT_ENV, HEARTBEAT_FILE, JOB_FILE, RESULT_FILE
 
 # what torchrun / accelerate launch tell each rank
@@ -189,115 +190,6 @@ def _rebuild(job: dict[str, Any]):
     return workload, Candidate.from_dict(job["candidate"])
 
 
-class StepMeter:
-    """Per optimizer step: end time, micro-batch shapes, trained tokens, and (CUDA) the allocator's peaks. After the
-    `memory_steps` (the peaks' steps) `on_memory_done` runs (the CPU's profiler stops) and the steady state is timed
-    (`timing`: runner.Timing's fields, set for the timing run; `done()` says when to stop)."""
-
-    def __init__(self, cuda: bool, heartbeat: Heartbeat, fault: str):
-        self.cuda = cuda
-        self.heartbeat = heartbeat
-        self.fault = fault
-        self.memory_steps = 0
-        self.timing: dict[str, Any] | None = None
-        self.timing_started = 0.0
-        self._cpu = 0.0
-        self.train_begin_ns = 0
-        self.setup_peak = (0, 0)
-        self.ends_ns: list[int] = []
-        self.steps: list[dict[str, Any]] = []
-        self._shapes: list[list[int]] = []
-        self._trained = 0
-
-    def micro_batch(self, inputs: dict[str, Any]) -> None:
-        ids = inputs.get("input_ids", inputs.get("completion_ids"))  # online RL: the generated completions
-        labels = inputs.get("labels")
-        if ids is not None:
-            self._shapes.append(list(ids.shape))
-        if labels is not None:
-            self._trained += int((labels != -100).sum())
-
-    def train_begin(self) -> None:
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
-            self.setup_peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
-            torch.cuda.reset_peak_memory_stats()
-        self.heartbeat.beat()
-        self.train_begin_ns = time.time_ns()
-        self._cpu = time.process_time()
-
-    def step_begin(self) -> None:
-        if not self.steps:
-            _fault(self.fault, "step")
-
-    def step_end(self) -> None:
-        record: dict[str, Any] = {"shapes": self._shapes, "trained_tokens": self._trained}
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
-            record["peak_bytes"] = torch.cuda.max_memory_allocated()
-            record["reserved_bytes"] = torch.cuda.max_memory_reserved()
-            torch.cuda.reset_peak_memory_stats()
-        now = time.time_ns()
-        previous = self.ends_ns[-1] if self.ends_ns else self.train_begin_ns
-        record["time_s"] = (now - previous) / 1e9
-        cpu = time.process_time()  # the process's own CPU time: on a shared machine, without what others take
-        record["cpu_s"] = cpu - self._cpu
-        self._cpu = cpu
-        self.ends_ns.append(now)
-        self.steps.append(record)
-        self._shapes, self._trained = [], 0
-        self.heartbeat.beat()
-
-    def time_steady_state(self, timing: dict[str, Any]) -> None:
-        """The steps from now on are the timing run's."""
-        self.memory_steps, self.timing, self.timing_started = len(self.steps), timing, time.monotonic()
-
-    def timed(self) -> list[float]:
-        """The steady-state steps' times: after the memory steps and one untimed step of the timed shape."""
-        return [r["time_s"] for r in self.steps[self.memory_steps + 1:]]
-
-    def done(self) -> bool:
-        """Whether the steady state is timed: the median of the last `window` steps within `tolerance` of the median
-        of the `window` before them, or the bounds reached."""
-        t = self.timing
-        if not t or len(self.steps) <= self.memory_steps:
-            return False
-        times = self.timed()
-        w = int(t["window"])
-        if len(times) >= int(t["max_steps"]) or time.monotonic() - self.timing_started > float(t["max_s"]):
-            return True
-        return len(times) >= 2 * w and steady(times, w, float(t["tolerance"]))
-
-
-def steady(times: list[float], window: int, tolerance: float) -> bool:
-    import statistics
-
-    now, before = statistics.median(times[-window:]), statistics.median(times[-2 * window:-window])
-    return abs(now - before) <= tolerance * now
-
-
-def _callback(meter: StepMeter):
-    from transformers import TrainerCallback
-
-    class _Callback(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            meter.train_begin()
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            meter.step_begin()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            meter.step_end()
-            if meter.done():
-                control.should_training_stop = True
-
-    return _Callback()
-
-
 def _trainer_class(meter: StepMeter, kind=None, shard: tuple[int, int] | None = None):
     """The trainer's TRL class (`kind`: an advisor.trainers.Trainer, SFT when not given) that shows the meter each
     micro-batch (shape and trained tokens) before training on it. `shard` (rank, world): the trainer's accelerator
@@ -429,14 +321,14 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     notes.extend(f"{inp.flag} {workload.model_of(inp.role).name}: one of its architecture with random weights, "
                  f"loaded by the trainer from a path as trl {kind.command} loads {inp.yaml_key}"
                  for inp in kind.model_inputs if inp.role in models)
-    meter = StepMeter(cuda, heartbeat, fault)
+    meter = StepMeter(cuda, heartbeat.beat, lambda: _fault(fault, "step"))
     prof = None
     if not cuda:
         prof = meters.memory_profiler(user_scopes=world <= 1)  # several ranks: gloo's collectives unrecorded
     trainer = _trainer_class(meter, kind, shard=(rank, world) if cpu_fsdp2 else None)(
         model=model_path, args=config, train_dataset=train_dataset, processing_class=tokenizer,
         peft_config=kind.peft_config(candidate, spec), quantization_config=quantization_config(candidate),
-        callbacks=[_callback(meter)], **own,
+        callbacks=[step_callback(meter)], **own,
     )
     if cpu_fsdp2:  # accelerate's own fsdp2_prepare_model on the gloo mesh, before train() builds the optimizer
         from ..parallelism import Layout
