@@ -140,7 +140,7 @@ class LaunchRead:
     config: dict[str, Any]
     source: str
 
-    def matches(self, candidate: Any, command: str = "sft") -> None:
+    def matches(self, candidate: Any, command: str = DEFAULT_TRAINER) -> None:
         """ConfigError naming each memory-relevant key whose value is not what `candidate` (its TRL file) launches
         as with this layout and these processes: the mixed precision, DeepSpeed's gradient accumulation, an FSDP /
         DeepSpeed option the advisor does not write (not simulated)."""
