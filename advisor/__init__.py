@@ -37,7 +37,7 @@ _EXPORTS = {
     "length_report": "lengths",
     "Baseline": "baseline", "load_baseline": "baseline",
     "CheckResult": "regress", "Verdict": "regress", "record_baseline": "regress", "check": "regress",
-    "assert_peak_memory": "regress",
+    "assert_peak_memory": "assertions",
 }
 
 __all__ = sorted(_EXPORTS)

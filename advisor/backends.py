@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .errors import UsageError
 from .measurement import Source
+from .probing import PROBE_BACKENDS, PROBE_SOURCES  # noqa: F401  (PROBE_BACKENDS: the CLI's)
 
 if TYPE_CHECKING:
     from .measurement import Measurement
@@ -114,12 +115,10 @@ def _probe(kind: str) -> Measure:
 BUILTIN: tuple[FunctionBackend, ...] = (
     FunctionBackend("estimate", _estimate, cost=0, source=Source.ESTIMATE),
     FunctionBackend("simulate", _simulate, cost=1, source=Source.SIMULATE, parallel=True),
-    FunctionBackend("cpu", _probe("cpu"), cost=2, source=Source.PROBE_CPU, runs_here=True),
-    FunctionBackend("cuda", _probe("cuda"), cost=3, source=Source.PROBE_CUDA, needs_gpu=True, runs_here=True),
+    FunctionBackend("cpu", _probe("cpu"), cost=2, source=PROBE_SOURCES["cpu"], runs_here=True),
+    FunctionBackend("cuda", _probe("cuda"), cost=3, source=PROBE_SOURCES["cuda"], needs_gpu=True, runs_here=True),
 )
 _REGISTRY: dict[str, FunctionBackend] = {b.name: b for b in BUILTIN}
-# The real probes' backends: `advisor probe --backend` and `advisor.probe(backend=)` take these names.
-PROBE_BACKENDS = ("cuda", "cpu")
 
 
 def register_backend(name: str, fn: Measure, cost: int = 1, *, source: Source | str = Source.EXTERNAL,

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BACKEND", "DEFAULT_TOLERANCE", "SCHEMA_VERSION", "TOTALS", "Baseline", "CheckResult", "Row",
-    "Verdict", "VersionChange", "WorkloadRef", "assert_peak_memory", "check", "compare_rows", "knob_changes",
+    "Verdict", "VersionChange", "WorkloadRef", "check", "compare_rows", "knob_changes",
     "library_versions", "load_baseline", "measure", "parse_tolerance", "record_baseline", "version_changes",
 ]
 
@@ -274,41 +274,3 @@ def compare_rows(totals: dict[str, int | None], breakdown: dict[str, int], now: 
 
 
 # ---- pytest helper ---------------------------------------------------------------------------------------------
-
-def assert_peak_memory(
-    config: Candidate | str | Path,
-    *,
-    model: str,
-    max_bytes: int,
-    gpu: str = "cpu",
-    dataset: str | None = None,
-    backend: str = DEFAULT_BACKEND,
-) -> Measurement:
-    """Fail the calling test with the per-category table when the device peak exceeds `max_bytes`.
-
-    `config` is a Candidate or a RUN.yaml path. The bytes the budget applies to (`Measurement.budget_bytes`: the
-    device peak, else reserved, else allocated) are compared; on the CPU all three are the allocator's peak.
-    Returns the measurement for further assertions.
-    """
-    from .inputs import build_workload
-    from .render import format_bytes, render_table
-
-    if isinstance(config, Candidate):
-        candidate = config
-    else:
-        from .emit import load_run_config
-
-        candidate = load_run_config(config).candidate
-    workload = build_workload(model, gpu=gpu, dataset=dataset)
-    m = measure(workload, candidate, backend)
-    if m.fits(max_bytes):
-        return m
-    peak = m.budget_bytes
-    limits = {"peak_bytes": None, "reserved_bytes": None, "device_bytes": max_bytes}
-    rows = compare_rows(limits, {}, m)
-    head = (f"{m.source.value} run of {model} on {gpu} ended with status {m.status.value}: {m.message}"
-            if not m.ok else f"the {m.source.value} run of {model} on {gpu} reported no peak memory"
-            if peak is None else
-            f"peak memory {format_bytes(peak)} ({peak} B) exceeds max_bytes {format_bytes(max_bytes)} "
-            f"({max_bytes} B) by {format_bytes(peak - max_bytes)}")
-    raise AssertionError(head + "\n" + render_table(rows, 0.0, reference="limit"))

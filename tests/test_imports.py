@@ -30,11 +30,7 @@ PHYSICS = "_physics"
 
 # The edges that still close a circle, each with why; the test fails on a circle they do not explain and when one
 # of them goes away (remove it here), so that this list only shrinks.
-KNOWN: dict[tuple[str, str], str] = {
-    ("probing", "backends"): "the probe's parent looks its backend's Source up in the registry that registers the "
-                             "probe",
-    ("render", "regress"): "render.check_verdict renders regress.Verdict, and regress renders through render.py",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> tuple[str, bool]:

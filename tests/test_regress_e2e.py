@@ -8,9 +8,10 @@ import json
 import pytest
 from conftest import TINY_QWEN2
 
+from advisor.assertions import assert_peak_memory
 from advisor.cli import main
 from advisor.emit import to_yaml
-from advisor.regress import assert_peak_memory, check, load_baseline
+from advisor.regress import check, load_baseline
 from advisor.space import Candidate, Precision
 
 BACKEND = "simulate"

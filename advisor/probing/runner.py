@@ -28,6 +28,11 @@ import numpy as np
 from ..errors import UsageError
 from ..measurement import Measurement, Source, Status
 
+# The real probes, each by its backend name (`advisor probe --backend`, `advisor.probe(backend=)`, the search's
+# backends of the same names) and the Source its measurements carry.
+PROBE_SOURCES: dict[str, Source] = {"cuda": Source.PROBE_CUDA, "cpu": Source.PROBE_CPU}
+PROBE_BACKENDS = tuple(PROBE_SOURCES)
+
 if TYPE_CHECKING:
     from ..space import Candidate
     from ..workload import Workload
@@ -200,8 +205,6 @@ def probe(
     """
     candidate = candidate.for_model(workload.model)  # transformers' attention, PEFT's targets, as the run resolves
     problems = []
-    from ..backends import PROBE_BACKENDS, source_of
-
     if backend not in PROBE_BACKENDS:
         problems.append(f"--backend {backend!r}: a real probe runs on {' or '.join(map(repr, PROBE_BACKENDS))}")
     if steps < 1:
@@ -221,7 +224,7 @@ def probe(
         from ..errors import ConfigError
 
         raise ConfigError(problems, context="probe")
-    source = source_of(backend)
+    source = PROBE_SOURCES[backend]
     job = job_dict(workload, candidate, backend, steps=steps, warmup=warmup,
                    memory_budget_bytes=memory_budget_bytes, weights=weights, timing=timing)
     from ..emit import env_vars
