@@ -341,7 +341,8 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from .depth import _quiet, _record_last_step, _step_cost, _tokenizer, _worst_step
-    from .online_rl import SHORT_DECODES, _hf_model, make_online_trainer_class, online_construction, run_online_fake
+    from .decode_extrapolation import _hf_model
+    from .online_rl import SHORT_DECODES, make_online_trainer_class, online_construction, run_online_fake
     from .phase_timing import PhaseTimers
     from .timing_hook import BatchLayout, TimingHook
 

@@ -109,9 +109,10 @@ def training_gpus(k: Any, num_gpus: int) -> int:
 def vllm_pool_need(workload: Workload, candidate: Candidate, k: Any) -> Any:
     """vLLM's own accounting of the pool colocated vLLM needs for this candidate (advisor/_physics/vllm.py
     `min_utilization`, on `online_vllm_side`'s weights, profile activations, non-torch memory, CUDA graphs and KV
-    layout, as the estimate builds them): the generation batch TRL hands it (max_num_seqs = per_device_train_batch_size x
-    steps_per_generation, tensor-parallel 1) at full length (the longest prompt + max_completion_length, capped
-    at max_model_len), never below one max_model_len sequence (what vLLM needs to start)."""
+    layout, as the estimate builds them): the generation batch TRL hands it (max_num_seqs =
+    per_device_train_batch_size x steps_per_generation, tensor-parallel 1) at full length (the longest prompt +
+    max_completion_length, capped at max_model_len), never below one max_model_len sequence (what vLLM needs to
+    start)."""
 
     c = candidate
     b = c.per_device_train_batch_size
