@@ -340,8 +340,8 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
                    steps: int, engine: str, decode_lengths: tuple[int, int] | None) -> _Built:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from .depth import _quiet, _record_last_step, _step_cost, _tokenizer, _worst_step
     from .decode_extrapolation import _hf_model
+    from .depth import _quiet, _record_last_step, _step_cost, _tokenizer, _worst_step
     from .online_rl import SHORT_DECODES, make_online_trainer_class, online_construction, run_online_fake
     from .phase_timing import PhaseTimers
     from .timing_hook import BatchLayout, TimingHook
