@@ -30,6 +30,7 @@ from ._estimate import (
     MiB,
     estimate_online_rl,
     expected_step_time,
+    kto_adjustment,
     memory_parts,
     outside_allocator_bytes,
 )
@@ -67,7 +68,9 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     return m.plus_outside_allocator(trainer.outside_allocator_bytes(candidate, workload.gpu.memory_bytes))
 
 
-def _sft_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
+def _sft_closed_form(workload: Workload, candidate: Candidate, adjust: Any = None) -> Measurement:
+    """SFT's step; `adjust(moments, parts)`: a trainer's own step around the policy's (KTO: the reference, the KL
+    batch), applied to the moments before they are sharded over ranks."""
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
@@ -109,6 +112,8 @@ def _sft_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
         Category.TEMPORARIES: opt_temp,
     }
     moments = {"end of the forward": forward_end, "start of the backward": backward_start, "optimizer step": step_end}
+    if adjust is not None:
+        moments = adjust(moments, p)
     rank_notes: list[str] = []
     if workload.num_gpus > 1:  # one rank of N: the model states sharded as the candidate's parallelism shards them
         from ._physics import estimate_rank_moments
@@ -245,12 +250,42 @@ def _estimate_reward(workload: Workload, candidate: Candidate) -> Measurement:
                                peak_batch=f"{c.per_device_train_batch_size} pairs ({m.peak_batch})", notes=notes)
 
 
+def _estimate_kto(workload: Workload, candidate: Candidate) -> Measurement:
+    """KTO in closed form (advisor/_estimate/kto.py): the policy's step on B examples placed as SFT's, with the
+    reference (a separate copy's weights; its no-grad forwards while the policy's activations are held) and the KL
+    batch's no-grad forward; the extra forwards' time a third of a forward and backward's each."""
+    import dataclasses
+
+    from .trainers.dpo import Reference
+    from .trainers.kto import KTOKnobs
+
+    c = candidate
+    k = KTOKnobs.of(c)
+    ref = k.reference(c)
+    adjust, slow = kto_adjustment(workload, c, reference_copy=ref is Reference.SEPARATE_COPY,
+                                  reference_forwards=ref is not Reference.PRECOMPUTED, kl=k.kl)
+    m = _sft_closed_form(workload, c, adjust)
+    step = m.step_time_s * slow if m.step_time_s else m.step_time_s
+    notes = (f"kto: the policy's step on {c.per_device_train_batch_size} examples, "
+             + ("the KL batch's no-grad forward, " if k.kl else "no KL batch (apo_zero_unpaired), ")
+             + f"the reference: {ref.value.replace('_', ' ')}"
+             + ("" if ref is Reference.PRECOMPUTED else " (its no-grad forwards while the activations are held)")
+             + f"; {slow:.2f}x the policy's step time for the no-grad forwards (each a third of a forward and "
+             "backward)", *m.notes)
+    return dataclasses.replace(
+        m, step_time_s=step, notes=notes,
+        tokens_per_second=(m.trained_tokens_per_step / step) if step and m.trained_tokens_per_step else None,
+        worst_step_time_s=m.worst_step_time_s * slow if m.worst_step_time_s else m.worst_step_time_s,
+        peak_batch=f"{c.per_device_train_batch_size} examples ({m.peak_batch})")
+
+
 # The closed form of each kind of step a trainer declares (advisor/trainers/phases.py ClosedForm): the trainers
 # name the kind and never import the estimate.
 _CLOSED_FORMS = {
     ClosedForm.ROWS: _sft_closed_form,
     ClosedForm.PAIRS_WITH_REFERENCE: _estimate_dpo,
     ClosedForm.PAIRS_SCORED: _estimate_reward,
+    ClosedForm.UNPAIRED_WITH_KL: _estimate_kto,
     ClosedForm.ONLINE_RL: estimate_online_rl,  # advisor/_estimate/online_rl.py over advisor/_physics/online_rl.py
 }
 # closed forms that place what the step holds outside PyTorch's allocator phase by phase themselves (colocated vLLM's

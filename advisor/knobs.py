@@ -350,8 +350,8 @@ _CKPT = lambda c: c.activation_checkpointing  # noqa: E731
 _LORA = lambda c: c.use_lora  # noqa: E731
 _SFT = frozenset({"sft"})
 # the trainers whose own config (not TrainingArguments) declares max_length, pad_to_multiple_of,
-# activation_offloading and model_init_kwargs: SFTConfig, DPOConfig, RewardConfig
-_TRL_CONFIGS = frozenset({"sft", "dpo", "reward"})
+# activation_offloading and model_init_kwargs: SFTConfig, DPOConfig, RewardConfig, KTOConfig
+_TRL_CONFIGS = frozenset({"sft", "dpo", "reward", "kto"})
 
 KNOBS: tuple[Knob, ...] = (
     Knob("per_device_train_batch_size", Kind.INT, 8, Home.TRAINING_ARGUMENTS, "per_device_train_batch_size",

@@ -4,6 +4,7 @@ simulator (the model's shapes, the modelled knobs, the step-time model, the allo
 forms) lives in `advisor/_physics/`, below both; nothing here imports the simulator. Import from here, never from
 the modules inside."""
 
+from .kto import kto_adjustment
 from .memory import (
     LM_HEAD_FP32_VECTORS,
     RESERVED_FACTOR,
@@ -24,4 +25,5 @@ __all__ = [  # noqa: RUF022
     "LM_HEAD_FP32_VECTORS",
     "expected_step_time",
     "estimate_online_rl",
+    "kto_adjustment",
 ]

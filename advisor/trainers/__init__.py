@@ -1,4 +1,5 @@
-"""TRL trainers behind one seam: `get_trainer("sft" | "dpo" | "reward" | "grpo" | "rloo")` (the protocol: base.py)."""
+"""TRL trainers behind one seam: `get_trainer("sft" | "dpo" | "reward" | "grpo" | "rloo" | "kto")` (the protocol:
+base.py)."""
 
 from .base import DEFAULT, Trainer, choices, get_trainer, names, register
 

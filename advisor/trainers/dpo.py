@@ -42,62 +42,58 @@ class Reference(str, Enum):
     PRECOMPUTED = "precomputed"  # precompute_ref_log_probs: log-probs computed before training, no model kept
 
 
-_DPO = frozenset({"dpo"})
+# the trainers whose config has the reference knobs below (DPOConfig and KTOConfig, the same fields and rules)
+REFERENCE_TRAINERS = frozenset({"dpo", "kto"})
 
 
 def _carried(name: str) -> Callable[[Candidate], Any]:
     return lambda c: c.base.get(name, False)
 
 
-# DPOConfig's memory knobs that SFT has no name for, in the knob registry (advisor/knobs.py): `--fix`, the default
-# space, the memory order, the report's label and the emitted DPOConfig key all come from these declarations.
+# DPOConfig's (and KTOConfig's) reference knobs that SFT has no name for, in the knob registry (advisor/knobs.py):
+# `--fix`, the default space, the memory order, the report's label and the emitted config key all come from these
+# declarations.
 KNOBS = register_knobs(
     Knob("precompute_ref_log_probs", Kind.BOOL, False, Home.TRAINER_CONFIG, "precompute_ref_log_probs",
-         "DPOTrainer computes the reference's log-probs in a no-grad pass over the data before training and keeps "
-         "no reference model during it (full fine-tuning; under LoRA the reference is the policy with its adapters "
-         "disabled either way)", trainers=_DPO, carried=True, search=(False, True),
+         "DPOTrainer / KTOTrainer computes the reference's log-probs in a no-grad pass over the data before "
+         "training and keeps no reference model during it (full fine-tuning; under LoRA the reference is the "
+         "policy with its adapters disabled either way)", trainers=REFERENCE_TRAINERS, carried=True,
+         search=(False, True),
          # on: no reference copy beside the policy, its gradients and optimizer state; the pass before training
-         # holds the weights and one no-grad batch of precompute_ref_batch_size pairs (DPOTrainer.__init__)
+         # holds the weights and one no-grad batch of precompute_ref_batch_size pairs (DPOTrainer.__init__;
+         # KTOTrainer's: examples, with their KL batch)
          memory=Memory.SAVES_WHEN_ON, label="precompute_ref_log_probs",
          summary=lambda c: str(_carried("precompute_ref_log_probs")(c)),
          short=lambda c: "ref=precomputed" if _carried("precompute_ref_log_probs")(c) else None),
     Knob("precompute_ref_batch_size", Kind.OPTIONAL_INT, None, Home.TRAINER_CONFIG, "precompute_ref_batch_size",
-         "pairs per batch of the precompute pass (None: per_device_train_batch_size)", minimum=1, trainers=_DPO,
-         carried=True, memory=Memory.GROWS),
+         "pairs (KTO: examples) per batch of the precompute pass (None: per_device_train_batch_size)", minimum=1,
+         trainers=REFERENCE_TRAINERS, carried=True, memory=Memory.GROWS),
     Knob("sync_ref_model", Kind.BOOL, False, Home.TRAINER_CONFIG, "sync_ref_model",
-         "TR-DPO: the separate reference copy is updated every ref_model_sync_steps", trainers=_DPO, carried=True),
+         "TR-DPO: the separate reference copy is updated every ref_model_sync_steps",
+         trainers=REFERENCE_TRAINERS, carried=True),
 )
 
 
-def _check(self: Any) -> None:
-    problems = []
-    for k in KNOBS:
-        v = getattr(self, k.name)
-        if k.kind is Kind.BOOL and not isinstance(v, bool):
-            problems.append(f"{k.name}={v!r}: must be true or false")
-        elif k.kind is not Kind.BOOL:
-            problems.extend(p for p in [k.coerce(v)[1]] if p)
-    if problems:
-        raise ConfigError(problems, context="dpo")
+class _ReferenceKnobsMethods:
+    """A trainer's own memory knobs that SFT has no name for: one field per declaration, read from the candidate's
+    base (coerced as declared), written back with the defaults left out."""
 
-
-class _DPOKnobsMethods:
-    """DPOConfig's memory knobs that SFT has no name for: one field per declaration in KNOBS."""
+    _knobs: tuple[Knob, ...] = ()
 
     @classmethod
     def of(cls, candidate: Candidate) -> Any:
         b = candidate.base
-        return cls(**{f.name: b.get(f.name, f.default) for f in dataclasses.fields(cls)})
+        return cls(**{k.name: k.coerce(b.get(k.name, k.default))[0] for k in cls._knobs})
 
     def apply(self, candidate: Candidate) -> Candidate:
         """The candidate with these knobs in its base (defaults left out, so a plain candidate stays plain)."""
         base = candidate.base.as_dict()
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value == f.default:
-                base.pop(f.name, None)
+        for k in self._knobs:
+            value = getattr(self, k.name)
+            if value == k.default:
+                base.pop(k.name, None)
             else:
-                base[f.name] = value
+                base[k.name] = k.plain(value)
         return candidate.replace(base=base)
 
     def reference(self, candidate: Candidate) -> Reference:
@@ -109,11 +105,30 @@ class _DPOKnobsMethods:
         return self.precompute_ref_batch_size or candidate.per_device_train_batch_size
 
 
-# the fields from the declarations (one declaration per knob), validated as they are
-DPOKnobs = dataclasses.make_dataclass(
-    "DPOKnobs", [(k.name, k.kind.value, dataclasses.field(default=k.default)) for k in KNOBS],
-    bases=(_DPOKnobsMethods,), frozen=True, namespace={"__post_init__": _check, "__module__": __name__})
-DPOKnobs.__doc__ = _DPOKnobsMethods.__doc__
+def knob_view(name: str, knobs: tuple[Knob, ...], context: str, module: str, bases: tuple[type, ...] = ()) -> type:
+    """A frozen dataclass with one field per declaration in `knobs` (one declaration per knob), validated as they
+    are (ConfigError in `context`), with `of` / `apply` / `reference` / `precompute_batch`."""
+
+    def check(self: Any) -> None:
+        problems = []
+        for k in knobs:
+            v = getattr(self, k.name)
+            if k.kind is Kind.BOOL and not isinstance(v, bool):
+                problems.append(f"{k.name}={v!r}: must be true or false")
+            elif k.kind is not Kind.BOOL:
+                problems.extend(p for p in [k.coerce(v)[1]] if p)
+        if problems:
+            raise ConfigError(problems, context=context)
+
+    view = dataclasses.make_dataclass(
+        name, [(k.name, k.kind.value, dataclasses.field(default=k.default)) for k in knobs],
+        bases=(*bases, _ReferenceKnobsMethods), frozen=True,
+        namespace={"__post_init__": check, "__module__": module, "_knobs": knobs})
+    view.__doc__ = (bases[0] if bases else _ReferenceKnobsMethods).__doc__
+    return view
+
+
+DPOKnobs = knob_view("DPOKnobs", KNOBS, "dpo", __name__)
 
 
 def dpo_only_keys() -> set[str]:
@@ -251,11 +266,6 @@ class DPO(PairTrainer):
         return {"_prepare_dataset": prepared_as_is}
 
     def fake_overrides(self) -> dict[str, Callable]:
-        def create_accelerator_and_postprocess(self):
-            type(self).__mro__[1].create_accelerator_and_postprocess(self)
-            # the reference is prepared in __init__ (accelerator.prepare_model): its meta weights cannot be moved
-            self.accelerator.device_placement = False
-
         def _precompute_ref_logps(self, dataset, name, batch_size):
             # Deferred to the fake run (DPO.before_train): the weights are meta here. The columns TRL adds are added
             # with the values' type, so the collator builds the same batch.
@@ -264,12 +274,12 @@ class DPO(PairTrainer):
             return dataset.add_column("ref_chosen_logps", [0.0] * n).add_column("ref_rejected_logps", [0.0] * n)
 
         return {
-            "create_accelerator_and_postprocess": create_accelerator_and_postprocess,
+            "create_accelerator_and_postprocess": no_device_placement,
             "_precompute_ref_logps": _precompute_ref_logps,
         }
 
     def construction(self, spec: ModelSpec, candidate: Candidate) -> contextlib.AbstractContextManager:
-        return _meta_construction(spec, candidate)
+        return meta_construction(spec, candidate, "trl.trainer.dpo_trainer")
 
     def extra_models(self, trainer: Any) -> list:
         return [trainer.ref_model] if getattr(trainer, "ref_model", None) is not None else []
@@ -334,16 +344,26 @@ def _longest_pairs(dataset: Any, n: int, max_length: int | None) -> list[dict]:
     return [{k: v for k, v in dataset[i].items() if k in keep} for i in order]
 
 
+def no_device_placement(self: Any) -> None:
+    """The fake trainer's `create_accelerator_and_postprocess`: the reference is prepared in __init__
+    (accelerator.prepare_model), and its meta weights cannot be moved."""
+    type(self).__mro__[1].create_accelerator_and_postprocess(self)
+    self.accelerator.device_placement = False
+
+
 @contextlib.contextmanager
-def _meta_construction(spec: ModelSpec, candidate: Candidate) -> Iterator[None]:
-    """DPOTrainer.__init__ on a meta policy: its reference is built as TRL builds it (`create_model_from_path`
-    with the policy's dtype and attention implementation), on meta; `hash_module` (the precompute cache's key)
-    cannot read meta weights."""
+def meta_construction(spec: ModelSpec, candidate: Candidate, module: str) -> Iterator[None]:
+    """A reference trainer's __init__ (`module`: DPOTrainer's or KTOTrainer's) on a meta policy: its reference is
+    built as TRL builds it (`create_model_from_path` with the policy's dtype and attention implementation), on meta;
+    `hash_module` (the precompute cache's key) cannot read meta weights."""
+    import importlib
+
     import torch
-    import trl.trainer.dpo_trainer as dt
 
     from ..modeling import build_model
     from ..space import WeightsDtype
+
+    dt = importlib.import_module(module)
 
     def reference(model_id: str, architecture: Any = None, **kwargs: Any):
         dtype = kwargs.get("dtype", "float32")
@@ -356,7 +376,7 @@ def _meta_construction(spec: ModelSpec, candidate: Candidate) -> Iterator[None]:
 
     saved = (dt.create_model_from_path, dt.hash_module)
     dt.create_model_from_path = reference
-    dt.hash_module = lambda module: "advisor-meta"
+    dt.hash_module = lambda _module: "advisor-meta"
     try:
         yield
     finally:

@@ -30,6 +30,7 @@ class ClosedForm(str, Enum):
     ROWS = "rows"  # SFT: the step over the rows as they are (the LM head on the trained positions)
     PAIRS_WITH_REFERENCE = "pairs_with_reference"  # DPO: 2B sequences a micro-batch of B pairs, plus the reference
     PAIRS_SCORED = "pairs_scored"  # Reward: 2B sequences, a one-label score head instead of the LM head
+    UNPAIRED_WITH_KL = "unpaired_with_kl"  # KTO: B examples, their KL batch under no_grad, the reference on both
     ONLINE_RL = "online_rl"  # GRPO / RLOO: generate, score, train (advisor/_physics/online_rl.py)
 
 
