@@ -184,5 +184,38 @@ def _prompts(ns: argparse.Namespace, data, max_truncation: float) -> int:
     return 0
 
 
+def _unpaired(ns: argparse.Namespace, data, max_truncation: float) -> int:
+    """Unpaired examples (`advisor lengths --trainer kto`): prompt, completion and prompt + completion as KTOTrainer
+    tokenizes them, the label balance, and for each max_length the completion tokens it cuts off and the examples
+    it drops (a prompt that fills it)."""
+    from tabulate import tabulate
+
+    from ..trainers.unpaired import unpaired_length_report
+
+    report = unpaired_length_report(data, max_lengths=ns.max_length, max_truncation=max_truncation)
+    if ns.json:
+        print(emit_json(report.to_dict()))
+        return 0
+    kind = "synthetic unpaired data (no --dataset given)" if report.synthetic else "unpaired dataset"
+
+    def pct(p) -> str:
+        return f"p50 {p.p50}  p90 {p.p90}  p95 {p.p95}  p99 {p.p99}  max {p.max}"
+
+    lines = [f"{report.name}: {kind}, {report.examples} examples ({report.desirable} desirable, "
+             f"{report.examples - report.desirable} undesirable)",
+             f"prompt:              {pct(report.prompt)}",
+             f"completion:          {pct(report.completion)}",
+             f"prompt + completion: {pct(report.sequence)}",
+             f"suggested max_length: {report.suggested_max_length} (loses at most {report.max_truncation:.1%} of the "
+             "completion tokens, a multiple of 64); each micro-batch's KL batch (loss_type kto) pairs its prompts "
+             "with its completions rotated by one, truncated at the same max_length", ""]
+    rows = [[m.max_length, f"{m.completion_lost_fraction:.2%}", m.examples_truncated, m.examples_dropped]
+            for m in report.max_lengths]
+    lines.append(tabulate(rows, headers=["max_length", "completion lost", "examples cut", "examples dropped"]))
+    lines += [f"note: {n}" for n in report.notes]
+    print("\n".join(lines))
+    return 0
+
+
 # the length report of each kind of data (the Dataset protocol's `unit`)
-_REPORTS = {"rows": _rows, "pairs": _preference, "prompts": _prompts}
+_REPORTS = {"rows": _rows, "pairs": _preference, "prompts": _prompts, "examples": _unpaired}
