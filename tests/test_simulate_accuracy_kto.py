@@ -113,7 +113,6 @@ def _real_kto_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> 
 BASE = dict(max_length=128, per_device_train_batch_size=2, precision="fp32", optim="adamw_torch")
 MATRIX = {
     "full-ckpt": ({}, {}),
-    "full-no-ckpt": (dict(activation_checkpointing=False), {}),
     "lora-adapters-disabled": (dict(use_lora=True, lora_r=8), {}),
     "lora-no-ckpt-batch4": (dict(use_lora=True, activation_checkpointing=False, per_device_train_batch_size=4), {}),
     "precompute": ({}, dict(precompute_ref_log_probs=True)),
