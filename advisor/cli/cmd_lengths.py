@@ -143,13 +143,10 @@ def _preference(ns: argparse.Namespace, data, max_truncation: float) -> int:
         return 0
     kind = "synthetic preference data (no --dataset given)" if report.synthetic else "preference dataset"
 
-    def pct(p) -> str:
-        return f"p50 {p.p50}  p90 {p.p90}  p95 {p.p95}  p99 {p.p99}  max {p.max}"
-
     lines = [f"{report.name}: {kind}, {report.pairs} pairs",
-             f"prompt:            {pct(report.prompt)}",
-             f"prompt + chosen:   {pct(report.chosen)}",
-             f"prompt + rejected: {pct(report.rejected)}",
+             f"prompt:            {_pct(report.prompt)}",
+             f"prompt + chosen:   {_pct(report.chosen)}",
+             f"prompt + rejected: {_pct(report.rejected)}",
              f"suggested max_length: {report.suggested_max_length} (neither chosen nor rejected loses more than "
              f"{report.max_truncation:.1%} of its tokens, a multiple of 64)", ""]
     rows = [[m.max_length, f"{m.chosen_lost_fraction:.2%}", f"{m.rejected_lost_fraction:.2%}", m.chosen_truncated,
@@ -172,12 +169,9 @@ def _prompts(ns: argparse.Namespace, data, max_truncation: float) -> int:
         return 0
     kind = "synthetic prompts (no --dataset given)" if report.synthetic else "prompt dataset"
 
-    def pct(p) -> str:
-        return f"p50 {p.p50}  p90 {p.p90}  p95 {p.p95}  p99 {p.p99}  max {p.max}"
-
     lines = [f"{report.name}: {kind}, {report.prompts} prompts",
-             f"prompt:                      {pct(report.prompt)}",
-             f"prompt + {report.max_completion_length} completion tokens: {pct(report.sequence)}",
+             f"prompt:                      {_pct(report.prompt)}",
+             f"prompt + {report.max_completion_length} completion tokens: {_pct(report.sequence)}",
              "TRL 1.16 truncates no prompt; every completion is counted at max_completion_length (the bound)"]
     lines += [f"note: {n}" for n in report.notes]
     print("\n".join(lines))
@@ -198,14 +192,11 @@ def _unpaired(ns: argparse.Namespace, data, max_truncation: float) -> int:
         return 0
     kind = "synthetic unpaired data (no --dataset given)" if report.synthetic else "unpaired dataset"
 
-    def pct(p) -> str:
-        return f"p50 {p.p50}  p90 {p.p90}  p95 {p.p95}  p99 {p.p99}  max {p.max}"
-
     lines = [f"{report.name}: {kind}, {report.examples} examples ({report.desirable} desirable, "
              f"{report.examples - report.desirable} undesirable)",
-             f"prompt:              {pct(report.prompt)}",
-             f"completion:          {pct(report.completion)}",
-             f"prompt + completion: {pct(report.sequence)}",
+             f"prompt:              {_pct(report.prompt)}",
+             f"completion:          {_pct(report.completion)}",
+             f"prompt + completion: {_pct(report.sequence)}",
              f"suggested max_length: {report.suggested_max_length} (loses at most {report.max_truncation:.1%} of the "
              "completion tokens, a multiple of 64); each micro-batch's KL batch (loss_type kto) pairs its prompts "
              "with its completions rotated by one, truncated at the same max_length", ""]
@@ -215,6 +206,10 @@ def _unpaired(ns: argparse.Namespace, data, max_truncation: float) -> int:
     lines += [f"note: {n}" for n in report.notes]
     print("\n".join(lines))
     return 0
+
+
+def _pct(p) -> str:
+    return f"p50 {p.p50}  p90 {p.p90}  p95 {p.p95}  p99 {p.p99}  max {p.max}"
 
 
 # the length report of each kind of data (the Dataset protocol's `unit`)

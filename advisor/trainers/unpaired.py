@@ -266,42 +266,14 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str
     """KTOTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None` and no KL column (both
     depend on the candidate and are applied per candidate); with whether the rows are conversational and a note of
     what the libraries said meanwhile, each distinct message once (or None)."""
-    import tempfile
-    import types
-    import warnings
+    from .preference import trl_prepared
 
-    import datasets
-    from trl import KTOConfig, KTOTrainer
-    from trl.data_utils import is_conversational
-
-    from .._messages import capture, said_note
-    from ..data import progress_bars
-
-    known = (*UNPAIRED_COLUMNS, "chosen", "rejected", "tools", "chat_template_kwargs")
-    keep = [c for c in known if any(c in r for r in rows)]
-    try:
-        hf = datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in keep})
-    except Exception as exc:  # pyarrow cannot unify the rows' types
-        raise DatasetError(f"--dataset {spec}: rows of mixed types in one field ({exc})") from exc
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        args = KTOConfig(output_dir=tempfile.gettempdir(), max_length=None, use_cpu=True, report_to="none")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    trainer_like = types.SimpleNamespace(_tokenizer=tok, calculate_KL=False, desirable_weight=1.0,
-                                         undesirable_weight=1.0)
-    try:
-        with progress_bars(False), capture() as said:
-            prepared = KTOTrainer._prepare_dataset(trainer_like, hf, tok, args, "train")
-    except Exception as exc:  # TRL/transformers raise ValueError, TemplateError, KeyError, TypeError...
-        hint = ("; a conversational dataset needs a tokenizer with a chat template (--tokenizer PATH)"
-                if is_conversational(hf[0]) else "")
-        raise DatasetError(
-            f"--dataset {spec}: TRL could not tokenize it ({str(exc).strip().splitlines()[0] if str(exc) else exc})"
-            + hint) from exc
+    columns = (*UNPAIRED_COLUMNS, "chosen", "rejected", "tools", "chat_template_kwargs")
+    prepared, conversational, said = trl_prepared(rows, columns, tok, spec, "KTO", "the examples", calculate_KL=False,
+                                                  desirable_weight=1.0, undesirable_weight=1.0)
     out = [{"prompt_ids": list(p), "completion_ids": list(c), "label": bool(lab)} for p, c, lab in
            zip(prepared["prompt_ids"], prepared["completion_ids"], prepared["label"], strict=True)]
-    return out, bool(is_conversational(hf[0])), said_note(said, "tokenizing the examples")
+    return out, conversational, said
 
 
 # ---- the lengths report (`advisor lengths --trainer kto`) --------------------------------------------------------
@@ -356,15 +328,13 @@ def unpaired_length_report(data: UnpairedDataset, max_lengths: Sequence[int] | N
     `max_truncation` of the completion tokens (the advisor's own max_length candidates, advisor.lengths)."""
     from ..errors import UsageError
     from ..lengths import Percentiles, max_length_candidates
+    from .preference import report_grid
 
     if not len(data.rows):
         raise UsageError(f"dataset {data.name}: no examples to report on")
     suggested = max_length_candidates(data, max_truncation, multiple)[0]
     if max_lengths is None:
-        top = -(-int(data.lengths.max()) // multiple) * multiple
-        grid = {suggested, max(multiple, top)}
-        grid |= {max(multiple, -(-int(np.percentile(data.lengths, q)) // multiple) * multiple) for q in (50, 90, 99)}
-        max_lengths = sorted(grid)
+        max_lengths = report_grid(data.lengths, suggested, multiple)
     return UnpairedLengthReport(
         name=data.name, synthetic=data.synthetic, examples=len(data.rows), desirable=data.desirable,
         prompt=Percentiles.of(data.prompt_lengths), completion=Percentiles.of(data.trained),
