@@ -59,9 +59,10 @@ def kto_adjustment(workload: Workload, c: Candidate, *, reference_copy: bool, re
         if reference_forwards:  # the reference's forwards while the policy's activations are held
             end[Category.TEMPORARIES] = end.get(Category.TEMPORARIES, 0) + forward
         if kl:  # the policy's no-grad forward of the KL batch, before its trained forward
-            out["the KL batch's forward"] = {
-                Category.PARAMETERS: end[Category.PARAMETERS], Category.OPTIMIZER: end[Category.OPTIMIZER],
-                Category.GRADIENTS: end[Category.GRADIENTS], Category.TEMPORARIES: forward}
+            out["the KL batch's forward"] = {**{k: 0 for k in end}, Category.PARAMETERS: end[Category.PARAMETERS],
+                                              Category.OPTIMIZER: end[Category.OPTIMIZER],
+                                              Category.GRADIENTS: end[Category.GRADIENTS],
+                                              Category.TEMPORARIES: forward}
         return out
 
     extra = int(kl) + (1 + int(kl) if reference_forwards else 0)
