@@ -1,6 +1,7 @@
-"""GRPO and RLOO on the trainer seam (advisor/trainers/online_rl.py, grpo.py, rloo.py): the registry, the knobs'
+"""GRPO and RLOO on the trainer seam (advisor/trainers/online_trainer.py, online_knobs.py, online_space.py,
+online_files.py, grpo.py, rloo.py): the registry, the knobs'
 TRL 1.16 defaults read back from the installed configs, the files through `trl grpo` / `trl rloo`'s own parser with
-nothing left over, the config objects, the snippet, the phases, server mode's GPU split, the search space at a fixed
+nothing left over, the config objects, the snippet, server mode's GPU split, the search space at a fixed
 number of completions per optimizer step, and each bad input as a ConfigError naming the key and the fix."""
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from advisor.cli import main
 from advisor.errors import ConfigError
 from advisor.space import Candidate, with_knobs
 from advisor.trainers import choices, get_trainer, names
-from advisor.trainers.online_knobs import KNOBS, TRL_DEFAULTS, OnlineKnobs
-from advisor.trainers.phases import ClosedForm, PhaseKind, Resident
+from advisor.trainers.online_knobs import KNOBS
 
 ONLINE = ("grpo", "rloo")
 
@@ -32,7 +32,7 @@ def test_grpo_and_rloo_are_built_in_trainers():
     for name, cfg, tr in (("grpo", "GRPOConfig", "GRPOTrainer"), ("rloo", "RLOOConfig", "RLOOTrainer")):
         t = get_trainer(name)
         assert t.command == name and t.config_name == cfg and t.trainer_name == tr
-        assert t.closed_form is ClosedForm.ONLINE_RL
+        assert t.step_shape(Candidate()).generates and t.knob_view.KNOBS == KNOBS
         assert t.config_class().__name__ == cfg and t.trainer_class().__name__ == tr
 
 
@@ -41,13 +41,14 @@ def test_knob_defaults_are_the_installed_configs(name):
     """Every declared knob's default (or the trainer's own, where GRPO and RLOO differ) is the installed config's."""
     cls = get_trainer(name).config_class()
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    k = OnlineKnobs.of(Candidate(), name)
+    view = get_trainer(name).knob_view
+    k = view.of(Candidate())
     for kn in KNOBS:
         if kn.key not in fields:
             continue  # vllm_server_gpus (the launch), GRPO's own knobs on RLOO
         default = fields[kn.key].default
         assert getattr(k, kn.name) == default, kn.name
-    assert TRL_DEFAULTS[name] == {n: fields[n].default for n in TRL_DEFAULTS[name]}
+    assert view.DEFAULTS == {n: fields[n].default for n in view.DEFAULTS}
     assert (fields["beta"].default, fields["num_generations"].default) == {"grpo": (0.0, 8), "rloo": (0.05, 2)}[name]
 
 
@@ -145,30 +146,6 @@ def test_the_suggestion_builds_the_trainers_config(tiny_model, h100_target):
     assert "trl rloo --config THIS_FILE" in s.to_yaml()
 
 
-# ---- the step's phases -----------------------------------------------------------------------------------------------
-def test_phases_hold_the_pool_in_generate_only_under_sleep_mode():
-    t = get_trainer("grpo")
-    card = 80 * 10**9
-    plain = t.phases(Candidate())
-    assert [p.kind for p in plain] == [PhaseKind.GENERATE, PhaseKind.SCORE, PhaseKind.TRAIN]
-    assert plain[0].kv_cache and not plain[0].activations and plain[2].activations
-    assert Resident.REFERENCE not in plain[2].resident  # GRPO's beta 0: no reference
-    assert all(p.outside_allocator_fraction == 0 for p in plain)
-    awake = t.phases(_online(use_vllm=True, vllm_gpu_memory_utilization=0.4))
-    assert [p.outside_allocator_fraction for p in awake] == [0.4, 0.4, 0.4] and not awake[0].kv_cache
-    asleep = t.phases(_online(use_vllm=True, vllm_gpu_memory_utilization=0.4, vllm_enable_sleep_mode=True))
-    assert [p.outside_allocator_fraction for p in asleep] == [0.4, 0.0, 0.0]
-    assert t.outside_allocator_bytes(_online(use_vllm=True, vllm_gpu_memory_utilization=0.4), card) == int(0.4 * card)
-    served = t.phases(_online(use_vllm=True, vllm_mode="server", vllm_server_gpus=1))
-    assert all(p.outside_allocator_fraction == 0 for p in served)  # vLLM on GPUs of its own
-    # RLOO's beta 0.05 keeps a separate reference without PEFT, none with it (the adapters disabled)
-    r = get_trainer("rloo")
-    assert Resident.REFERENCE in r.phases(Candidate())[2].resident
-    assert Resident.REFERENCE not in r.phases(Candidate(use_lora=True))[2].resident
-    withrm = Candidate().replace(base={"reward_model_name_or_path": "org/rm"})
-    assert all(Resident.REWARD_MODEL in p.resident for p in t.phases(withrm))
-
-
 def test_old_policy_forward_follows_trls_rule():
     k = get_trainer("grpo").knobs
     assert not k(Candidate()).old_policy_forward(Candidate())
@@ -179,8 +156,8 @@ def test_old_policy_forward_follows_trls_rule():
     c = _online(use_vllm=True, vllm_importance_sampling_correction=False)
     assert not k(c).old_policy_forward(c)
     rloo = get_trainer("rloo")
-    assert rloo.old_logps_always and rloo.knobs(Candidate()).old_policy_forward(Candidate())  # RLOO: always
-    assert rloo.trl_defaults == {"num_generations": 2, "beta": 0.05}
+    assert rloo.knobs(Candidate()).old_logps_always and rloo.knobs(Candidate()).old_policy_forward(Candidate())
+    assert rloo.knob_view.DEFAULTS == {"num_generations": 2, "beta": 0.05}
 
 
 # ---- server mode: the GPUs split, the accelerate config counts the training ones ------------------------------------
@@ -298,10 +275,13 @@ def test_server_mode_without_server_gpus(tmp_path, tiny_config, capsys):
     assert any(p.startswith("vllm_mode='server' with vllm_server_gpus=0") for p in t.problems(cand))
     path = tmp_path / "run.yaml"
     path.write_text(t.to_yaml(cand, model_name_or_path="m"))
+    # a server-mode file read back on one GPU: the file cannot say how many serve, and one GPU leaves none to train;
+    # the error names the flags simulate has (it has no --fix)
     rc = main(["simulate", "--trainer", "grpo", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--config",
                str(path)])
     err = capsys.readouterr().err
-    assert rc == 2 and "vllm_mode='server' with vllm_server_gpus=0" in err and "--fix vllm_server_gpus=K" in err
+    assert rc == 2 and "vllm_mode='server' on --num-gpus 1" in err and "give --num-gpus N (N >= 2" in err
+    assert "--fix" not in err
     # one server GPU of one: none left to train
     one = _online(use_vllm=True, vllm_mode="server", vllm_server_gpus=1)
     assert t.problems(one) == []
@@ -349,14 +329,51 @@ def test_a_reward_model_is_part_of_the_workload_and_the_files(tiny_config):
 
     wl = build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo", reward_model=tiny_config)
     plain = build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo")
-    assert wl.reward_model is not None and wl.fingerprint() != plain.fingerprint()
+    assert wl.model_of("reward_model") is not None and wl.fingerprint() != plain.fingerprint()
     ref = WorkloadRef.of(wl)
-    assert WorkloadRef.from_spec(ref.to_spec()).reward_model == tiny_config
+    assert WorkloadRef.from_spec(ref.to_spec()).models == (("reward_model", tiny_config),)
     assert WorkloadRef.from_dict(ref.to_dict()).build().fingerprint() == wl.fingerprint()
     data = get_trainer("grpo").run_config_dict(Candidate(), model_name_or_path="m", workload=wl)
     assert data["reward_model_name_or_path"] == tiny_config and "reward_funcs" not in data
-    with pytest.raises(ConfigError, match="trainer 'sft' scores with no reward model; use --trainer grpo or rloo"):
+    with pytest.raises(ConfigError, match="trainer 'sft' takes no reward model; use --trainer grpo or rloo"):
         build_workload(tiny_config, gpu="H100-80GB-SXM", reward_model=tiny_config)
+
+
+def test_the_estimate_counts_a_reward_model(tiny_config):
+    """The online estimate counts its training micro-batch as an SFT workload; that workload kept the reward model,
+    which an SFT workload refuses, so every GRPO estimate with --reward-model ended in an error (and a search with it
+    found nothing)."""
+    from advisor.estimator import estimate
+    from advisor.inputs import build_workload
+    from advisor.measurement import Category
+
+    scored = estimate(build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo", reward_model=tiny_config),
+                      Candidate())
+    plain = estimate(build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo"), Candidate())
+    assert scored.ok and plain.ok, scored.message
+    params = Category.PARAMETERS.value
+    assert scored.breakdown[params] == 2 * plain.breakdown[params]  # the policy's weights again, resident
+
+
+def test_simulate_reads_the_reward_model_the_file_names(tiny_config, tmp_path, capsys):
+    """The file `suggest --reward-model ID` writes names it (reward_model_name_or_path, as trl grpo loads it);
+    `simulate --config` took the model and the data from the file but not the reward model, so it simulated the step
+    without it (a smaller peak than the suggestion's, by the reward model's weights)."""
+    from advisor.inputs import build_workload
+
+    wl = build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo", reward_model=tiny_config)
+    run = tmp_path / "run.yaml"
+    run.write_text(get_trainer("grpo").to_yaml(Candidate(), model_name_or_path=tiny_config, workload=wl))
+    assert yaml.safe_load(run.read_text())["reward_model_name_or_path"] == tiny_config
+    argv = ["simulate", "--trainer", "grpo", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--config"]
+    assert main([*argv, str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert any("1 reward model(s) resident" in n for n in out["notes"])
+    bad = tmp_path / "bad.yaml"  # a reward model that is not there: the error names the file's key
+    bad.write_text(yaml.safe_dump({**yaml.safe_load(run.read_text()),
+                                   "reward_model_name_or_path": str(tmp_path / "missing")}))
+    assert main([*argv, str(bad)]) == 2
+    assert f"--config {bad}: reward_model_name_or_path" in capsys.readouterr().err
 
 
 def test_reward_model_flag_on_the_cli(tiny_config, capsys):

@@ -224,7 +224,11 @@ def test_the_estimate_counts_the_reference_and_the_kl_batch(tiny_model, h100_tar
     assert full.step_time_s / apo.step_time_s == pytest.approx(2.0)
     assert pre.step_time_s / apo.step_time_s == pytest.approx(4 / 3)
     assert full.peak_bytes > pre.peak_bytes >= apo.peak_bytes
-    assert any(n.startswith("kto: the policy's step on 8 examples") for n in full.notes)
+    # what the step declares (StepShape), said: the KL batch's forward, the reference's held forwards
+    assert any(n.startswith("kto (approximate)") and "1 further batch(es) of its shape through the policy" in n
+               and "while the activations are held" in n for n in full.notes)
+    assert not any("further batch" in n for n in apo.notes)
+    assert full.peak_batch.startswith("8 examples")
 
 
 # ---- lengths, the Python API -----------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def _model_problems(c: Candidate, model: ModelSpec) -> list[str]:
     if ctx is not None and c.max_length is not None and c.max_length > ctx:
         out.append(
             f"max_length={c.max_length} is beyond {model.name}'s context (max_position_embeddings {ctx} in "
-            f"its config.json); set max_length <= {ctx} (--fix max_length={ctx}, or max_length in --config)"
+            f"its config.json); set max_length <= {ctx} (--fix max_length={ctx})"
         )
     if c.use_lora and c.lora_target_modules is None and peft_default_targets(model) is None:
         mt = model.config.get("model_type")
@@ -158,3 +158,13 @@ def peft_default_targets(model: ModelSpec) -> tuple[str, ...] | None:
     if targets is None:
         return None
     return (targets,) if isinstance(targets, str) else tuple(targets)
+
+
+def default_attention(spec: ModelSpec) -> Attention:
+    """The attention transformers 5 picks when none is asked for (`PreTrainedModel.get_correct_attn_implementation`
+    with None): sdpa where the model class supports it, else eager (Gemma2: softcapping, no sdpa)."""
+    from transformers import AutoModelForCausalLM  # start-up: loaded on first use
+
+    config = spec.hf_config()
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    return Attention.SDPA if getattr(cls, "_supports_sdpa", False) else Attention.EAGER

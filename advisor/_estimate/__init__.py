@@ -4,7 +4,6 @@ simulator (the model's shapes, the modelled knobs, the step-time model, the allo
 forms) lives in `advisor/_physics/`, below both; nothing here imports the simulator. Import from here, never from
 the modules inside."""
 
-from .kto import kto_adjustment
 from .memory import (
     LM_HEAD_FP32_VECTORS,
     RESERVED_FACTOR,
@@ -16,7 +15,8 @@ from .memory import (
     outside_allocator_bytes,
 )
 from .micro_batches import BatchShape, batches
-from .online_rl import estimate_online_rl
+from .no_grad import no_grad_adjustment, no_grad_forwards
+from .online_step import estimate_online_rl
 from .step_time import expected_step_time
 
 __all__ = [  # noqa: RUF022
@@ -25,5 +25,5 @@ __all__ = [  # noqa: RUF022
     "LM_HEAD_FP32_VECTORS",
     "expected_step_time",
     "estimate_online_rl",
-    "kto_adjustment",
+    "no_grad_adjustment", "no_grad_forwards",
 ]

@@ -15,10 +15,13 @@ the simulator (advisor/simulator.py with _sim/) depend on this package and never
   from the shapes (_estimate/step_time.py), the simulator observes the fake run's ops (_sim/timing_hook.py).
 - `ranks_closed.py`: several GPUs in closed form: ZeRO-2/3's model states per rank, the collectives' time over the
   interconnect, CPU offload's host step, and the estimate's moments and step time of one rank.
-- `vllm.py`: vLLM's pool, KV pages, refusals and sleep levels from vLLM's own accounting.
-- `online_rl.py`: online RL's (GRPO, RLOO) step in closed form: each phase's device bytes (allocator and outside
-  it), colocated vLLM's typed refusals, `device_peak` (the simulator's measured phase peaks combined with vLLM's
-  bytes), the step-time terms of generation, weight sync and scoring.
+- `vllm.py`: vLLM's pool (its CUDA graphs inside it), KV pages, refusals and sleep levels from vLLM's own
+  accounting, as vLLM 0.31.0 has them (`VLLM_FOLLOWED`; checked against 0.22.0: TRL 1.16's range).
+- `online_step.py`: online RL's (GRPO, RLOO) step as plain numbers (`OnlineStep`), built by both backends from the
+  trainer's knob view and the training state's bytes (`build_step`), and its phases (`PhaseKind`).
+- `online_costs.py`: that step in closed form: each phase's device bytes (allocator and outside it), colocated
+  vLLM's typed refusals, `device_peak` (the simulator's measured phase peaks combined with vLLM's bytes), the
+  step-time terms of generation, weight sync and scoring.
 
 Only the names in `__all__` may be used outside this package (`from ._physics import X` inside advisor);
 `advisor.costs` is the public way in for scripts and tests. tests/test_privacy.py fails on an import of a module of
@@ -35,14 +38,14 @@ from .._lazy import lazy_exports
 _EXPORTS: dict[str, tuple[str, str]] = {
     # ---- the model's shapes (shapes.py) ---------------------------------------------------------------------------
     **{name: ("shapes", name) for name in (
-        "Architecture", "architecture", "lora_parameters", "quantized_linear_bytes", "DTYPE_BYTES",
+        "Architecture", "architecture", "lora_parameters", "quantized_linear_bytes", "DTYPE_BYTES", "resident_bytes",
     )},
     # ---- the knobs fake tensors cannot run, in closed form (modelled.py) -------------------------------------------
     **{name: ("modelled", name) for name in ("knob_memory_savings", "knob_time")},
     # ---- the CUDA caching allocator and the memory outside it (cuda_rules.py) -------------------------------------
     "cuda_constants": ("cuda_rules", "constants"),
-    **{name: ("cuda_rules", name) for name in ("context_bytes", "cublas_workspace_bytes", "replay", "round_size",
-                                                 "RESERVED_FACTOR")},
+    **{name: ("cuda_rules", name) for name in ("context_bytes", "cublas_workspace_bytes", "local_cuda_major", "replay",
+                                                 "round_size", "RESERVED_FACTOR")},
     # ---- the step-time model (timing/) ----------------------------------------------------------------------------
     **{name: ("timing", name) for name in (
         "AttentionKind", "Basis", "BatchDistribution", "BatchPoint", "OptimizerCost", "OptimizerImpl", "SamplerSpec",
@@ -50,6 +53,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "attention_units", "batch_distribution", "causal_tiles", "dequant_s", "evaluate", "extrapolate_cost",
         "fitted_multipliers", "full_tiles", "gemm_s", "memory_s", "model_flops", "offload_copy_s_per_token",
         "optimizer_cost", "optimizer_impl", "peak_flops", "raw_constants", "sampler_spec", "time_constants",
+        "HostCost", "OpClass", "OpTrace", "QueueShare", "QueueTimes", "TraceBuilder", "deepen", "extrapolate_trace",
+        "host_cost", "op_class", "run_queues", "uniform_trace", "time_detail", "calibration_rows",
+        "calibration_path", "read_calibration", "write_calibration_row", "host_name", "Segment", "segment_times",
     )},
     # the cost matrix's sizes (terms x bases), which the fake run's timing hook (advisor/_sim/timing_hook.py) fills
     **{name: ("timing.constants", name) for name in ("_NB", "_NT")},
@@ -69,17 +75,23 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "vllm_Sleep", "vllm_Started", "vllm_asleep", "vllm_derived_max_model_len", "vllm_kv_layout",
         "vllm_min_utilization", "vllm_start", "vllm_training_gpu_peak", "vllm_dtype", "vllm_KVLayout",
         "vllm_LayerKV", "vllm_batch_kv_bytes", "vllm_UtilizationNeed", "vllm_Asleep", "vllm_DevicePeak",
-        "vllm_TRL_SLEEP_LEVEL", "vllm_TRL_MAX_NUM_BATCHED_TOKENS", "vllm_NULL_BLOCKS"
+        "vllm_TRL_SLEEP_LEVEL", "vllm_TRL_MAX_NUM_BATCHED_TOKENS", "vllm_NULL_BLOCKS", "vllm_VLLM_FOLLOWED",
+        "vllm_VLLM_CHECKED", "vllm_CudaGraphs", "vllm_cudagraph_capture_sizes", "vllm_cudagraph_graphs",
+        "vllm_CUDAGRAPH_MIN_GRAPH_BYTES",
     )},
-    # ---- online RL's step in closed form (online_rl.py): per-phase device bytes, vLLM's refusals, step time; its
-    # names are generic there (Reference, step_time, ...), so each is exported as "online_<name>"
-    **{name: ("online_rl", name.removeprefix("online_")) for name in (
-        "online_OnlineStep", "online_VllmSide", "online_Reference", "online_HeadBytes", "online_PhaseBytes",
-        "online_VllmTerms", "online_VllmRefusal", "online_OnlineDevicePeak", "online_OnlineTime",
-        "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes", "online_vllm_terms",
-        "online_vllm_profile_activation_bytes", "online_startup_bytes", "online_device_peak", "online_step_time",
-        "online_step_time_on", "online_constants", "online_PHASES", "online_vllm_side", "online_colocated_vllm",
-        "online_build_step",
+    # ---- online RL's step (online_step.py) and its closed form (online_costs.py): per-phase device bytes, vLLM's
+    # refusals, step time; their names are generic there (Reference, step_time, ...), so each is exported as
+    # "online_<name>"
+    **{name: ("online_step", name.removeprefix("online_")) for name in (
+        "online_OnlineStep", "online_VllmSide", "online_Reference", "online_TrainingState", "online_build_step",
+        "online_constants", "online_PHASES", "online_PhaseKind", "online_vllm_side",
+        "online_vllm_profile_activation_bytes", "online_vllm_cudagraph_bytes",
+    )},
+    **{name: ("online_costs", name.removeprefix("online_")) for name in (
+        "online_HeadBytes", "online_PhaseBytes", "online_VllmTerms", "online_VllmRefusal", "online_OnlineDevicePeak",
+        "online_OnlineTime", "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes",
+        "online_vllm_terms", "online_startup_bytes", "online_device_peak", "online_step_time", "online_step_time_on",
+        "online_colocated_vllm",
     )},
 }
 

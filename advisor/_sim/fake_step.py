@@ -1,6 +1,6 @@
 """Runs a TRL trainer's own `train()` for a few optimizer steps on fake tensors, with every storage tracked.
 
-What differs between trainers (SFT, DPO, Reward) comes from their `advisor.trainers.Trainer`: the class, the
+What differs between trainers comes from their `advisor.trainers.Trainer`: the class, the
 methods the fake class replaces, the models besides the policy (DPO's reference), the passes before training
 (DPO's precomputed reference log-probs) and the labels of a batch.
 
@@ -93,10 +93,10 @@ def _seq_lengths(batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
 
 def worst_batch(trainer: Any, batch_size: int, spec: Any = None) -> dict[str, torch.Tensor]:
     """The batch that needs the most memory, as the trainer's collator builds it (`spec`: its
-    advisor.trainers.Trainer; SFT when not given)."""
-    from ..trainers import get_trainer
+    advisor.trainers.Trainer; the default trainer when not given)."""
+    from ..trainers import DEFAULT, get_trainer
 
-    return get_trainer(spec or "sft").worst_batch(trainer, batch_size)
+    return get_trainer(spec or DEFAULT).worst_batch(trainer, batch_size)
 
 
 def _in_module(prefix: str) -> bool:
@@ -130,7 +130,10 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
       (and packed single sequences a packed mask) that the real run skips: masking_utils sees "not tracing" and
       the `.item()` it then asks is answered from the real batch (ScalarOracle).
     - TRL's fused LM head: on CUDA it scores only labelled rows and folds tiles in a Triton kernel that allocates
-      nothing; on the CPU it scores every position with torch ops. `cuda` selects the CUDA path.
+      nothing; on the CPU it scores every position with torch ops. `cuda` selects the CUDA path, including the
+      backward's fp32 accumulation (`_addmm_fp32`): on a CUDA tensor one `addmm(..., out_dtype=float32, out=acc)`
+      that allocates nothing; on a CPU tensor `acc.addmm_(a.float(), b.float())`, an fp32 copy of the logits tile
+      and of the weight chunk (at 4 x 1024 tokens and Qwen2.5's vocabulary 536 MB + 117 MB that a GPU never holds).
     """
     import transformers.masking_utils as mu
     from transformers.utils.import_utils import is_torchdynamo_compiling
@@ -143,6 +146,8 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
 
         saved.append((tu, "_use_triton", tu._use_triton))
         tu._use_triton = lambda device: True
+        saved.append((ck, "_addmm_fp32", ck._addmm_fp32))
+        ck._addmm_fp32 = _cuda_addmm_fp32(ck._addmm_fp32, ck._MM_OUT_DTYPE)
         for name in ("_forward_tile", "_backward_tile"):
             if hasattr(ck, name):
                 saved.append((ck, name, getattr(ck, name)))
@@ -152,6 +157,20 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
     finally:
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
+
+
+def _cuda_addmm_fp32(original: Callable[..., None], out_dtype_mm: bool) -> Callable[..., None]:
+    """TRL's `_addmm_fp32(acc, a, b)` (trl/kernels/chunked_logprob.py) as it runs on CUDA tensors: with 16-bit inputs
+    (and torch >= 2.8, TRL's `_MM_OUT_DTYPE`) one `torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`; its
+    test is `acc.device.type == "cuda"`, which a fake CPU tensor fails, so the fake run would take the CPU's upcast."""
+
+    def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        if out_dtype_mm and a.dtype in (torch.float16, torch.bfloat16):
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        else:
+            original(acc, a, b)
+
+    return addmm_fp32
 
 
 def _no_alloc_fold(*args: Any, **kwargs: Any) -> None:
@@ -183,6 +202,25 @@ class CompactIndexing(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class SyncWatch(torch.utils._python_dispatch.TorchDispatchMode):
+    """Entered above every other mode of the fake run: tells `tracker.on_sync` of each op the host waits at
+    (advisor/_sim/timing_hook.is_sync), after the op ran. Above the shadows, which answer `.item()` on known values
+    without handing it down, it sees every one."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from .timing_hook import is_sync
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.tracker.on_sync is not None and is_sync(func, args, kwargs):
+            self.tracker.on_sync(func)
+        return out
+
+
 def _bool_index(indices: Any) -> bool:
     return (
         isinstance(indices, (list, tuple))
@@ -193,11 +231,11 @@ def _bool_index(indices: Any) -> bool:
 
 
 def make_trainer_class(spec: Any = None):
-    """The trainer class of `spec` (an advisor.trainers.Trainer or its name; SFT when not given) that leaves
-    placement alone, trains on batches handed to it, and takes the trainer's own fake-run overrides."""
-    from ..trainers import get_trainer
+    """The trainer class of `spec` (an advisor.trainers.Trainer or its name; the default trainer when not given)
+    that leaves placement alone, trains on batches handed to it, and takes the trainer's own fake-run overrides."""
+    from ..trainers import DEFAULT, get_trainer
 
-    spec = get_trainer(spec or "sft")
+    spec = get_trainer(spec or DEFAULT)
     base = spec.trainer_class()
 
     def _move_model_to_device(self, model, device):
@@ -224,16 +262,20 @@ def run_fake_training(
     steps: int,
     cuda: bool,
     on_op: Callable[[Any, tuple, dict, Any], None] | None = None,
+    on_sync: Callable[[Any], None] | None = None,
+    on_tracker: Callable[[StorageTracker], None] | None = None,
     record_events: bool = False,
     num_layers: int = 0,
     spec: Any = None,
     count_saved: bool = False,
 ) -> FakeRunResult:
     """Materialise `trainer.model` (and the trainer's other models) as fake tensors, run the trainer's passes before
-    training, then `trainer.train()` for `steps` optimizer steps. `spec`: the advisor.trainers.Trainer (SFT)."""
-    from ..trainers import get_trainer
+    training, then `trainer.train()` for `steps` optimizer steps. `spec`: the advisor.trainers.Trainer (the default
+    trainer when not given). `on_op` sees every op of train(), `on_sync` every op the host waits at (SyncWatch),
+    `on_tracker` the tracker (whose `layer` tags the ops with their decoder layer)."""
+    from ..trainers import DEFAULT, get_trainer
 
-    spec = get_trainer(spec or "sft")
+    spec = get_trainer(spec or DEFAULT)
     facts = batch_facts(batch, spec.labels(batch))
     ga = trainer.args.gradient_accumulation_steps
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -272,6 +314,11 @@ def run_fake_training(
                 run(lift(real))
             batches = deque(lift(batch) for _ in range(steps * ga))
             tracker.on_op = on_op
+            if on_tracker is not None:
+                on_tracker(tracker)
+            if on_sync is not None:
+                tracker.on_sync = on_sync
+                stack.enter_context(SyncWatch(tracker))
             trainer._fake_batches = batches
             trainer.train_dataset = _Sized(steps * ga)
             _label_training_state(trainer, tracker, cuda=cuda)

@@ -14,8 +14,8 @@ no-grad pass over the data before training, `precompute_ref_batch_size` examples
 TRL's rules for loss_type "kto" (KTOTrainer.__init__): `per_device_train_batch_size` > 1 (the KL term comes from
 the micro-batch's other examples) and `train_sampling_strategy: sequential` (KTOConfig's default; the KL batch was
 built for that order). The reference knobs (precompute_ref_log_probs, precompute_ref_batch_size, sync_ref_model)
-are DPO's declarations (advisor/trainers/dpo.py), accepted by both; `loss_type` is KTO's own, carried in the
-candidate's base under its KTOConfig name.
+are DPO's declarations (advisor/trainers/dpo.py), in both trainers' views; `loss_type` is KTO's own, carried in
+the candidate's base under its KTOConfig name.
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..knobs import Home, Kind, Knob, register_knobs
+from ..knobs import Home, Kind, Knob, knob_view
 from . import dpo
-from .base import PairTrainer, base_config_keys, register
-from .base import field_names as _field_names
-from .dpo import Reference, knob_view
-from .phases import ClosedForm
-from .unpaired import UnpairedDataset
+from .base import PairTrainer, TrlTrainer, own_keys, register
+from .dpo import Reference
+from .protocol import StepShape
+from .unpaired import UnpairedDataset, check_unpaired_rows, load_unpaired, unpaired_length_report
 
 if TYPE_CHECKING:
     import datasets
@@ -49,21 +48,22 @@ class KTOLoss(str, Enum):
     APO_ZERO_UNPAIRED = "apo_zero_unpaired"  # no KL term: no KL batch
 
 
-_KTO = frozenset({"kto"})
-
-KNOBS = register_knobs(
+# KTOConfig's loss (registered in the knob registry with the trainer); the reference knobs are dpo.KNOBS
+KNOBS = (
     Knob("loss_type", Kind.ENUM, KTOLoss.KTO, Home.TRAINER_CONFIG, "loss_type",
          "kto: each step also runs the KL batch (the micro-batch's prompts with its completions rotated by one) "
          "through the policy and the reference under no_grad; apo_zero_unpaired: no KL term, no KL batch (and any "
          "train_sampling_strategy). A choice of loss, never searched: --fix or the config", enum=KTOLoss,
-         trainers=_KTO, carried=True, label="loss_type",
+         carried=True, label="loss_type",
          summary=lambda c: str(c.base.get("loss_type", KTOLoss.KTO.value)),
          short=lambda c: None if c.base.get("loss_type", "kto") == "kto" else "apo-zero"),
 )
 
 
-class _KTOKnobsMethods:
+class _KTOKnobsMethods(dpo.ReferenceKnobMethods):
     """KTOConfig's memory knobs that SFT has no name for: the reference knobs (DPO's declarations) and loss_type."""
+
+    CONTEXT = "kto"
 
     @property
     def kl(self) -> bool:
@@ -71,17 +71,9 @@ class _KTOKnobsMethods:
         return KTOLoss(self.loss_type) is KTOLoss.KTO
 
 
-KTOKnobs = knob_view("KTOKnobs", (*dpo.KNOBS, *KNOBS), "kto", __name__, bases=(_KTOKnobsMethods,))
+KTOKnobs = knob_view("KTOKnobs", (*dpo.KNOBS, *KNOBS), _KTOKnobsMethods, __name__)
 
-_KNOB_KEYS = {k.key for k in (*dpo.KNOBS, *KNOBS)}
 _DEFAULT_SAMPLING = "sequential"  # KTOConfig's train_sampling_strategy
-
-
-def kto_only_keys() -> set[str]:
-    """KTOConfig's keys SFTConfig lacks, and its loss_type (SFTConfig's has other values)."""
-    from trl import KTOConfig, SFTConfig
-
-    return (_field_names(KTOConfig) - _field_names(SFTConfig)) | {"loss_type"}
 
 
 def prepared_as_is(self, dataset, processing_class, args, dataset_name):
@@ -116,6 +108,8 @@ class KTO(PairTrainer):
     config_name, trainer_name, config_label = "KTOConfig", "KTOTrainer", "KTO"
     example_dataset = "trl-lib/kto-mix-14k"
     data_hint = "your prompt/completion/label examples"
+    knob_view = KTOKnobs
+    space_adds = frozenset()  # no packing: KTOConfig has none
 
     # ---- rules, config ------------------------------------------------------------------------------------------
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
@@ -128,15 +122,10 @@ class KTO(PairTrainer):
                 out.append(f"{key}=True: `{key}` is an SFT-only key (KTOConfig has none; KTOTrainer pads each "
                            "micro-batch of examples); remove it")
         try:
-            k = KTOKnobs.of(c)
+            k = self.knobs(c)
         except ConfigError as exc:
             return out + exc.problems
-        if k.sync_ref_model and c.use_lora:
-            out.append("sync_ref_model=True with LoRA: KTOTrainer raises \"sync_ref_model=True while using a PEFT "
-                       "model ... not supported\"; set sync_ref_model: false")
-        if k.sync_ref_model and k.precompute_ref_log_probs:
-            out.append("sync_ref_model=True with precompute_ref_log_probs=True: KTOTrainer raises \"You cannot use "
-                       "sync_ref_model=True together with precompute_ref_log_probs=True\"; choose one")
+        out += dpo.reference_problems(k, c, self.trainer_name)
         if k.kl and c.per_device_train_batch_size <= 1:
             out.append(f"per_device_train_batch_size={c.per_device_train_batch_size} with loss_type=kto: KTOTrainer "
                        "raises \"Actual (not effective) batch size must be > 1\" (the KL term pairs each prompt with "
@@ -149,79 +138,38 @@ class KTO(PairTrainer):
                        "dataset's order); use sequential (KTOConfig's default)")
         return out
 
-    def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
-                      measured: bool = False) -> dict[str, Any]:
-        """Every memory-relevant KTOConfig field, explicitly; then the base's KTOConfig keys (`measured`: only those
-        that reach a measured run: TRL's simulated keys and KTO's loss keys, which the simulator runs as written)."""
-        from ..emit import model_init_kwargs
-        from ..space import Precision
-
-        c = candidate
-        k = KTOKnobs.of(c)
-        out: dict[str, Any] = {
-            "max_length": c.max_length,
-            "pad_to_multiple_of": c.pad_to_multiple_of,
-            "per_device_train_batch_size": c.per_device_train_batch_size,
-            "gradient_accumulation_steps": c.gradient_accumulation_steps,
-            "activation_checkpointing": c.activation_checkpointing,
-            "activation_checkpointing_kwargs": c.checkpointing_kwargs,
-            "activation_offloading": c.activation_offloading,
-            "optim": c.optim.value,
-            "bf16": c.precision is Precision.BF16,
-            "fp16": c.precision is Precision.FP16,
-            "train_sampling_strategy": _sampling(c),
-            "use_liger_kernel": False,
-            # its own knobs, each declared once (the reference knobs in dpo.KNOBS, loss_type in KNOBS)
-            **{kn.key: kn.plain(getattr(k, kn.name)) for kn in (*dpo.KNOBS, *KNOBS)},
-            "model_init_kwargs": model_init_kwargs(c, measured=measured),
-        }
-        out.update(base_config_keys(c, _field_names(self.config_class()), measured=measured, own=kto_only_keys(),
-                                    skip={*_KNOB_KEYS, "train_sampling_strategy"}))
-        return out
-
-    def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
-                        dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
-        """The keys `trl kto --config FILE` accepts: ScriptArguments, KTOConfig and ModelConfig, and `env:`."""
-        from .base import run_config_for
-
-        return run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
-                              output_dir="advisor-kto", workload=workload)
+    def config_extras(self, candidate: Candidate, workload: Workload | None, *, measured: bool) -> dict[str, Any]:
+        """train_sampling_strategy as KTOConfig defaults it (sequential), not TrainingArguments' random."""
+        return {"train_sampling_strategy": _sampling(candidate)}
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
-        """A `trl kto` config read into a Candidate: the shared keys as advisor.emit reads them, KTO's own keys in
+        """A `trl kto` config read into a Candidate: the shared keys as advisor/_emit reads them, KTO's own keys in
         the base (KTOKnobs among them); `train_sampling_strategy` as KTOConfig defaults it (sequential)."""
-        from ..emit import candidate_from_run_dict
-
         self.check_run_keys(data, source=source)
-        own_keys = kto_only_keys()
-        shared = {k: v for k, v in data.items() if k not in own_keys}
-        own = {k: v for k, v in data.items() if k in own_keys}
+        kto_only = own_keys(self) | {k.key for k in KNOBS}
+        shared = {k: v for k, v in data.items() if k not in kto_only}
+        own = {k: v for k, v in data.items() if k in kto_only}
         sampling = shared.get("train_sampling_strategy")
-        if sampling is not None and sampling != "group_by_length":  # the reader's default is another (random)
+        if sampling is not None and sampling != "group_by_length":  # the shared reader's default is another (random)
             shared.pop("train_sampling_strategy")
             if sampling != _DEFAULT_SAMPLING:
                 own["train_sampling_strategy"] = sampling
-        cand = candidate_from_run_dict(shared, source=source)
-        base = cand.base.as_dict()
-        if base.get("output_dir") == "advisor-kto":
-            base.pop("output_dir")
-        cand = cand.replace(base={**base, **own})
+        cand = self.read_config(shared, own, source=source)
         try:
-            knobs = KTOKnobs.of(cand)
+            knobs = self.knobs(cand)
         except ConfigError as exc:
             raise ConfigError(exc.problems, context=source) from None
         return knobs.apply(cand)
 
     # ---- data ----------------------------------------------------------------------------------------------------
+    def max_length_values(self, workload: Workload) -> tuple[int, ...]:
+        return TrlTrainer.max_length_values(self, workload)  # over the examples (not PairTrainer's pairs)
+
     def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
                      sample: int | None = None, seed: int = 0, progress: bool = False) -> Any:
-        from .unpaired import load_unpaired
-
         return load_unpaired(spec, model, tokenizer, trainer=self.name, sample=sample, seed=seed)
 
     def check_dataset(self, workload: Workload) -> None:
-        from .unpaired import check_unpaired_rows
-
         data = workload.dataset
         if not isinstance(data, UnpairedDataset):
             check_unpaired_rows(list(data.rows[:1]), data.name, self.name)
@@ -239,7 +187,7 @@ class KTO(PairTrainer):
         examples TRL keeps), enough for the precompute pass's batch too. TRL's sequential sampler takes them as one
         micro-batch, and its KL batch rotates their completions, as the probe's first steps run them."""
         data: UnpairedDataset = workload.dataset
-        n = max(candidate.per_device_train_batch_size, KTOKnobs.of(candidate).precompute_batch(candidate))
+        n = max(candidate.per_device_train_batch_size, self.knobs(candidate).precompute_batch(candidate))
         return [data.rows[i] for i in data.longest(n, candidate.max_length)]
 
     def worst_batch(self, trainer: Any, batch_size: int) -> dict[str, torch.Tensor]:
@@ -254,7 +202,19 @@ class KTO(PairTrainer):
         """As KTOTrainer._compute_loss builds them for the trained forward: the completion tokens."""
         return batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
 
-    # ---- the fake step's hooks -------------------------------------------------------------------------------------
+    # ---- the step: what the estimate counts, the fake step's hooks ---------------------------------------------------
+    def step_shape(self, candidate: Candidate) -> StepShape:
+        """B sequences a micro-batch of B examples; with loss_type kto, the KL batch (as many sequences, bounded by
+        the same max_length) through the policy under no_grad before its trained forward; the reference: a separate
+        copy resident and its no-grad forwards of the examples (and the KL batch) while the policy's activations
+        are held (full fine-tuning), the forwards only (LoRA: the adapters disabled), or neither (precomputed)."""
+        k = self.knobs(candidate)
+        ref = k.reference(candidate)
+        return StepShape(reference_copy=ref is Reference.SEPARATE_COPY,
+                         reference_forward=ref is not Reference.PRECOMPUTED,
+                         reference_precomputed=ref is Reference.PRECOMPUTED,
+                         no_grad_batches=int(k.kl), reference_held=True)
+
     def real_overrides(self) -> dict[str, Callable]:
         return {"_prepare_dataset": prepared_as_is}
 
@@ -289,7 +249,7 @@ class KTO(PairTrainer):
         real = trainer.data_collator(_first(dataset, batch_size))
 
         def run(batch: dict) -> None:
-            import torch
+            import torch  # start-up: loaded on first use
 
             model = trainer.ref_model or trainer.model
             ref_logps, ref_kl_logps = [], []
@@ -303,22 +263,19 @@ class KTO(PairTrainer):
 
         return [(real, run)]
 
-    def phases(self, candidate: Candidate) -> tuple:
-        """One training phase; the reference resident beside the policy when it is a separate copy."""
-        from .phases import Resident, training_phase
-
-        ref = KTOKnobs.of(candidate).reference(candidate)
-        return (training_phase(Resident.REFERENCE) if ref is Reference.SEPARATE_COPY else training_phase(),)
-
-    closed_form = ClosedForm.UNPAIRED_WITH_KL  # the policy's step on B examples, the KL batch, the reference
+    # ---- the notes and the report ------------------------------------------------------------------------------------
+    def length_report(self, data: Any, request: Any) -> Any:
+        """The examples' lengths, the label balance, and for each max_length the completion tokens it cuts off and
+        the examples it drops (advisor/trainers/unpaired.py)."""
+        return unpaired_length_report(data, request)
 
     def report_rows(self, candidate: Candidate) -> list[list[str]]:
         """The trainer, its own knobs, and how the reference is held (derived: LoRA, precompute_ref_log_probs)."""
-        k = KTOKnobs.of(candidate)
+        k = self.knobs(candidate)
         return [*super().report_rows(candidate), ["reference", k.reference(candidate).value.replace("_", " ")]]
 
-    def notes(self, candidate: Candidate) -> list[str]:
-        k = KTOKnobs.of(candidate)
+    def notes(self, candidate: Candidate, workload: Workload | None = None) -> list[str]:
+        k = self.knobs(candidate)
         ref = k.reference(candidate)
         kl = ("the KL batch (its completions rotated by one) through the policy and the reference under no_grad"
               if k.kl else "no KL batch (loss_type apo_zero_unpaired)")

@@ -11,6 +11,7 @@ micro-batch's completions are rotated by one to make its KL batch (`kl_completio
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,8 +19,20 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from ..data import SYNTHETIC_MAX, SYNTHETIC_MEDIAN, SYNTHETIC_SEED, synthetic_lengths
-from ..errors import ConfigError, DatasetError
+from ..data import (
+    SYNTHETIC_MAX,
+    SYNTHETIC_MEDIAN,
+    SYNTHETIC_SEED,
+    TokenizedDataset,
+    load_tokenizer,
+    read_raw,
+    synthetic_lengths,
+    tokenizer_note,
+)
+from ..errors import ConfigError, DatasetError, UsageError
+from ..lengths import LengthRequest, Percentiles, max_length_candidates, percentile_line
+from .preference import report_grid, trl_prepared
+from .registry import get_trainer
 
 if TYPE_CHECKING:
     import datasets
@@ -124,6 +137,14 @@ class UnpairedDataset:
         """Mean completion tokens one example carries at the candidate's max_length."""
         return float(self.trained_after_truncation(candidate.max_length).mean()) if len(self.rows) else 0.0
 
+    def sequences(self) -> TokenizedDataset:
+        """The examples as the sequences a step trains on: prompt + completion, the completion trained (the KL
+        batch's sequences are bounded by the same max_length: StepShape.no_grad_batches)."""
+        rows = tuple({"input_ids": [0] * int(p + c), "completion_mask": [0] * int(p) + [1] * int(c)}
+                     for p, c in zip(self.prompt_lengths, self.trained, strict=True))
+        return TokenizedDataset(name=f"{self.name} (examples as rows)", source=self.source, rows=rows,
+                                completion_only_loss=True)
+
     def longest(self, n: int, max_length: int | None) -> list[int]:
         """The `n` longest examples TRL keeps at `max_length` (after truncation), longest first."""
         kept = self.kept(max_length)
@@ -223,8 +244,6 @@ def load_unpaired(spec: str | None, model: ModelSpec, tokenizer: str | None = No
                   sample: int | None = None, seed: int = 0) -> UnpairedDataset:
     """None: the synthetic set. Else the file / directory / hub id, tokenized by KTOTrainer's own preparation.
     `sample`: a seeded random sample of that many rows, drawn as advisor.data.load_dataset draws rows."""
-    import dataclasses
-
     if sample is not None and sample <= 0:
         raise DatasetError(f"--sample {sample}: must be a positive number of examples, e.g. --sample 2000")
     if spec is None:
@@ -233,8 +252,6 @@ def load_unpaired(spec: str | None, model: ModelSpec, tokenizer: str | None = No
             note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} examples)"
             data = dataclasses.replace(data, notes=data.notes + (note,))
         return data
-    from ..data import load_tokenizer, read_raw, tokenizer_note
-
     raw = read_raw(spec)
     population = len(raw.rows)
     indices: Any = range(population)
@@ -250,8 +267,9 @@ def load_unpaired(spec: str | None, model: ModelSpec, tokenizer: str | None = No
         prepared = [{"prompt_ids": list(r["prompt_ids"]), "completion_ids": list(r["completion_ids"]),
                      "label": bool(r["label"])} for r in rows]
     else:
-        tok = load_tokenizer(tokenizer, model, trainer)
-        loaded_as = tokenizer_note(tok, tokenizer, model, trainer)
+        kind = get_trainer(trainer)
+        tok = load_tokenizer(tokenizer, model, kind)
+        loaded_as = tokenizer_note(tok, tokenizer, model, kind)
         prepared, conversational, said = prepare_with_trl(rows, tok, spec)
         notes += tuple(n for n in (loaded_as, said) if n is not None)
     data = UnpairedDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
@@ -266,8 +284,6 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str
     """KTOTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None` and no KL column (both
     depend on the candidate and are applied per candidate); with whether the rows are conversational and a note of
     what the libraries said meanwhile, each distinct message once (or None)."""
-    from .preference import trl_prepared
-
     columns = (*UNPAIRED_COLUMNS, "chosen", "rejected", "tools", "chat_template_kwargs")
     prepared, conversational, said = trl_prepared(rows, columns, tok, spec, "KTO", "the examples", calculate_KL=False,
                                                   desirable_weight=1.0, undesirable_weight=1.0)
@@ -307,6 +323,25 @@ class UnpairedLengthReport:
     max_lengths: tuple[UnpairedTruncation, ...]
     notes: tuple[str, ...] = ()
 
+    def text(self) -> str:
+        """`advisor lengths`' text for unpaired examples."""
+        from tabulate import tabulate  # start-up: loaded on first use
+
+        kind = "synthetic unpaired data (no --dataset given)" if self.synthetic else "unpaired dataset"
+        lines = [f"{self.name}: {kind}, {self.examples} examples ({self.desirable} desirable, "
+                 f"{self.examples - self.desirable} undesirable)",
+                 f"prompt:              {percentile_line(self.prompt)}",
+                 f"completion:          {percentile_line(self.completion)}",
+                 f"prompt + completion: {percentile_line(self.sequence)}",
+                 f"suggested max_length: {self.suggested_max_length} (loses at most {self.max_truncation:.1%} of "
+                 "the completion tokens, a multiple of 64); each micro-batch's KL batch (loss_type kto) pairs its "
+                 "prompts with its completions rotated by one, truncated at the same max_length", ""]
+        rows = [[m.max_length, f"{m.completion_lost_fraction:.2%}", m.examples_truncated, m.examples_dropped]
+                for m in self.max_lengths]
+        lines.append(tabulate(rows, headers=["max_length", "completion lost", "examples cut", "examples dropped"]))
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "synthetic": self.synthetic, "examples": self.examples,
                 "desirable": self.desirable, "undesirable": self.examples - self.desirable,
@@ -322,21 +357,18 @@ def unpaired_truncation(data: UnpairedDataset, max_length: int) -> UnpairedTrunc
                               int((data.lengths[keep] > max_length).sum()), int(len(data.rows) - len(keep)))
 
 
-def unpaired_length_report(data: UnpairedDataset, max_lengths: Sequence[int] | None = None,
-                           max_truncation: float = 0.01, multiple: int = 64) -> UnpairedLengthReport:
-    """The report; the suggested max_length is the smallest multiple of `multiple` that loses at most
-    `max_truncation` of the completion tokens (the advisor's own max_length candidates, advisor.lengths)."""
-    from ..errors import UsageError
-    from ..lengths import Percentiles, max_length_candidates
-    from .preference import report_grid
-
+def unpaired_length_report(data: UnpairedDataset, request: LengthRequest, multiple: int = 64
+                           ) -> UnpairedLengthReport:
+    """The report (`advisor lengths --trainer kto`); the suggested max_length is the smallest multiple of
+    `multiple` that loses at most `request.max_truncation` of the completion tokens (the advisor's own max_length
+    candidates, advisor.lengths)."""
+    request.refuse_completion_length()
     if not len(data.rows):
         raise UsageError(f"dataset {data.name}: no examples to report on")
-    suggested = max_length_candidates(data, max_truncation, multiple)[0]
-    if max_lengths is None:
-        max_lengths = report_grid(data.lengths, suggested, multiple)
+    suggested = max_length_candidates(data, request.max_truncation, multiple)[0]
+    max_lengths = request.max_lengths or report_grid(data.lengths, suggested, multiple)
     return UnpairedLengthReport(
         name=data.name, synthetic=data.synthetic, examples=len(data.rows), desirable=data.desirable,
         prompt=Percentiles.of(data.prompt_lengths), completion=Percentiles.of(data.trained),
-        sequence=Percentiles.of(data.lengths), max_truncation=max_truncation, suggested_max_length=suggested,
+        sequence=Percentiles.of(data.lengths), max_truncation=request.max_truncation, suggested_max_length=suggested,
         max_lengths=tuple(unpaired_truncation(data, int(v)) for v in max_lengths), notes=tuple(data.notes))

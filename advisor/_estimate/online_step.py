@@ -1,8 +1,8 @@
-"""Online RL (GRPO, RLOO) in closed form: the estimate's kind `ClosedForm.ONLINE_RL`.
+"""Online RL (GRPO, RLOO) in closed form: the estimate of a step that generates (a trainer's `StepShape.generates`).
 
-The step's shape is built from the workload and the candidate (the candidate's online-RL knobs read by TRL 1.16's
-names, `_knob`: the Candidate's field where it has one, else its base, else TRL's default), its phases counted by
-the physics package (advisor/_physics/online_rl.py: the KV cache of transformers' generate, TRL's fused log-prob head,
+The step's shape is built from the workload, the candidate and the trainer's knob view (TRL 1.16's names, the
+trainer's defaults resolved: advisor/trainers/online_knobs.py), its phases counted by the physics package
+(advisor/_physics/online_step.py, online_costs.py: the KV cache of transformers' generate, TRL's fused log-prob head,
 the scoring forwards, the reference, ZeRO-3's gathers, colocated vLLM's pool and refusals), and the training
 micro-batch's own parts (parameters, gradients, optimizer state, saved activations) by the SFT estimate's
 `memory_parts` on the rows GRPO trains: `per_device_train_batch_size` completions of the longest prompt +
@@ -21,10 +21,11 @@ from .._physics import (
     architecture,
     online_build_step,
     online_phase_allocator_bytes,
-    online_Reference,
     online_step_time_on,
+    online_TrainingState,
     online_vllm_terms,
     online_VllmRefusal,
+    resident_bytes,
     vllm_Mode,
     vllm_Sleep,
     vllm_TRL_SLEEP_LEVEL,
@@ -32,7 +33,7 @@ from .._physics import (
 from .._physics import online_device_peak as device_peak
 from ..errors import ConfigError
 from ..measurement import Category, Measurement, Source, Status
-from ..space import Optimizer, Precision
+from ..space import Optimizer
 from .memory import RESERVED_FACTOR, memory_parts, outside_allocator_bytes
 from .step_time import expected_step_time
 
@@ -50,91 +51,41 @@ _CATEGORY = {
 }
 
 
-def _knob(c: Candidate, name: str) -> Any:
-    """An online-RL knob by TRL's name: the Candidate's field, else the candidate's base (a trainer's carried knob),
-    else its declared default (advisor/trainers/online_rl.py KNOBS, read back from the installed GRPOConfig /
-    RLOOConfig by tests/test_grpo_trainer.py; a trainer's own defaults are put in the base first,
-    `_with_trainer_defaults`); a key no knob declares (vllm_max_model_length) is None unless the base sets it."""
-    from ..space import carried_knobs
-
-    if name in getattr(type(c), "__dataclass_fields__", {}):
-        value = getattr(c, name)
-    else:
-        value = c.base.get(name, carried_knobs().get(name))
-    return getattr(value, "value", value)  # a str-Enum knob (vllm_mode) as TRL's string
-
-
-def _proxy(workload: Workload, rows: int, prompt: int, completion: int) -> Any:
-    """The training micro-batch as SFT rows: `rows` sequences of prompt + completion, the completion trained."""
+def _completions(workload: Workload, rows: int, prompt: int, completion: int) -> Any:
+    """The training micro-batch as the rows the estimate's parts count: `rows` sequences of prompt + completion,
+    the completion trained."""
     from ..data import TokenizedDataset
 
     row = {"input_ids": [0] * (prompt + completion), "completion_mask": [0] * prompt + [1] * completion}
-    data = TokenizedDataset(name=f"{getattr(workload.dataset, 'name', 'prompts')} (completions as rows)",
-                            source="synthetic", rows=(row,) * rows, completion_only_loss=True)
-    return dataclasses.replace(workload, dataset=data, trainer="sft")
-
-
-def _declares(workload: Workload, attribute: str) -> bool:
-    """What the workload's trainer declares (a protocol attribute, never its name): `old_logps_always` for a trainer
-    whose scoring always runs the old policy's forward (TRL's RLOOTrainer); False where it declares nothing."""
-    from ..trainers import get_trainer
-
-    return bool(getattr(get_trainer(workload.trainer), attribute, False))
-
-
-def _with_trainer_defaults(workload: Workload, c: Candidate) -> Candidate:
-    """The candidate with its trainer's own TRL defaults where GRPOConfig and RLOOConfig differ (the trainer's
-    `trl_defaults`: RLOO's beta 0.05 keeps a reference, GRPO's 0.0 none), for the keys its base does not carry."""
-    from ..trainers import get_trainer
-
-    own = getattr(get_trainer(workload.trainer), "trl_defaults", {})
-    missing = {k: v for k, v in own.items() if k not in c.base.as_dict()}
-    return c.replace(base={**c.base.as_dict(), **missing}) if missing else c
+    data = TokenizedDataset(name=f"{workload.dataset.name} (completions as rows)", source="synthetic",
+                            rows=(row,) * rows, completion_only_loss=True)
+    return dataclasses.replace(workload, dataset=data)
 
 
 def _longest_prompt(workload: Workload) -> int:
-    lengths = getattr(workload.dataset, "lengths", None)
-    if lengths is None or len(lengths) == 0:
+    lengths = workload.dataset.lengths
+    if len(lengths) == 0:
         raise ValueError("online RL's estimate needs the prompts' lengths (workload.dataset.lengths)")
     return int(max(lengths))
 
 
-def _reward_model_bytes(workload: Workload, weight_bytes: int) -> int:
-    """Reward models given as models (resident): `workload.reward_model` (a ModelSpec) when the workload carries one;
-    reward functions cost nothing on the device."""
-    spec = getattr(workload, "reward_model", None)
-    if spec is None:
-        return 0
-    arch = architecture(spec)
-    return arch.total * weight_bytes + arch.buffer_bytes
-
-
-def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any, Any]:
-    """(the physics' OnlineStep, the training micro-batch's MemoryParts, the proxy workload, the proxy candidate)."""
-    c = _with_trainer_defaults(workload, candidate)
+def build_step(workload: Workload, candidate: Candidate, knobs: Any) -> tuple[Any, Any, Any, Any]:
+    """(the physics' OnlineStep, the training micro-batch's MemoryParts, its rows' workload, the candidate they are
+    counted with), from the trainer's knob view `knobs`."""
+    c, k = candidate, knobs
     gpu = workload.gpu
     arch = architecture(workload.model)
     b = c.per_device_train_batch_size
-    ga = c.gradient_accumulation_steps
-    spg = _knob(c, "steps_per_generation")
-    gbs = _knob(c, "generation_batch_size")
     world = max(1, workload.num_gpus)
-    if spg is None:  # GRPOConfig.__post_init__: generation_batch_size // (B x processes), else GA
-        spg = gbs // (b * world) if gbs else ga
     prompt = _longest_prompt(workload)
-    completion = int(_knob(c, "max_completion_length"))
-    proxy = _proxy(workload, b, prompt, completion)
-    sft_c = c.replace(max_length=prompt + completion, packing=False, padding_free=False)
-    parts = memory_parts(proxy, sft_c)
+    completion = int(k.max_completion_length)
+    rows = _completions(workload, b, prompt, completion)
+    rows_c = c.replace(max_length=prompt + completion, packing=False, padding_free=False)
+    parts = memory_parts(rows, rows_c)
     weight_bytes = DTYPE_BYTES[c.weights_dtype]
-    mixed = c.precision is not Precision.FP32
     params, grads, optim = parts.parameters, parts.gradients, parts.optimizer
-    opt_temp = _optimizer_temporaries(arch, c, gpu.is_cuda, parts.optimizer_temporaries)
-    beta = float(_knob(c, "beta"))
-    reference = online_Reference.NONE if beta == 0 else (
-        online_Reference.ADAPTERS_DISABLED if c.use_lora else online_Reference.SEPARATE)
-    ref_bytes = arch.total * weight_bytes + arch.buffer_bytes if reference is online_Reference.SEPARATE else 0
-    reward = _reward_model_bytes(workload, weight_bytes)
+    separate = float(k.beta) != 0 and not c.use_lora
+    ref_bytes = arch.total * weight_bytes + arch.buffer_bytes if separate else 0
     zero3 = False
     if world > 1:  # one rank of N: the model states as the candidate's parallelism shards them
         from .._physics import estimate_rank_moments
@@ -142,32 +93,24 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
         P, G, OPT = Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER
         one = {P: params, G: grads, OPT: optim, Category.ACTIVATIONS: 0, Category.LM_HEAD: 0,
                Category.TEMPORARIES: 0}
-        sharded, _ = estimate_rank_moments(proxy, sft_c, {"state": one}, parts)
+        sharded, _ = estimate_rank_moments(rows, rows_c, {"state": one}, parts)
         params, grads, optim = sharded["state"][P], sharded["state"][G], sharded["state"][OPT]
         strategy = c.parallelism.parallelism.strategy.value
         zero3 = strategy == "zero3"
         if zero3 or strategy == "fsdp2":  # the reference is prepared (sharded) like the policy
             ref_bytes = -(-ref_bytes // world)
-    step = online_build_step(
-        arch, workload.model.config, weights_bytes=params, gradient_bytes=grads, optimizer_bytes=optim,
-        trainable=parts.trainable, weight_element_bytes=weight_bytes, mixed=mixed, prompt_length=prompt,
-        max_completion_length=completion, per_device_train_batch_size=b, gradient_accumulation_steps=ga,
-        steps_per_generation=int(spg), generation_batch_size=gbs,
-        num_generations=int(_knob(c, "num_generations")), num_iterations=int(_knob(c, "num_iterations")),
-        beta=beta, lora=c.use_lora, use_vllm=bool(_knob(c, "use_vllm")), vllm_mode=str(_knob(c, "vllm_mode")),
-        vllm_enable_sleep_mode=bool(_knob(c, "vllm_enable_sleep_mode")),
-        vllm_gpu_memory_utilization=float(_knob(c, "vllm_gpu_memory_utilization")),
-        vllm_importance_sampling_correction=bool(_knob(c, "vllm_importance_sampling_correction")),
-        vllm_max_model_length=_knob(c, "vllm_max_model_length"),
-        ds3_gather_for_generation=bool(_knob(c, "ds3_gather_for_generation")),
-        cast_lm_head_to_fp32=bool(_knob(c, "cast_lm_head_to_fp32")),
-        gradient_checkpointing=c.activation_checkpointing, old_logps_always=_declares(workload, "old_logps_always"),
-        reference_bytes=ref_bytes, reward_model_bytes=reward, card_bytes=gpu.memory_bytes, cuda=gpu.is_cuda,
-        context_bytes=outside_allocator_bytes(gpu) if gpu.is_cuda else 0, supports_bf16=gpu.supports_bf16,
-        world_size=world, zero3=zero3, optimizer_temporary_bytes=opt_temp, train_activation_bytes=parts.activations,
-        train_recompute_bytes=parts.recompute,
-    )
-    return step, parts, proxy, sft_c
+    state = online_TrainingState(
+        weights_bytes=params, gradient_bytes=grads, optimizer_bytes=optim, trainable=parts.trainable,
+        prompt_length=prompt, reference_bytes=ref_bytes,
+        model_inputs_bytes=resident_bytes((spec for _, spec in workload.models), weight_bytes),
+        optimizer_temporary_bytes=_optimizer_temporaries(arch, c, gpu.is_cuda, parts.optimizer_temporaries),
+        train_activation_bytes=parts.activations, train_recompute_bytes=parts.recompute, world_size=world,
+        zero3=zero3)
+    step = online_build_step(arch, workload.model.config, c, k, state, gpu,
+                             # when vLLM snapshots the device no backward has run: the Python thread's cuBLAS
+                             # workspace only
+                             context_bytes=outside_allocator_bytes(gpu, threads=1) if gpu.is_cuda else 0)
+    return step, parts, rows, rows_c
 
 
 def _optimizer_temporaries(arch: Any, c: Candidate, cuda: bool, foreach_bytes: int) -> int:
@@ -186,24 +129,25 @@ def _optimizer_temporaries(arch: Any, c: Candidate, cuda: bool, foreach_bytes: i
     return 2 * largest * DTYPE_BYTES[c.weights_dtype]
 
 
-def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
+def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any) -> Measurement:
     """Peak memory by phase and category, what vLLM holds outside the allocator, and the step time of one GRPO /
-    RLOO optimizer step; status OOM with vLLM's own refusal when colocated vLLM would not start."""
+    RLOO optimizer step (`knobs`: the trainer's view of the candidate); status OOM with vLLM's own refusal when
+    colocated vLLM would not start."""
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
-    if bool(_knob(c, "use_vllm")) and not cuda:
+    if knobs.use_vllm and not cuda:
         return Measurement(status=Status.ERROR, source=Source.ESTIMATE,
                            message=f"use_vllm=True on {gpu.name}: vLLM generates on CUDA GPUs only; set "
                                    "use_vllm=False (transformers' generate) for a CPU target")
     try:
-        step, parts, proxy, sft_c = build_step(workload, c)
+        step, parts, rows, rows_c = build_step(workload, c, knobs)
     except ConfigError as e:  # TRL's own rules (num_generations dividing the generation batch, ...): named, not run
         return Measurement(status=Status.ERROR, source=Source.ESTIMATE, message=str(e))
     phases = online_phase_allocator_bytes(step)
     vllm = online_vllm_terms(step)
     notes = [
-        f"online RL (closed form, advisor/_physics/online_rl.py): generation batch {step.generation_batch} "
+        f"online RL (closed form, advisor/_physics/online_costs.py): generation batch {step.generation_batch} "
         f"completions (per_device_train_batch_size {step.per_device_train_batch_size} x steps_per_generation "
         f"{step.steps_per_generation}), every completion at max_completion_length {step.max_completion_length} after "
         f"the longest prompt ({step.prompt_length} tokens): the bound",
@@ -235,11 +179,38 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
                               f"{with_sleep / 2**30:.2f} GiB instead of {device / 2**30:.2f} GiB (vllm.py asleep)")
     # step time: the training passes of the shared step-time model, plus online RL's own terms
     arch = architecture(workload.model)
-    train = expected_step_time(proxy, arch, sft_c, parts.batch, parts.offload_volume)
+    train = expected_step_time(rows, arch, rows_c, parts.batch, parts.offload_volume)
     timed = online_step_time_on(step, gpu, arch, precision=c.precision.value, train_s=train.step_s, vllm=vllm)
     notes += [
         f"peak in the {phases[at].phase} phase; per phase (allocator + outside it, bytes): "
         + ", ".join(f"{p} {dp.allocator[p]:,} + {dp.outside_allocator[p]:,}" for p in dp.allocator),
+        *_step_notes(step, vllm, cuda), *sleep_note, *timed.notes,
+        "objective: trained completion tokens per optimizer step (per_device_train_batch_size x "
+        "gradient_accumulation_steps x max_completion_length) over the step's time end to end",
+    ]
+    terms = {**{k: v for k, v in train.terms.items()}, **{k: v for k, v in timed.terms.items() if k != "training"}}
+    step_s, trained = timed.step_s, timed.trained_tokens_per_step
+    if workload.num_gpus > 1:  # global throughput, as the SFT estimate: every training rank's completions, plus
+        # the collectives' time the training passes do not hide (generation and scoring hide none of it)
+        from .._physics import estimate_rank_time
+
+        with_comm, trained, exposed, comm_note = estimate_rank_time(workload, c, train.step_s, trained)
+        step_s += with_comm - train.step_s
+        terms["communication_exposed"] = exposed
+        notes.append(comm_note)
+    return Measurement(
+        status=Status.OK, source=Source.ESTIMATE, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device,
+        breakdown=breakdown, step_time_s=step_s,
+        tokens_per_second=trained / step_s if step_s > 0 else None, trained_tokens_per_step=trained,
+        time_breakdown=terms, worst_step_time_s=step_s,
+        peak_batch=f"{step.per_device_train_batch_size}x{step.sequence_length} ({step.generation_batch} generated)",
+        notes=tuple(notes), outside_allocator_bytes=outside,
+    )
+
+
+def _step_notes(step: Any, vllm: Any, cuda: bool) -> list[str]:
+    """What the notes say of the step: what stays resident, how it generates, scores and trains, ZeRO-3's gathers."""
+    return [
         "training state resident throughout (weights, optimizer state"
         + (", a separate reference" if step.reference_bytes else "")
         + (", reward models" if step.reward_model_bytes else "") + ")",
@@ -262,26 +233,4 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
         *(["ZeRO-3: the whole model gathered to generate (ds3_gather_for_generation)"
            if step.ds3_gather_for_generation else "ZeRO-3: a layer at a time gathered to generate"]
           if step.zero3 else []),
-        *sleep_note,
-        *timed.notes,
-        "objective: trained completion tokens per optimizer step (per_device_train_batch_size x "
-        "gradient_accumulation_steps x max_completion_length) over the step's time end to end",
     ]
-    terms = {**{k: v for k, v in train.terms.items()}, **{k: v for k, v in timed.terms.items() if k != "training"}}
-    step_s, trained = timed.step_s, timed.trained_tokens_per_step
-    if workload.num_gpus > 1:  # global throughput, as the SFT estimate: every training rank's completions, plus
-        # the collectives' time the training passes do not hide (generation and scoring hide none of it)
-        from .._physics import estimate_rank_time
-
-        with_comm, trained, exposed, comm_note = estimate_rank_time(workload, c, train.step_s, trained)
-        step_s += with_comm - train.step_s
-        terms["communication_exposed"] = exposed
-        notes.append(comm_note)
-    return Measurement(
-        status=Status.OK, source=Source.ESTIMATE, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device,
-        breakdown=breakdown, step_time_s=step_s,
-        tokens_per_second=trained / step_s if step_s > 0 else None, trained_tokens_per_step=trained,
-        time_breakdown=terms, worst_step_time_s=step_s,
-        peak_batch=f"{step.per_device_train_batch_size}x{step.sequence_length} ({step.generation_batch} generated)",
-        notes=tuple(notes), outside_allocator_bytes=outside,
-    )

@@ -1,62 +1,22 @@
-"""Online RL's step (GRPO, RLOO; TRL 1.16) in closed form: each phase's device bytes, vLLM's refusals, the step time.
-Shared by the estimate (advisor/_estimate/online_rl.py) and the simulator's glue (which measures the phases'
-allocator peaks itself and combines them here with what vLLM holds outside the allocator: `device_peak`). Part of the
-physics package: it imports the package's own modules (vllm.py, timing/) and advisor.errors, nothing above them; the
-phases are keyed by the values of advisor/trainers/phases.py PhaseKind ("generate", "score", "train"; a str-Enum, so
-PhaseKind members key the same mappings) without importing it.
-
-What a GRPO / RLOO step holds (TRL 1.16 as installed; file and function of each term):
-- The training state stays resident through every phase: the policy's weights, its optimizer state (created in the
-  first step; the peak is a later step's), a separate reference when `beta != 0` without PEFT
-  (trl/trainer/grpo_trainer.py GRPOTrainer.__init__: `create_model_from_path(..., dtype=self.model.dtype)`; under PEFT
-  the reference is the policy with its adapters disabled, `use_adapter(model, None)` in
-  `_generate_and_score_completions`), and a reward model given as a model. Gradients exist from the backward to the
-  optimizer step (Trainer's `zero_grad(set_to_none=True)`).
-- GENERATE, transformers' engine (`_generate_single_turn`, `use_vllm=False`): the local generation batch
-  (`per_device_train_batch_size x steps_per_generation` completions) goes through one `unwrapped_model.generate`
-  call, left-padded to its longest prompt; its `DynamicCache` grows by `torch.cat` per layer (transformers
-  cache_utils.py DynamicLayer.update) to prompt + max_completion_length - 1 positions (the last sampled token is not
-  fed back). accelerate's autocast wrapper stays on the unwrapped model (`accelerator.unwrap_model(
-  keep_fp32_wrapper=True)`), so the values are in the compute dtype under mixed precision; over float32 weights the
-  keys are float32 (rotary's cos/sin follow the float32 residual and promote them: `hf_kv_cache_bytes`). ZeRO-3 with
-  `ds3_gather_for_generation` gathers every parameter (trl/models/utils.py _unwrap_model_for_generation:
-  `deepspeed.zero.GatheredParameters(model.parameters())`); without it each layer is gathered as it runs.
-- GENERATE, vLLM (`vllm_generation.py` VLLMGeneration.sync_weights / generate): the weights are pushed to vLLM once
-  per optimizer step (`load_weights` one parameter at a time; PEFT + ZeRO-3 gathers the whole model to merge the
-  adapters first: `_iter_named_params`); colocated vLLM's pool (advisor/_physics/vllm.py) is outside PyTorch's
-  allocator.
-- SCORE (`_generate_and_score_completions`, no grad): the old policy's log-probs when `gradient_accumulation_steps %
-  (steps_per_generation x num_iterations) != 0` or vLLM's importance-sampling correction is on; the reference's
-  when `beta != 0`; each a forward in chunks of `per_device_train_batch_size` rows
-  (`_get_per_token_logps_and_entropies`) through TRL's fused log-prob head (trl/kernels/chunked_logprob.py
-  ChunkedLogProbFunction: `mm_buf` of min(N, 4096) x 32768 columns in the compute dtype, never the [B, T, V]
-  logits; on CUDA N = the completion tokens, elsewhere every position:
-  `add_fused_lm_head`'s `compact = _use_triton(device)`).
-- TRAIN: one micro-batch of `per_device_train_batch_size` completions of prompt + completion positions, its saved
-  activations (the backend's count: `train_activation_bytes`), the fused head's forward and backward, the gradients,
-  the optimizer step.
-Colocated vLLM holds its pool in every phase without sleep mode; with sleep (TRL sleeps at level 2 after each
-generate) only in GENERATE, plus what sleep keeps (vllm.py `asleep`); server mode puts vLLM on GPUs of its own.
-
-Step time: generation (prefill compute-bound, decode bandwidth-bound: the weights and the KV cache read per decode
-step; transformers' generate also host-bound per op), the weight sync, the extra no-grad forwards and the training
-passes (the backend's step-time model for those: advisor/_physics/timing/). Every constant is in
-profiles/measurements/online_rl_constants.json with its source.
+"""Online RL's step (GRPO, RLOO; TRL 1.16) in closed form, phase by phase: the KV cache of transformers' generate,
+TRL's fused log-prob head, each phase's allocator bytes (`phase_allocator_bytes`), colocated vLLM's pool and typed
+refusals (`vllm_terms`), the device's peak across the phases (`device_peak`: the simulator's measured phase peaks
+combined with vLLM's bytes) and the step-time terms of generation, weight sync and scoring (`step_time`). The step
+itself (`OnlineStep`, what each term reads) is online_step.py's; what the step holds and its sources are in its
+docstring. Every constant is in profiles/measurements/online_rl_constants.json with its source.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from enum import Enum
-from functools import lru_cache
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from .online_step import GENERATE, PHASES, SCORE, TRAIN, OnlineStep, VllmSide, _c, _constants_block
+from .timing import OpClass
 from .vllm import (
-    KVLayout,
     Mode,
     Pool,
     PoolSplit,
@@ -69,246 +29,6 @@ from .vllm import (
     min_utilization,
     start,
 )
-
-# the phases' keys: advisor/trainers/phases.py PhaseKind values (a str-Enum: its members key these mappings too)
-GENERATE, SCORE, TRAIN = "generate", "score", "train"
-PHASES = (GENERATE, SCORE, TRAIN)
-
-
-def _constants_path():
-    from ..profiles import PROFILES_DIR
-
-    return PROFILES_DIR / "measurements" / "online_rl_constants.json"
-
-
-@lru_cache(maxsize=1)
-def constants() -> dict[str, Any]:
-    """profiles/measurements/online_rl_constants.json: each constant with its source."""
-    return json.loads(_constants_path().read_text())
-
-
-def _c(name: str) -> float:
-    return float(constants()[name]["value"])
-
-
-class Reference(str, Enum):
-    """The reference of the KL term (`beta != 0`)."""
-
-    NONE = "none"  # beta == 0: no reference forward
-    SEPARATE = "separate"  # a second copy of the model (full fine-tuning)
-    ADAPTERS_DISABLED = "adapters_disabled"  # PEFT: the policy with its adapters disabled
-
-
-@dataclass(frozen=True)
-class VllmSide:
-    """What vLLM loads and reserves, as plain numbers (advisor/_physics/vllm.py derives them from the config)."""
-
-    weights_bytes: int  # the checkpoint at vLLM's dtype="auto" (vllm.py vllm_dtype)
-    layout: KVLayout  # vLLM's KV pages per token (vllm.py kv_layout)
-    max_model_len: int  # vllm.py derived_max_model_len: TRL's vllm_max_model_length or the model's own
-    activation_bytes: int  # profile_run's torch peak increase (vllm_profile_activation_bytes, or measured)
-    non_torch_bytes: int  # non_torch_increase (profiles/measurements/online_rl_constants.json, or measured)
-    context_bytes: int = 0  # the training process's CUDA context and workspaces when vLLM snapshots the device
-
-
-@dataclass(frozen=True)
-class OnlineStep:
-    """One GRPO / RLOO optimizer step's shape, as plain numbers (no Candidate: both backends build it)."""
-
-    # the model
-    parameters: int
-    trainable: int
-    layers: int
-    hidden: int
-    intermediate: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    # the training state on this rank (bytes): the backend's counts (quantized weights, adapters, ZeRO shards)
-    weights_bytes: int  # the policy as resident: weights, adapters, buffers
-    gradient_bytes: int  # every trained parameter's gradient
-    optimizer_bytes: int  # the optimizer's state
-    # element sizes
-    kv_dtype_bytes: int  # DynamicCache's values: v_proj's output (autocast's dtype, else the weights')
-    compute_bytes: int  # the forwards' activations (autocast's dtype, else the weights')
-    head_weight_bytes: int  # the LM head's weight element (cast per tile when it differs from the compute dtype)
-    # the batch (TRL's names)
-    prompt_length: int  # the longest prompt of a generation batch (left-padded to it)
-    max_completion_length: int
-    per_device_train_batch_size: int  # completions per micro-batch
-    steps_per_generation: int
-    num_generations: int
-    num_iterations: int = 1
-    gradient_accumulation_steps: int = 1
-    beta: float = 0.0
-    reference: Reference = Reference.NONE
-    reference_bytes: int = 0  # a separate reference's weights on this rank
-    reward_model_bytes: int = 0  # reward models given as models (resident); reward functions cost nothing here
-    # the engine
-    engine: Mode = Mode.GENERATE
-    vllm_gpu_memory_utilization: float = 0.3
-    sleep: Sleep = Sleep.OFF
-    vllm_importance_sampling_correction: bool = True
-    old_logps_always: bool = False  # RLOOTrainer._generate_and_score_completions scores the old policy every time
-    vllm: VllmSide | None = None
-    # distribution and knobs
-    world_size: int = 1
-    zero3: bool = False
-    ds3_gather_for_generation: bool = True
-    full_weights_bytes: int = 0  # the whole policy gathered (ZeRO-3), in the compute dtype
-    cast_lm_head_to_fp32: bool = False
-    key_dtype_bytes: int = 0  # DynamicCache's keys (0: as the values); float32 under autocast over float32 weights
-    lora: bool = False
-    gradient_checkpointing: bool = False
-    optimizer_temporary_bytes: int = 0
-    # the training micro-batch's saved activations (decoder layers and final norm, not the LM head) and one
-    # checkpointed layer's recompute: the backend's count
-    train_activation_bytes: int = 0
-    train_recompute_bytes: int = 0
-    # the target
-    card_bytes: int = 0
-    cuda: bool = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "reference", Reference(self.reference))
-        object.__setattr__(self, "engine", Mode(self.engine))
-        object.__setattr__(self, "sleep", Sleep(self.sleep))
-        problems = []
-        for name in ("layers", "hidden", "intermediate", "kv_heads", "head_dim", "vocab", "prompt_length",
-                     "max_completion_length", "per_device_train_batch_size", "steps_per_generation",
-                     "num_generations", "num_iterations", "gradient_accumulation_steps", "world_size",
-                     "kv_dtype_bytes", "compute_bytes", "head_weight_bytes"):
-            if int(getattr(self, name)) < 1:
-                problems.append(f"{name}={getattr(self, name)} must be >= 1")
-        if not problems and self.global_generation_batch % self.num_generations:
-            problems.append(
-                f"num_generations={self.num_generations} does not divide the generation batch "
-                f"({self.per_device_train_batch_size} x {self.world_size} processes x steps_per_generation "
-                f"{self.steps_per_generation} = {self.global_generation_batch}; TRL's GRPOConfig rule): pick "
-                "num_generations dividing it, or change per_device_train_batch_size / steps_per_generation")
-        if self.beta != 0 and self.reference is Reference.NONE:
-            problems.append(f"beta={self.beta} needs a reference (separate, or adapters disabled under PEFT)")
-        if self.engine is Mode.COLOCATE and self.vllm is None:
-            problems.append("vllm_mode=colocate needs vLLM's side (VllmSide: its weights, KV layout, max_model_len)")
-        if self.engine is Mode.COLOCATE and self.card_bytes <= 0:
-            problems.append("vllm_mode=colocate needs the card's total memory (card_bytes)")
-        if problems:
-            raise ConfigError(problems, context="online RL step")
-
-    # ---- the batch as TRL forms it ---------------------------------------------------------------------------
-    @property
-    def generation_batch(self) -> int:
-        """Completions one process generates in one call: per_device_train_batch_size x steps_per_generation."""
-        return self.per_device_train_batch_size * self.steps_per_generation
-
-    @property
-    def global_generation_batch(self) -> int:
-        """GRPOConfig.generation_batch_size: per_device_train_batch_size x processes x steps_per_generation."""
-        return self.generation_batch * self.world_size
-
-    @property
-    def sequence_length(self) -> int:
-        """Prompt + max_completion_length: every completion at its maximum (the bound)."""
-        return self.prompt_length + self.max_completion_length
-
-    @property
-    def old_logps_forward(self) -> bool:
-        """GRPOTrainer._generate_and_score_completions: old-policy log-probs when gradient_accumulation_steps %
-        (steps_per_generation x num_iterations) != 0, or with vLLM's importance-sampling correction; RLOOTrainer's
-        always (`old_logps_always`)."""
-        if self.old_logps_always:
-            return True
-        every = self.steps_per_generation * self.num_iterations
-        uses_vllm = self.engine is not Mode.GENERATE
-        return self.gradient_accumulation_steps % every != 0 or (uses_vllm and self.vllm_importance_sampling_correction)
-
-    @property
-    def reference_forward(self) -> bool:
-        return self.beta != 0
-
-    @property
-    def scoring_forwards(self) -> int:
-        """No-grad forwards over the generation batch: the old policy's, the reference's (reward models apart)."""
-        return int(self.old_logps_forward) + int(self.reference_forward)
-
-    @property
-    def generations_per_step(self) -> float:
-        """Generation calls per optimizer step: one every steps_per_generation x num_iterations micro-steps."""
-        return self.gradient_accumulation_steps / (self.steps_per_generation * self.num_iterations)
-
-    @property
-    def trained_tokens_per_step(self) -> int:
-        """Completion tokens trained per optimizer step (every completion at max_completion_length)."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.max_completion_length
-
-    @property
-    def gradients_while_generating(self) -> bool:
-        """Whether a generation call falls inside an accumulation (micro-step k x steps_per_generation x
-        num_iterations not a multiple of gradient_accumulation_steps): the earlier micro-steps' gradients are then
-        resident while generating and scoring (Trainer zeroes them only after the optimizer step)."""
-        return (self.steps_per_generation * self.num_iterations) % self.gradient_accumulation_steps != 0
-
-    @property
-    def resident_bytes(self) -> int:
-        """Held in every phase: the policy, its optimizer state, a separate reference, reward models."""
-        return self.weights_bytes + self.optimizer_bytes + self.reference_bytes + self.reward_model_bytes
-
-
-# ---- the step from the workload's shape and the backend's training-state bytes ----------------------------------
-def build_step(arch: Any, model_config: Mapping[str, Any], *, weights_bytes: int, gradient_bytes: int,
-               optimizer_bytes: int, trainable: int, weight_element_bytes: int, mixed: bool, prompt_length: int,
-               max_completion_length: int, per_device_train_batch_size: int, gradient_accumulation_steps: int,
-               steps_per_generation: int | None, generation_batch_size: int | None, num_generations: int,
-               num_iterations: int, beta: float, lora: bool, use_vllm: bool, vllm_mode: str,
-               vllm_enable_sleep_mode: bool, vllm_gpu_memory_utilization: float,
-               vllm_importance_sampling_correction: bool, vllm_max_model_length: int | None,
-               ds3_gather_for_generation: bool, cast_lm_head_to_fp32: bool, gradient_checkpointing: bool,
-               old_logps_always: bool, reference_bytes: int, reward_model_bytes: int, card_bytes: int, cuda: bool,
-               context_bytes: int = 0, supports_bf16: bool = True, world_size: int = 1, zero3: bool = False,
-               optimizer_temporary_bytes: int = 0, train_activation_bytes: int = 0,
-               train_recompute_bytes: int = 0) -> OnlineStep:
-    """The step's `OnlineStep` from the architecture (advisor/_physics/shapes.py `Architecture`), the knobs by TRL
-    1.16's names (each trainer's defaults already resolved by the caller) and the training state's bytes as the
-    backend counts them (the estimate: the SFT estimate's parts; the simulator: the fake run's models). With vLLM,
-    its side (`vllm_side`) from the model's config. The element sizes follow autocast: the compute dtype is 16-bit
-    under mixed precision or 16-bit weights, the DynamicCache's keys float32 under autocast over float32 weights."""
-    b, ga, world = per_device_train_batch_size, gradient_accumulation_steps, max(1, world_size)
-    spg = steps_per_generation
-    if spg is None:  # GRPOConfig.__post_init__: generation_batch_size // (B x processes), else GA
-        spg = generation_batch_size // (b * world) if generation_batch_size else ga
-    float32_weights = weight_element_bytes == 4
-    compute = 2 if (mixed or not float32_weights) else 4
-    if use_vllm and vllm_mode not in (Mode.COLOCATE.value, Mode.SERVER.value):
-        raise ConfigError(f"vllm_mode={vllm_mode!r}: TRL takes 'colocate' or 'server'", context="vllm_mode")
-    engine = Mode(vllm_mode) if use_vllm else Mode.GENERATE
-    from .vllm import TRL_SLEEP_LEVEL
-
-    sleep = TRL_SLEEP_LEVEL if (use_vllm and vllm_enable_sleep_mode) else Sleep.OFF
-    reference = Reference.NONE if beta == 0 else (Reference.ADAPTERS_DISABLED if lora else Reference.SEPARATE)
-    step = OnlineStep(
-        parameters=arch.total, trainable=trainable, layers=arch.layers, hidden=arch.hidden,
-        intermediate=arch.intermediate, kv_heads=max(1, arch.kv_dim // max(1, arch.head_dim)),
-        head_dim=arch.head_dim, vocab=arch.vocab, weights_bytes=weights_bytes, gradient_bytes=gradient_bytes,
-        optimizer_bytes=optimizer_bytes, kv_dtype_bytes=compute,
-        key_dtype_bytes=4 if (mixed and float32_weights) else compute, compute_bytes=compute,
-        head_weight_bytes=weight_element_bytes, prompt_length=prompt_length,
-        max_completion_length=max_completion_length, per_device_train_batch_size=b, steps_per_generation=int(spg),
-        num_generations=int(num_generations), num_iterations=int(num_iterations), gradient_accumulation_steps=ga,
-        beta=float(beta), reference=reference, reference_bytes=reference_bytes,
-        reward_model_bytes=reward_model_bytes, vllm_gpu_memory_utilization=float(vllm_gpu_memory_utilization),
-        sleep=sleep, vllm_importance_sampling_correction=bool(vllm_importance_sampling_correction),
-        old_logps_always=old_logps_always, world_size=world, zero3=zero3,
-        ds3_gather_for_generation=bool(ds3_gather_for_generation), full_weights_bytes=arch.total * compute,
-        cast_lm_head_to_fp32=bool(cast_lm_head_to_fp32), lora=lora, gradient_checkpointing=gradient_checkpointing,
-        optimizer_temporary_bytes=optimizer_temporary_bytes, train_activation_bytes=train_activation_bytes,
-        train_recompute_bytes=train_recompute_bytes, card_bytes=card_bytes, cuda=cuda,
-    )
-    if engine is not Mode.GENERATE:
-        side = vllm_side(model_config, parameters=arch.total, generation_batch=step.generation_batch,
-                         vllm_max_model_length=vllm_max_model_length, context_bytes=context_bytes,
-                         supports_bf16=supports_bf16)
-        step = replace(step, engine=engine, vllm=side)
-    return step
 
 
 # ---- transformers' generate: the KV cache ------------------------------------------------------------------------
@@ -499,38 +219,6 @@ class VllmRefusal:
         return f"{self.refused.message}. For this step: {self.fix}"
 
 
-def vllm_profile_activation_bytes(*, hidden: int, intermediate: int, vocab: int, max_num_seqs: int,
-                                  dtype_bytes: int) -> int:
-    """vLLM's profile run in closed form (online_rl_constants.json vllm_profile_activation_tokens: modelled,
-    unverified): one layer's transients over max_num_batched_tokens tokens and the sampler's fp32 logits and
-    probabilities of max_num_seqs (TRL: the generation batch) rows."""
-    tokens = int(_c("vllm_profile_activation_tokens"))
-    return tokens * (3 * intermediate + 4 * hidden) * dtype_bytes + 2 * max_num_seqs * vocab * 4
-
-
-def vllm_side(config: Mapping[str, Any], *, parameters: int, generation_batch: int,
-              vllm_max_model_length: int | None = None, context_bytes: int = 0, supports_bf16: bool = True,
-              activation_bytes: int | None = None, non_torch_bytes: int | None = None) -> VllmSide:
-    """What colocated vLLM loads for a transformers `config` (vllm.py: `vllm_dtype`, `kv_layout`,
-    `derived_max_model_len`): the checkpoint's `parameters` at vLLM's dtype, its KV layout, its max_model_len, and
-    the profile run's activations and non-torch memory (measured values win over the modelled ones)."""
-    from .vllm import DTYPE_BYTES as _VLLM_BYTES
-    from .vllm import derived_max_model_len, kv_layout, vllm_dtype
-
-    name = vllm_dtype(config, supports_bf16=supports_bf16)
-    nbytes = _VLLM_BYTES[name]
-    c = config.get("text_config") or config
-    if activation_bytes is None:
-        activation_bytes = vllm_profile_activation_bytes(
-            hidden=int(c["hidden_size"]), intermediate=int(c["intermediate_size"]), vocab=int(c["vocab_size"]),
-            max_num_seqs=generation_batch, dtype_bytes=nbytes)
-    return VllmSide(
-        weights_bytes=parameters * nbytes, layout=kv_layout(config, supports_bf16=supports_bf16),
-        max_model_len=derived_max_model_len(config, vllm_max_model_length), activation_bytes=int(activation_bytes),
-        non_torch_bytes=int(_c("vllm_non_torch_bytes") if non_torch_bytes is None else non_torch_bytes),
-        context_bytes=context_bytes)
-
-
 def startup_bytes(step: OnlineStep) -> int:
     """The training process's bytes when vLLM snapshots the device (GRPOTrainer.__init__, before train(): no
     optimizer state yet): its CUDA context, the policy, a reference, reward models."""
@@ -562,7 +250,7 @@ def colocated_vllm(side: VllmSide, *, card_bytes: int, utilization: float, sleep
     free = card_bytes - startup_bytes
     outcome = start(pool, free_at_startup=free, weights_bytes=side.weights_bytes,
                     activation_bytes=side.activation_bytes, non_torch_bytes=side.non_torch_bytes, layout=side.layout,
-                    max_model_len=side.max_model_len)
+                    max_model_len=side.max_model_len, cudagraph_bytes=side.cudagraph_bytes)
     shape = _Shape(side, card_bytes, generation_batch, prompt_length, max_completion_length)
     if isinstance(outcome, Refused):
         return VllmRefusal(outcome, _fix(shape, outcome, free))
@@ -592,7 +280,7 @@ def _need(step: _Shape, sequences: int) -> Any:
     length = min(step.sequence_length, v.max_model_len)
     return min_utilization(step.card_bytes, weights_bytes=v.weights_bytes, activation_bytes=v.activation_bytes,
                            non_torch_bytes=v.non_torch_bytes, layout=v.layout, sequences=sequences,
-                           sequence_length=length, max_model_len=v.max_model_len)
+                           sequence_length=length, max_model_len=v.max_model_len, cudagraph_bytes=v.cudagraph_bytes)
 
 
 def _fix(step: _Shape, refused: Refused, free: int) -> str:
@@ -689,7 +377,7 @@ class OnlineTime:
 
 def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, peak_flops: float,
               interconnect_bytes_s: float | None = None, vllm_weights_bytes: int | None = None,
-              vllm_waves: int = 1) -> OnlineTime:
+              vllm_waves: int = 1, generation_s: float | None = None, scoring_s: float | None = None) -> OnlineTime:
     """One optimizer step: `train_s` (the training passes of gradient_accumulation_steps micro-batches, from the
     step-time model, advisor/_physics/timing/) plus, per generation call (`generations_per_step` of them):
     - generation: prefill (2 x dense params FLOPs per prompt token, compute-bound at the GEMM efficiency) and
@@ -700,7 +388,10 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
     - the weight sync (once per optimizer step): colocated, `load_weights` copies every weight (read + write over
       the device's bandwidth); served, the weights over the interconnect to the server; with sleep, wake-up
       (vllm_wake_up_s, unverified) and the same re-push;
-    - the scoring forwards (old policy, reference): 2 x dense params FLOPs per token over the generation batch.
+    - the scoring forwards (old policy, reference): 2 x dense params FLOPs per token over the generation batch,
+      against the host's ops of each no-grad forward.
+    `generation_s` / `scoring_s`: one generation call's generate / scoring timed from the simulator's fake run as two
+    queues (advisor/_sim/phase_timing.py), in place of the closed forms (generate: transformers' engine only).
     `tc`: advisor/_physics/timing TimeConstants of the target."""
     gens = step.generations_per_step
     g, p, c = step.generation_batch, step.prompt_length, step.max_completion_length
@@ -715,12 +406,17 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
     decode_flops = c * 2.0 * dense_params * g / eff_peak
     decode_dev = max(decode_device, decode_flops)
     notes = []
-    if step.engine is Mode.GENERATE:
-        host = c * step.layers * _c("hf_generate_host_ops_per_layer") * tc.op_s
-        decode = (decode_dev + host) if not tc.cuda else max(decode_dev, host)
-        notes.append("generation: transformers' generate, prefill compute-bound, decode bandwidth-bound (weights + "
-                     "KV read per token) against its host ops per step (online_rl_constants.json "
-                     "hf_generate_host_ops_per_layer, unverified)")
+    if step.engine is Mode.GENERATE and generation_s is not None:
+        prefill, decode = 0.0, generation_s
+        notes.append("generation: transformers' generate timed from the fake run's own ops, per window of the "
+                     "decode loop (the prefill, each decode step) as host and device queues with the host's read of "
+                     "the stopping criteria each token (advisor/_sim/phase_timing.py)")
+        sync = 0.0
+    elif step.engine is Mode.GENERATE:
+        decode = c * _hf_decode_token_s(step, tc, decode_dev / max(c, 1))
+        notes.append("generation: transformers' generate, prefill compute-bound; each decode step the larger of its "
+                     "kernels (weights + KV read) and the host's ops (online_rl_constants.json hf_generate_ops), "
+                     "then the host's read of the stopping criteria")
         sync = 0.0
     else:
         decode = decode_dev / _c("vllm_decode_efficiency") * max(1, vllm_waves)
@@ -738,15 +434,37 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
             bw = interconnect_bytes_s or tc.pcie_bw
             sync = wbytes / bw
             notes.append("weight sync: the weights to the vLLM server over the interconnect once per step")
-    scoring = step.scoring_forwards * 2.0 * dense_params * g * step.sequence_length / eff_peak
+    if scoring_s is not None:
+        scoring = scoring_s
+        notes.append("scoring (old policy / reference forwards, rewards, advantages): timed from the fake run's ops "
+                     "as host and device queues")
+    else:
+        forward_host = tc.issue_s(OpClass.NOGRAD, step.layers * _c("forward_ops_per_layer"),
+                                  step.layers * _c("forward_kernel_ops_per_layer"))
+        ops = _constants_block("score_ops")
+        scoring = step.scoring_forwards * max(2.0 * dense_params * g * step.sequence_length / eff_peak,
+                                              forward_host) + tc.issue_s(OpClass.NOGRAD, ops["ops"], ops["kernel_ops"])
     syncs = min(1.0, gens)
     terms = {"generation": gens * (prefill + decode), "weight_sync": syncs * sync, "scoring_forwards": gens * scoring,
              "training": float(train_s)}
     return OnlineTime({k: v for k, v in terms.items()}, step.trained_tokens_per_step, tuple(notes))
 
 
+def _hf_decode_token_s(step: OnlineStep, tc: Any, device_s: float) -> float:
+    """One decode step of transformers' generate in closed form: the host issues its ops (per layer and outside the
+    layers: the logits processors, sampling, the stopping criteria; online_rl_constants.json hf_generate_ops,
+    counted on the fake run) while the device runs `device_s`, then waits for it (the stopping check)."""
+    ops = _constants_block("hf_generate_ops")
+    host = tc.issue_s(OpClass.NOGRAD, step.layers * ops["per_layer"] + ops["outside"],
+                      step.layers * ops["kernel_per_layer"] + ops["kernel_outside"])
+    if not tc.cuda:
+        return host + device_s
+    return max(host, device_s) + tc.sync_s
+
+
 def step_time_on(step: OnlineStep, gpu: Any, arch: Any, *, precision: str, train_s: float,
-                 vllm: VllmTerms | None = None) -> OnlineTime:
+                 vllm: VllmTerms | None = None, generation_s: float | None = None,
+                 scoring_s: float | None = None) -> OnlineTime:
     """`step_time` on the target `gpu` (a GPUSpec): its time constants, peak FLOPs at `precision`, its interconnect
     (a served vLLM's weight sync; None on a CPU target), the dense parameters of `arch` (decoder linears + the head),
     vLLM's weights and KV-cache rounds from `step` and `vllm`. What the estimate and the simulator both call."""
@@ -757,4 +475,4 @@ def step_time_on(step: OnlineStep, gpu: Any, arch: Any, *, precision: str, train
                      interconnect_bytes_s=interconnect(gpu).intra_gbs * 1e9 if gpu.is_cuda else None,
                      peak_flops=peak_flops(gpu, precision),
                      vllm_weights_bytes=step.vllm.weights_bytes if step.vllm is not None else None,
-                     vllm_waves=getattr(vllm, "waves", 1))
+                     vllm_waves=getattr(vllm, "waves", 1), generation_s=generation_s, scoring_s=scoring_s)
