@@ -36,6 +36,8 @@ from ._estimate import (
     estimate_online_rl,
     expected_step_time,
     memory_parts,
+    no_grad_adjustment,
+    no_grad_forwards,
     outside_allocator_bytes,
 )
 from ._physics import (
@@ -117,9 +119,10 @@ def _moments(workload: Workload, c: Candidate, p: MemoryParts) -> dict[str, dict
     }
 
 
-def _rows_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
+def _rows_closed_form(workload: Workload, candidate: Candidate, adjust: Any = None) -> Measurement:
     """The step over the dataset's rows as they are: the policy, its gradients and optimizer state, the
-    activations and TRL's fused LM head, at the moments of a step."""
+    activations and TRL's fused LM head, at the moments of a step; `adjust(moments, parts)`: what a step adds
+    around the policy's (its no-grad forwards: `_estimate/no_grad.py`), before the moments are sharded over ranks."""
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
@@ -127,6 +130,8 @@ def _rows_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
     p = memory_parts(workload, c)
     worst = p.batch
     moments = _moments(workload, c, p)
+    if adjust is not None:
+        moments = adjust(moments, p)
     rank_notes: list[str] = []
     if workload.num_gpus > 1:  # one rank of N: the model states sharded as the candidate's parallelism shards them
         from ._physics import estimate_rank_moments
@@ -195,12 +200,15 @@ def _sequences_closed_form(workload: Workload, candidate: Candidate, shape: Step
     sequences (`Dataset.sequences`: a micro-batch of B pairs runs 2B sequences, padded together), with a resident
     reference copy of the weights (`reference_copy`), the LM head's logits left out for a one-label score head
     (`lm_head` False), and a reference's no-grad forward taken as a third of the step's compute
-    (`reference_forward`)."""
+    (`reference_forward`); the further batches' no-grad forwards and the reference's held ones where the shape
+    declares them (`no_grad_batches`, `reference_held`: advisor/_estimate/no_grad.py), each a third of the step's
+    compute."""
     c = candidate
     per_row = shape.sequences_per_row
     rows = dataclasses.replace(workload, dataset=_sequences(workload.dataset))
-    m = _rows_closed_form(rows, c.replace(per_device_train_batch_size=per_row * c.per_device_train_batch_size,
-                                          packing=False, padding_free=False))
+    seq = c.replace(per_device_train_batch_size=per_row * c.per_device_train_batch_size, packing=False,
+                    padding_free=False)
+    m = _rows_closed_form(rows, seq, no_grad_adjustment(rows, seq, shape))
     arch = architecture(workload.model)
     ref_bytes = arch.total * DTYPE_BYTES[c.weights_dtype] + arch.buffer_bytes if shape.reference_copy else 0
     head = 0 if shape.lm_head else int(m.breakdown.get(Category.LM_HEAD.value, 0))
@@ -221,15 +229,20 @@ def _sequences_closed_form(workload: Workload, candidate: Candidate, shape: Step
         reference = "; the reference: " + (f"a resident copy (+{ref_bytes / 2**30:.2f} GiB of weights)"
                                            if ref_bytes else "no copy resident (the adapters disabled)")
         reference += ", its no-grad forward taken as a third of the step's compute" if shape.reference_forward else ""
+    further = (f"; {shape.no_grad_batches} further batch(es) of its shape through the policy under no_grad before "
+               "its trained forward" if shape.no_grad_batches else "")
+    held = "; the reference's forwards while the activations are held" if shape.reference_held and \
+        shape.reference_forward else ""
     notes = [f"{name} (approximate): the rows' closed form on {per_row}B sequences a micro-batch of B {unit}"
              + ("; a one-label score head (the LM head's logits left out)" if not shape.lm_head else "")
-             + reference, *m.notes]
+             + further + reference + held, *m.notes]
     out = dataclasses.replace(m, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device, breakdown=breakdown,
                               peak_batch=f"{c.per_device_train_batch_size} {unit} ({m.peak_batch})",
                               notes=tuple(notes))
-    if not shape.reference_forward:
+    forwards = no_grad_forwards(shape)
+    if not forwards:
         return out
-    slow = 4.0 / 3.0
+    slow = 1.0 + forwards / 3.0
     step = m.step_time_s * slow if m.step_time_s else m.step_time_s
     return dataclasses.replace(
         out, step_time_s=step,

@@ -410,3 +410,96 @@ def _bootstrap(dataset: TokenizedDataset, seed: int, confidence: float = 0.95) -
         mean_length=interval(lengths.mean(axis=1)),
         mean_trained=interval(dataset.trained[idx].mean(axis=1)),
     )
+
+
+# ---- what `advisor lengths` asks of a trainer (`Trainer.length_report`), and the chat rows' answer -----------------
+@dataclass(frozen=True)
+class LengthRequest:
+    """What `advisor lengths` asks for; each trainer's `length_report` reads what its kind of data has and refuses,
+    naming the flag, what it has none of (`trainer`: the --trainer named in those errors)."""
+
+    trainer: str = ""
+    max_lengths: tuple[int, ...] | None = None
+    max_truncation: float = DEFAULT_MAX_TRUNCATION
+    micro_batches: tuple[int, ...] = MICRO_BATCHES
+    seed: int = 0
+    max_completion_length: int | None = None  # the online trainers' completion bound
+    plot: str | None = None  # a histogram PNG to write (chat rows)
+
+    def refuse_completion_length(self) -> None:
+        """A trainer that generates no completions has no completion length: --max-completion-length refused."""
+        if self.max_completion_length is not None:
+            raise UsageError(f"--max-completion-length {self.max_completion_length} with --trainer {self.trainer}: "
+                             "only the online trainers (--trainer grpo|rloo) generate completions; use --max-length")
+
+
+@dataclass(frozen=True)
+class RowsLength:
+    """The chat rows' answer to `advisor lengths`: the report, the max_length its histogram marks, the plot
+    written (or None)."""
+
+    report: LengthReport
+    marker: int
+    plot: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.report.to_dict()
+        out["plot"] = None if self.plot is None else str(self.plot)
+        return out
+
+    def text(self) -> str:
+        from tabulate import tabulate  # start-up: loaded on first use
+
+        report = self.report
+        kind = "synthetic data (no --dataset given)" if report.synthetic else "dataset"
+        pct = report.percentiles
+        lines = [
+            f"{report.name}: {kind}, {report.count} rows, {report.total_tokens} tokens, "
+            f"{report.trained_tokens} trained tokens",
+            f"full prepared length: p50 {pct.p50}  p90 {pct.p90}  p95 {pct.p95}  p99 {pct.p99}  max {pct.max}  "
+            f"(mean {report.mean_length:.1f})",
+        ]
+        if report.sampling is not None:
+            s = report.sampling
+            ci = "  ".join(f"{k} [{v.low:.0f}, {v.high:.0f}]" for k, v in s.percentiles.items())
+            lines.append(f"sampled {s.rows} of {s.population} rows; {s.confidence:.0%} bootstrap intervals: {ci}; "
+                         f"mean [{s.mean_length.low:.1f}, {s.mean_length.high:.1f}]")
+        lines.append(f"suggested max_length: {report.suggested_max_length} "
+                     f"(loses at most {report.max_truncation:.1%} of trained tokens, a multiple of 64)")
+        rows = []
+        for m in report.max_lengths:
+            padding = " ".join(f"{p.micro_batch}:{p.random:.0%}/{p.group_by_length:.0%}" for p in m.padding)
+            packing = " ".join(f"{p.strategy.value} {p.fill_rate:.1%}" for p in m.packing)
+            rows.append([m.max_length, f"{m.tokens_lost_fraction:.2%}", m.rows_truncated, m.rows_dropped, padding,
+                         packing])
+        lines.append("")
+        lines.append(tabulate(rows, headers=["max_length", "trained lost", "rows cut", "rows dropped",
+                                             "padding per micro-batch (random/grouped)", "packed fill"]))
+        lines.append("")
+        lines.append(histogram_text(report, max_length=self.marker))
+        if report.bad_rows:
+            lines.append("")
+            lines.append(f"{len(report.bad_rows)} bad row(s), skipped:")
+            lines += [f"  {b.describe()}" for b in report.bad_rows[:20]]
+            if len(report.bad_rows) > 20:
+                lines.append(f"  ... and {len(report.bad_rows) - 20} more (see --json)")
+        lines += [f"note: {n}" for n in report.notes if not n.startswith(f"{len(report.bad_rows)} bad row")]
+        if self.plot is not None:
+            lines += ["", f"histogram written to {self.plot}"]
+        return "\n".join(lines)
+
+
+def rows_length(data: TokenizedDataset, request: LengthRequest) -> RowsLength:
+    """Chat rows (SFT): percentiles, truncation, padding per micro-batch and packing fill per max_length, and the
+    histogram's PNG when asked."""
+    request.refuse_completion_length()
+    report = length_report(data, max_lengths=request.max_lengths, micro_batches=request.micro_batches,
+                           max_truncation=request.max_truncation, seed=request.seed)
+    marker = request.max_lengths[0] if request.max_lengths else report.suggested_max_length
+    plot = plot_lengths(report, request.plot, max_length=marker) if request.plot else None
+    return RowsLength(report, marker, plot)
+
+
+def percentile_line(p: Percentiles) -> str:
+    """One line of a length report: p50 / p90 / p95 / p99 / max."""
+    return f"p50 {p.p50}  p90 {p.p90}  p95 {p.p95}  p99 {p.p99}  max {p.max}"

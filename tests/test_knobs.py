@@ -180,7 +180,7 @@ def test_every_trainers_knob_round_trips_fix_yaml_trl_parser(trainer, k, tmp_pat
 
 
 def test_a_knob_another_trainer_owns_is_refused_by_name():
-    with pytest.raises(ConfigError, match="--fix precompute_ref_log_probs: a knob of dpo, not of trainer 'sft'"):
+    with pytest.raises(ConfigError, match="--fix precompute_ref_log_probs: a knob of dpo, kto, not of trainer 'sft'"):
         parse_fix({"precompute_ref_log_probs": "true"}, "sft")
     with pytest.raises(ConfigError, match="--fix packing: a knob of sft, not of trainer 'reward'"):
         parse_fix({"packing": "true"}, "reward")

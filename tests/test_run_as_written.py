@@ -1,5 +1,5 @@
 """The emitted file runs as written on its target (issue 25): a CPU suggestion over a local jsonl and a local model
-directory, written with `to_yaml()`, is given to the real `trl sft|dpo|reward --config FILE` (a subprocess, offline)
+directory, written with `to_yaml()`, is given to the real `trl sft|dpo|reward|kto --config FILE` (a subprocess, offline)
 with nothing but `--max_steps` added; it trains, and its peak, measured as the cpu backend measures its probe (the
 CPU allocator's events through torch.profiler: tests/trl_meter/sitecustomize.py), is the suggestion's prediction
 within 1%. The snippet (`to_python()`) loads the same data on the same target."""
@@ -50,6 +50,9 @@ def data_dir(tmp_path_factory) -> Path:
     (d / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     pairs = [{"prompt": f"hello world number {i}", "chosen": f" {TEXT}", "rejected": f" {TEXT}"} for i in range(10, 42)]
     (d / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    examples = [{"prompt": f"hello world number {i}", "completion": f" {TEXT}", "label": i % 2 == 0}
+                for i in range(10, 42)]
+    (d / "kto.jsonl").write_text("".join(json.dumps(r) + "\n" for r in examples))
     return d
 
 
@@ -71,7 +74,8 @@ def _measured(argv: list[str], cwd: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer, data", [("sft", "sft.jsonl"), ("dpo", "pairs.jsonl"), ("reward", "pairs.jsonl")])
+@pytest.mark.parametrize("trainer, data", [("sft", "sft.jsonl"), ("dpo", "pairs.jsonl"), ("reward", "pairs.jsonl"),
+                                           ("kto", "kto.jsonl")])
 def test_the_file_runs_as_written_and_peaks_as_predicted(trainer, data, model_dir, data_dir, tmp_path, monkeypatch,
                                                          capsys):
     import advisor

@@ -60,7 +60,7 @@ def _snippet_calls(text: str) -> dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "reward"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "reward", "kto"])
 def test_qlora_snippet_and_trl_config_carry_the_4bit_config_as_the_yaml_does(trainer, tiny_config, tmp_path):
     import yaml
     from trl import ModelConfig, get_quantization_config

@@ -15,6 +15,7 @@ from .memory import (
     outside_allocator_bytes,
 )
 from .micro_batches import BatchShape, batches
+from .no_grad import no_grad_adjustment, no_grad_forwards
 from .online_step import estimate_online_rl
 from .step_time import expected_step_time
 
@@ -24,4 +25,5 @@ __all__ = [  # noqa: RUF022
     "LM_HEAD_FP32_VECTORS",
     "expected_step_time",
     "estimate_online_rl",
+    "no_grad_adjustment", "no_grad_forwards",
 ]

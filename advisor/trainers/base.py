@@ -34,10 +34,16 @@ from .._emit import (
 from ..data import TokenizedDataset, load_dataset, load_processing_class
 from ..errors import ConfigError
 from ..knobs import Home, KnobView, owned_rows
-from ..lengths import max_length_candidates
+from ..lengths import LengthRequest, max_length_candidates, rows_length
 from ..modeling import build_model
 from ..space import Candidate
-from .preference import PreferenceDataset, check_preference_rows, load_preferences, preference_max_lengths
+from .preference import (
+    PreferenceDataset,
+    check_preference_rows,
+    load_preferences,
+    preference_length_report,
+    preference_max_lengths,
+)
 from .protocol import GpuSplit, ModelInput, StepShape
 from .registry import register  # noqa: F401  (a trainer module registers its trainer through here)
 
@@ -360,6 +366,10 @@ class TrlTrainer:
     def notes(self, candidate: Candidate, workload: Workload | None = None) -> list[str]:
         return []
 
+    def length_report(self, data: Any, request: LengthRequest) -> Any:
+        """`advisor lengths` on its data (chat rows): percentiles, truncation, padding per micro-batch, packing."""
+        return rows_length(data, request)
+
     def report_rows(self, candidate: Candidate) -> list[list[str]]:
         """The summary's rows of this trainer: which TRL trainer runs, then its own knobs (their labels and values
         from their declarations in the knob registry)."""
@@ -396,6 +406,12 @@ class PairTrainer(TrlTrainer):
 
     def kept_rows(self, workload: Workload, candidate: Candidate) -> Any:
         return every_row(workload)
+
+    def length_report(self, data: Any, request: LengthRequest) -> Any:
+        """The lengths of prompt + chosen and prompt + rejected, and for each max_length the chosen and the
+        rejected tokens it cuts off (apart) and the pairs it drops."""
+        request.refuse_completion_length()
+        return preference_length_report(data, max_lengths=request.max_lengths, max_truncation=request.max_truncation)
 
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
         """An SFT-only key in this trainer's config is refused by name (`trl <command>` would pass it on silently)."""

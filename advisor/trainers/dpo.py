@@ -15,6 +15,7 @@ Candidate carries them without a field of its own and a YAML reads back to the s
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -69,8 +70,9 @@ KNOBS = (
 )
 
 
-class _DPOKnobsMethods(KnobView):
-    """DPOConfig's memory knobs that SFT has no name for: one field per declaration in KNOBS."""
+class ReferenceKnobMethods(KnobView):
+    """DPOConfig's memory knobs that SFT has no name for: one field per declaration in KNOBS; how the reference is
+    held (KTO's view derives from this too: KTOConfig has the same reference knobs and rules)."""
 
     CONTEXT = "dpo"
 
@@ -83,7 +85,7 @@ class _DPOKnobsMethods(KnobView):
         return self.precompute_ref_batch_size or candidate.per_device_train_batch_size
 
 
-DPOKnobs = knob_view("DPOKnobs", KNOBS, _DPOKnobsMethods, __name__)
+DPOKnobs = knob_view("DPOKnobs", KNOBS, ReferenceKnobMethods, __name__)
 
 
 def prepared_as_is(self, dataset, processing_class, args, dataset_name):
@@ -118,13 +120,7 @@ class DPO(PairTrainer):
             k = self.knobs(c)
         except ConfigError as exc:
             return out + exc.problems
-        if k.sync_ref_model and c.use_lora:
-            out.append("sync_ref_model=True with LoRA: DPOTrainer raises \"sync_ref_model=True while using a PEFT "
-                       "model ... not supported\"; set sync_ref_model: false")
-        if k.sync_ref_model and k.precompute_ref_log_probs:
-            out.append("sync_ref_model=True with precompute_ref_log_probs=True: DPOTrainer raises \"You cannot use "
-                       "sync_ref_model=True together with precompute_ref_log_probs=True\"; choose one")
-        return out
+        return out + reference_problems(k, c, self.trainer_name)
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
         """A `trl dpo` config read into a Candidate: the shared keys as advisor/_emit reads them, DPO's own keys
@@ -167,11 +163,6 @@ class DPO(PairTrainer):
         return {"_prepare_dataset": prepared_as_is}
 
     def fake_overrides(self) -> dict[str, Callable]:
-        def create_accelerator_and_postprocess(self):
-            type(self).__mro__[1].create_accelerator_and_postprocess(self)
-            # the reference is prepared in __init__ (accelerator.prepare_model): its meta weights cannot be moved
-            self.accelerator.device_placement = False
-
         def _precompute_ref_logps(self, dataset, name, batch_size):
             # Deferred to the fake run (DPO.before_train): the weights are meta here. The columns TRL adds are added
             # with the values' type, so the collator builds the same batch.
@@ -180,12 +171,12 @@ class DPO(PairTrainer):
             return dataset.add_column("ref_chosen_logps", [0.0] * n).add_column("ref_rejected_logps", [0.0] * n)
 
         return {
-            "create_accelerator_and_postprocess": create_accelerator_and_postprocess,
+            "create_accelerator_and_postprocess": no_device_placement,
             "_precompute_ref_logps": _precompute_ref_logps,
         }
 
     def construction(self, spec: ModelSpec, candidate: Candidate) -> contextlib.AbstractContextManager:
-        return _meta_construction(spec, candidate)
+        return meta_construction(spec, candidate, "trl.trainer.dpo_trainer")
 
     def extra_models(self, trainer: Any) -> list:
         return [trainer.ref_model] if getattr(trainer, "ref_model", None) is not None else []
@@ -239,6 +230,18 @@ class DPO(PairTrainer):
         return out
 
 
+def reference_problems(k: Any, c: Candidate, trainer_name: str) -> list[str]:
+    """TRL's rules on the reference knobs (DPOTrainer's and KTOTrainer's __init__ alike)."""
+    out = []
+    if k.sync_ref_model and c.use_lora:
+        out.append(f"sync_ref_model=True with LoRA: {trainer_name} raises \"sync_ref_model=True while using a PEFT "
+                   "model ... not supported\"; set sync_ref_model: false")
+    if k.sync_ref_model and k.precompute_ref_log_probs:
+        out.append(f"sync_ref_model=True with precompute_ref_log_probs=True: {trainer_name} raises \"You cannot use "
+                   "sync_ref_model=True together with precompute_ref_log_probs=True\"; choose one")
+    return out
+
+
 def _longest_pairs(dataset: Any, n: int, max_length: int | None) -> list[dict]:
     lengths = [max(len(p) + len(c), len(p) + len(r)) for p, c, r in
                zip(dataset["prompt_ids"], dataset["chosen_ids"], dataset["rejected_ids"], strict=True)]
@@ -250,13 +253,21 @@ def _longest_pairs(dataset: Any, n: int, max_length: int | None) -> list[dict]:
     return [{k: v for k, v in dataset[i].items() if k in keep} for i in order]
 
 
+def no_device_placement(self: Any) -> None:
+    """The fake trainer's `create_accelerator_and_postprocess`: the reference is prepared in __init__
+    (accelerator.prepare_model), and its meta weights cannot be moved."""
+    type(self).__mro__[1].create_accelerator_and_postprocess(self)
+    self.accelerator.device_placement = False
+
+
 @contextlib.contextmanager
-def _meta_construction(spec: ModelSpec, candidate: Candidate) -> Iterator[None]:
-    """DPOTrainer.__init__ on a meta policy: its reference is built as TRL builds it (`create_model_from_path`
-    with the policy's dtype and attention implementation), on meta; `hash_module` (the precompute cache's key)
-    cannot read meta weights."""
+def meta_construction(spec: ModelSpec, candidate: Candidate, module: str) -> Iterator[None]:
+    """A reference trainer's __init__ (`module`: DPOTrainer's or KTOTrainer's) on a meta policy: its reference is
+    built as TRL builds it (`create_model_from_path` with the policy's dtype and attention implementation), on meta;
+    `hash_module` (the precompute cache's key) cannot read meta weights."""
     import torch  # start-up: loaded on first use
-    import trl.trainer.dpo_trainer as dt  # start-up: loaded on first use
+
+    dt = importlib.import_module(module)  # start-up: TRL loaded on first use
 
     def reference(model_id: str, architecture: Any = None, **kwargs: Any):
         dtype = kwargs.get("dtype", "float32")
@@ -269,7 +280,7 @@ def _meta_construction(spec: ModelSpec, candidate: Candidate) -> Iterator[None]:
 
     saved = (dt.create_model_from_path, dt.hash_module)
     dt.create_model_from_path = reference
-    dt.hash_module = lambda module: "advisor-meta"
+    dt.hash_module = lambda _module: "advisor-meta"
     try:
         yield
     finally:

@@ -26,17 +26,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UsageError
 from . import online_files, online_space
 from .base import TrlTrainer, every_row
 from .online_knobs import OnlineKnobs, problems, world_problems
-from .prompts import PROMPT_COLUMN, PromptDataset, check_prompt_rows, load_prompts, placeholder_text
+from .prompts import (
+    DEFAULT_COMPLETION,
+    PROMPT_COLUMN,
+    PromptDataset,
+    check_prompt_rows,
+    load_prompts,
+    placeholder_text,
+    prompt_length_report,
+)
 from .protocol import GpuSplit, ModelInput, StepShape
 
 if TYPE_CHECKING:
     import datasets
     import torch
 
+    from ..lengths import LengthRequest
     from ..space import Candidate
     from ..workload import GPUSpec, ModelSpec, Workload
 
@@ -208,6 +217,18 @@ class OnlineRLTrainer(TrlTrainer):
         return out
 
     # ---- what the report and the notes say -----------------------------------------------------------------------
+    def length_report(self, data: Any, request: LengthRequest) -> Any:
+        """The prompts' lengths and prompt + max_completion_length (--max-completion-length, else TRL's 512): the
+        online trainers truncate neither, and their configs have no max_length (--max-length refused by name)."""
+        if request.max_lengths:
+            # reading N as the completion length would be a silent guess
+            n = request.max_lengths[0]
+            raise UsageError(f"--max-length {' '.join(map(str, request.max_lengths))} with --trainer "
+                             f"{request.trainer}: {self.config_name} has no max_length (TRL 1.16 truncates no prompt; "
+                             f"completions end at max_completion_length); use --max-completion-length {n} (suggest: "
+                             f"--fix max_completion_length={n})")
+        return prompt_length_report(data, request.max_completion_length or DEFAULT_COMPLETION)
+
     def report_rows(self, candidate: Candidate) -> list[list[str]]:
         k = self.knobs(candidate)
         ref = ("none" if k.beta == 0.0 else "adapters disabled" if candidate.use_lora else "separate copy")

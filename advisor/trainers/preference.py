@@ -33,7 +33,7 @@ from ..data import (
     tokenizer_note,
 )
 from ..errors import ConfigError, DatasetError
-from ..lengths import Percentiles
+from ..lengths import Percentiles, percentile_line
 from .registry import get_trainer
 
 if TYPE_CHECKING:
@@ -273,26 +273,39 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str
                      ) -> tuple[list[dict[str, list[int]]], bool, str | None]:
     """DPOTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`; with whether the pairs
     are conversational and a note of what the libraries said meanwhile, each distinct message once (or None)."""
+    prepared, conversational, said = trl_prepared(rows, (*PREFERENCE_COLUMNS, "tools", "chat_template_kwargs"), tok,
+                                                  spec, "DPO", "the pairs")
+    out = [{c: list(prepared[i][c]) for c in TOKEN_COLUMNS} for i in range(len(prepared))]
+    return out, conversational, said
+
+
+def trl_prepared(rows: list[dict[str, Any]], columns: Sequence[str], tok: Any, spec: str, trl_name: str, what: str,
+                 **attributes: Any) -> tuple[datasets.Dataset, bool, str | None]:
+    """`trl.<trl_name>Trainer._prepare_dataset` on the rows' `columns` (no model, no trainer: the trainer's own
+    attributes it reads are `attributes`, besides the tokenizer), with `<trl_name>Config(max_length=None)`; with
+    whether the rows are conversational and a note of what the libraries said meanwhile (about `what`), each distinct
+    message once (or None). What TRL cannot tokenize is a DatasetError naming the dataset."""
 
     import datasets  # start-up: loaded on first use
-    from trl import DPOConfig, DPOTrainer  # start-up: loaded on first use
+    import trl  # start-up: loaded on first use
     from trl.data_utils import is_conversational  # start-up: loaded on first use
 
-    keep = [c for c in (*PREFERENCE_COLUMNS, "tools", "chat_template_kwargs") if any(c in r for r in rows)]
+    keep = [c for c in columns if any(c in r for r in rows)]
     try:
         hf = datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in keep})
     except Exception as exc:  # pyarrow cannot unify the rows' types
         raise DatasetError(f"--dataset {spec}: rows of mixed types in one field ({exc})") from exc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        args = DPOConfig(output_dir=tempfile.gettempdir(), max_length=None, use_cpu=True, report_to="none")
+        args = getattr(trl, f"{trl_name}Config")(output_dir=tempfile.gettempdir(), max_length=None, use_cpu=True,
+                                                 report_to="none")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    trainer_like = types.SimpleNamespace(_tokenizer=tok)
+    trainer_like = types.SimpleNamespace(_tokenizer=tok, **attributes)
 
     try:
         with progress_bars(False), capture() as said:
-            prepared = DPOTrainer._prepare_dataset(trainer_like, hf, tok, args, "train")
+            prepared = getattr(trl, f"{trl_name}Trainer")._prepare_dataset(trainer_like, hf, tok, args, "train")
     except Exception as exc:  # TRL/transformers raise ValueError, TemplateError, KeyError...
         hint = ("; a conversational dataset needs a tokenizer with a chat template (--tokenizer PATH)"
                 if is_conversational(hf[0]) else "")
@@ -300,8 +313,7 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str
             f"--dataset {spec}: TRL could not tokenize it ({str(exc).strip().splitlines()[0] if str(exc) else exc})"
             + hint
         ) from exc
-    out = [{c: list(prepared[i][c]) for c in TOKEN_COLUMNS} for i in range(len(prepared))]
-    return out, bool(is_conversational(hf[0])), said_note(said, "tokenizing the pairs")
+    return prepared, bool(is_conversational(hf[0])), said_note(said, f"tokenizing {what}")
 
 
 # ---- the lengths report for preference data (`advisor lengths --trainer dpo|reward`) ---------------------------
@@ -337,6 +349,24 @@ class PreferenceLengthReport:
     max_lengths: tuple[PairTruncation, ...]
     notes: tuple[str, ...] = ()
 
+    def text(self) -> str:
+        """`advisor lengths`' text for pairs."""
+        from tabulate import tabulate  # start-up: loaded on first use
+
+        kind = "synthetic preference data (no --dataset given)" if self.synthetic else "preference dataset"
+        lines = [f"{self.name}: {kind}, {self.pairs} pairs",
+                 f"prompt:            {percentile_line(self.prompt)}",
+                 f"prompt + chosen:   {percentile_line(self.chosen)}",
+                 f"prompt + rejected: {percentile_line(self.rejected)}",
+                 f"suggested max_length: {self.suggested_max_length} (neither chosen nor rejected loses more than "
+                 f"{self.max_truncation:.1%} of its tokens, a multiple of 64)", ""]
+        rows = [[m.max_length, f"{m.chosen_lost_fraction:.2%}", f"{m.rejected_lost_fraction:.2%}",
+                 m.chosen_truncated, m.rejected_truncated, m.pairs_dropped] for m in self.max_lengths]
+        lines.append(tabulate(rows, headers=["max_length", "chosen lost", "rejected lost", "chosen cut",
+                                             "rejected cut", "pairs dropped"]))
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "synthetic": self.synthetic, "pairs": self.pairs,
                 "prompt": self.prompt.to_dict(), "prompt_chosen": self.chosen.to_dict(),
@@ -363,11 +393,18 @@ def preference_length_report(data: PreferenceDataset, max_lengths: Sequence[int]
     ok = [int(v) for v in steps if max(data.truncated_fraction(int(v))) <= max_truncation]
     suggested = ok[0] if ok else top
     if max_lengths is None:
-        grid = {suggested, top}
-        grid |= {max(multiple, -(-int(np.percentile(data.lengths, q)) // multiple) * multiple) for q in (50, 90, 99)}
-        max_lengths = sorted(grid)
+        max_lengths = report_grid(data.lengths, suggested, multiple)
     return PreferenceLengthReport(
         name=data.name, synthetic=data.synthetic, pairs=len(data.rows), prompt=Percentiles.of(data.prompt_lengths),
         chosen=Percentiles.of(data.chosen_lengths), rejected=Percentiles.of(data.rejected_lengths),
         max_truncation=max_truncation, suggested_max_length=suggested,
         max_lengths=tuple(pair_truncation(data, int(v)) for v in max_lengths), notes=tuple(data.notes))
+
+
+def report_grid(lengths: np.ndarray, suggested: int, multiple: int) -> list[int]:
+    """The max_length values a length report shows by default: the suggested one, the longest sequence and the
+    p50 / p90 / p99 lengths, each rounded up to `multiple`."""
+    top = max(multiple, -(-int(lengths.max()) // multiple) * multiple)
+    grid = {suggested, top}
+    grid |= {max(multiple, -(-int(np.percentile(lengths, q)) // multiple) * multiple) for q in (50, 90, 99)}
+    return sorted(grid)

@@ -33,7 +33,7 @@ from ..data import (
     tokenizer_note,
 )
 from ..errors import ConfigError, DatasetError
-from ..lengths import Percentiles
+from ..lengths import Percentiles, percentile_line
 from .registry import get_trainer
 
 if TYPE_CHECKING:
@@ -286,6 +286,16 @@ class PromptLengthReport:
     max_completion_length: int
     sequence: Any  # prompt + max_completion_length
     notes: tuple[str, ...] = ()
+
+    def text(self) -> str:
+        """`advisor lengths`' text for prompts."""
+        kind = "synthetic prompts (no --dataset given)" if self.synthetic else "prompt dataset"
+        lines = [f"{self.name}: {kind}, {self.prompts} prompts",
+                 f"prompt:                      {percentile_line(self.prompt)}",
+                 f"prompt + {self.max_completion_length} completion tokens: {percentile_line(self.sequence)}",
+                 "TRL 1.16 truncates no prompt; every completion is counted at max_completion_length (the bound)"]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "synthetic": self.synthetic, "prompts": self.prompts,

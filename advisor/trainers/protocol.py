@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..knobs import Knob, KnobView
+    from ..lengths import LengthRequest
     from ..space import Candidate
     from ..workload import GPUSpec, ModelSpec, Workload
 
@@ -61,7 +62,11 @@ class StepShape:
     (preference pairs: chosen and rejected, so a micro-batch of B pairs runs 2B), the LM head's logits or a
     one-label score (`lm_head`), a reference copy of the weights resident (`reference_copy`), a reference's
     no-grad forward in the step (`reference_forward`), or its log-probs computed before training instead
-    (`reference_precomputed`: neither)."""
+    (`reference_precomputed`: neither). `no_grad_batches`: further batches of the micro-batch's shape a step runs
+    under no_grad (KTO's KL batch: the same prompts, the completions rotated by one), through the policy before its
+    trained forward and through the reference beside the micro-batch; `reference_held`: the reference's no-grad
+    forwards run while the policy's activations are held (their working memory counted at the end of the forward;
+    otherwise only their time)."""
 
     generates: bool = False
     sequences_per_row: int = 1
@@ -69,6 +74,8 @@ class StepShape:
     reference_copy: bool = False
     reference_forward: bool = False
     reference_precomputed: bool = False
+    no_grad_batches: int = 0
+    reference_held: bool = False
 
     @property
     def plain(self) -> bool:
@@ -242,3 +249,5 @@ class Trainer(Protocol):
     def notes(self, candidate: Candidate, workload: Workload | None = None) -> list[str]: ...
 
     def report_rows(self, candidate: Candidate) -> list[list[str]]: ...
+
+    def length_report(self, data: Any, request: LengthRequest) -> Any: ...  # `advisor lengths`: to_dict(), text()

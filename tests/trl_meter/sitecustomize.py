@@ -4,8 +4,8 @@ Python imports `sitecustomize` at startup from the first directory of sys.path t
 directory on PYTHONPATH and runs the `trl` executable itself, with nothing but `--max_steps` added to the command
 line. With $ADVISOR_TRL_PEAK set, the run is measured exactly as the cpu backend measures its probe
 (advisor/probing/worker.py): torch.profiler's CPU allocator events (advisor.probing.meters.memory_profiler) from
-just before TRL's trainer is constructed (the constructor loads the model and, for DPO, the reference model) to the
-end of `train()`, replayed by `meters.cpu_peak`; the peak is written to $ADVISOR_TRL_PEAK as JSON. Nothing of
+just before TRL's trainer is constructed (the constructor loads the model and, for DPO and KTO, the reference model)
+to the end of `train()`, replayed by `meters.cpu_peak`; the peak is written to $ADVISOR_TRL_PEAK as JSON. Nothing of
 trl's own code path changes: the trainers' `__init__` and transformers' `Trainer.train` are wrapped, not replaced.
 """
 
@@ -32,7 +32,7 @@ def _install(out: str) -> None:
 
         return wrapped
 
-    for name in ("SFTTrainer", "DPOTrainer", "RewardTrainer"):
+    for name in ("SFTTrainer", "DPOTrainer", "RewardTrainer", "KTOTrainer"):
         cls = getattr(trl, name)
         cls.__init__ = start(cls.__init__)
 
