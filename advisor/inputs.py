@@ -35,11 +35,13 @@ def build_workload(
     num_machines: int = 1,
     trainer: str = "sft",
     reward_model: str | None = None,
+    teacher: str | None = None,
 ) -> Workload:
     """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
     from ._files import check_names
 
-    check_names({"--model": model, "--dataset": dataset, "--tokenizer": tokenizer, "--reward-model": reward_model})
+    check_names({"--model": model, "--dataset": dataset, "--tokenizer": tokenizer, "--reward-model": reward_model,
+                 "--teacher": teacher})
     notes: list[str] = []
     offline_note = decide_offline(model, dataset, tokenizer)
     if offline_note:
@@ -65,8 +67,10 @@ def build_workload(
     if context:
         notes.append(context)
     scorer = resolve_model(reward_model) if reward_model is not None else None  # its config: resident, counted
+    distilled_from = resolve_model(teacher, flag="--teacher") if teacher is not None else None  # resident, counted
     return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
                     num_gpus=num_gpus, num_machines=num_machines, trainer=trainer, reward_model=scorer,
+                    teacher=distilled_from,
                     local_gpu=local is not None and target.is_cuda and target.name == local.name)
 
 
@@ -116,6 +120,7 @@ class WorkloadRef:
     num_machines: int = 1
     trainer: str = "sft"  # a baseline or spec written before trainers existed is SFT's
     reward_model: str | None = None  # online RL's --reward-model, as named
+    teacher: str | None = None  # distillation's --teacher, as named
 
     @classmethod
     def of(cls, workload: Workload, **given: Any) -> WorkloadRef:
@@ -131,6 +136,8 @@ class WorkloadRef:
         derived["trainer"] = workload.trainer
         if workload.reward_model is not None:
             derived["reward_model"] = workload.reward_model.name
+        if workload.teacher is not None:
+            derived["teacher"] = workload.teacher.name
         derived.update({k: v for k, v in given.items() if v is not None})
         return cls(goals=workload.goals, fingerprint=workload.fingerprint(), num_gpus=workload.num_gpus,
                    num_machines=workload.num_machines, **derived)
@@ -142,7 +149,8 @@ class WorkloadRef:
                               "to rebuild it", context="workload")
         return build_workload(self.model, gpu=self.gpu, dataset=self.dataset, tokenizer=self.tokenizer,
                               sample=self.sample, goals=goals or self.goals, num_gpus=self.num_gpus,
-                              num_machines=self.num_machines, trainer=self.trainer, reward_model=self.reward_model)
+                              num_machines=self.num_machines, trainer=self.trainer, reward_model=self.reward_model,
+                              teacher=self.teacher)
 
     def to_dict(self) -> dict[str, Any]:
         """The baseline file's `workload` object."""
@@ -157,7 +165,8 @@ class WorkloadRef:
                    tokenizer=data.get("tokenizer"), sample=data.get("sample"),
                    goals=goals_from_dict(data.get("goals")), fingerprint=str(data.get("fingerprint", "")),
                    num_gpus=int(data.get("num_gpus", 1)), num_machines=int(data.get("num_machines", 1)),
-                   trainer=str(data.get("trainer", "sft")), reward_model=data.get("reward_model"))
+                   trainer=str(data.get("trainer", "sft")), reward_model=data.get("reward_model"),
+                   teacher=data.get("teacher"))
 
     def to_spec(self) -> dict[str, Any]:
         """The flat keys a study's spec stores (model, gpu, dataset, tokenizer, sample, goals,
@@ -166,6 +175,7 @@ class WorkloadRef:
                 "sample": self.sample, "goals": goals_to_dict(self.goals), "workload_fingerprint": self.fingerprint,
                 "trainer": self.trainer,
                 **({"reward_model": self.reward_model} if self.reward_model is not None else {}),
+                **({"teacher": self.teacher} if self.teacher is not None else {}),
                 **({"num_gpus": self.num_gpus, "num_machines": self.num_machines}
                    if (self.num_gpus, self.num_machines) != (1, 1) else {})}
 
@@ -176,4 +186,5 @@ class WorkloadRef:
                    tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
                    goals=goals_from_dict(spec.get("goals")), fingerprint=str(spec.get("workload_fingerprint", "")),
                    num_gpus=int(spec.get("num_gpus") or 1), num_machines=int(spec.get("num_machines") or 1),
-                   trainer=str(spec.get("trainer") or "sft"), reward_model=spec.get("reward_model"))
+                   trainer=str(spec.get("trainer") or "sft"), reward_model=spec.get("reward_model"),
+                   teacher=spec.get("teacher"))

@@ -179,6 +179,8 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {  # suggest()'s parameter -> 
     "trainer": ((str,), "a trainer name: {trainers}"),
     "reward_model": (_PATHLIKE, "a reward model's hub id or local directory (str), for a trainer that scores "
                                 "completions with one (online RL)"),
+    "teacher": (_PATHLIKE, "a teacher's hub id, local directory or config.json (str), for a trainer that distills "
+                           "from one (distillation)"),
 }
 
 
@@ -257,11 +259,12 @@ def _goals(base: Goals | None, **given: Any) -> Goals:
 
 def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | None, goals: dict[str, Any],
                       world: dict[str, int] | None = None, trainer: str | None = None,
-                      reward_model: str | None = None) -> Workload:
+                      reward_model: str | None = None, teacher: str | None = None) -> Workload:
     world = {k: v for k, v in (world or {}).items() if v is not None}  # num_gpus / num_machines given
     if isinstance(model, Workload):
-        if gpu is not None or dataset is not None or reward_model is not None:
-            raise UsageError("suggest(): pass gpu, dataset and reward_model inside the Workload, not beside it")
+        if gpu is not None or dataset is not None or reward_model is not None or teacher is not None:
+            raise UsageError("suggest(): pass gpu, dataset, reward_model and teacher inside the Workload, not beside "
+                             "it")
         if trainer is not None and trainer != model.trainer:
             raise UsageError(f"suggest(trainer={trainer!r}): the Workload was built for trainer={model.trainer!r} "
                              "(its dataset is that trainer's); build it with trainer=... or drop the argument")
@@ -269,7 +272,7 @@ def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | Non
     from .inputs import build_workload
 
     return build_workload(model, gpu=gpu, dataset=dataset, goals=_goals(None, **goals), trainer=trainer or "sft",
-                          reward_model=reward_model, **world)
+                          reward_model=reward_model, teacher=teacher, **world)
 
 
 def suggest(
@@ -292,6 +295,7 @@ def suggest(
     num_machines: int | None = None,
     trainer: str | None = None,
     reward_model: str | None = None,
+    teacher: str | None = None,
     **goals: Any,
 ) -> Suggestion:
     """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
@@ -310,10 +314,11 @@ def suggest(
     the Workload's, else "sft"); the dataset is read as that trainer reads it, and the suggestion builds that
     trainer's config.
     `reward_model` (online RL: GRPO, RLOO): a reward model's hub id or directory, resident beside the policy.
+    `teacher` (distillation): the teacher's hub id, directory or config.json, resident beside the student.
     """
     _check_parameters(model=model, gpu=gpu, dataset=dataset, backend=backend, trials=trials,
                       time_budget_s=time_budget_s, fix=fix, storage=storage, jobs=jobs, num_gpus=num_gpus,
-                      num_machines=num_machines, trainer=trainer, reward_model=reward_model)
+                      num_machines=num_machines, trainer=trainer, reward_model=reward_model, teacher=teacher)
     model, dataset, storage = (os.fspath(v) if isinstance(v, os.PathLike) else v for v in (model, dataset, storage))
     goals = _goal_args(goals)
     if trials is not None and trials < 1:
@@ -327,7 +332,8 @@ def suggest(
     if backend is not None:
         check_backend(backend)  # before the workload is built: an unusable backend fails in a second
     workload = _resolve_workload(model, gpu, dataset, goals, {"num_gpus": num_gpus, "num_machines": num_machines},
-                                 trainer, os.fspath(reward_model) if reward_model is not None else None)
+                                 trainer, os.fspath(reward_model) if reward_model is not None else None,
+                                 os.fspath(teacher) if teacher is not None else None)
     backend_name = backend or default_backend_name()
     be = get_backend(backend_name)
     pins = parse_fix(fix, workload.trainer)

@@ -202,6 +202,9 @@ class Workload:
     # a reward model given as a model (online RL's `--reward-model ID`, trl grpo's reward_model_name_or_path): resident
     # on the device beside the policy, so counted; reward functions run on the host and are not
     reward_model: ModelSpec | None = None
+    # the teacher of on-policy distillation (`--teacher ID`, trl distillation's teacher_model_name_or_path): resident
+    # beside the student, so counted; it must share the student's vocabulary
+    teacher: ModelSpec | None = None
     # the target GPU is this machine's own (build_workload: detected through NVML, or a --gpu naming it): a run has
     # the packages installed here, so the search leaves out candidates needing one that is missing (`runs_here`)
     local_gpu: bool = False
@@ -217,6 +220,28 @@ class Workload:
             raise ConfigError([f"reward_model={self.reward_model.name!r}: trainer {self.trainer!r} scores with no "
                                f"reward model; use --trainer {' or '.join(takers)}, or drop --reward-model"],
                               context="workload")
+        self._check_teacher(kind)
+
+    def _check_teacher(self, kind: Any) -> None:
+        """A teacher for a trainer that takes none, none for one that needs it, or one of another vocabulary is a
+        ConfigError naming --teacher and the fix."""
+        from .trainers import get_trainer, names
+
+        takes = bool(getattr(kind, "takes_teacher", False))
+        takers = [n for n in names() if getattr(get_trainer(n), "takes_teacher", False)]
+        if self.teacher is not None and not takes:
+            raise ConfigError([f"teacher={self.teacher.name!r}: trainer {self.trainer!r} distills from no teacher; use "
+                               f"--trainer {' or '.join(takers)}, or drop --teacher"], context="workload")
+        if takes and self.teacher is None:
+            raise ConfigError([f"trainer={self.trainer!r} needs a teacher: pass --teacher ID (suggest(teacher=...)), a "
+                               "hub id, a model directory or a config.json of a model with the student's vocabulary "
+                               f"({self.model.vocab_size} tokens)"], context="workload")
+        if takes and self.teacher.vocab_size != self.model.vocab_size:
+            raise ConfigError([f"teacher={self.teacher.name!r}: its vocabulary has {self.teacher.vocab_size} tokens and "
+                               f"the student {self.model.name!r}'s {self.model.vocab_size}: distillation compares the "
+                               "teacher's full next-token distribution, so DistillationTrainer refuses another "
+                               "vocabulary; use a teacher of the student's family (same tokenizer), or TRL's GOLD "
+                               "trainer for cross-tokenizer distillation"], context="workload")
 
     @property
     def runs_here(self) -> bool:
@@ -245,6 +270,7 @@ class Workload:
                    else {}),
                 **({"trainer": self.trainer} if self.trainer != "sft" else {}),  # SFT's fingerprint is unchanged
                 **({"reward_model": self.reward_model.fingerprint()} if self.reward_model is not None else {}),
+                **({"teacher": self.teacher.fingerprint()} if self.teacher is not None else {}),
             }
         )
 

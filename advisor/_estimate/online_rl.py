@@ -1,9 +1,10 @@
-"""Online RL (GRPO, RLOO) in closed form: the estimate's kind `ClosedForm.ONLINE_RL`.
+"""Online RL (GRPO, RLOO) and on-policy distillation in closed form: the estimate's kind `ClosedForm.ONLINE_RL`.
 
-The step's shape is built from the workload and the candidate (the candidate's online-RL knobs read by TRL 1.16's
-names, `_knob`: the Candidate's field where it has one, else its base, else TRL's default), its phases counted by
-the physics package (advisor/_physics/online_rl.py: the KV cache of transformers' generate, TRL's fused log-prob head,
-the scoring forwards, the reference, ZeRO-3's gathers, colocated vLLM's pool and refusals), and the training
+The step's shape is built from the workload and the candidate (the trainer's `step_knobs`: its knobs by TRL 1.16's
+names, its defaults resolved), its phases counted by the physics package (advisor/_physics/online_rl.py: the KV
+cache of transformers' generate, TRL's fused log-prob head, the scoring forwards, the reference, ZeRO-3's gathers,
+colocated vLLM's pool and refusals; advisor/_physics/distillation.py: the resident teacher, its no-grad forward and
+the chunked divergence over the vocabulary), and the training
 micro-batch's own parts (parameters, gradients, optimizer state, saved activations) by the SFT estimate's
 `memory_parts` on the rows GRPO trains: `per_device_train_batch_size` completions of the longest prompt +
 `max_completion_length` tokens, the completion trained. The step time adds online RL's terms (generation, weight sync,
@@ -20,6 +21,7 @@ from .._physics import (
     DTYPE_BYTES,
     architecture,
     online_build_step,
+    online_Loss,
     online_phase_allocator_bytes,
     online_Reference,
     online_step_time_on,
@@ -47,14 +49,15 @@ _CATEGORY = {
     "activations": Category.ACTIVATIONS, "kv_cache": Category.ACTIVATIONS, "lm_head": Category.LM_HEAD,
     "scoring_forward": Category.TEMPORARIES, "generate_temporaries": Category.TEMPORARIES,
     "temporaries": Category.TEMPORARIES, "buffered_batch": Category.OTHER, "completion_ids": Category.OTHER,
+    "teacher": Category.PARAMETERS, "teacher_forward": Category.TEMPORARIES,
 }
 
 
 def _knob(c: Candidate, name: str) -> Any:
-    """An online-RL knob by TRL's name: the Candidate's field, else the candidate's base (a trainer's carried knob),
-    else its declared default (advisor/trainers/online_rl.py KNOBS, read back from the installed GRPOConfig /
-    RLOOConfig by tests/test_grpo_trainer.py; a trainer's own defaults are put in the base first,
-    `_with_trainer_defaults`); a key no knob declares (vllm_max_model_length) is None unless the base sets it."""
+    """An online knob every online trainer defaults alike (max_completion_length, use_vllm) by TRL's name: the
+    Candidate's field, else the candidate's base (a trainer's carried knob), else its declared default
+    (advisor/trainers/online_knobs.py KNOBS); the knobs whose defaults differ by trainer come from the trainer's
+    `step_knobs`."""
     from ..space import carried_knobs
 
     if name in getattr(type(c), "__dataclass_fields__", {}):
@@ -71,25 +74,7 @@ def _proxy(workload: Workload, rows: int, prompt: int, completion: int) -> Any:
     row = {"input_ids": [0] * (prompt + completion), "completion_mask": [0] * prompt + [1] * completion}
     data = TokenizedDataset(name=f"{getattr(workload.dataset, 'name', 'prompts')} (completions as rows)",
                             source="synthetic", rows=(row,) * rows, completion_only_loss=True)
-    return dataclasses.replace(workload, dataset=data, trainer="sft")
-
-
-def _declares(workload: Workload, attribute: str) -> bool:
-    """What the workload's trainer declares (a protocol attribute, never its name): `old_logps_always` for a trainer
-    whose scoring always runs the old policy's forward (TRL's RLOOTrainer); False where it declares nothing."""
-    from ..trainers import get_trainer
-
-    return bool(getattr(get_trainer(workload.trainer), attribute, False))
-
-
-def _with_trainer_defaults(workload: Workload, c: Candidate) -> Candidate:
-    """The candidate with its trainer's own TRL defaults where GRPOConfig and RLOOConfig differ (the trainer's
-    `trl_defaults`: RLOO's beta 0.05 keeps a reference, GRPO's 0.0 none), for the keys its base does not carry."""
-    from ..trainers import get_trainer
-
-    own = getattr(get_trainer(workload.trainer), "trl_defaults", {})
-    missing = {k: v for k, v in own.items() if k not in c.base.as_dict()}
-    return c.replace(base={**c.base.as_dict(), **missing}) if missing else c
+    return dataclasses.replace(workload, dataset=data, trainer="sft", reward_model=None, teacher=None)
 
 
 def _longest_prompt(workload: Workload) -> int:
@@ -110,17 +95,18 @@ def _reward_model_bytes(workload: Workload, weight_bytes: int) -> int:
 
 
 def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any, Any]:
-    """(the physics' OnlineStep, the training micro-batch's MemoryParts, the proxy workload, the proxy candidate)."""
-    c = _with_trainer_defaults(workload, candidate)
+    """(the physics' OnlineStep, the training micro-batch's MemoryParts, the proxy workload, the proxy candidate).
+    The step's knobs are the trainer's (`step_knobs`: its TRL defaults resolved, by the physics' names)."""
+    from ..trainers import get_trainer
+
+    kind = get_trainer(workload.trainer)
+    c = candidate
+    knobs = kind.step_knobs(c)
     gpu = workload.gpu
     arch = architecture(workload.model)
     b = c.per_device_train_batch_size
     ga = c.gradient_accumulation_steps
-    spg = _knob(c, "steps_per_generation")
-    gbs = _knob(c, "generation_batch_size")
     world = max(1, workload.num_gpus)
-    if spg is None:  # GRPOConfig.__post_init__: generation_batch_size // (B x processes), else GA
-        spg = gbs // (b * world) if gbs else ga
     prompt = _longest_prompt(workload)
     completion = int(_knob(c, "max_completion_length"))
     proxy = _proxy(workload, b, prompt, completion)
@@ -130,11 +116,12 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
     mixed = c.precision is not Precision.FP32
     params, grads, optim = parts.parameters, parts.gradients, parts.optimizer
     opt_temp = _optimizer_temporaries(arch, c, gpu.is_cuda, parts.optimizer_temporaries)
-    beta = float(_knob(c, "beta"))
+    beta = float(knobs["beta"])
     reference = online_Reference.NONE if beta == 0 else (
         online_Reference.ADAPTERS_DISABLED if c.use_lora else online_Reference.SEPARATE)
     ref_bytes = arch.total * weight_bytes + arch.buffer_bytes if reference is online_Reference.SEPARATE else 0
     reward = _reward_model_bytes(workload, weight_bytes)
+    teacher_arch, teacher_bytes, teacher_element = _teacher(workload, kind.teacher_dtype(c))
     zero3 = False
     if world > 1:  # one rank of N: the model states as the candidate's parallelism shards them
         from .._physics import estimate_rank_moments
@@ -146,28 +133,34 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
         params, grads, optim = sharded["state"][P], sharded["state"][G], sharded["state"][OPT]
         strategy = c.parallelism.parallelism.strategy.value
         zero3 = strategy == "zero3"
-        if zero3 or strategy == "fsdp2":  # the reference is prepared (sharded) like the policy
+        if zero3 or strategy == "fsdp2":  # the reference and the teacher are prepared (sharded) like the policy
             ref_bytes = -(-ref_bytes // world)
+            teacher_bytes = -(-teacher_bytes // world)
     step = online_build_step(
         arch, workload.model.config, weights_bytes=params, gradient_bytes=grads, optimizer_bytes=optim,
         trainable=parts.trainable, weight_element_bytes=weight_bytes, mixed=mixed, prompt_length=prompt,
         max_completion_length=completion, per_device_train_batch_size=b, gradient_accumulation_steps=ga,
-        steps_per_generation=int(spg), generation_batch_size=gbs,
-        num_generations=int(_knob(c, "num_generations")), num_iterations=int(_knob(c, "num_iterations")),
-        beta=beta, lora=c.use_lora, use_vllm=bool(_knob(c, "use_vllm")), vllm_mode=str(_knob(c, "vllm_mode")),
-        vllm_enable_sleep_mode=bool(_knob(c, "vllm_enable_sleep_mode")),
-        vllm_gpu_memory_utilization=float(_knob(c, "vllm_gpu_memory_utilization")),
-        vllm_importance_sampling_correction=bool(_knob(c, "vllm_importance_sampling_correction")),
-        vllm_max_model_length=_knob(c, "vllm_max_model_length"),
-        ds3_gather_for_generation=bool(_knob(c, "ds3_gather_for_generation")),
-        cast_lm_head_to_fp32=bool(_knob(c, "cast_lm_head_to_fp32")),
-        gradient_checkpointing=c.activation_checkpointing, old_logps_always=_declares(workload, "old_logps_always"),
-        reference_bytes=ref_bytes, reward_model_bytes=reward, card_bytes=gpu.memory_bytes, cuda=gpu.is_cuda,
+        lora=c.use_lora, gradient_checkpointing=c.activation_checkpointing, reference_bytes=ref_bytes,
+        reward_model_bytes=reward, card_bytes=gpu.memory_bytes, cuda=gpu.is_cuda,
         context_bytes=outside_allocator_bytes(gpu) if gpu.is_cuda else 0, supports_bf16=gpu.supports_bf16,
         world_size=world, zero3=zero3, optimizer_temporary_bytes=opt_temp, train_activation_bytes=parts.activations,
-        train_recompute_bytes=parts.recompute,
+        train_recompute_bytes=parts.recompute, teacher_arch=teacher_arch, teacher_bytes=teacher_bytes,
+        teacher_weight_element_bytes=teacher_element, **knobs,
     )
     return step, parts, proxy, sft_c
+
+
+def _teacher(workload: Workload, dtype: str | None) -> tuple[Any, int, int]:
+    """A resident teacher (`workload.teacher`, distillation) in `dtype`: its architecture, bytes and weight
+    element; (None, 0, 0) without one."""
+    spec = getattr(workload, "teacher", None)
+    if spec is None or dtype is None:
+        return None, 0, 0
+    from ..space import WeightsDtype
+
+    arch = architecture(spec)
+    element = DTYPE_BYTES[WeightsDtype(dtype)]
+    return arch, arch.total * element + arch.buffer_bytes, element
 
 
 def _optimizer_temporaries(arch: Any, c: Candidate, cuda: bool, foreach_bytes: int) -> int:
@@ -236,7 +229,10 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
     # step time: the training passes of the shared step-time model, plus online RL's own terms
     arch = architecture(workload.model)
     train = expected_step_time(proxy, arch, sft_c, parts.batch, parts.offload_volume)
-    timed = online_step_time_on(step, gpu, arch, precision=c.precision.value, train_s=train.step_s, vllm=vllm)
+    distilling = step.loss is online_Loss.DIVERGENCE
+    extra_s = _teacher_s(step, gpu, c.precision.value) if distilling else 0.0
+    timed = online_step_time_on(step, gpu, arch, precision=c.precision.value, train_s=train.step_s + extra_s,
+                                vllm=vllm)
     notes += [
         f"peak in the {phases[at].phase} phase; per phase (allocator + outside it, bytes): "
         + ", ".join(f"{p} {dp.allocator[p]:,} + {dp.outside_allocator[p]:,}" for p in dp.allocator),
@@ -254,11 +250,12 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
             + " (vllm/v1/worker/gpu_worker.py Worker.init_device: utilization x total; profile run and non-torch "
             "memory modelled, profiles/measurements/online_rl_constants.json)"
             if vllm.split is not None else "server mode: no pool on the training GPUs"),
-        f"scoring: {step.scoring_forwards} no-grad forward(s) of the generation batch (old policy: "
-        f"{step.old_logps_forward}, reference {step.reference.value}) through TRL's fused log-prob head "
-        "(trl/kernels/chunked_logprob.py; no [B, T, V] logits)",
-        "train: the SFT estimate's parts of the micro-batch (advisor/_estimate/memory.py) with TRL's fused head on "
-        + ("the completion tokens (CUDA)" if cuda else "every position (no Triton)"),
+        *(_distillation_notes(step) if distilling else [
+            f"scoring: {step.scoring_forwards} no-grad forward(s) of the generation batch (old policy: "
+            f"{step.old_logps_forward}, reference {step.reference.value}) through TRL's fused log-prob head "
+            "(trl/kernels/chunked_logprob.py; no [B, T, V] logits)",
+            "train: the SFT estimate's parts of the micro-batch (advisor/_estimate/memory.py) with TRL's fused head "
+            "on " + ("the completion tokens (CUDA)" if cuda else "every position (no Triton)")]),
         *(["ZeRO-3: the whole model gathered to generate (ds3_gather_for_generation)"
            if step.ds3_gather_for_generation else "ZeRO-3: a layer at a time gathered to generate"]
           if step.zero3 else []),
@@ -268,6 +265,8 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
         "gradient_accumulation_steps x max_completion_length) over the step's time end to end",
     ]
     terms = {**{k: v for k, v in train.terms.items()}, **{k: v for k, v in timed.terms.items() if k != "training"}}
+    if distilling:
+        terms["teacher_and_divergence"] = extra_s
     step_s, trained = timed.step_s, timed.trained_tokens_per_step
     if workload.num_gpus > 1:  # global throughput, as the SFT estimate: every training rank's completions, plus
         # the collectives' time the training passes do not hide (generation and scoring hide none of it)
@@ -285,3 +284,38 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
         peak_batch=f"{step.per_device_train_batch_size}x{step.sequence_length} ({step.generation_batch} generated)",
         notes=tuple(notes), outside_allocator_bytes=outside,
     )
+
+
+def _teacher_s(step: Any, gpu: Any, precision: str) -> float:
+    """Seconds a distillation step adds to the SFT passes of its micro-batches: the teacher's no-grad forward and
+    the divergence's projections through both heads (advisor/_physics/distillation.py teacher_train_flops), at the
+    step-time model's GEMM efficiency."""
+    from .._physics import peak_flops, teacher_train_flops, time_constants
+
+    flops = teacher_train_flops(step.teacher, rows=step.per_device_train_batch_size, sequence=step.sequence_length,
+                                completion=step.max_completion_length, vocab=step.vocab, student_hidden=step.hidden,
+                                beta=step.divergence_beta)
+    return step.gradient_accumulation_steps * flops / (peak_flops(gpu, precision) * time_constants(gpu).gemm_eff)
+
+
+def _distillation_notes(step: Any) -> list[str]:
+    """What the estimate of a distillation step says of the teacher and of the vocabulary's logits."""
+    from .._physics import online_constants, step_divergence
+
+    gib = 2**30
+    teacher = step.teacher
+    div = step_divergence(step, step.per_device_train_batch_size,
+                          cpu_fold_tiles=int(online_constants()["cpu_divergence_fold_tiles"]["value"]))
+    full = 2 * div.tokens * step.vocab * 4
+    return [
+        f"teacher: resident, {teacher.weights_bytes / gib:.2f} GiB ({teacher.layers} layers x hidden "
+        f"{teacher.hidden}, {teacher.weight_element_bytes}-byte weights); its backbone runs under no_grad on every "
+        "training micro-batch (DistillationTrainer._compute_loss); no reference, nothing scored",
+        f"vocabulary logits: TRL's chunked divergence (trl/kernels/chunked_divergence.py, beta "
+        f"{step.divergence_beta:g}) projects the {div.tokens:,} completion tokens of a micro-batch through both heads "
+        f"onto two float32 tiles of min(N, 4096) x 32768 = {div.tiles / gib:.2f} GiB, never the [N, V] logits "
+        f"(both models' would be {full / gib:.2f} GiB at vocabulary {step.vocab:,}); the student head's float32 "
+        f"weight gradient [V, H] adds {div.weight_grad / gib:.2f} GiB in its backward",
+        "train: the SFT estimate's parts of the student's micro-batch (advisor/_estimate/memory.py) without its LM "
+        "head's logits, the teacher's forward and the divergence (advisor/_physics/distillation.py)",
+    ]

@@ -16,9 +16,11 @@ the simulator (advisor/simulator.py with _sim/) depend on this package and never
 - `ranks_closed.py`: several GPUs in closed form: ZeRO-2/3's model states per rank, the collectives' time over the
   interconnect, CPU offload's host step, and the estimate's moments and step time of one rank.
 - `vllm.py`: vLLM's pool, KV pages, refusals and sleep levels from vLLM's own accounting.
-- `online_rl.py`: online RL's (GRPO, RLOO) step in closed form: each phase's device bytes (allocator and outside
-  it), colocated vLLM's typed refusals, `device_peak` (the simulator's measured phase peaks combined with vLLM's
-  bytes), the step-time terms of generation, weight sync and scoring.
+- `online_rl.py`: online RL's (GRPO, RLOO, distillation) step in closed form: each phase's device bytes (allocator
+  and outside it), colocated vLLM's typed refusals, `device_peak` (the simulator's measured phase peaks combined with
+  vLLM's bytes), the step-time terms of generation, weight sync and scoring.
+- `distillation.py`: on-policy distillation's training pass: the resident teacher, its no-grad forward and TRL's
+  chunked divergence over the vocabulary (its float32 tiles, the head's float32 weight gradient).
 
 Only the names in `__all__` may be used outside this package (`from ._physics import X` inside advisor);
 `advisor.costs` is the public way in for scripts and tests. tests/test_privacy.py fails on an import of a module of
@@ -79,7 +81,11 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes", "online_vllm_terms",
         "online_vllm_profile_activation_bytes", "online_startup_bytes", "online_device_peak", "online_step_time",
         "online_step_time_on", "online_constants", "online_PHASES", "online_vllm_side", "online_colocated_vllm",
-        "online_build_step",
+        "online_build_step", "online_Loss",
+    )},
+    # ---- on-policy distillation's training pass (distillation.py): the teacher and the chunked divergence --------
+    **{name: ("distillation", name) for name in (
+        "Teacher", "DivergenceBytes", "divergence_bytes", "step_divergence", "teacher_train_flops",
     )},
 }
 

@@ -55,6 +55,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..errors import ConfigError
+from .distillation import Teacher, teacher_of, train_moments
 from .vllm import (
     KVLayout,
     Mode,
@@ -97,6 +98,13 @@ class Reference(str, Enum):
     NONE = "none"  # beta == 0: no reference forward
     SEPARATE = "separate"  # a second copy of the model (full fine-tuning)
     ADAPTERS_DISABLED = "adapters_disabled"  # PEFT: the policy with its adapters disabled
+
+
+class Loss(str, Enum):
+    """What the training pass computes on the completions."""
+
+    LOGPROB = "logprob"  # GRPO / RLOO: TRL's fused log-prob head (trl/kernels/chunked_logprob.py)
+    DIVERGENCE = "divergence"  # distillation: the teacher's no-grad forward and the chunked divergence (distillation.py)
 
 
 @dataclass(frozen=True)
@@ -165,11 +173,16 @@ class OnlineStep:
     # checkpointed layer's recompute: the backend's count
     train_activation_bytes: int = 0
     train_recompute_bytes: int = 0
+    # distillation: the loss, the resident teacher and the divergence's beta (0 forward KL .. 1 reverse KL)
+    loss: Loss = Loss.LOGPROB
+    teacher: Teacher | None = None
+    divergence_beta: float = 1.0
     # the target
     card_bytes: int = 0
     cuda: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "loss", Loss(self.loss))
         object.__setattr__(self, "reference", Reference(self.reference))
         object.__setattr__(self, "engine", Mode(self.engine))
         object.__setattr__(self, "sleep", Sleep(self.sleep))
@@ -192,6 +205,9 @@ class OnlineStep:
             problems.append("vllm_mode=colocate needs vLLM's side (VllmSide: its weights, KV layout, max_model_len)")
         if self.engine is Mode.COLOCATE and self.card_bytes <= 0:
             problems.append("vllm_mode=colocate needs the card's total memory (card_bytes)")
+        if (self.loss is Loss.DIVERGENCE) != (self.teacher is not None):
+            problems.append(f"loss={self.loss.value} with teacher={self.teacher!r}: the divergence is against a "
+                            "teacher, and only it has one")
         if problems:
             raise ConfigError(problems, context="online RL step")
 
@@ -249,9 +265,14 @@ class OnlineStep:
         return (self.steps_per_generation * self.num_iterations) % self.gradient_accumulation_steps != 0
 
     @property
+    def teacher_bytes(self) -> int:
+        return self.teacher.weights_bytes if self.teacher is not None else 0
+
+    @property
     def resident_bytes(self) -> int:
-        """Held in every phase: the policy, its optimizer state, a separate reference, reward models."""
-        return self.weights_bytes + self.optimizer_bytes + self.reference_bytes + self.reward_model_bytes
+        """Held in every phase: the policy, its optimizer state, a separate reference, reward models, a teacher."""
+        return self.weights_bytes + self.optimizer_bytes + self.reference_bytes + self.reward_model_bytes + \
+            self.teacher_bytes
 
 
 # ---- the step from the workload's shape and the backend's training-state bytes ----------------------------------
@@ -266,12 +287,15 @@ def build_step(arch: Any, model_config: Mapping[str, Any], *, weights_bytes: int
                old_logps_always: bool, reference_bytes: int, reward_model_bytes: int, card_bytes: int, cuda: bool,
                context_bytes: int = 0, supports_bf16: bool = True, world_size: int = 1, zero3: bool = False,
                optimizer_temporary_bytes: int = 0, train_activation_bytes: int = 0,
-               train_recompute_bytes: int = 0) -> OnlineStep:
+               train_recompute_bytes: int = 0, loss: str = Loss.LOGPROB.value, divergence_beta: float = 1.0,
+               teacher_arch: Any = None, teacher_bytes: int = 0,
+               teacher_weight_element_bytes: int = 0) -> OnlineStep:
     """The step's `OnlineStep` from the architecture (advisor/_physics/shapes.py `Architecture`), the knobs by TRL
     1.16's names (each trainer's defaults already resolved by the caller) and the training state's bytes as the
     backend counts them (the estimate: the SFT estimate's parts; the simulator: the fake run's models). With vLLM,
     its side (`vllm_side`) from the model's config. The element sizes follow autocast: the compute dtype is 16-bit
-    under mixed precision or 16-bit weights, the DynamicCache's keys float32 under autocast over float32 weights."""
+    under mixed precision or 16-bit weights, the DynamicCache's keys float32 under autocast over float32 weights.
+    Distillation (`loss="divergence"`): the teacher's architecture, its bytes on this rank and its weights' element."""
     b, ga, world = per_device_train_batch_size, gradient_accumulation_steps, max(1, world_size)
     spg = steps_per_generation
     if spg is None:  # GRPOConfig.__post_init__: generation_batch_size // (B x processes), else GA
@@ -301,7 +325,10 @@ def build_step(arch: Any, model_config: Mapping[str, Any], *, weights_bytes: int
         ds3_gather_for_generation=bool(ds3_gather_for_generation), full_weights_bytes=arch.total * compute,
         cast_lm_head_to_fp32=bool(cast_lm_head_to_fp32), lora=lora, gradient_checkpointing=gradient_checkpointing,
         optimizer_temporary_bytes=optimizer_temporary_bytes, train_activation_bytes=train_activation_bytes,
-        train_recompute_bytes=train_recompute_bytes, card_bytes=card_bytes, cuda=cuda,
+        train_recompute_bytes=train_recompute_bytes, card_bytes=card_bytes, cuda=cuda, loss=Loss(loss),
+        divergence_beta=float(divergence_beta),
+        teacher=teacher_of(teacher_arch, weights_bytes=teacher_bytes, weight_element_bytes=teacher_weight_element_bytes)
+        if teacher_arch is not None else None,
     )
     if engine is not Mode.GENERATE:
         side = vllm_side(model_config, parameters=arch.total, generation_batch=step.generation_batch,
@@ -381,9 +408,10 @@ def _forward_transient(step: OnlineStep, tokens: int) -> int:
 
 def _buffered_bytes(step: OnlineStep) -> int:
     """What `_generate_and_score_completions` keeps for the training micro-steps: prompt and completion ids and
-    masks (int64) of the generation batch, and per completion token fp32 log-probs (old, reference) and advantages."""
+    masks (int64) of the generation batch, and per completion token fp32 log-probs (old, reference) and advantages
+    (distillation keeps the ids and masks only)."""
     g, t, c = step.generation_batch, step.sequence_length, step.max_completion_length
-    return 2 * g * t * 8 + (step.scoring_forwards + 1) * g * c * 4
+    return 2 * g * t * 8 + (step.scoring_forwards + int(step.loss is Loss.LOGPROB)) * g * c * 4
 
 
 # ---- the phases' allocator bytes -----------------------------------------------------------------------------------
@@ -415,7 +443,8 @@ def _gather_bytes(step: OnlineStep, generating: bool) -> int:
 def phase_allocator_bytes(step: OnlineStep) -> dict[str, PhaseBytes]:
     """Each phase's allocator peak (PyTorch's caching allocator, allocated bytes), by part."""
     state = {"parameters": step.weights_bytes, "optimizer_state": step.optimizer_bytes,
-             "reference": step.reference_bytes, "reward_model": step.reward_model_bytes}
+             "reference": step.reference_bytes, "reward_model": step.reward_model_bytes,
+             "teacher": step.teacher_bytes}
     g = step.generation_batch
     out: dict[str, PhaseBytes] = {}
     if step.gradients_while_generating:
@@ -445,16 +474,21 @@ def phase_allocator_bytes(step: OnlineStep) -> dict[str, PhaseBytes]:
             head.forward_peak
     out[SCORE] = PhaseBytes(SCORE, score)
     # TRAIN: one micro-batch's forward and backward, and the optimizer step
-    head = lm_head_bytes(step, rows, entropy=True, trained=True)
     acts = step.train_activation_bytes
     before = step.gradient_bytes if step.gradient_accumulation_steps > 1 else 0
-    moments = {
-        "end of the forward": {"gradients": before, "activations": acts, "lm_head": head.saved + head.forward_peak},
-        "LM head's backward": {"gradients": before, "activations": acts, "lm_head": head.saved + head.backward_peak},
-        "start of the backward": {"gradients": before, "activations": acts + step.train_recompute_bytes,
-                                  "lm_head": rows * step.sequence_length * step.hidden * step.compute_bytes},
-        "optimizer step": {"gradients": step.gradient_bytes, "temporaries": step.optimizer_temporary_bytes},
-    }
+    if step.loss is Loss.DIVERGENCE:
+        moments = train_moments(step, rows, acts, before, cpu_fold_tiles=int(_c("cpu_divergence_fold_tiles")))
+    else:
+        head = lm_head_bytes(step, rows, entropy=True, trained=True)
+        moments = {
+            "end of the forward": {"gradients": before, "activations": acts,
+                                   "lm_head": head.saved + head.forward_peak},
+            "LM head's backward": {"gradients": before, "activations": acts,
+                                   "lm_head": head.saved + head.backward_peak},
+            "start of the backward": {"gradients": before, "activations": acts + step.train_recompute_bytes,
+                                      "lm_head": rows * step.sequence_length * step.hidden * step.compute_bytes},
+            "optimizer step": {"gradients": step.gradient_bytes, "temporaries": step.optimizer_temporary_bytes},
+        }
     when, moment = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     state.pop("gradients", None)  # the train moments place the gradients themselves
     out[TRAIN] = PhaseBytes(f"{TRAIN} ({when})", {**state, "buffered_batch": _buffered_bytes(step), **moment})
@@ -533,9 +567,10 @@ def vllm_side(config: Mapping[str, Any], *, parameters: int, generation_batch: i
 
 def startup_bytes(step: OnlineStep) -> int:
     """The training process's bytes when vLLM snapshots the device (GRPOTrainer.__init__, before train(): no
-    optimizer state yet): its CUDA context, the policy, a reference, reward models."""
+    optimizer state yet): its CUDA context, the policy, a reference, reward models, a teacher (DistillationTrainer
+    loads it before VLLMGeneration starts)."""
     ctx = step.vllm.context_bytes if step.vllm is not None else 0
-    return ctx + step.weights_bytes + step.reference_bytes + step.reward_model_bytes
+    return ctx + step.weights_bytes + step.reference_bytes + step.reward_model_bytes + step.teacher_bytes
 
 
 def vllm_terms(step: OnlineStep) -> VllmTerms | VllmRefusal | None:

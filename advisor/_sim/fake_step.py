@@ -131,6 +131,10 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
       the `.item()` it then asks is answered from the real batch (ScalarOracle).
     - TRL's fused LM head: on CUDA it scores only labelled rows and folds tiles in a Triton kernel that allocates
       nothing; on the CPU it scores every position with torch ops. `cuda` selects the CUDA path.
+    - TRL's chunked divergence (distillation, trl/kernels/chunked_divergence.py) alike: on CUDA it projects only the
+      completion tokens, each tile by `torch.mm(..., out_dtype=torch.float32, out=tile)` straight from 16-bit inputs
+      and accumulates the gradients by `torch.addmm(..., out_dtype=torch.float32)` (no float32 copies of the hidden
+      states or of the head's slice), and folds the tiles in Triton kernels that allocate nothing.
     """
     import transformers.masking_utils as mu
     from transformers.utils.import_utils import is_torchdynamo_compiling
@@ -147,16 +151,67 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
             if hasattr(ck, name):
                 saved.append((ck, name, getattr(ck, name)))
                 setattr(ck, name, _no_alloc_fold)
+        saved.extend(_divergence_cuda_path())
     try:
         yield
     finally:
         for obj, name, value in reversed(saved):
-            setattr(obj, name, value)
+            if value is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
 
 
 def _no_alloc_fold(*args: Any, **kwargs: Any) -> None:
     """Stands in for TRL's Triton fold kernels: they work in registers and allocate nothing."""
     return None
+
+
+class _NoAllocKernel:
+    """Stands in for a Triton kernel launched as `kernel[grid](...)`: it allocates nothing."""
+
+    def __getitem__(self, grid: Any) -> Any:
+        return _no_alloc_fold
+
+
+def _divergence_cuda_path() -> list[tuple[Any, str, Any]]:
+    """Install the CUDA path of trl/kernels/chunked_divergence.py (see `real_path_patches`); returns what to restore.
+    `_project` and `_addmm_fp32` take their `device.type == "cuda"` branch (torch >= 2.8's out_dtype matmuls, which
+    fake tensors run); the Triton kernels allocate nothing; `triton.cdiv` sizes their grid."""
+    import math
+    import types
+
+    import trl.kernels.chunked_divergence as cd
+    import trl.trainer.distillation_trainer as dt
+
+    def project(tile, hidden_chunk, weight, bias, start, end, dtype):
+        w = weight[start:end].to(dtype).t()
+        if dtype in (torch.float16, torch.bfloat16):
+            torch.mm(hidden_chunk, w, out_dtype=torch.float32, out=tile)
+        else:
+            torch.mm(hidden_chunk.float(), w.float(), out=tile)
+        if bias is not None:
+            tile.add_(bias[start:end].float())
+
+    def addmm_fp32(acc, a, b):
+        if a.dtype in (torch.float16, torch.bfloat16):
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        else:
+            acc.addmm_(a.float(), b.float())
+
+    saved: list[tuple[Any, str, Any]] = []
+    for obj, name, value in (
+            (cd, "_use_triton", lambda device: True), (dt, "_use_triton", lambda device: True),
+            (cd, "_project", project), (cd, "_addmm_fp32", addmm_fp32),
+            (cd, "_stats_kernel", _NoAllocKernel()), (cd, "_jsd_kernel", _NoAllocKernel()),
+            (cd, "_backward_kernel", _NoAllocKernel()),
+            (cd, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b), math=math))):
+        saved.append((obj, name, getattr(obj, name, _ABSENT)))
+        setattr(obj, name, value)
+    return saved
+
+
+_ABSENT = object()  # a module attribute the patch added (`triton` where Triton is not installed): deleted after
 
 
 class CompactIndexing(torch.utils._python_dispatch.TorchDispatchMode):

@@ -145,13 +145,16 @@ def make_online_trainer_class(base_cls: type) -> type:
 
 
 @contextlib.contextmanager
-def online_construction(config: Any = None, *, engine: str = "generate") -> Iterator[None]:
-    """Wrap the trainer's construction. The reference TRL builds from the policy's name (`create_model_from_path`
-    in grpo_trainer.py and rloo_trainer.py) is built on `meta` from `config` (the policy's transformers config;
-    None: read from the name with AutoConfig), with TRL's dtype and attention implementation, so no weight is
-    allocated. `engine="vllm"`: TRL's `VLLMGeneration` starts no vLLM (see the module's docstring)."""
+def online_construction(config: Any = None, *, engine: str = "generate",
+                        configs: dict[str, Any] | None = None) -> Iterator[None]:
+    """Wrap the trainer's construction. A model TRL builds from a name (`create_model_from_path` in
+    grpo_trainer.py and rloo_trainer.py: the reference, from the policy's name; in distillation_trainer.py: the
+    teacher, from `teacher_model`) is built on `meta` from `configs[name]` when given, else from `config` (the policy's
+    transformers config; None: read from the name with AutoConfig), with TRL's dtype and attention implementation, so
+    no weight is allocated. `engine="vllm"`: TRL's `VLLMGeneration` starts no vLLM (see the module's docstring)."""
     _check_engine(engine)
     import trl.generation.vllm_generation as vg
+    import trl.trainer.distillation_trainer as distillation
     import trl.trainer.grpo_trainer as grpo
     import trl.trainer.rloo_trainer as rloo
 
@@ -160,10 +163,11 @@ def online_construction(config: Any = None, *, engine: str = "generate") -> Iter
         from transformers import AutoConfig
 
         if kwargs.get("quantization_config") is not None:
-            raise UsageError(f"the reference of {model_id!r} is quantized (quantization_config): a quantized "
-                               "reference is not built on fake tensors; quantize with PEFT (the adapters disabled "
-                               "are the reference) or simulate without quantization")
-        cfg = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(
+            raise UsageError(f"the model TRL loads from {model_id!r} is quantized (quantization_config): a quantized "
+                             "reference or teacher is not built on fake tensors; quantize with PEFT (the adapters "
+                             "disabled are the reference) or simulate without quantization")
+        given = (configs or {}).get(model_id, config)
+        cfg = copy.deepcopy(given) if given is not None else AutoConfig.from_pretrained(
             model_id, trust_remote_code=kwargs.get("trust_remote_code", False))
         if architecture is None:
             architecture = getattr(transformers, (cfg.architectures or ["AutoModelForCausalLM"])[0], None) \
@@ -188,14 +192,20 @@ def online_construction(config: Any = None, *, engine: str = "generate") -> Iter
             device_placement = False
         return prepare_model(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
-    saved: list[tuple[Any, str, Any]] = [(m, "create_model_from_path", m.create_model_from_path) for m in (grpo, rloo)]
+    built_from_names = (grpo, rloo, distillation)
+    saved: list[tuple[Any, str, Any]] = [(m, "create_model_from_path", m.create_model_from_path)
+                                         for m in built_from_names]
     saved.append((Accelerator, "prepare_model", prepare_model))
-    for m in (grpo, rloo):
+    for m in built_from_names:
         m.create_model_from_path = meta_model_from_path
     Accelerator.prepare_model = prepare_model_in_place
     if engine == "vllm":
         saved.append((vg.VLLMGeneration, "_init_vllm", vg.VLLMGeneration._init_vllm))
         vg.VLLMGeneration._init_vllm = _no_vllm_init
+        # DistillationTrainer.__init__ asks whether vLLM imports before it builds VLLMGeneration (GRPO's and RLOO's
+        # ask inside _init_vllm): no vLLM is started either way
+        saved.append((distillation, "is_vllm_available", distillation.is_vllm_available))
+        distillation.is_vllm_available = lambda: True
     try:
         yield
     finally:
@@ -601,8 +611,9 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     record: list[GenerateExtrapolation] = []
     models = [trainer.model]
-    if getattr(trainer, "ref_model", None) is not None:
-        models.append(trainer.ref_model)
+    for name in ("ref_model", "teacher_model"):  # GRPO / RLOO's reference, distillation's teacher
+        if getattr(trainer, name, None) is not None:
+            models.append(getattr(trainer, name))
     reward_models = [f for f in getattr(trainer, "reward_funcs", ()) if isinstance(f, torch.nn.Module)]
     models += reward_models
     notes = [
@@ -731,7 +742,9 @@ class _SavedNumbers(torch.overrides.TorchFunctionMode):
 
 
 def _generated_tokens(trainer: Any, record: list) -> int:
-    rows = trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
+    # GRPOConfig / RLOOConfig: steps_per_generation; DistillationConfig: every gradient_accumulation_steps
+    steps = getattr(trainer.args, "steps_per_generation", None) or trainer.args.gradient_accumulation_steps
+    rows = trainer.args.per_device_train_batch_size * steps
     return sum(r.max_new_tokens for r in record) * rows
 
 

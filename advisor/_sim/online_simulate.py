@@ -111,6 +111,7 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
     from ..space import Precision
 
     phase_peaks, adjust = _modelled(candidate, workload, result, b, prompt + completion, cuda, notes)
+    teacher = getattr(workload, "teacher", None)
     step = online_build_step(
         arch, workload.model.config, weights_bytes=built.policy_bytes + adjust.get(Category.PARAMETERS.value, 0),
         gradient_bytes=built.trainable_bytes,
@@ -118,19 +119,12 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         trainable=built.trainable,
         weight_element_bytes=DTYPE_BYTES[candidate.weights_dtype], mixed=candidate.precision is not Precision.FP32,
         prompt_length=prompt, max_completion_length=completion, per_device_train_batch_size=b,
-        gradient_accumulation_steps=ga, steps_per_generation=k.steps_per_generation,
-        generation_batch_size=k.generation_batch_size, num_generations=k.num_generations,
-        num_iterations=k.num_iterations, beta=k.beta, lora=candidate.use_lora, use_vllm=k.use_vllm,
-        vllm_mode=k.vllm_mode.value, vllm_enable_sleep_mode=k.vllm_enable_sleep_mode,
-        vllm_gpu_memory_utilization=k.vllm_gpu_memory_utilization,
-        vllm_importance_sampling_correction=bool(getattr(k, "vllm_importance_sampling_correction", True)),
-        vllm_max_model_length=candidate.base.get("vllm_max_model_length"),
-        ds3_gather_for_generation=k.ds3_gather_for_generation,
-        cast_lm_head_to_fp32=bool(getattr(k, "cast_lm_head_to_fp32", False)),
-        gradient_checkpointing=candidate.activation_checkpointing,
-        old_logps_always=bool(getattr(kind, "old_logps_always", False)), reference_bytes=built.reference_bytes,
+        gradient_accumulation_steps=ga, lora=candidate.use_lora,
+        gradient_checkpointing=candidate.activation_checkpointing, reference_bytes=built.reference_bytes,
         reward_model_bytes=built.reward_model_bytes, card_bytes=target.memory_bytes, cuda=cuda,
         context_bytes=ctx + ws, supports_bf16=target.supports_bf16,
+        teacher_arch=architecture(teacher) if teacher is not None else None, teacher_bytes=built.teacher_bytes,
+        teacher_weight_element_bytes=built.teacher_element_bytes, **kind.step_knobs(candidate),
     )
     vllm = online_vllm_terms(step)
     if isinstance(vllm, online_VllmRefusal):
@@ -249,6 +243,12 @@ def _model_bytes(model: Any) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
+def _element_bytes(model: Any) -> int:
+    if model is None:
+        return 0
+    return next(model.parameters()).element_size()
+
+
 def _reward_model(workload: Workload, dtype: Any) -> tuple[Any, Any]:
     """A reward model given as a model: `trl grpo` loads `reward_model_name_or_path` with
     AutoModelForSequenceClassification(num_labels=1); built here on `meta` (resident, counted) with its placeholder
@@ -318,6 +318,11 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
         funcs = list(kwargs.get("reward_funcs") or [])
         kwargs["reward_funcs"] = [*funcs, rm]
         kwargs["reward_processing_classes"] = [None] * len(funcs) + [rm_tok]
+    configs = {}
+    teacher = getattr(workload, "teacher", None)  # --teacher: TRL builds it from its name, on meta here
+    if teacher is not None:
+        kwargs["teacher_model"] = teacher.name
+        configs[teacher.name] = teacher.hf_config()
     hf_config = copy.deepcopy(model.config)
     with tempfile.TemporaryDirectory(prefix="advisor-sim-") as tmp, _quiet(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -326,7 +331,7 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
             save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
             model_init_kwargs=None,
         )
-        with online_construction(hf_config, engine=engine):
+        with online_construction(hf_config, engine=engine, configs=configs):
             trainer = make_online_trainer_class(kind.trainer_class())(
                 model=model, args=args, train_dataset=kind.train_dataset(workload, rows), processing_class=tok,
                 peft_config=kind.peft_config(run_cand, spec), **kwargs,
@@ -357,5 +362,7 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
         trainable=sum(p.numel() for p in trainable_params),
         trainable_bytes=sum(p.numel() * p.element_size() for p in trainable_params),
         reference_bytes=_model_bytes(getattr(trainer, "ref_model", None)), reward_model_bytes=_model_bytes(rm),
+        teacher_bytes=_model_bytes(getattr(trainer, "teacher_model", None)),
+        teacher_element_bytes=_element_bytes(getattr(trainer, "teacher_model", None)),
         train_s=train_s, timed_ops=hook.ops, timed_micro_steps=hook.micro_steps,
     )

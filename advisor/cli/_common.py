@@ -43,12 +43,16 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
 
     g.add_argument("--trainer", choices=choices(), default=DEFAULT,
                    help=f"the TRL trainer, one of {', '.join(choices())} (default {DEFAULT}); --dataset is that "
-                   "trainer's data (dpo, reward: prompt/chosen/rejected pairs; grpo, rloo: a 'prompt' column; "
+                   "trainer's data (dpo, reward: prompt/chosen/rejected pairs; grpo, rloo, distillation: a 'prompt' column; "
                    "default: the built-in synthetic set of its kind); --config is then a `trl <trainer>` file")
     g.add_argument("--reward-model", default=None, metavar="ID",
                    help="online RL (grpo, rloo): a reward model (hub id or local directory) resident beside the "
                    "policy, counted in the memory (reward functions run on the host and are not); written as "
                    "reward_model_name_or_path")
+    g.add_argument("--teacher", default=None, metavar="ID",
+                   help="distillation: the teacher (hub id, local directory or config.json) resident beside the "
+                   "student, with the student's vocabulary; counted in the memory; written as "
+                   "teacher_model_name_or_path")
 
 
 def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -63,13 +67,19 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     from .._files import check_names
 
     check_names({"--model": model, "--dataset": dataset, "--tokenizer": getattr(ns, "tokenizer", None),
-                 "--config": config_path, "--reward-model": getattr(ns, "reward_model", None)})
-    if config_path and (model is None or dataset is None):
+                 "--config": config_path, "--reward-model": getattr(ns, "reward_model", None),
+                 "--teacher": getattr(ns, "teacher", None)})
+    teacher = getattr(ns, "teacher", None)
+    from ..trainers import get_trainer
+
+    wants_teacher = teacher is None and getattr(get_trainer(getattr(ns, "trainer", "sft")), "takes_teacher", False)
+    if config_path and (model is None or dataset is None or wants_teacher):
         from ..emit import load_run_config
 
         rc = load_run_config(config_path, trainer=getattr(ns, "trainer", "sft"))
         model = model or rc.model_name_or_path
         dataset = dataset or rc.dataset
+        teacher = teacher or rc.candidate.base.get("teacher_model_name_or_path")  # a distillation config's
     if model is None:
         raise UsageError("--model is required (or model_name_or_path in --config)")
     from ..profiles import decide_offline
@@ -78,13 +88,14 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     if offline:
         print(f"advisor: {offline}", file=sys.stderr)
     from_config = {flag: f"--config {config_path}: {key}" for flag, key, given in (
-        ("--model", "model_name_or_path", ns.model), ("--dataset", "dataset_name", getattr(ns, "dataset", None)))
+        ("--model", "model_name_or_path", ns.model), ("--dataset", "dataset_name", getattr(ns, "dataset", None)),
+        ("--teacher", "teacher_model_name_or_path", getattr(ns, "teacher", None)))
         if given is None and config_path}  # a value the config wrote, not a flag: its error names the key
     try:
         wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
                             sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
                             num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"),
-                            reward_model=getattr(ns, "reward_model", None))
+                            reward_model=getattr(ns, "reward_model", None), teacher=teacher)
     except UsageError as exc:
         if not from_config:
             raise

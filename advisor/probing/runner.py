@@ -127,6 +127,8 @@ def job_dict(
         "model": _model_dict(workload.model),
         # --reward-model (online RL): resident beside the policy; the child loads one of its architecture
         "reward_model": _model_dict(workload.reward_model) if workload.reward_model is not None else None,
+        # --teacher (distillation): resident beside the student; the child loads one of its architecture
+        "teacher": _model_dict(workload.teacher) if workload.teacher is not None else None,
         "gpu": dataclasses.asdict(workload.gpu),
         "goals": goals_to_dict(workload.goals),
         # what names the workload (as a baseline or a study does); the child rebuilds from the values above

@@ -99,6 +99,15 @@ def _random_reward_model(spec, jobdir: Path, rank: int) -> str:
     return _saved_once(jobdir / "reward_model", rank, lambda path: save_random_reward_model(spec, path))
 
 
+def _random_teacher(spec, jobdir: Path, rank: int) -> str:
+    """--teacher: a causal LM of its architecture with random weights, saved once, which the trainer loads by path as
+    `trl distillation` loads teacher_model_name_or_path (teacher_model_init_kwargs: its dtype; resident beside the
+    student, run on every training micro-batch)."""
+    from ..modeling import save_random_model
+
+    return _saved_once(jobdir / "teacher", rank, lambda path: save_random_model(spec, path))
+
+
 def _saved_once(path: Path, rank: int, save: Callable[[Path], Any]) -> str:
     ready = path.with_name(path.name + ".ready")
     if rank == 0:
@@ -171,6 +180,7 @@ def _rebuild(job: dict[str, Any]):
 
     spec = model_spec(job["model"])
     reward_model = model_spec(job["reward_model"]) if job.get("reward_model") else None
+    teacher = model_spec(job["teacher"]) if job.get("teacher") else None
     gpu_fields = dict(job["gpu"])
     gpu_fields["aliases"] = tuple(gpu_fields.get("aliases") or ())
     d = job["dataset"]
@@ -178,7 +188,7 @@ def _rebuild(job: dict[str, Any]):
     dataset = trainer.dataset_from_rows(d["name"], d["source"], tuple(d["rows"]), dataset_name=d.get("dataset_name"),
                                         completion_only_loss=d.get("completion_only_loss"))
     workload = Workload(model=spec, gpu=GPUSpec(**gpu_fields), dataset=dataset, goals=Goals(**job["goals"]),
-                        trainer=trainer.name, reward_model=reward_model)
+                        trainer=trainer.name, reward_model=reward_model, teacher=teacher)
     return workload, Candidate.from_dict(job["candidate"])
 
 
@@ -384,6 +394,11 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         notes.append(f"--reward-model {workload.reward_model.name}: a reward model of its architecture with random "
                      "weights, loaded by the trainer from a path as trl grpo loads reward_model_name_or_path "
                      "(AutoModelForSequenceClassification, num_labels=1, model_init_kwargs)")
+    if workload.teacher is not None:  # saved now; the trainer loads it under the meter, as the student: counted
+        own["teacher_model"] = _random_teacher(workload.teacher, jobdir, rank)
+        notes.append(f"--teacher {workload.teacher.name}: a teacher of its architecture with random weights, loaded "
+                     "by the trainer from a path as trl distillation loads teacher_model_name_or_path "
+                     "(teacher_model_init_kwargs: its dtype)")
     meter = StepMeter(cuda, heartbeat, fault)
     prof = None
     if not cuda:

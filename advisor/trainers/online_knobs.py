@@ -26,6 +26,9 @@ class VllmMode(str, Enum):
 
 
 ONLINE = frozenset({"grpo", "rloo"})
+# the trainers whose step generates on-policy with the same engine knobs (DistillationConfig has these fields under
+# the same names: advisor/trainers/distillation.py)
+GENERATING = ONLINE | {"distillation"}
 _GRPO = frozenset({"grpo"})
 
 # TRL 1.16's defaults where GRPOConfig and RLOOConfig differ (tests/test_grpo_trainer.py reads them back from the
@@ -33,6 +36,7 @@ _GRPO = frozenset({"grpo"})
 TRL_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {"num_generations": 8, "beta": 0.0},
     "rloo": {"num_generations": 2, "beta": 0.05},
+    "distillation": {"beta": 1.0},
 }
 
 # The reward function the emitted file names when the user gave none: `trl grpo` / `trl rloo` build the trainer from
@@ -118,7 +122,7 @@ KNOBS = register_knobs(
          quality="fewer completions per prompt: noisier group advantages (the user's; never searched)"),
     Knob("max_completion_length", Kind.INT, 512, Home.TRAINER_CONFIG, "max_completion_length",
          "tokens generated per completion at most; the bound the memory is measured at (every completion at this "
-         "length)", minimum=1, trainers=ONLINE, carried=True, memory=Memory.GROWS, label="max_completion_length",
+         "length)", minimum=1, trainers=GENERATING, carried=True, memory=Memory.GROWS, label="max_completion_length",
          summary=lambda c: str(c.base.get("max_completion_length", 512)),
          short=lambda c: f"C={c.base.get('max_completion_length')}" if "max_completion_length" in c.base.as_dict()
          else None,
@@ -141,12 +145,14 @@ KNOBS = register_knobs(
          minimum=1, trainers=ONLINE, carried=True,
          quality="each generation trained on num_iterations times (off-policy after the first)"),
     Knob("beta", Kind.FLOAT, None, Home.TRAINER_CONFIG, "beta",
-         "the KL coefficient; != 0 keeps a reference (a separate copy, or the adapters disabled under LoRA). None: "
-         "the trainer's TRL default (GRPOConfig 0.0, RLOOConfig 0.05)", bounds=(0.0, 1000.0), trainers=ONLINE,
+         "GRPO / RLOO: the KL coefficient; != 0 keeps a reference (a separate copy, or the adapters disabled under "
+         "LoRA). Distillation: the generalized JSD's interpolation in [0, 1] (0 forward KL, 0.5 JSD, 1 reverse KL; no "
+         "reference). None: the trainer's TRL default (GRPOConfig 0.0, RLOOConfig 0.05, DistillationConfig 1.0)",
+         bounds=(0.0, 1000.0), trainers=GENERATING,
          carried=True, label="beta", summary=lambda c: None),
     Knob("use_vllm", Kind.BOOL, False, Home.TRAINER_CONFIG, "use_vllm",
          "generate with vLLM instead of model.generate (needs a CUDA target and `pip install vllm`)",
-         trainers=ONLINE, carried=True, requires="vllm", label="generation", summary=_vllm_summary,
+         trainers=GENERATING, carried=True, requires="vllm", label="generation", summary=_vllm_summary,
          short=_vllm_short),
     # The generation engine is ONE searched dimension of use_vllm, vllm_mode, vllm_enable_sleep_mode,
     # vllm_server_gpus (and expandable_segments, ds3_gather_for_generation where they go with it): its values are
@@ -155,26 +161,26 @@ KNOBS = register_knobs(
     # vLLM server on k GPUs), so no trial goes to a combination TRL or vLLM refuses.
     Knob("vllm_mode", Kind.ENUM, VllmMode.COLOCATE, Home.TRAINER_CONFIG, "vllm_mode",
          "colocate: vLLM in the training processes; server: `trl vllm-serve` on vllm_server_gpus of --num-gpus",
-         enum=VllmMode, active=_vllm_on, trainers=ONLINE, carried=True, memory=Memory.UNORDERED),
+         enum=VllmMode, active=_vllm_on, trainers=GENERATING, carried=True, memory=Memory.UNORDERED),
     Knob("vllm_gpu_memory_utilization", Kind.FLOAT, 0.3, Home.TRAINER_CONFIG, "vllm_gpu_memory_utilization",
          "the share of each card colocated vLLM claims (weights, activations and its KV pool) outside PyTorch's "
          "allocator. Not a search dimension: derived per candidate (OnlineRLTrainer.derive) as the smallest pool, "
          "rounded up to 0.01, that holds the generation batch at full length (prompt + max_completion_length) by "
          "vLLM's accounting (advisor/_physics/vllm.py min_utilization), never below one max_model_len sequence "
          "(what vLLM needs to start); a --fix of it is kept as given", bounds=(0.0, 1.0), active=_colocated,
-         trainers=ONLINE, carried=True, memory=Memory.GROWS),
+         trainers=GENERATING, carried=True, memory=Memory.GROWS),
     Knob("vllm_enable_sleep_mode", Kind.BOOL, False, Home.TRAINER_CONFIG, "vllm_enable_sleep_mode",
          "colocated vLLM sleeps (level 2) while the policy trains, giving its weights and KV pool back; vLLM's "
          "CuMemAllocator refuses expandable segments in PYTORCH_CUDA_ALLOC_CONF (the search turns them off with "
-         "it: one choice of the engine dimension)", active=_colocated, trainers=ONLINE, carried=True,
+         "it: one choice of the engine dimension)", active=_colocated, trainers=GENERATING, carried=True,
          memory=Memory.SAVES_WHEN_ON),
     Knob("vllm_server_gpus", Kind.INT, 0, Home.ACCELERATE, "vllm_server_gpus",
          "server mode: the GPUs of --num-gpus that run `trl vllm-serve` (CUDA_VISIBLE_DEVICES split; "
-         "--tensor-parallel-size); the others train", minimum=0, active=_served, trainers=ONLINE, carried=True),
+         "--tensor-parallel-size); the others train", minimum=0, active=_served, trainers=GENERATING, carried=True),
     Knob("ds3_gather_for_generation", Kind.BOOL, True, Home.TRAINER_CONFIG, "ds3_gather_for_generation",
          "ZeRO-3 gathers the whole policy to generate (False: generates layer by layer, slower, less memory; vLLM "
          "needs True). Read by TRL only under ZeRO-3 (active there; searched, with model.generate, only where the "
-         "space offers a ZeRO-3 layout)", active=_zero3, trainers=ONLINE, carried=True, memory=Memory.UNORDERED),
+         "space offers a ZeRO-3 layout)", active=_zero3, trainers=GENERATING, carried=True, memory=Memory.UNORDERED),
     Knob("cast_lm_head_to_fp32", Kind.BOOL, False, Home.TRAINER_CONFIG, "cast_lm_head_to_fp32",
          "the LM head (and its log-probs) in float32", trainers=_GRPO, carried=True,
          # never searched (search=None): GRPOConfig 1.16's help says it casts "the language modeling head of the

@@ -198,6 +198,25 @@ class OnlineRLTrainer(TrlTrainer):
                         server_command=f"CUDA_VISIBLE_DEVICES={serve} {cmd}",
                         chosen=f"vLLM server on GPU(s) {serve}, training on {train}")
 
+    def step_knobs(self, candidate: Candidate) -> dict[str, Any]:
+        """The step's knobs as the physics builds an online step from them (advisor/_physics/online_rl.py
+        `build_step`'s keyword arguments, TRL's names, this trainer's defaults resolved): what the estimate and the
+        simulator's glue both pass."""
+        k = self.knobs(candidate)
+        return dict(steps_per_generation=k.steps_per_generation, generation_batch_size=k.generation_batch_size,
+                    num_generations=int(k.num_generations), num_iterations=int(k.num_iterations), beta=float(k.beta),
+                    use_vllm=bool(k.use_vllm), vllm_mode=k.vllm_mode.value,
+                    vllm_enable_sleep_mode=bool(k.vllm_enable_sleep_mode),
+                    vllm_gpu_memory_utilization=float(k.vllm_gpu_memory_utilization),
+                    vllm_importance_sampling_correction=bool(k.vllm_importance_sampling_correction),
+                    vllm_max_model_length=candidate.base.get("vllm_max_model_length"),
+                    ds3_gather_for_generation=bool(k.ds3_gather_for_generation),
+                    cast_lm_head_to_fp32=bool(k.cast_lm_head_to_fp32), old_logps_always=self.old_logps_always)
+
+    def teacher_dtype(self, candidate: Candidate) -> str | None:
+        """The dtype a resident teacher is loaded in (None: this trainer has no teacher)."""
+        return None
+
     # ---- the search space (advisor/_search/space.py default_space, advisor/_search/params.py StudySpace) ---------
     batch_unit = "completions"  # what per_device_train_batch_size counts (a dataset row is a prompt)
     ENGINE = "generation_engine"  # the name of the one searched dimension of the generation engine
@@ -354,34 +373,27 @@ class OnlineRLTrainer(TrlTrainer):
     # ---- config ------------------------------------------------------------------------------------------------
     def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
                       measured: bool = False) -> dict[str, Any]:
-        """Every memory-relevant GRPOConfig / RLOOConfig field, explicitly (TRL's defaults resolved), then the
-        base's config keys (`measured`: only those that reach a measured run)."""
+        """Every memory-relevant field of this trainer's config, explicitly (TRL's defaults resolved): its own knobs
+        (`own_config_kwargs`) and the training arguments online trainers share, then the base's config keys
+        (`measured`: only those that reach a measured run)."""
         from ..emit import model_init_kwargs
         from ..space import Precision
 
         c = candidate
         k = self.knobs(c)
         fields = _field_names(self.config_class())
-        own = {kn.key: getattr(k, kn.name) for kn in KNOBS if kn.key in fields}  # declared once (KNOBS)
-        own["vllm_mode"] = k.vllm_mode.value
-        # the generation batch: the one of steps_per_generation / generation_batch_size that is set (never both:
-        # GRPOConfig derives the other); neither when unset, which TRL reads as steps_per_generation =
-        # gradient_accumulation_steps (written explicitly above)
-        for key in ("steps_per_generation", "generation_batch_size"):
-            if own[key] is None:
-                own.pop(key)
         out: dict[str, Any] = {
             "per_device_train_batch_size": c.per_device_train_batch_size,
             "gradient_accumulation_steps": c.gradient_accumulation_steps,
-            **own,
+            **self.own_config_kwargs(c, k, fields, workload, measured=measured),
             "vllm_tensor_parallel_size": c.base.get("vllm_tensor_parallel_size", 1),
             "activation_checkpointing": c.activation_checkpointing,
             "activation_checkpointing_kwargs": c.checkpointing_kwargs,
             "optim": c.optim.value,
             "bf16": c.precision is Precision.BF16,
             "fp16": c.precision is Precision.FP16,
-            # a TrainingArguments field GRPOTrainer / RLOOTrainer ignore (their RepeatSampler groups each prompt's
-            # completions): written as the knob says, so the file is what was measured
+            # a TrainingArguments field the online trainers ignore (their RepeatSampler deals the generation batch):
+            # written as the knob says, so the file is what was measured
             "train_sampling_strategy": "group_by_length" if c.group_by_length else
             c.base.get("train_sampling_strategy", "random"),
             "auto_find_batch_size": False,
@@ -394,11 +406,31 @@ class OnlineRLTrainer(TrlTrainer):
             out["generation_kwargs"] = {**(c.base.get("generation_kwargs") or {}),
                                         "min_new_tokens": k.max_completion_length}
             out["shuffle_dataset"] = False
-        skip = KNOB_KEYS | {"vllm_tensor_parallel_size", "auto_find_batch_size", *SCRIPT_KEYS,
-                             *(("generation_kwargs", "shuffle_dataset") if measured else ())}
-        out.update(base_config_keys(c, fields, measured=measured, own=online_only_keys(self.config_class()),
-                                    skip=skip))
+        skip = self.written_keys() | {"vllm_tensor_parallel_size", "auto_find_batch_size",
+                                      *(("generation_kwargs", "shuffle_dataset") if measured else ())}
+        out.update(base_config_keys(c, fields, measured=measured, own=self.own_keys(), skip=skip))
         return out
+
+    def own_config_kwargs(self, candidate: Candidate, knobs: Any, fields: set[str], workload: Workload | None, *,
+                          measured: bool) -> dict[str, Any]:
+        """This trainer's own knobs as its config's fields (GRPOConfig / RLOOConfig: declared once in KNOBS)."""
+        own = {kn.key: getattr(knobs, kn.name) for kn in KNOBS if kn.key in fields}
+        own["vllm_mode"] = knobs.vllm_mode.value
+        # the generation batch: the one of steps_per_generation / generation_batch_size that is set (never both:
+        # GRPOConfig derives the other); neither when unset, which TRL reads as steps_per_generation =
+        # gradient_accumulation_steps (written explicitly above)
+        for key in ("steps_per_generation", "generation_batch_size"):
+            if own[key] is None:
+                own.pop(key)
+        return own
+
+    def written_keys(self) -> frozenset[str]:
+        """The keys `own_config_kwargs` and the script's own keys write (the base's copies are not written again)."""
+        return KNOB_KEYS | frozenset(SCRIPT_KEYS)
+
+    def own_keys(self) -> set[str]:
+        """The keys of this trainer's config SFTConfig has not, and its script's own."""
+        return online_only_keys(self.config_class())
 
     def script_kwargs(self, candidate: Candidate, workload: Workload | None = None) -> dict[str, Any]:
         """GRPOScriptArguments / RLOOScriptArguments' keys: the reward model (resident, counted: the workload's

@@ -39,6 +39,7 @@ class Resident(str, Enum):
     POLICY = "policy"  # the trained model's weights (with its adapters under LoRA)
     REFERENCE = "reference"  # a separate reference copy (DPO full fine-tuning, GRPO with beta > 0)
     REWARD_MODEL = "reward_model"  # a scoring model (online RL with a reward model)
+    TEACHER = "teacher"  # the teacher whose distribution the student is distilled towards (no gradient)
     GRADIENTS = "gradients"  # the trained parameters' gradients
     OPTIMIZER_STATE = "optimizer_state"  # the optimizer's state
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 PROMPT_COLUMN = "prompt"
 SYNTHETIC_PROMPTS = 2048
-_TRAINERS = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}
+_TRAINERS = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "distillation": "DistillationTrainer"}
 DEFAULT_COMPLETION = 512  # GRPOConfig / RLOOConfig max_completion_length (TRL 1.16), the online knob's default
 _BATCH = 256  # prompts per call of TRL's tokenizer path (it tokenizes a batch per step; the result is per prompt)
 
@@ -158,7 +158,7 @@ def check_prompt_rows(rows: Sequence[Any], label: str, trainer: str = "grpo") ->
         if isinstance(first, dict) and "messages" in first:
             hint = " (a chat dataset: keep each conversation without its last assistant turn as 'prompt')"
         elif isinstance(first, dict) and {"chosen", "rejected"} <= set(first):
-            hint = " (a preference dataset: its prompts are what GRPO/RLOO take)"
+            hint = f" (a preference dataset: its prompts are what {name} takes)"
         raise ConfigError(
             [f"dataset={label}: the {trainer} trainer reads prompt-only data ({name} takes the {PROMPT_COLUMN!r} "
              f"column: a string, or a list of messages), and row 0 has no {PROMPT_COLUMN!r} column (it has "
@@ -246,7 +246,7 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
         indices = np.sort(np.random.default_rng(seed).choice(population, size=sample, replace=False))
     rows = [raw.rows[int(i)] for i in indices]
     conversational = check_prompt_rows(rows, raw.label, trainer)
-    tok = load_tokenizer(tokenizer, model, trainer)  # as GRPOTrainer / RLOOTrainer load it (AutoProcessor)
+    tok = load_tokenizer(tokenizer, model, trainer)  # as the trainer loads it (AutoProcessor)
     loaded_as = tokenizer_note(tok, tokenizer, model, trainer)
     ids = tokenize_prompts([r[PROMPT_COLUMN] for r in rows], tok, trainer=trainer,
                            chat_template_kwargs=chat_template_kwargs, label=raw.label)
@@ -257,7 +257,7 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
                                 if sampled else ()) + ((loaded_as,) if loaded_as is not None else ()))
 
 
-# ---- the lengths report for prompt data (`advisor lengths --trainer grpo|rloo`) --------------------------------
+# ---- the lengths report for prompt data (`advisor lengths --trainer grpo|rloo|distillation`) --------------------------------
 @dataclass(frozen=True)
 class PromptLengthReport:
     """The prompts' token lengths (as the trainer tokenizes them) and the sequences they make with every completion
