@@ -237,9 +237,9 @@ class Workload:
                                "hub id, a model directory or a config.json of a model with the student's vocabulary "
                                f"({self.model.vocab_size} tokens)"], context="workload")
         if takes and self.teacher.vocab_size != self.model.vocab_size:
-            raise ConfigError([f"teacher={self.teacher.name!r}: its vocabulary has {self.teacher.vocab_size} tokens and "
-                               f"the student {self.model.name!r}'s {self.model.vocab_size}: distillation compares the "
-                               "teacher's full next-token distribution, so DistillationTrainer refuses another "
+            raise ConfigError([f"teacher={self.teacher.name!r}: its vocabulary has {self.teacher.vocab_size} tokens "
+                               f"and the student {self.model.name!r}'s {self.model.vocab_size}: distillation compares "
+                               "the teacher's full next-token distribution, so DistillationTrainer refuses another "
                                "vocabulary; use a teacher of the student's family (same tokenizer), or TRL's GOLD "
                                "trainer for cross-tokenizer distillation"], context="workload")
 

@@ -78,4 +78,5 @@ def test_what_the_wheel_installs_imports_and_reads_its_profiles(wheel, tmp_path)
     assert out[0] == str(site / "advisor" / "__init__.py")
     assert out[1] == str(site / "advisor" / "_profiles")
     assert out[2].startswith("H100") and out[2].endswith("profile")
-    assert out[3] == "['dpo', 'grpo', 'reward', 'rloo', 'sft']"  # every built-in trainer module is in the wheel
+    # every built-in trainer module is in the wheel
+    assert out[3] == "['distillation', 'dpo', 'grpo', 'reward', 'rloo', 'sft']"

@@ -111,6 +111,8 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
     completion = int(_knob(c, "max_completion_length"))
     proxy = _proxy(workload, b, prompt, completion)
     sft_c = c.replace(max_length=prompt + completion, packing=False, padding_free=False)
+    if not kind.train_autocast:  # the training passes compute in the weights' dtype (distillation)
+        sft_c = sft_c.replace(precision=Precision.FP32)
     parts = memory_parts(proxy, sft_c)
     weight_bytes = DTYPE_BYTES[c.weights_dtype]
     mixed = c.precision is not Precision.FP32
@@ -230,7 +232,7 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
     arch = architecture(workload.model)
     train = expected_step_time(proxy, arch, sft_c, parts.batch, parts.offload_volume)
     distilling = step.loss is online_Loss.DIVERGENCE
-    extra_s = _teacher_s(step, gpu, c.precision.value) if distilling else 0.0
+    extra_s = _teacher_s(step, gpu) if distilling else 0.0
     timed = online_step_time_on(step, gpu, arch, precision=c.precision.value, train_s=train.step_s + extra_s,
                                 vllm=vllm)
     notes += [
@@ -286,12 +288,13 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
     )
 
 
-def _teacher_s(step: Any, gpu: Any, precision: str) -> float:
+def _teacher_s(step: Any, gpu: Any) -> float:
     """Seconds a distillation step adds to the SFT passes of its micro-batches: the teacher's no-grad forward and
     the divergence's projections through both heads (advisor/_physics/distillation.py teacher_train_flops), at the
-    step-time model's GEMM efficiency."""
+    step-time model's GEMM efficiency, in the teacher's weights' dtype (no autocast reaches the training pass)."""
     from .._physics import peak_flops, teacher_train_flops, time_constants
 
+    precision = "fp32" if step.teacher.weight_element_bytes == 4 else "bf16"
     flops = teacher_train_flops(step.teacher, rows=step.per_device_train_batch_size, sequence=step.sequence_length,
                                 completion=step.max_completion_length, vocab=step.vocab, student_hidden=step.hidden,
                                 beta=step.divergence_beta)
@@ -300,22 +303,18 @@ def _teacher_s(step: Any, gpu: Any, precision: str) -> float:
 
 def _distillation_notes(step: Any) -> list[str]:
     """What the estimate of a distillation step says of the teacher and of the vocabulary's logits."""
-    from .._physics import online_constants, step_divergence
+    from .._physics import online_constants, step_divergence, vocabulary_note
 
     gib = 2**30
     teacher = step.teacher
     div = step_divergence(step, step.per_device_train_batch_size,
                           cpu_fold_tiles=int(online_constants()["cpu_divergence_fold_tiles"]["value"]))
-    full = 2 * div.tokens * step.vocab * 4
     return [
         f"teacher: resident, {teacher.weights_bytes / gib:.2f} GiB ({teacher.layers} layers x hidden "
         f"{teacher.hidden}, {teacher.weight_element_bytes}-byte weights); its backbone runs under no_grad on every "
         "training micro-batch (DistillationTrainer._compute_loss); no reference, nothing scored",
-        f"vocabulary logits: TRL's chunked divergence (trl/kernels/chunked_divergence.py, beta "
-        f"{step.divergence_beta:g}) projects the {div.tokens:,} completion tokens of a micro-batch through both heads "
-        f"onto two float32 tiles of min(N, 4096) x 32768 = {div.tiles / gib:.2f} GiB, never the [N, V] logits "
-        f"(both models' would be {full / gib:.2f} GiB at vocabulary {step.vocab:,}); the student head's float32 "
-        f"weight gradient [V, H] adds {div.weight_grad / gib:.2f} GiB in its backward",
-        "train: the SFT estimate's parts of the student's micro-batch (advisor/_estimate/memory.py) without its LM "
-        "head's logits, the teacher's forward and the divergence (advisor/_physics/distillation.py)",
+        vocabulary_note(div, vocab=step.vocab, beta=step.divergence_beta),
+        "train: the SFT estimate's parts of the student's micro-batch (advisor/_estimate/memory.py) in the weights' "
+        "dtype (no autocast reaches DistillationTrainer's training pass), without its LM head's logits, the "
+        "teacher's forward and the divergence (advisor/_physics/distillation.py)",
     ]

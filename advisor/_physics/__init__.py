@@ -86,7 +86,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     # ---- on-policy distillation's training pass (distillation.py): the teacher and the chunked divergence --------
     **{name: ("distillation", name) for name in (
         "Teacher", "DivergenceBytes", "divergence_bytes", "step_divergence", "teacher_train_flops",
+        "vocabulary_note",
     )},
+    "divergence_tiles": ("distillation", "tiles"),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -13,10 +13,15 @@ Per micro-batch of B completions (N = B x max_completion_length tokens, every co
   vocabulary for 0 < beta < 1; it saves both flattened states and three vectors for the backward;
 - the backward projects the tiles again and accumulates the hidden states' gradient [N, H_s] and, when the head
   is trained (not under LoRA), its weight's [V, H_s], both in float32, cast to the parameters' dtype at the end.
-Each tile's projection casts the head's 32768-row slice to the compute dtype when the weights are in another
-(float32 weights under bf16 autocast), and the hidden chunk likewise; on CUDA the product goes straight to the
-float32 tile (`torch.mm(..., out_dtype=torch.float32)`), elsewhere through float32 copies of both operands and the
-torch fold's float32 temporaries (profiles/measurements/online_rl_constants.json cpu_divergence_fold_tiles).
+Each tile's projection casts the head's 32768-row slice to the compute dtype when the weights are in another,
+and the hidden chunk likewise; on CUDA the product goes straight to the float32 tile (`torch.mm(...,
+out_dtype=torch.float32)`), elsewhere through float32 copies of both operands and the torch fold's float32
+temporaries (profiles/measurements/online_rl_constants.json cpu_divergence_fold_tiles).
+
+No autocast reaches the training pass: `compute_loss` routes the backbones and the loss through TRL's
+`_ForwardRedirection`, which swaps out the `forward` accelerate wrapped in autocast, so with `bf16=True` over float32
+weights the student's saved activations, the teacher's forward and the divergence are float32 (generation alone runs
+under autocast). Checked on the real CPU run: the student's MLP outputs float32 with grad, bfloat16 in generate.
 """
 
 from __future__ import annotations
@@ -60,6 +65,23 @@ class DivergenceBytes:
     backward_peak: int
 
 
+def tiles(tokens: int) -> tuple[int, int]:
+    """(rows, bytes) of the divergence's two float32 tiles for a micro-batch of `tokens` completion tokens."""
+    rows = min(tokens, TOKEN_CHUNK)
+    return rows, 2 * rows * VOCAB_CHUNK * 4
+
+
+def vocabulary_note(div: DivergenceBytes, *, vocab: int, beta: float) -> str:
+    """What a distillation step's vocabulary-sized parts are, in words and bytes (both backends' notes)."""
+    gib = 2**30
+    rows, tile_bytes = tiles(div.tokens)
+    return (f"vocabulary logits: TRL's chunked divergence (trl/kernels/chunked_divergence.py, beta {beta:g}) "
+            f"projects the {div.tokens:,} completion tokens of a micro-batch through both heads onto two float32 "
+            f"tiles of {rows:,} x {VOCAB_CHUNK:,} = {tile_bytes / gib:.2f} GiB, never the [N, V] logits (both "
+            f"models' would be {2 * div.tokens * vocab * 4 / gib:.2f} GiB at vocabulary {vocab:,}); the student "
+            f"head's float32 weight gradient [V, H] adds {div.weight_grad / gib:.2f} GiB in its backward")
+
+
 def divergence_bytes(*, rows: int, completion: int, vocab: int, student_hidden: int, teacher_hidden: int,
                      student_state_bytes: int, teacher_state_bytes: int, compute_bytes: int, teacher_compute_bytes: int,
                      head_weight_bytes: int, teacher_head_weight_bytes: int, beta: float, trained_head: bool,
@@ -68,9 +90,8 @@ def divergence_bytes(*, rows: int, completion: int, vocab: int, student_hidden: 
     backbone's output (its weights' dtype: the residual stream's); `*compute_bytes`: the projection's dtype (autocast's,
     else the states'); `cpu_fold_tiles`: float32 tiles the torch fold holds at once (no Triton)."""
     n = rows * completion
-    t = min(n, TOKEN_CHUNK)
+    t, tile_bytes = tiles(n)
     vc = min(vocab, VOCAB_CHUNK)
-    tiles = 2 * t * VOCAB_CHUNK * 4
     flat = n * (student_hidden * student_state_bytes + teacher_hidden * teacher_state_bytes)
     vectors = 10 * n * 4  # the nine running statistics (and the -inf start's temporary)
 
@@ -88,16 +109,16 @@ def divergence_bytes(*, rows: int, completion: int, vocab: int, student_hidden: 
         slice_cast += max(vc * student_hidden * 4, vc * teacher_hidden * 4) if min(compute_bytes,
                                                                                  teacher_compute_bytes) != 4 else 0
         slice_cast += cpu_fold_tiles * t * vc * 4
-    forward = flat + vectors + tiles + chunks + slice_cast
+    forward = flat + vectors + tile_bytes + chunks + slice_cast
     saved = flat + 3 * n * 4
     grad_hidden = n * student_hidden * 4
     weight_grad = vocab * student_hidden * 4 if trained_head else 0
     grad_tile = t * vc * compute_bytes if compute_bytes != 4 else 0
-    backward = saved + 2 * n * 4 + grad_hidden + weight_grad + tiles + chunks + slice_cast + grad_tile
+    backward = saved + 2 * n * 4 + grad_hidden + weight_grad + tile_bytes + chunks + slice_cast + grad_tile
     if trained_head and head_weight_bytes != 4:  # grad_weight.to(weight dtype) while the float32 one lives
         backward += vocab * student_hidden * head_weight_bytes
     del beta  # the JSD's second pass reuses the same tiles: the same bytes as either KL
-    return DivergenceBytes(tokens=n, tiles=tiles, weight_grad=weight_grad, forward_peak=forward,
+    return DivergenceBytes(tokens=n, tiles=tile_bytes, weight_grad=weight_grad, forward_peak=forward,
                            backward_peak=backward)
 
 
@@ -123,32 +144,34 @@ def teacher_train_flops(teacher: Teacher, *, rows: int, sequence: int, completio
 
 
 def step_divergence(step: Any, rows: int, *, cpu_fold_tiles: int) -> DivergenceBytes:
-    """The divergence's bytes on `rows` completions of an online step (online_rl.py `OnlineStep` with a teacher):
-    the projections in autocast's dtype under mixed precision (16-bit compute), else in each model's own."""
+    """The divergence's bytes on `rows` completions of an online step (online_rl.py `OnlineStep` with a teacher).
+    No autocast reaches it: DistillationTrainer.compute_loss runs the student's and the teacher's backbones and the
+    loss through `_ForwardRedirection`, which replaces the `forward` accelerate wrapped in autocast (trl/models/
+    utils.py), so each model computes in its own weights' dtype (bf16=True over float32 weights trains in float32;
+    only generation runs under autocast)."""
     teacher = step.teacher
-    mixed = step.compute_bytes != step.head_weight_bytes or step.compute_bytes == 2
     return divergence_bytes(
         rows=rows, completion=step.max_completion_length, vocab=step.vocab, student_hidden=step.hidden,
         teacher_hidden=teacher.hidden, student_state_bytes=step.head_weight_bytes,
-        teacher_state_bytes=teacher.weight_element_bytes, compute_bytes=step.compute_bytes,
-        teacher_compute_bytes=step.compute_bytes if mixed else teacher.weight_element_bytes,
-        head_weight_bytes=step.head_weight_bytes, teacher_head_weight_bytes=teacher.weight_element_bytes,
-        beta=step.divergence_beta, trained_head=not step.lora, cuda=step.cuda, cpu_fold_tiles=cpu_fold_tiles)
+        teacher_state_bytes=teacher.weight_element_bytes, compute_bytes=step.head_weight_bytes,
+        teacher_compute_bytes=teacher.weight_element_bytes, head_weight_bytes=step.head_weight_bytes,
+        teacher_head_weight_bytes=teacher.weight_element_bytes, beta=step.divergence_beta,
+        trained_head=not step.lora, cuda=step.cuda, cpu_fold_tiles=cpu_fold_tiles)
 
 
 def train_moments(step: Any, rows: int, acts: int, before: int, *, cpu_fold_tiles: int) -> dict[str, dict[str, int]]:
     """Distillation's training micro-batch of an online step, by moment: the student's saved activations (`acts`,
-    the backend's count) and earlier micro-steps' gradients (`before`), then the teacher's no-grad forward, the
-    divergence's forward and backward over the vocabulary ("lm_head": its float32 tiles, the flattened states, the
-    head's float32 weight gradient), the start of the student's backward and the optimizer step."""
+    the backend's count, in the weights' dtype: see `step_divergence`) and earlier micro-steps' gradients
+    (`before`), then the teacher's no-grad forward, the divergence's forward and backward over the vocabulary
+    ("lm_head": its float32 tiles, the flattened states, the head's float32 weight gradient), the start of the
+    student's backward and the optimizer step."""
     teacher = step.teacher
     tokens = rows * step.sequence_length
     div = step_divergence(step, rows, cpu_fold_tiles=cpu_fold_tiles)
-    mixed = step.compute_bytes != step.head_weight_bytes or step.compute_bytes == 2
     teacher_states = tokens * teacher.hidden * teacher.weight_element_bytes  # its last hidden states, kept
     return {
         "teacher's forward": {"gradients": before, "activations": acts, "teacher_forward": teacher_forward_bytes(
-            teacher, tokens, step.compute_bytes if mixed else teacher.weight_element_bytes)},
+            teacher, tokens, teacher.weight_element_bytes)},
         "divergence's forward": {"gradients": before, "activations": acts, "teacher_forward": teacher_states,
                                  "lm_head": div.forward_peak},
         "divergence's backward": {"gradients": before, "activations": acts, "teacher_forward": teacher_states,

@@ -104,7 +104,7 @@ class Loss(str, Enum):
     """What the training pass computes on the completions."""
 
     LOGPROB = "logprob"  # GRPO / RLOO: TRL's fused log-prob head (trl/kernels/chunked_logprob.py)
-    DIVERGENCE = "divergence"  # distillation: the teacher's no-grad forward and the chunked divergence (distillation.py)
+    DIVERGENCE = "divergence"  # distillation: the teacher's forward and the chunked divergence (distillation.py)
 
 
 @dataclass(frozen=True)

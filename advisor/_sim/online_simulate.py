@@ -126,6 +126,12 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         teacher_arch=architecture(teacher) if teacher is not None else None, teacher_bytes=built.teacher_bytes,
         teacher_weight_element_bytes=built.teacher_element_bytes, **kind.step_knobs(candidate),
     )
+    if step.teacher is not None:  # distillation: the divergence's vocabulary-sized parts, named
+        from .._physics import online_constants, step_divergence, vocabulary_note
+
+        div = step_divergence(step, b, cpu_fold_tiles=int(online_constants()["cpu_divergence_fold_tiles"]["value"]))
+        notes.append(vocabulary_note(div, vocab=step.vocab, beta=step.divergence_beta) + " (sizes from TRL's code; "
+                     "the fake run allocated them)")
     vllm = online_vllm_terms(step)
     if isinstance(vllm, online_VllmRefusal):
         return Measurement(

@@ -43,8 +43,8 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
 
     g.add_argument("--trainer", choices=choices(), default=DEFAULT,
                    help=f"the TRL trainer, one of {', '.join(choices())} (default {DEFAULT}); --dataset is that "
-                   "trainer's data (dpo, reward: prompt/chosen/rejected pairs; grpo, rloo, distillation: a 'prompt' column; "
-                   "default: the built-in synthetic set of its kind); --config is then a `trl <trainer>` file")
+                   "trainer's data (dpo, reward: prompt/chosen/rejected pairs; grpo, rloo, distillation: a 'prompt' "
+                   "column; default: the built-in synthetic set of its kind); --config is then a `trl <trainer>` file")
     g.add_argument("--reward-model", default=None, metavar="ID",
                    help="online RL (grpo, rloo): a reward model (hub id or local directory) resident beside the "
                    "policy, counted in the memory (reward functions run on the host and are not); written as "

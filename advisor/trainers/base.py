@@ -185,7 +185,8 @@ def get_trainer(name: str | Trainer = "sft") -> Trainer:
                           context="trainer") from None
 
 
-_BUILTIN = ("sft", "dpo", "reward", "grpo", "rloo", "distillation")  # the built-ins' modules, each registering its trainer
+# the built-ins' modules, each registering its trainer
+_BUILTIN = ("sft", "dpo", "reward", "grpo", "rloo", "distillation")
 DEFAULT = _BUILTIN[0]  # the trainer a workload is for unless it names another (--trainer's default)
 
 

@@ -57,13 +57,16 @@ KNOBS = register_knobs(
     Knob("teacher_dtype", Kind.OPTIONAL_ENUM, None, Home.MODEL_INIT_KWARGS, "teacher_dtype",
          "the dtype the teacher is loaded in: `teacher_model_init_kwargs: {dtype: ...}` (None: `trl distillation` "
          "loads it in ModelConfig's dtype, the student's). The teacher is resident all step (its weights, not "
-         "trained: no gradient, no optimizer state) and runs its forward under the same autocast as the student",
+         "trained: no gradient, no optimizer state) and its forward computes in that dtype (no autocast reaches the "
+         "training pass). Searched (None or bfloat16, `Distillation.search_values`) where the teacher's checkpoint "
+         "is stored in bfloat16 (its config's torch_dtype: loading it in bfloat16 holds the checkpoint's own "
+         "weights) or the goals allow low-precision weights; else pinned by --fix only",
          enum=WeightsDtype, trainers=_DISTILLATION, carried=True, memory=Memory.UNORDERED,
-         search=(None, WeightsDtype.BFLOAT16), label="teacher", summary=_teacher_summary,
+         label="teacher", summary=_teacher_summary,
          short=lambda c: None if c.base.get("teacher_dtype") is None else
          f"teacher={getattr(c.base.get('teacher_dtype'), 'value', c.base.get('teacher_dtype'))}",
-         quality="the teacher's weights rounded to 16 bits: its next-token distribution, the student's target, "
-                 "computed from rounded weights"),
+         quality="the teacher's forward in 16 bits: its next-token distribution, the student's target, computed in "
+                 "16-bit matmuls (and from 16-bit weights where its checkpoint is float32)"),
 )
 # the online knobs DistillationConfig has under the same names (declared once in online_knobs.py)
 _SHARED = tuple(k for k in _ONLINE_KNOBS if k.accepts("distillation"))
@@ -155,6 +158,9 @@ class Distillation(OnlineRLTrainer):
     example_dataset = "trl-lib/ultrafeedback-prompt"
     takes_reward_model = False
     takes_teacher = True  # a Workload's teacher (--teacher) is this trainer's, and it needs one
+    # compute_loss runs the backbones through TRL's _ForwardRedirection, which swaps out the forward accelerate
+    # wrapped in autocast: the training passes compute in the weights' dtype (generation alone under autocast)
+    train_autocast = False
 
     def knobs(self, candidate: Candidate) -> Any:
         return DistillationKnobs.of(candidate)
@@ -196,6 +202,19 @@ class Distillation(OnlineRLTrainer):
         if k.use_vllm and not k.ds3_gather_for_generation:
             out.append("ds3_gather_for_generation=False with use_vllm=True: TRL syncs the whole student's weights to "
                        "vLLM and needs them gathered; set ds3_gather_for_generation: true or use_vllm: false")
+        return out
+
+    # ---- the search space ---------------------------------------------------------------------------------------
+    def search_values(self, workload: Workload, values: Mapping[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
+        """The generation engine's values (online_rl.py), and the teacher's dtype: ModelConfig's or bfloat16 where
+        the teacher's checkpoint is stored in bfloat16 (loading it so keeps its own weights; float32 only upcasts
+        them) or the goals allow low-precision weights; ModelConfig's alone otherwise."""
+        out = super().search_values(workload, values)
+        teacher = workload.teacher
+        stored = str((teacher.config.get("text_config") or teacher.config).get("torch_dtype")
+                     or teacher.config.get("dtype") or "") if teacher is not None else ""
+        if stored == WeightsDtype.BFLOAT16.value or workload.goals.allow_low_precision_weights:
+            out["teacher_dtype"] = (None, WeightsDtype.BFLOAT16)
         return out
 
     # ---- the step's knobs, as the physics takes them ------------------------------------------------------------
@@ -286,6 +305,11 @@ class Distillation(OnlineRLTrainer):
 
         out = run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
                              output_dir=f"advisor-{self.name}", workload=workload)
+        teacher = self.teacher_name(candidate, workload)
+        if teacher:  # the workload's --teacher (run_config_for writes the config's kwargs without the workload)
+            head = {k: out.pop(k) for k in ("model_name_or_path", "dataset_name") if k in out}
+            out.pop("teacher_model_name_or_path", None)
+            out = {**head, "teacher_model_name_or_path": teacher, **out}
         out["env"] = {**(out.get("env") or {}), **allocator_env(candidate, self.knobs(candidate))}
         return out
 
@@ -406,12 +430,18 @@ class Distillation(OnlineRLTrainer):
     # ---- what the report and the notes say -----------------------------------------------------------------------
     def report_rows(self, candidate: Candidate) -> list[list[str]]:
         k = self.knobs(candidate)
+        from .._physics import divergence_tiles
+
+        n = candidate.per_device_train_batch_size * int(k.max_completion_length)
+        rows, tiles = divergence_tiles(n)
         return [*super(OnlineRLTrainer, self).report_rows(candidate),
                 ["completions", f"1 per prompt x {k.max_completion_length} tokens; generation batch "
                                 f"{k.generation_batch(candidate)} per GPU"],
                 ["divergence", f"generalized JSD, beta {k.beta:g} ("
                                + ("forward KL" if k.beta == 0 else "reverse KL" if k.beta == 1 else "two passes")
-                               + "), over the whole vocabulary in float32 tiles of min(N, 4096) x 32768"]]
+                               + f") over the whole vocabulary: the logits of the {n:,} completion tokens of a "
+                               f"micro-batch in two float32 tiles of {rows:,} x 32,768 ({tiles / 2**30:.2f} GiB), "
+                               "never [N, V]"]]
 
     def notes(self, candidate: Candidate) -> list[str]:
         k = self.knobs(candidate)
@@ -419,10 +449,15 @@ class Distillation(OnlineRLTrainer):
                f"completion at max_completion_length={k.max_completion_length} (the bound: real completions that "
                "stop earlier need less)",
                f"the teacher resident in {self.teacher_dtype(candidate)} (no gradient, no optimizer state); its "
-               "backbone runs under no_grad on every training micro-batch",
-               "vocabulary logits: TRL's ChunkedDivergenceFunction projects both models' hidden states onto two "
-               "float32 tiles of min(N, 4096) x 32768 (N = completion tokens of a micro-batch) instead of the [N, V] "
-               "logits, and accumulates the student head's weight gradient [V, H] in float32"]
+               "backbone runs under no_grad on every training micro-batch"]
+        from ..space import Precision
+
+        if candidate.precision is not Precision.FP32 and candidate.weights_dtype.value == "float32":
+            out.append(f"{candidate.precision.value}=True reaches generation only: DistillationTrainer.compute_loss "
+                       "runs the backbones and the loss through TRL's _ForwardRedirection, which swaps out the "
+                       "forward accelerate wrapped in autocast, so the training pass computes and saves its "
+                       "activations in float32 (measured on the real CPU run); 16-bit weights "
+                       "(--allow-low-precision-weights) train in 16 bits")
         if k.colocated and k.vllm_enable_sleep_mode:
             out.append("vllm_enable_sleep_mode: PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF are written with "
                        "expandable_segments:False (vLLM's CuMemAllocator refuses expandable segments)")

@@ -79,6 +79,7 @@ class OnlineRLTrainer(TrlTrainer):
     closed_form = ClosedForm.ONLINE_RL
     config_label: str
     takes_reward_model = True  # a Workload's reward_model (--reward-model) is this trainer's to score with
+    train_autocast = True  # its training forwards run under the mixed-precision autocast (bf16 / fp16)
     old_logps_always = False  # its scoring runs the old policy's no-grad forward every generation (RLOO: True)
 
     @property

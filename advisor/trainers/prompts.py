@@ -257,7 +257,7 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
                                 if sampled else ()) + ((loaded_as,) if loaded_as is not None else ()))
 
 
-# ---- the lengths report for prompt data (`advisor lengths --trainer grpo|rloo|distillation`) --------------------------------
+# ---- the lengths report for prompt data (`advisor lengths --trainer grpo|rloo|distillation`) ---------------------
 @dataclass(frozen=True)
 class PromptLengthReport:
     """The prompts' token lengths (as the trainer tokenizes them) and the sequences they make with every completion
