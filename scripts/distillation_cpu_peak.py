@@ -20,11 +20,9 @@ teacher's parameters and buffers): the accounting of tests/test_simulate_accurac
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,19 +70,6 @@ CASES = {c.name: c for c in (
 )}
 
 
-@dataclass(frozen=True)
-class Peak:
-    """A real run's peak: what was live before train() plus the allocator's highest total during it."""
-
-    case: str
-    peak_bytes: int
-    before_bytes: int
-    train_peak_bytes: int
-    events: int
-    seconds: float
-    completion_lengths: tuple[int, ...]
-
-
 def config_kwargs(case: Case, output_dir: str) -> dict[str, Any]:
     """The DistillationConfig keyword arguments of `case` on the CPU, quiet, every completion at full length."""
     kwargs = dict(BASE, **case.args)
@@ -112,14 +97,12 @@ def prompts(case: Case) -> list[str]:
                           STUDENT["vocab_size"])
 
 
-def run_case(case: Case, teacher: dict | None = None) -> Peak:
+def run_case(case: Case, teacher: dict | None = None) -> _grpo.Peak:
     import datasets
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import DistillationConfig, DistillationTrainer
-
-    from advisor.probing.meters import cpu_peak, memory_profiler
 
     torch.manual_seed(0)
     student = AutoModelForCausalLM.from_config(AutoConfig.for_model(**STUDENT), dtype=torch.float32)
@@ -144,20 +127,7 @@ def run_case(case: Case, teacher: dict | None = None) -> Peak:
             return out
 
         trainer._generate = counted
-        models = [trainer.model, trainer.teacher_model]
-        before = _grpo._live([t for m in models for t in (*m.parameters(), *m.buffers())])
-        gc.collect()
-        start = time.perf_counter()
-        prof = memory_profiler()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trainer.train()
-        finally:
-            prof.__exit__(None, None, None)
-        seconds = time.perf_counter() - start
-        peak = cpu_peak(prof)
-    return Peak(case.name, before + peak.peak_bytes, before, peak.peak_bytes, peak.events, seconds, tuple(lengths))
+        return _grpo.measure_train(case.name, trainer, [trainer.model, trainer.teacher_model], lengths)
 
 
 def main(argv: list[str]) -> int:

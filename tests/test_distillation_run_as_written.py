@@ -6,19 +6,15 @@ the real `trl distillation --config FILE` (a subprocess, offline) with nothing b
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TINY_QWEN2, save_tiny_qwen2
+from conftest import TINY_QWEN2, run_offline, save_tiny_qwen2
 
 from advisor.space import Candidate, with_knobs
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +34,6 @@ def model_dirs(tmp_path_factory) -> tuple[Path, Path]:
                             "num_attention_heads": 6})
     AutoModelForCausalLM.from_config(config).save_pretrained(teacher)
     return student, teacher
-
-
-def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done
 
 
 @pytest.mark.slow
@@ -77,11 +65,11 @@ def test_the_yaml_and_the_snippet_run_as_written(model_dirs, tmp_path):
     trl = shutil.which("trl", path=str(Path(sys.executable).parent)) or shutil.which("trl")
     assert trl, "the trl command is not installed beside this Python"
     (tmp_path / "yaml").mkdir()
-    _run([trl, "distillation", "--config", str(run), "--max_steps", "2", "--output_dir",
-          str(tmp_path / "yaml" / "out")], tmp_path / "yaml")
+    run_offline([trl, "distillation", "--config", str(run), "--max_steps", "2", "--output_dir",
+                 str(tmp_path / "yaml" / "out")], tmp_path / "yaml")
     code = t.to_python(cand, model_name_or_path=str(student), workload=wl)
     assert f"teacher_model={str(teacher)!r}" in code
     (tmp_path / "snippet").mkdir()
     (tmp_path / "snippet" / "train.py").write_text(code)
-    _run([sys.executable, "train.py"], tmp_path / "snippet")  # one epoch: 8 prompts, 2 a micro-step, GA 2
+    run_offline([sys.executable, "train.py"], tmp_path / "snippet")  # one epoch: 8 prompts, 2 a micro-step, GA 2
     assert (tmp_path / "snippet" / "advisor-distillation").is_dir()

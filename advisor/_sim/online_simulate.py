@@ -1,7 +1,7 @@
-"""The simulate backend for online RL (GRPO, RLOO; issue 23): TRL's own `train()` on fake tensors (online_rl.py's
-`run_online_fake`), built through the trainer seam, its per-phase allocator peaks combined with what vLLM holds
-outside the allocator by the physics (advisor/_physics/online_rl.py), and the step time of the physics' online terms
-around the training passes the fake run's own ops cost.
+"""The simulate backend for online RL (GRPO, RLOO) and on-policy distillation (the teacher resident): TRL's own
+`train()` on fake tensors (online_rl.py's `run_online_fake`), built through the trainer seam, its per-phase allocator
+peaks combined with what vLLM holds outside the allocator by the physics (advisor/_physics/online_rl.py), and the step
+time of the physics' online terms around the training passes the fake run's own ops cost.
 
 `advisor.simulator.simulate` routes here by what the trainer declares (`closed_form is ClosedForm.ONLINE_RL`: a
 step with generation inside it), never by its name.

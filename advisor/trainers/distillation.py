@@ -35,8 +35,8 @@ from ..errors import ConfigError
 from ..knobs import Home, Kind, Knob, Memory, register_knobs
 from .base import field_names, register
 from .online_knobs import KNOBS as _ONLINE_KNOBS
-from .online_knobs import LIGER_LOSS_GONE, TRL_DEFAULTS, VllmMode
-from .online_rl import OnlineRLTrainer, allocator_env
+from .online_knobs import LIGER_LOSS_GONE, TRL_DEFAULTS, EngineView, check_view
+from .online_rl import OnlineRLTrainer, allocator_env, engine_rules
 
 if TYPE_CHECKING:
     from ..space import Candidate
@@ -73,7 +73,7 @@ _SHARED = tuple(k for k in _ONLINE_KNOBS if k.accepts("distillation"))
 _VIEW = (*_SHARED, *KNOBS)
 
 
-class _DistillationKnobsMethods:
+class _DistillationKnobsMethods(EngineView):
     """DistillationConfig's memory knobs of a candidate, TRL 1.16's defaults resolved (`beta` 1.0: reverse KL). What
     the online trainers' shared parts read of GRPO's view is answered as DistillationTrainer runs: one completion per
     prompt, generated every gradient_accumulation_steps micro-steps, no reference, no old-policy forward."""
@@ -108,18 +108,6 @@ class _DistillationKnobsMethods:
         """Micro-steps per generation: gradient_accumulation_steps (`_prepare_inputs`: `generate_every`)."""
         return candidate.gradient_accumulation_steps
 
-    def generation_batch(self, candidate: Candidate, world_size: int = 1) -> int:
-        """Completions per generation over every rank: per_device_train_batch_size x processes x GA."""
-        return candidate.per_device_train_batch_size * world_size * candidate.gradient_accumulation_steps
-
-    @property
-    def colocated(self) -> bool:
-        return self.use_vllm and VllmMode(self.vllm_mode) is VllmMode.COLOCATE
-
-    @property
-    def served(self) -> bool:
-        return self.use_vllm and VllmMode(self.vllm_mode) is VllmMode.SERVER
-
     def separate_reference(self, candidate: Candidate) -> bool:
         return False  # beta selects the divergence; there is no reference model
 
@@ -128,19 +116,7 @@ class _DistillationKnobsMethods:
 
 
 def _check(self: Any) -> None:
-    problems = []
-    for k in _VIEW:
-        v = getattr(self, k.name)
-        if k.kind is Kind.BOOL:
-            if not isinstance(v, bool):
-                problems.append(f"{k.name}={v!r}: must be true or false")
-        elif v is not None:
-            problems.extend(p for p in [k.coerce(v)[1]] if p)
-    if problems:
-        raise ConfigError(problems, context="distillation")
-    object.__setattr__(self, "vllm_mode", VllmMode(self.vllm_mode))
-    if self.teacher_dtype is not None:
-        object.__setattr__(self, "teacher_dtype", WeightsDtype(self.teacher_dtype))
+    check_view(self, _VIEW, "distillation")
 
 
 DistillationKnobs = dataclasses.make_dataclass(
@@ -185,23 +161,7 @@ class Distillation(OnlineRLTrainer):
             out.append("teacher_model_init_kwargs.quantization_config: a quantized teacher is not measured by the "
                        "advisor (its bitsandbytes weights and dequantised forward); drop it, or load the teacher in "
                        "16 bits with --fix teacher_dtype=bfloat16")
-        if k.use_vllm and gpu is not None and not gpu.is_cuda:
-            out.append(f"use_vllm=True on {gpu.name}: vLLM generates on CUDA GPUs only; set use_vllm: false "
-                       "(model.generate) for this target")
-        if k.served and k.vllm_server_gpus < 1:
-            out.append(f"vllm_mode='server' with vllm_server_gpus={k.vllm_server_gpus}: server mode runs `trl "
-                       "vllm-serve` on GPUs of its own and none is set aside; give it K of --num-gpus (--fix "
-                       "vllm_server_gpus=K, K < --num-gpus: the others train), or set vllm_mode: colocate")
-        if not k.served and k.vllm_server_gpus:
-            out.append(f"vllm_server_gpus={k.vllm_server_gpus} without vllm_mode='server' (use_vllm={k.use_vllm}): "
-                       "only server mode sets GPUs aside for vLLM; drop it or set use_vllm: true, vllm_mode: server")
-        if k.colocated and k.vllm_enable_sleep_mode and c.expandable_segments:
-            out.append("vllm_enable_sleep_mode=True with expandable_segments=True: vLLM's CuMemAllocator asserts "
-                       "\"Expandable segments are not compatible with memory pool\"; set expandable_segments: false "
-                       "(--fix expandable_segments=false) or vllm_enable_sleep_mode: false")
-        if k.use_vllm and not k.ds3_gather_for_generation:
-            out.append("ds3_gather_for_generation=False with use_vllm=True: TRL syncs the whole student's weights to "
-                       "vLLM and needs them gathered; set ds3_gather_for_generation: true or use_vllm: false")
+        out.extend(engine_rules(c, k, gpu))
         return out
 
     # ---- the search space ---------------------------------------------------------------------------------------
@@ -358,23 +318,9 @@ class Distillation(OnlineRLTrainer):
         if problems:
             raise ConfigError(problems, context=source)
 
-    def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
-        """A `trl distillation` config read back: the shared keys as advisor.emit reads them, DistillationConfig's
-        own in the base (the knobs, the teacher's name, `teacher_model_init_kwargs`' dtype as the teacher_dtype
-        knob); what this trainer writes for a plain candidate is not stored."""
-        from ..emit import candidate_from_run_dict
-
-        self.check_run_keys(data, source=source)
-        own_keys = self.own_keys()
-        shared = {k: v for k, v in data.items() if k not in own_keys and k != "env"}
-        own = {k: v for k, v in data.items() if k in own_keys}
-        if "env" in data:
-            shared["env"] = data["env"]
-        for key, emitted in (("auto_find_batch_size", False), ("vllm_tensor_parallel_size", 1),
-                             ("pad_to_multiple_of", None)):
-            if shared.get(key, own.get(key, emitted)) == emitted:
-                shared.pop(key, None)
-                own.pop(key, None)
+    def own_from_run(self, own: dict[str, Any]) -> dict[str, Any]:
+        """DistillationConfig's keys of a file read back: `teacher_model_init_kwargs`' dtype as the teacher_dtype
+        knob (the rest of it as written), an empty teacher name not stored."""
         init = dict(own.pop("teacher_model_init_kwargs", None) or {})
         if "dtype" in init:
             own["teacher_dtype"] = init.pop("dtype")
@@ -382,16 +328,7 @@ class Distillation(OnlineRLTrainer):
             own["teacher_model_init_kwargs"] = init
         if own.get("teacher_model_name_or_path") is None:
             own.pop("teacher_model_name_or_path", None)
-        cand = candidate_from_run_dict(shared, source=source)
-        base = cand.base.as_dict()
-        if base.get("output_dir") == f"advisor-{self.name}":
-            base.pop("output_dir")
-        cand = cand.replace(base={**base, **own})
-        try:
-            knobs = self.knobs(cand)
-        except ConfigError as exc:
-            raise ConfigError(exc.problems, context=source) from None
-        return knobs.apply(cand)
+        return own
 
     def canonical(self, candidate: Candidate) -> Candidate:
         """The online knobs without effect reset (online_rl.py), and a teacher_dtype equal to ModelConfig's dtype
@@ -409,23 +346,11 @@ class Distillation(OnlineRLTrainer):
         teacher = getattr(trainer, "teacher_model", None)
         return [teacher] if teacher is not None else []
 
-    def phases(self, candidate: Candidate) -> tuple:
-        """generate (the student's state and the teacher resident, the KV cache; colocated vLLM's share of the
-        card), score (the completions padded: nothing scored), train (the student's forward and backward, the
-        teacher's no-grad forward and the divergence over the vocabulary, the optimizer step)."""
-        from .phases import Phase, PhaseKind, Resident
+    def resident_models(self, candidate: Candidate) -> tuple:
+        """The student and the teacher, in every phase (no reference, no reward model)."""
+        from .phases import Resident
 
-        k = self.knobs(candidate)
-        pool = k.vllm_gpu_memory_utilization if k.colocated else 0.0
-        held = 0.0 if k.vllm_enable_sleep_mode else pool
-        resident = (Resident.POLICY, Resident.TEACHER)
-        return (
-            Phase(PhaseKind.GENERATE, (*resident, Resident.OPTIMIZER_STATE), kv_cache=not k.use_vllm,
-                  outside_allocator_fraction=pool),
-            Phase(PhaseKind.SCORE, (*resident, Resident.OPTIMIZER_STATE), outside_allocator_fraction=held),
-            Phase(PhaseKind.TRAIN, (*resident, Resident.GRADIENTS, Resident.OPTIMIZER_STATE), activations=True,
-                  outside_allocator_fraction=held),
-        )
+        return (Resident.POLICY, Resident.TEACHER)
 
     # ---- what the report and the notes say -----------------------------------------------------------------------
     def report_rows(self, candidate: Candidate) -> list[list[str]]:

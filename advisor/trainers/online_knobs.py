@@ -198,7 +198,26 @@ KNOBS = register_knobs(
 KNOB_KEYS = frozenset(k.key for k in KNOBS)
 
 
-class _OnlineKnobsMethods:
+class EngineView:
+    """What a knob view of a generating trainer answers from its engine knobs and its generation batch (`steps`,
+    `generation_batch_size`: the view's)."""
+
+    def generation_batch(self, candidate: Candidate, world_size: int = 1) -> int:
+        """Completions per generation over every rank (TRL's generation_batch_size)."""
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size
+        return candidate.per_device_train_batch_size * world_size * self.steps(candidate)
+
+    @property
+    def colocated(self) -> bool:
+        return self.use_vllm and VllmMode(self.vllm_mode) is VllmMode.COLOCATE
+
+    @property
+    def served(self) -> bool:
+        return self.use_vllm and VllmMode(self.vllm_mode) is VllmMode.SERVER
+
+
+class _OnlineKnobsMethods(EngineView):
     """The online trainers' knobs of a candidate, each trainer's TRL default resolved."""
 
     trainer: str
@@ -238,20 +257,6 @@ class _OnlineKnobsMethods:
             return max(1, self.generation_batch_size // candidate.per_device_train_batch_size)
         return candidate.gradient_accumulation_steps
 
-    def generation_batch(self, candidate: Candidate, world_size: int = 1) -> int:
-        """Completions per generation over every rank (TRL's generation_batch_size)."""
-        if self.generation_batch_size is not None:
-            return self.generation_batch_size
-        return candidate.per_device_train_batch_size * world_size * self.steps(candidate)
-
-    @property
-    def colocated(self) -> bool:
-        return self.use_vllm and VllmMode(self.vllm_mode) is VllmMode.COLOCATE
-
-    @property
-    def served(self) -> bool:
-        return self.use_vllm and VllmMode(self.vllm_mode) is VllmMode.SERVER
-
     def separate_reference(self, candidate: Candidate) -> bool:
         """GRPOTrainer.__init__: beta 0 keeps no reference; PEFT disables the adapters; else a second copy."""
         return self.beta != 0.0 and not candidate.use_lora
@@ -269,18 +274,27 @@ class _OnlineKnobsMethods:
         return candidate.gradient_accumulation_steps % every != 0 or correction
 
 
-def _check(self: Any) -> None:
+def check_view(view: Any, knobs: tuple[Knob, ...], context: str) -> None:
+    """A knob view's values checked against their declarations (one ConfigError naming every bad one), then its
+    enum knobs stored as their enums."""
     problems = []
-    for k in KNOBS:
-        v = getattr(self, k.name)
+    for k in knobs:
+        v = getattr(view, k.name)
         if k.kind is Kind.BOOL:
             if not isinstance(v, bool):
                 problems.append(f"{k.name}={v!r}: must be true or false")
         elif v is not None:
             problems.extend(p for p in [k.coerce(v)[1]] if p)
     if problems:
-        raise ConfigError(problems, context=self.trainer)
-    object.__setattr__(self, "vllm_mode", VllmMode(self.vllm_mode))
+        raise ConfigError(problems, context=context)
+    for k in knobs:
+        v = getattr(view, k.name)
+        if k.enum is not None and v is not None:
+            object.__setattr__(view, k.name, k.enum(v))
+
+
+def _check(self: Any) -> None:
+    check_view(self, KNOBS, self.trainer)
 
 
 OnlineKnobs = dataclasses.make_dataclass(

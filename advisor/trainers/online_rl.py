@@ -143,25 +143,7 @@ class OnlineRLTrainer(TrlTrainer):
                            f"per_device_train_batch_size {b} x {spg} {k.steps(c)} x GPUs); make "
                            f"per_device_train_batch_size x steps_per_generation a multiple of {k.num_generations}, "
                            "or use a num_generations that divides it")
-        if k.use_vllm and gpu is not None and not gpu.is_cuda:
-            out.append(f"use_vllm=True on {gpu.name}: vLLM generates on CUDA GPUs only; set use_vllm: false "
-                       "(model.generate) for this target")
-        if k.served and k.vllm_server_gpus < 1:
-            out.append(f"vllm_mode='server' with vllm_server_gpus={k.vllm_server_gpus}: server mode runs `trl "
-                       "vllm-serve` on GPUs of its own and none is set aside; give it K of --num-gpus (--fix "
-                       "vllm_server_gpus=K, K < --num-gpus: the others train), or set vllm_mode: colocate")
-        if not k.served and k.vllm_server_gpus:
-            out.append(f"vllm_server_gpus={k.vllm_server_gpus} without vllm_mode='server' (use_vllm="
-                       f"{k.use_vllm}): only server mode sets GPUs aside for vLLM; drop it or set use_vllm: true, "
-                       "vllm_mode: server")
-        if k.colocated and k.vllm_enable_sleep_mode and c.expandable_segments:
-            out.append("vllm_enable_sleep_mode=True with expandable_segments=True: vLLM's CuMemAllocator "
-                       "(vllm/device_allocator/cumem.py) asserts \"Expandable segments are not compatible with "
-                       "memory pool\" when PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; set "
-                       "expandable_segments: false (--fix expandable_segments=false) or vllm_enable_sleep_mode: false")
-        if k.use_vllm and not k.ds3_gather_for_generation:
-            out.append("ds3_gather_for_generation=False with use_vllm=True: TRL syncs the whole policy's weights to "
-                       "vLLM and needs them gathered; set ds3_gather_for_generation: true or use_vllm: false")
+        out.extend(engine_rules(c, k, gpu))
         if getattr(k, "cast_lm_head_to_fp32", False) and c.use_lora and c.lora_target_modules and \
                 "lm_head" in c.lora_target_modules:
             out.append("cast_lm_head_to_fp32=True with LoRA on lm_head: GRPOTrainer raises \"`cast_lm_head_to_fp32"
@@ -525,13 +507,13 @@ class OnlineRLTrainer(TrlTrainer):
             raise ConfigError(problems, context=source)
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
-        """A `trl grpo|rloo` config read back: the shared keys as advisor.emit reads them, the online keys (the knobs
-        in OnlineKnobs, the rest as written) in the base; what this trainer emits itself for a plain candidate
-        (TRL's defaults, the default reward function, its output_dir, the allocator variables) is not stored."""
+        """A `trl <command>` config read back: the shared keys as advisor.emit reads them, this trainer's own keys
+        (its knobs, the rest as written) in the base; what this trainer emits itself for a plain candidate (TRL's
+        defaults, its output_dir, the allocator variables, `own_from_run`'s) is not stored."""
         from ..emit import candidate_from_run_dict
 
         self.check_run_keys(data, source=source)
-        own_keys = online_only_keys(self.config_class())
+        own_keys = self.own_keys()
         shared = {k: v for k, v in data.items() if k not in own_keys and k != "env"}
         own = {k: v for k, v in data.items() if k in own_keys}
         if "env" in data:
@@ -541,11 +523,7 @@ class OnlineRLTrainer(TrlTrainer):
             if shared.get(key, own.get(key, emitted)) == emitted:
                 shared.pop(key, None)
                 own.pop(key, None)
-        if own.get("reward_funcs") is not None and tuple(own["reward_funcs"]) == DEFAULT_REWARD_FUNCS \
-                and not own.get("reward_model_name_or_path"):
-            own.pop("reward_funcs")
-        if own.get("reward_model_name_or_path") is None:
-            own.pop("reward_model_name_or_path", None)
+        own = self.own_from_run(own)
         cand = candidate_from_run_dict(shared, source=source)
         base = cand.base.as_dict()
         if base.get("output_dir") == f"advisor-{self.name}":
@@ -556,6 +534,16 @@ class OnlineRLTrainer(TrlTrainer):
         except ConfigError as exc:
             raise ConfigError(exc.problems, context=source) from None
         return knobs.apply(cand)
+
+    def own_from_run(self, own: dict[str, Any]) -> dict[str, Any]:
+        """This trainer's own keys of a file read back, as the base stores them: the default reward function (what
+        the file names when the user gave none) and an empty reward model are not stored."""
+        if own.get("reward_funcs") is not None and tuple(own["reward_funcs"]) == DEFAULT_REWARD_FUNCS \
+                and not own.get("reward_model_name_or_path"):
+            own.pop("reward_funcs")
+        if own.get("reward_model_name_or_path") is None:
+            own.pop("reward_model_name_or_path", None)
+        return own
 
     # ---- data ----------------------------------------------------------------------------------------------------
     def load_dataset(self, spec: str | None, model: ModelSpec, tokenizer: str | None = None, *,
@@ -625,11 +613,7 @@ class OnlineRLTrainer(TrlTrainer):
         k = self.knobs(candidate)
         pool = k.vllm_gpu_memory_utilization if k.colocated else 0.0
         held = 0.0 if k.vllm_enable_sleep_mode else pool  # asleep while scoring and training (level 2)
-        resident = [Resident.POLICY]
-        if k.separate_reference(candidate):
-            resident.append(Resident.REFERENCE)
-        if candidate.base.get("reward_model_name_or_path"):
-            resident.append(Resident.REWARD_MODEL)
+        resident = self.resident_models(candidate)
         return (
             Phase(PhaseKind.GENERATE, (*resident, Resident.OPTIMIZER_STATE), kv_cache=not k.use_vllm,
                   outside_allocator_fraction=pool),
@@ -637,6 +621,17 @@ class OnlineRLTrainer(TrlTrainer):
             Phase(PhaseKind.TRAIN, (*resident, Resident.GRADIENTS, Resident.OPTIMIZER_STATE), activations=True,
                   outside_allocator_fraction=held),
         )
+
+    def resident_models(self, candidate: Candidate) -> tuple:
+        """The models resident in every phase: the policy, a separate reference, a reward model given as a model."""
+        from .phases import Resident
+
+        resident = [Resident.POLICY]
+        if self.knobs(candidate).separate_reference(candidate):
+            resident.append(Resident.REFERENCE)
+        if candidate.base.get("reward_model_name_or_path"):
+            resident.append(Resident.REWARD_MODEL)
+        return tuple(resident)
 
     # ---- what the report and the notes say -----------------------------------------------------------------------
     def report_rows(self, candidate: Candidate) -> list[list[str]]:
@@ -662,6 +657,33 @@ class OnlineRLTrainer(TrlTrainer):
             out.append("vllm_enable_sleep_mode: PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF are written with "
                        "expandable_segments:False (vLLM's CuMemAllocator refuses expandable segments)")
         return out
+
+
+def engine_rules(c: Candidate, k: Any, gpu: GPUSpec | None) -> list[str]:
+    """The generation engine's rules every generating trainer shares (TRL's and vLLM's), with the fix: vLLM on CUDA
+    only, server mode with GPUs of its own and only there, sleep mode without expandable segments, vLLM's gathered
+    weights under ZeRO-3."""
+    out = []
+    if k.use_vllm and gpu is not None and not gpu.is_cuda:
+        out.append(f"use_vllm=True on {gpu.name}: vLLM generates on CUDA GPUs only; set use_vllm: false "
+                   "(model.generate) for this target")
+    if k.served and k.vllm_server_gpus < 1:
+        out.append(f"vllm_mode='server' with vllm_server_gpus={k.vllm_server_gpus}: server mode runs `trl "
+                   "vllm-serve` on GPUs of its own and none is set aside; give it K of --num-gpus (--fix "
+                   "vllm_server_gpus=K, K < --num-gpus: the others train), or set vllm_mode: colocate")
+    if not k.served and k.vllm_server_gpus:
+        out.append(f"vllm_server_gpus={k.vllm_server_gpus} without vllm_mode='server' (use_vllm="
+                   f"{k.use_vllm}): only server mode sets GPUs aside for vLLM; drop it or set use_vllm: true, "
+                   "vllm_mode: server")
+    if k.colocated and k.vllm_enable_sleep_mode and c.expandable_segments:
+        out.append("vllm_enable_sleep_mode=True with expandable_segments=True: vLLM's CuMemAllocator "
+                   "(vllm/device_allocator/cumem.py) asserts \"Expandable segments are not compatible with "
+                   "memory pool\" when PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; set "
+                   "expandable_segments: false (--fix expandable_segments=false) or vllm_enable_sleep_mode: false")
+    if k.use_vllm and not k.ds3_gather_for_generation:
+        out.append("ds3_gather_for_generation=False with use_vllm=True: TRL syncs the whole policy's weights to "
+                   "vLLM and needs them gathered; set ds3_gather_for_generation: true or use_vllm: false")
+    return out
 
 
 def allocator_env(candidate: Candidate, knobs: Any) -> dict[str, str]:
