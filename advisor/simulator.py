@@ -64,7 +64,7 @@ def simulate(
 ) -> Measurement:
     """Peak bytes of `steps` real optimizer steps of `candidate` on the target, predicted on fake tensors.
 
-    `trainer`: the TRL trainer that runs ("sft", "dpo", "reward", "grpo", "rloo"; advisor.trainers.get_trainer);
+    `trainer`: the TRL trainer that runs ("sft", "dpo", "reward", "grpo", "rloo", "distillation"; get_trainer);
     default: the workload's (`Workload.trainer`). A trainer whose step generates (its `closed_form` is
     `ClosedForm.ONLINE_RL`) is simulated by advisor/_sim/online_simulate.py (`layers` unused: the full depth runs).
 

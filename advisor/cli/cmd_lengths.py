@@ -23,8 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int, nargs="+", default=None, metavar="L",
                    help="max_length values to evaluate (default: the advisor's candidates for --max-truncation)")
     p.add_argument("--max-completion-length", type=int, default=None, metavar="C",
-                   help="prompt data (--trainer grpo|rloo): the completion length each prompt is counted with "
-                        "(GRPOConfig / RLOOConfig max_completion_length; default: TRL's 512). The online trainers "
+                   help="prompt data (--trainer grpo|rloo|distillation): the completion length each prompt is "
+                        "counted with (the config's max_completion_length; default: TRL's 512). The online trainers "
                         "have no max_length")
     p.add_argument("--max-truncation", default="1%",
                    help="share of trained tokens that truncation may drop, for the suggested max_length "
@@ -61,7 +61,7 @@ def run(ns: argparse.Namespace) -> int:
                          f"{ns.max_length[0]} (suggest: --fix max_completion_length={ns.max_length[0]})")
     if data.unit != "prompts" and ns.max_completion_length is not None:
         raise UsageError(f"--max-completion-length {ns.max_completion_length} with --trainer {ns.trainer}: only the "
-                         "online trainers (--trainer grpo|rloo) generate completions; use --max-length")
+                         "online trainers (--trainer grpo|rloo|distillation) generate completions; use --max-length")
     report_of = _REPORTS.get(data.unit)
     if report_of is None:
         raise UsageError(f"--trainer {ns.trainer}: `advisor lengths` has no report for {data.unit} yet; use "
@@ -162,8 +162,8 @@ def _preference(ns: argparse.Namespace, data, max_truncation: float) -> int:
 
 
 def _prompts(ns: argparse.Namespace, data, max_truncation: float) -> int:
-    """Prompts (`advisor lengths --trainer grpo|rloo`): the prompts' lengths and prompt + max_completion_length
-    (--max-completion-length, else TRL's 512): the online trainers truncate neither."""
+    """Prompts (`advisor lengths --trainer grpo|rloo|distillation`): the prompts' lengths and prompt +
+    max_completion_length (--max-completion-length, else TRL's 512): the online trainers truncate neither."""
     from ..trainers.prompts import DEFAULT_COMPLETION, prompt_length_report
 
     report = prompt_length_report(data, ns.max_completion_length or DEFAULT_COMPLETION)
