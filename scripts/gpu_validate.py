@@ -56,15 +56,24 @@ MATRIX: dict[str, dict] = {
 }
 
 
-# online RL (issue 23): GRPO steps, generation inside the step; name -> online knobs (TRL's GRPOConfig names) on top of
-# ONLINE_BASE. The vLLM cases run only where `import vllm` works (advisor[vllm]); each is one probe + one simulation.
+# online RL (issue 23): GRPO steps, generation inside the step; name -> online knobs (TRL's config names) on top of
+# ONLINE_BASE, and the trainer (GRPO unless "trainer" says; distillation's teacher is the --model itself: a resident
+# teacher of the student's architecture). The vLLM cases run only where `import vllm` works (advisor[vllm]); each is
+# one probe + one simulation.
 ONLINE_BASE = {"num_generations": 4, "max_completion_length": 128}
 ONLINE_MATRIX: dict[str, dict] = {
     "grpo-generate": {"use_vllm": False},
     "grpo-vllm-colocate": {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3},
     "grpo-vllm-colocate-sleep": {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
                                  "vllm_enable_sleep_mode": True},
+    "distillation-generate": {"trainer": "distillation", "use_vllm": False, "beta": 0.5},
+    "distillation-vllm-colocate": {"trainer": "distillation", "use_vllm": True, "vllm_mode": "colocate",
+                                   "vllm_gpu_memory_utilization": 0.3},
 }
+
+
+def online_trainer(name: str) -> str:
+    return ONLINE_MATRIX[name].get("trainer", "grpo")
 
 
 def online_cases(only: tuple[str, ...] | None, *, vllm: bool) -> list[str]:
@@ -80,7 +89,10 @@ def online_candidate(name: str, batch: int):
     from advisor.space import Candidate, with_knobs
 
     knobs = {**ONLINE_BASE, **ONLINE_MATRIX[name]}
-    ga = max(1, -(-knobs["num_generations"] // batch))
+    knobs.pop("trainer", None)
+    if online_trainer(name) == "distillation":  # one completion per prompt: no groups to fill
+        knobs.pop("num_generations")
+    ga = max(1, -(-knobs.get("num_generations", 1) // batch))
     base = Candidate(per_device_train_batch_size=batch, gradient_accumulation_steps=ga, precision="bf16",
                      optim="adamw_torch", attn_implementation="sdpa", activation_checkpointing=False,
                      expandable_segments=not knobs.get("vllm_enable_sleep_mode", False))
@@ -88,8 +100,8 @@ def online_candidate(name: str, batch: int):
 
 
 def online_rows(a: argparse.Namespace, spec, gpu) -> list[dict]:
-    """GRPO cases probed (the real GRPOTrainer.train(), every completion forced to max_completion_length) next to the
-    simulation (GRPOTrainer.train() on fake tensors; vLLM's side in closed form)."""
+    """GRPO and distillation cases probed (the real trainer's train(), every completion forced to
+    max_completion_length) next to the simulation (its train() on fake tensors; vLLM's side in closed form)."""
     import importlib.util
 
     from advisor.probing import probe
@@ -102,13 +114,15 @@ def online_rows(a: argparse.Namespace, spec, gpu) -> list[dict]:
     if not names:
         return []
     data = synthetic_prompts(spec.vocab_size, rows=max(16, a.batch[0] * 4), seed=0, median=64, max_len=128)
-    wl = Workload(model=spec, gpu=gpu, dataset=data, goals=Goals(), trainer="grpo")
     rows = []
     for name in names:
+        trainer = online_trainer(name)
+        wl = Workload(model=spec, gpu=gpu, dataset=data, goals=Goals(), trainer=trainer,
+                      teacher=spec if trainer == "distillation" else None)
         cand = online_candidate(name, a.batch[0])
         sim = simulate(wl, cand, gpu)
         real = probe(wl, cand, a.backend, steps=a.steps, warmup=a.warmup, timeout_s=a.timeout)
-        row = {"case": name, "trainer": "grpo", "batch_size": a.batch[0], "candidate": cand.to_dict(),
+        row = {"case": name, "trainer": trainer, "batch_size": a.batch[0], "candidate": cand.to_dict(),
                "probe": _fields(real), "simulate": _fields(sim),
                "simulate_over_probe": {k: _ratio(getattr(sim, k), getattr(real, k))
                                        for k in ("peak_bytes", "reserved_bytes", "device_bytes", "step_time_s")}}
@@ -338,7 +352,7 @@ def run(a: argparse.Namespace) -> int:
         from advisor.trainers import get_trainer
 
         for n in online_cases(tuple(a.online) if a.online is not None else None, vllm=gpu.is_cuda):
-            problems = get_trainer("grpo").problems(online_candidate(n, a.batch[0]), gpu, spec)
+            problems = get_trainer(online_trainer(n)).problems(online_candidate(n, a.batch[0]), gpu, spec)
             if problems:
                 print(f"{n}: " + "; ".join(problems), file=sys.stderr)
                 return 2
@@ -431,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--multi-gpu", type=int, nargs="*", default=[], metavar="N",
                    help="also probe MULTI_CASE with FSDP2 on N ranks (each N > 1), per rank, next to the simulation")
     p.add_argument("--online", nargs="*", choices=sorted(ONLINE_MATRIX), default=None, metavar="CASE",
-                   help="the online RL (GRPO) cases to run (default: all; the vLLM ones where vllm imports; "
-                        "--online with no name: none)")
+                   help="the online RL (GRPO, distillation) cases to run (default: all; the vLLM ones where vllm "
+                        "imports; --online with no name: none)")
     a = p.parse_args(argv)
     bad = [n for n in a.multi_gpu if n < 2]
     if bad:

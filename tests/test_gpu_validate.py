@@ -43,7 +43,7 @@ def test_dry_run_checks_every_candidate(gv, capsys):
 
 
 def test_online_cases_take_vllm_only_where_it_imports(gv):
-    assert gv.online_cases(None, vllm=False) == ["grpo-generate"]
+    assert gv.online_cases(None, vllm=False) == ["grpo-generate", "distillation-generate"]
     assert gv.online_cases(None, vllm=True) == list(gv.ONLINE_MATRIX)
     assert gv.online_cases((), vllm=True) == []  # --online with no name: none
     from advisor.profiles import resolve_gpu, resolve_model
@@ -52,7 +52,7 @@ def test_online_cases_take_vllm_only_where_it_imports(gv):
     h100, qwen = resolve_gpu("H100-80GB"), resolve_model("Qwen/Qwen2.5-0.5B")
     for name in gv.ONLINE_MATRIX:  # every case is one TRL accepts (num_generations divides the generation batch)
         for batch in (1, 2, 4):
-            assert get_trainer("grpo").problems(gv.online_candidate(name, batch), h100, qwen) == []
+            assert get_trainer(gv.online_trainer(name)).problems(gv.online_candidate(name, batch), h100, qwen) == []
 
 
 def test_cuda_without_gpu_is_a_usage_error(gv, monkeypatch):
