@@ -12,9 +12,9 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
-from .parallelism import Parallelism, Strategy
+from .parallelism import Layout, Parallelism, Strategy
 
-__all__ = ["LaunchConfig", "accelerate_config"]
+__all__ = ["LaunchConfig", "LaunchRead", "accelerate_config", "read_accelerate_config"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +120,109 @@ def check_loads(text: str) -> None:
             load_config_from_file(path)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"the emitted accelerate config does not load: {e}", context="accelerate_config") from e
+
+
+# the keys of an accelerate config that change what a rank holds or how many train, compared with what the TRL
+# file's candidate launches as (the launcher's plumbing, e.g. machine_rank, main_process_port, rdzv_backend, is not)
+_MEMORY_KEYS = ("distributed_type", "mixed_precision", "num_processes", "num_machines", "use_cpu")
+# keys accelerate_config writes inside fsdp_config / deepspeed_config that change nothing a rank holds in a step
+_NEUTRAL = frozenset({"fsdp_state_dict_type", "deepspeed_multinode_launcher", "zero3_save_16bit_model"})
+
+
+@dataclass(frozen=True)
+class LaunchRead:
+    """An accelerate config read back (`read_accelerate_config`): the layout of the ranks, how many processes it
+    launches over how many machines, and the file's dict (`matches` checks it against a candidate)."""
+
+    layout: Layout
+    num_processes: int
+    num_machines: int
+    config: dict[str, Any]
+    source: str
+
+    def matches(self, candidate: Any, command: str = "sft") -> None:
+        """ConfigError naming each memory-relevant key whose value is not what `candidate` (its TRL file) launches
+        as with this layout and these processes: the mixed precision, DeepSpeed's gradient accumulation, an FSDP /
+        DeepSpeed option the advisor does not write (not simulated)."""
+        want = accelerate_config(candidate.replace(parallelism=self.layout), self.layout.parallelism,
+                                 self.num_processes, self.num_machines, command=command).config
+        got, problems = self.config, []
+        for key in _MEMORY_KEYS:
+            if key in got and got[key] != want.get(key):
+                problems.append(f"{key}: {got[key]!r}: the TRL file launches as {want.get(key)!r}; write "
+                                f"{key}: {want.get(key)!r}")
+        for section in ("fsdp_config", "deepspeed_config"):
+            mine, theirs = want.get(section) or {}, got.get(section) or {}
+            for key in sorted(set(mine) | set(theirs)):
+                if key in _NEUTRAL or theirs.get(key) == mine.get(key):
+                    continue
+                if key not in mine:
+                    problems.append(f"{section}.{key}: {theirs[key]!r}: changes memory and is not simulated; remove it")
+                elif key in theirs:
+                    problems.append(f"{section}.{key}: {theirs[key]!r}: the TRL file launches as {mine[key]!r}; "
+                                    f"write {key}: {mine[key]!r}")
+        if problems:
+            raise ConfigError(problems, context=self.source)
+
+
+def read_accelerate_config(path: Any) -> LaunchRead:
+    """The accelerate config `accelerate_config` writes (`advisor suggest --accelerate-output FILE`), read back: its
+    layout (distributed_type with fsdp_config / deepspeed_config), num_processes and num_machines. ConfigError
+    naming the file and the key for what the advisor does not simulate (FSDP1, ZeRO-1, another distributed type)."""
+    from pathlib import Path
+
+    source = f"--accelerate-config {path}"
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot be read ({exc.strerror or exc}); give the file `advisor suggest "
+                          "--accelerate-output FILE` wrote", context=source) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"not YAML ({exc})", context=source) from None
+    if isinstance(data, dict):
+        from .emit import answer_part
+
+        data = answer_part(data, "accelerate_config")  # `advisor suggest --json`'s answer: its accelerate config
+        if data is None:
+            raise ConfigError("an answer of `advisor suggest --json` for one GPU: it has no accelerate config (it "
+                              "launches without one); drop --accelerate-config", context=source)
+    if not isinstance(data, dict):
+        raise ConfigError("not a mapping of accelerate's keys (what `accelerate config` writes)", context=source)
+    problems: list[str] = []
+    processes, machines = (data.get(k, 1) for k in ("num_processes", "num_machines"))
+    for key, value in (("num_processes", processes), ("num_machines", machines)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{key}: {value!r}: a whole number >= 1")
+    kind = data.get("distributed_type", "NO")
+    par = None
+    if kind in ("NO", "MULTI_GPU"):
+        par = Parallelism(Strategy.DDP)
+    elif kind == "FSDP":
+        fsdp = data.get("fsdp_config") or {}
+        if str(fsdp.get("fsdp_version", 1)) != "2":
+            problems.append(f"fsdp_config.fsdp_version: {fsdp.get('fsdp_version', 1)!r}: FSDP1 is not simulated; "
+                            "write fsdp_version: 2 (FSDP2)")
+        else:
+            offload = bool(fsdp.get("fsdp_offload_params", False))
+            par = Parallelism(Strategy.FSDP2, reshard_after_forward=bool(fsdp.get("fsdp_reshard_after_forward",
+                                                                                   True)),
+                              offload_params=offload, offload_optimizer=offload)
+    elif kind == "DEEPSPEED":
+        ds = data.get("deepspeed_config") or {}
+        stage = ds.get("zero_stage")
+        if stage not in (2, 3):
+            problems.append(f"deepspeed_config.zero_stage: {stage!r}: the advisor simulates ZeRO-2 and ZeRO-3; "
+                            "write zero_stage: 2 or 3")
+        else:
+            par = Parallelism(Strategy.ZERO2 if stage == 2 else Strategy.ZERO3,
+                              offload_params=ds.get("offload_param_device", "none") == "cpu",
+                              offload_optimizer=ds.get("offload_optimizer_device", "none") == "cpu")
+    else:
+        problems.append(f"distributed_type: {kind!r}: not simulated; the advisor writes NO, MULTI_GPU (DDP), FSDP "
+                        "(FSDP2) or DEEPSPEED (ZeRO-2/3)")
+    layout = next((lay for lay in Layout if lay.parallelism == par), None) if par is not None else None
+    if par is not None and layout is None:
+        problems.extend(par.problems() or [f"{kind} with these options is not a layout the advisor simulates"])
+    if problems:
+        raise ConfigError(problems, context=source)
+    return LaunchRead(layout=layout, num_processes=processes, num_machines=machines, config=data, source=source)

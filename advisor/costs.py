@@ -20,22 +20,24 @@ from typing import Any
 _NAMES = (
     "Basis", "BatchDistribution", "BatchPoint", "OptimizerImpl", "StepCost", "Term",
     "attention_kind", "attention_tile_s", "batch_distribution", "context_bytes", "cublas_workspace_bytes",
-    "cuda_constants", "dequant_s", "evaluate", "gemm_s", "memory_s", "model_flops", "offload_copy_s_per_token",
-    "optimizer_cost", "optimizer_impl", "peak_flops", "replay", "round_size", "time_constants",
+    "cuda_constants", "local_cuda_major", "dequant_s", "evaluate", "gemm_s", "memory_s", "model_flops",
+    "offload_copy_s_per_token", "optimizer_cost", "optimizer_impl", "peak_flops", "replay", "round_size",
+    "time_constants",
     "zero_bytes", "ZeroTerms", "comm_time_s", "interconnect",
     # vLLM's memory in closed form (advisor/_physics/vllm.py), prefixed vllm_
     "vllm_BLOCK_SIZE", "vllm_Mode", "vllm_Pool", "vllm_PoolSplit", "vllm_Refusal", "vllm_Refused", "vllm_Sleep",
     "vllm_Started", "vllm_asleep", "vllm_derived_max_model_len", "vllm_kv_layout", "vllm_min_utilization",
     "vllm_start", "vllm_training_gpu_peak", "vllm_dtype", "vllm_KVLayout", "vllm_LayerKV",
     "vllm_batch_kv_bytes", "vllm_UtilizationNeed", "vllm_Asleep", "vllm_DevicePeak", "vllm_TRL_SLEEP_LEVEL",
-    "vllm_TRL_MAX_NUM_BATCHED_TOKENS", "vllm_NULL_BLOCKS",
+    "vllm_TRL_MAX_NUM_BATCHED_TOKENS", "vllm_NULL_BLOCKS", "vllm_VLLM_FOLLOWED", "vllm_VLLM_CHECKED",
+    "vllm_CudaGraphs", "vllm_cudagraph_capture_sizes", "vllm_cudagraph_graphs", "vllm_CUDAGRAPH_MIN_GRAPH_BYTES",
     # online RL's step in closed form (advisor/_physics/online_rl.py), prefixed online_
     "online_OnlineStep", "online_VllmSide", "online_Reference", "online_HeadBytes", "online_PhaseBytes",
     "online_VllmTerms", "online_VllmRefusal", "online_OnlineDevicePeak", "online_OnlineTime",
     "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes", "online_vllm_terms",
     "online_vllm_profile_activation_bytes",
     "online_startup_bytes", "online_device_peak", "online_step_time", "online_constants", "online_PHASES",
-    "online_vllm_side", "online_colocated_vllm",
+    "online_vllm_side", "online_colocated_vllm", "online_vllm_cudagraph_bytes",
 )
 
 __all__ = [*_NAMES]

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from ._emit import (
     ALLOC_CONF,  # noqa: F401  (public, outside __all__ as before)
+    ALLOC_ENV,  # noqa: F401  (the allocator variables the files set)
     KEY_USES,
     KeyUse,
     RunConfig,
+    answer_part,
     build_sft_config,
     candidate_from_run_dict,
     emitted_sft_kwargs,
@@ -39,7 +41,8 @@ from ._emit import (
 )
 
 __all__ = [  # noqa: RUF022
-    "KEY_USES", "KeyUse", "RunConfig", "build_sft_config", "candidate_from_run_dict", "env_vars", "load_run_config",
+    "KEY_USES", "KeyUse", "RunConfig", "answer_part", "build_sft_config", "candidate_from_run_dict", "env_vars",
+    "load_run_config",
     "model_init_kwargs", "peft_config", "quantization_config", "run_config_dict", "sft_config_kwargs",
     "emitted_sft_kwargs", "to_python",
     "to_yaml", "trl_fields", "write_python", "write_yaml",

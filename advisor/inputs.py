@@ -66,8 +66,9 @@ def build_workload(
     context = context_note(spec, data)
     if context:
         notes.append(context)
-    scorer = resolve_model(reward_model) if reward_model is not None else None  # its config: resident, counted
-    distilled_from = resolve_model(teacher, flag="--teacher") if teacher is not None else None  # resident, counted
+    # their configs (resident, counted), resolved as a model is, their errors naming their own flags
+    scorer = resolve_model(reward_model, flag="--reward-model") if reward_model is not None else None
+    distilled_from = resolve_model(teacher, flag="--teacher") if teacher is not None else None
     return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
                     num_gpus=num_gpus, num_machines=num_machines, trainer=trainer, reward_model=scorer,
                     teacher=distilled_from,

@@ -144,13 +144,15 @@ class CheckResult:
 
 def measure(workload: Workload, candidate: Candidate, backend: str = DEFAULT_BACKEND) -> Measurement:
     """Measure with the named backend of the registry (advisor.backends); the candidate is checked against TRL's
-    rules first (exit 2 if broken), and an unknown backend name is a UsageError naming --backend."""
+    rules first (exit 2 if broken), and an unknown backend name is a UsageError naming --backend. Measured as the
+    search measures it: on the ranks that train (vLLM server mode's GPUs left out: trainers.training_workload)."""
     from .backends import check_usable
+    from .trainers import training_workload
 
     be = check_usable(backend)
     candidate = candidate.for_model(workload.model)  # the run's own defaults for attention and LoRA targets
     candidate.check(workload.gpu, workload.model)
-    return be.measure(workload, candidate)
+    return be.measure(training_workload(workload, candidate), candidate)
 
 
 def parse_tolerance(value: str | float) -> float:

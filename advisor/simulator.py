@@ -156,7 +156,8 @@ def simulate(
         device_bytes = reserved_bytes + context_bytes(target.compute_capability)
         breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
         notes.append(
-            "device_bytes = reserved + CUDA context + cuBLAS workspace (profiles/measurements/cuda_constants.json)"
+            "device_bytes = reserved + CUDA context; peak and reserved include the cuBLAS workspaces, one per thread "
+            "issuing GEMMs (the forward's, autograd's) (profiles/measurements/cuda_constants.json)"
         )
     else:
         peak_bytes = reserved_bytes = device_bytes = peak

@@ -1,62 +1,63 @@
 #!/usr/bin/env bash
-# Validate the simulator on a CUDA machine, offline, in under 8 minutes: real probe steps of a configuration
-# matrix next to the simulator's prediction -> profiles/measurements/<gpu>.json, then the GPU tests. On a machine with
-# several GPUs (nvidia-smi -L) it also probes one small FSDP2 case on 2 GPUs and, with more than 2, on all of them,
-# per rank (accelerate launch --num_processes N), into the same JSON's "multi_gpu_rows" (one case each: ~1 minute).
-# Online RL (issue 23): one GRPO case with transformers' generate and, where `import vllm` works, one with colocated
-# vLLM without and one with sleep mode (the real GRPOTrainer.train() next to the simulation) into "online_rows".
+# Validate the simulator on a CUDA machine within one GPU lease, offline: install what the image lacks from a wheel
+# folder, then scripts/gpu_validate.py (its docstring has the plan): the SFT cases and the GRPO generate case probed
+# next to the simulator's predictions, one `advisor suggest --backend cuda --trials 3`, then `pytest -m gpu` bounded
+# to 2 minutes; 5 minutes by default after the install (--budget S), each step capped, every row written to the JSON
+# as its step ends (a killed run keeps them). With several GPUs (nvidia-smi -L) it adds one FSDP2 case on 2 GPUs
+# and, with more, on all of them (--multi-gpu), as the budget allows.
 #
-#   scripts/gpu_validate.sh [WHEEL_DIR] [gpu_validate.py args...]     (or WHEELS=/path scripts/gpu_validate.sh)
+#   scripts/gpu_validate.sh [WHEEL_DIR] [gpu_validate.py args...]     (or WHEELS=DIR scripts/gpu_validate.sh ...)
+#   scripts/gpu_validate.py --dry-run                                  the plan: each step's planned time and cap
 #
-# With a wheel folder it first installs what the machine lacks, without the network:
-#   pip install --no-index --find-links WHEEL_DIR trl datasets optuna   (only those not importable)
-#   pip install --no-deps -e .                                           (the project itself)
+# WHEEL_DIR holds wheels of what the machine's image lacks (for the lent H200: the pinned transformers, trl, peft,
+# optuna, datasets, SQLAlchemy and the few pure-Python packages they need; torch 2.11, accelerate, nvidia-ml-py and
+# pytest are in the image). Make it where pip reaches a registry, from the project root:
+#   ../shared/device/prepare.sh              -> .whl/ (about 21 MB, ignored through .git/info/exclude)
+# It is installed without the network and without touching the image, and the checkout itself is the project:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE WHEEL_DIR/*.whl
+#   export PYTHONPATH=$SITE:$PWD           (SITE defaults to /tmp/site)
 #
-# Build the wheel folder on a machine with internet, for the GPU machine's Python (e.g. 3.11 on x86_64):
-#   scripts/gpu_validate.sh --build-wheels WHEEL_DIR [PY_VERSION]
-# which runs
-#   pip download --only-binary=:all: --python-version PY --platform manylinux2014_x86_64 -d WHEEL_DIR \
-#       trl datasets optuna   (at the versions pinned in constraints.txt)
-#   pip wheel --no-deps -w WHEEL_DIR .
-# (torch, transformers, accelerate, peft and their dependencies are expected on the GPU image already; pip
-# downloads whatever else trl, datasets and optuna need.)
+# On a lent device machine, one call of the device tool's run, from this checkout (timeout_s 360: the 300 s budget,
+# the ~15 s install, Python's start and the last step's cleanup; the machine's start comes on top, in the lease):
+#   carry:   [".whl"]
+#   command: set -o pipefail; PYTHONUNBUFFERED=1 scripts/gpu_validate.sh .whl --out $OUT/h200.json 2>&1 | tee $OUT/gpu_validate.log
+# Results: $OUT/h200.json (rows as they finish; "complete": true at the end) and $OUT/gpu_validate.log; the reply's
+# output tail ends with the summary table. Copy the JSON to profiles/measurements/h200.json to keep it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
-
-if [[ "${1:-}" == "--build-wheels" ]]; then
-    dir=${2:?--build-wheels WHEEL_DIR [PY_VERSION]}
-    pyver=${3:-$($PY -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')}
-    mkdir -p "$dir"
-    $PY -m pip download --only-binary=:all: --python-version "$pyver" --platform manylinux2014_x86_64 \
-        -d "$dir" $(grep -E '^(trl|datasets|optuna)==' constraints.txt)
-    $PY -m pip wheel --no-deps -w "$dir" .
-    exit 0
-fi
+PY=${PYTHON:-python3}
+SITE=${SITE:-/tmp/site}
 
 wheels=${WHEELS:-}
 if [[ $# -gt 0 && -d "$1" ]]; then
     wheels=$1
     shift
 fi
+if [[ -n "$wheels" ]]; then
+    shopt -s nullglob
+    found=("$wheels"/*.whl)
+    if [[ ${#found[@]} -eq 0 ]]; then
+        echo "gpu_validate: no .whl in $wheels; make the folder with ../shared/device/prepare.sh (see $0)" >&2
+        exit 2
+    fi
+    start=$(date +%s)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${found[@]}"
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    echo "gpu_validate: installed ${#found[@]} wheels from $wheels into $SITE in $(( $(date +%s) - start )) s"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 missing=()
-for mod in trl datasets optuna; do
+for mod in trl datasets optuna peft; do
     $PY -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
-if [[ -n "$wheels" ]]; then
-    if [[ ${#missing[@]} -gt 0 ]]; then
-        echo "installing from $wheels: ${missing[*]}"
-        $PY -m pip install -q --no-index --find-links "$wheels" "${missing[@]}"
-    fi
-    $PY -c "import advisor" 2>/dev/null || $PY -m pip install -q --no-deps --no-build-isolation -e .
-elif [[ ${#missing[@]} -gt 0 ]]; then
-    echo "missing: ${missing[*]}; give a wheel folder (argument or \$WHEELS), see the header of $0" >&2
+if [[ ${#missing[@]} -gt 0 ]]; then
+    echo "gpu_validate: missing ${missing[*]}; give a wheel folder (argument or \$WHEELS), see the header of $0" >&2
     exit 2
 fi
 
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-start=$(date +%s)
 multi=()
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if [[ ${ngpu:-0} -gt 1 ]]; then
@@ -64,6 +65,4 @@ if [[ ${ngpu:-0} -gt 1 ]]; then
     [[ $ngpu -gt 2 ]] && multi+=("$ngpu")
     echo "gpu_validate: $ngpu GPUs: also FSDP2 on ${multi[*]:1} ranks"
 fi
-$PY scripts/gpu_validate.py "$@" ${multi[@]+"${multi[@]}"}
-$PY -m pytest -q -m gpu tests/
-echo "gpu_validate: done in $(( $(date +%s) - start )) s"
+exec $PY scripts/gpu_validate.py "$@" ${multi[@]+"${multi[@]}"}

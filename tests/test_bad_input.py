@@ -193,7 +193,9 @@ def test_max_length_beyond_the_models_context_is_refused(tmp_path, cache, capsys
     run = tmp_path / "run.yaml"
     run.write_text(to_yaml(Candidate(max_length=8192), model_name_or_path=cfg))
     assert main(["simulate", "--model", cfg, "--config", str(run), "--gpu", "cpu"]) == 2
-    assert "max_position_embeddings 4096" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "max_position_embeddings 4096" in err and f"max_length: 4096 in --config {run}" in err
+    assert "--fix" not in err  # simulate has no --fix: the fix is said as the file's key
 
 
 def test_rows_longer_than_the_context_are_noted_and_truncated_to_it(tmp_path, cache, capsys):

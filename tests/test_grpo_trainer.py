@@ -298,10 +298,13 @@ def test_server_mode_without_server_gpus(tmp_path, tiny_config, capsys):
     assert any(p.startswith("vllm_mode='server' with vllm_server_gpus=0") for p in t.problems(cand))
     path = tmp_path / "run.yaml"
     path.write_text(t.to_yaml(cand, model_name_or_path="m"))
+    # a server-mode file read back on one GPU: the file cannot say how many serve, and one GPU leaves none to train;
+    # the error names the flags simulate has (it has no --fix)
     rc = main(["simulate", "--trainer", "grpo", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--config",
                str(path)])
     err = capsys.readouterr().err
-    assert rc == 2 and "vllm_mode='server' with vllm_server_gpus=0" in err and "--fix vllm_server_gpus=K" in err
+    assert rc == 2 and "vllm_mode='server' on --num-gpus 1" in err and "give --num-gpus N (N >= 2" in err
+    assert "--fix" not in err
     # one server GPU of one: none left to train
     one = _online(use_vllm=True, vllm_mode="server", vllm_server_gpus=1)
     assert t.problems(one) == []
@@ -357,6 +360,43 @@ def test_a_reward_model_is_part_of_the_workload_and_the_files(tiny_config):
     assert data["reward_model_name_or_path"] == tiny_config and "reward_funcs" not in data
     with pytest.raises(ConfigError, match="trainer 'sft' scores with no reward model; use --trainer grpo or rloo"):
         build_workload(tiny_config, gpu="H100-80GB-SXM", reward_model=tiny_config)
+
+
+def test_the_estimate_counts_a_reward_model(tiny_config):
+    """The online estimate counts its training micro-batch as an SFT workload; that workload kept the reward model,
+    which an SFT workload refuses, so every GRPO estimate with --reward-model ended in an error (and a search with it
+    found nothing)."""
+    from advisor.estimator import estimate
+    from advisor.inputs import build_workload
+    from advisor.measurement import Category
+
+    scored = estimate(build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo", reward_model=tiny_config),
+                      Candidate())
+    plain = estimate(build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo"), Candidate())
+    assert scored.ok and plain.ok, scored.message
+    params = Category.PARAMETERS.value
+    assert scored.breakdown[params] == 2 * plain.breakdown[params]  # the policy's weights again, resident
+
+
+def test_simulate_reads_the_reward_model_the_file_names(tiny_config, tmp_path, capsys):
+    """The file `suggest --reward-model ID` writes names it (reward_model_name_or_path, as trl grpo loads it);
+    `simulate --config` took the model and the data from the file but not the reward model, so it simulated the step
+    without it (a smaller peak than the suggestion's, by the reward model's weights)."""
+    from advisor.inputs import build_workload
+
+    wl = build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo", reward_model=tiny_config)
+    run = tmp_path / "run.yaml"
+    run.write_text(get_trainer("grpo").to_yaml(Candidate(), model_name_or_path=tiny_config, workload=wl))
+    assert yaml.safe_load(run.read_text())["reward_model_name_or_path"] == tiny_config
+    argv = ["simulate", "--trainer", "grpo", "--model", tiny_config, "--gpu", "H100-80GB-SXM", "--config"]
+    assert main([*argv, str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert any("1 reward model(s) resident" in n for n in out["notes"])
+    bad = tmp_path / "bad.yaml"  # a reward model that is not there: the error names the file's key
+    bad.write_text(yaml.safe_dump({**yaml.safe_load(run.read_text()),
+                                   "reward_model_name_or_path": str(tmp_path / "missing")}))
+    assert main([*argv, str(bad)]) == 2
+    assert f"--config {bad}: reward_model_name_or_path" in capsys.readouterr().err
 
 
 def test_reward_model_flag_on_the_cli(tiny_config, capsys):

@@ -254,10 +254,10 @@ def test_estimate_is_a_typed_oom_when_colocated_vllm_would_not_start(h100_target
     m = estimator.estimate_online_rl(w, c)
     assert m.status is Status.OOM
     assert "Worker.init_device" in m.message and "vllm_gpu_memory_utilization" in m.message
-    # the card is 80e9 bytes: the training process holds the context and cuBLAS workspace (0.5 GiB + 32 MiB on
-    # sm90, cuda_constants.json) and the float32 policy (494,032,768 x 4 + its rotary buffers, 256 bytes)
-    ctx = json.loads((PROFILES / "measurements" / "cuda_constants.json").read_text())
-    startup = ctx["cuda_context_bytes"]["default"] + ctx["cublas_workspace_bytes"]["sm90"] + QWEN05_PARAMS * 4 + 256
+    # the card is 80e9 bytes: the training process holds the memory outside the allocator and the Python thread's
+    # cuBLAS workspace (sm90, cuda_constants.json; no backward has run yet) and the float32 policy (494,032,768 x 4 +
+    # its rotary buffers, 256 bytes)
+    startup = costs.context_bytes("9.0") + costs.cublas_workspace_bytes("9.0", threads=1) + QWEN05_PARAMS * 4 + 256
     assert f"({(80 * 10**9 - startup) / GiB:.2f} GiB" in m.message
     assert f"({math.ceil(80 * 10**9 * 0.99) / GiB:.2f} GiB)" in m.message
 

@@ -44,6 +44,7 @@ class _Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch):
+    import torch
     from torch import Tensor
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry
@@ -60,7 +61,10 @@ def recorder(monkeypatch):
         name = str(func)
         rec.ops.append((name, [tuple(t.shape) for t in tensors_in(out)], args))
         if func._overloadpacket in flop_registry:
-            rec.flops[name] += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+            # torch's formulas take no out_dtype (addmm.dtype_out: the fused LM head's fp32 accumulation on CUDA)
+            shapes = [a for a in args if not isinstance(a, torch.dtype)]
+            given = {k: v for k, v in kwargs.items() if k != "out"}
+            rec.flops[name] += flop_registry[func._overloadpacket](*shapes, **given, out_val=out)
         return original(self, func, args, kwargs, out)
 
     monkeypatch.setattr(timing.TimingHook, "__call__", spy)

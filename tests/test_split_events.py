@@ -11,7 +11,7 @@ from advisor import events
 from advisor.space import Candidate
 
 # a value for each field type the events declare
-_SAMPLES = {"int": 3, "int | None": 5, "float": 2.5, "bool": True, "str": "full", "str | None": "lora",
+_SAMPLES = {"int": 3, "int | None": 5, "float": 2.5, "float | None": 0.25, "bool": True, "str": "full", "str | None": "lora",
             "Candidate": Candidate(), "tuple[str, ...]": ("simulate", "estimate")}
 
 

@@ -110,7 +110,7 @@ def _model_problems(c: Candidate, model: ModelSpec) -> list[str]:
     if ctx is not None and c.max_length is not None and c.max_length > ctx:
         out.append(
             f"max_length={c.max_length} is beyond {model.name}'s context (max_position_embeddings {ctx} in "
-            f"its config.json); set max_length <= {ctx} (--fix max_length={ctx}, or max_length in --config)"
+            f"its config.json); set max_length <= {ctx} (--fix max_length={ctx})"
         )
     if c.use_lora and c.lora_target_modules is None and peft_default_targets(model) is None:
         mt = model.config.get("model_type")

@@ -13,7 +13,7 @@ from .config import (
     sft_config_kwargs,
 )
 from .keys import KEY_USES, KeyUse, trl_fields
-from .reader import RunConfig, candidate_from_run_dict, load_run_config
+from .reader import RunConfig, answer_part, candidate_from_run_dict, load_run_config
 from .target import add_workload_keys, dataset_entry, dataset_of, load_line, target_keys, workload_keys
 from .writer import run_config_dict, to_python, to_yaml, write_python, write_yaml
 
@@ -24,5 +24,5 @@ __all__ = [  # noqa: RUF022
     "build_sft_config",
     "run_config_dict", "to_yaml", "to_python", "write_yaml", "write_python", "add_workload_keys", "workload_keys",
     "target_keys", "load_line", "dataset_of", "dataset_entry",
-    "RunConfig", "candidate_from_run_dict", "load_run_config",
+    "RunConfig", "answer_part", "candidate_from_run_dict", "load_run_config",
 ]

@@ -46,6 +46,9 @@ class RunConfig:
     path: Path | None = None
     datasets: list[dict[str, Any]] | None = None  # a `datasets:` entry of local data (what the writer emits)
     use_cpu: bool | None = None  # the target's (the writer's `use_cpu`), not the candidate's
+    # online RL's reward model given as a model (trl grpo's script key): resident beside the policy, part of the
+    # workload (--reward-model) as the model and the data are
+    reward_model_name_or_path: str | None = None
 
     @property
     def dataset(self) -> str | None:
@@ -291,6 +294,7 @@ def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
         raise UsageError(f"--config {path}: not valid YAML ({exc}); fix the file") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: must be a YAML mapping of trl sft keys, got {type(data).__name__}")
+    data = answer_part(data, "config")  # `advisor suggest --json`'s answer: its run config
     env = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
     data = typed_run_dict(data, trainer=trainer, source=f"--config {path}")
     from ..trainers import get_trainer
@@ -308,7 +312,17 @@ def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
         path=path,
         datasets=data["datasets"] if dataset_of(data.get("datasets")) is not None else None,
         use_cpu=data.get("use_cpu"),
+        reward_model_name_or_path=data.get("reward_model_name_or_path"),
     )
+
+
+def answer_part(data: dict[str, Any], key: str) -> Any:
+    """`data` itself, or where it is the answer `advisor suggest --json` writes (Suggestion.to_json_dict: the
+    measurement beside `config`, the run config, and on several GPUs `accelerate_config`), its part `key`: every
+    file suggest writes reads back."""
+    if not ({"config", "peak_bytes", "source"} <= data.keys() and isinstance(data.get("config"), dict)):
+        return data
+    return data.get(key)
 
 
 def _check_keys(data: dict[str, Any], path: Path, extra: set[str] | frozenset[str] = frozenset()) -> None:

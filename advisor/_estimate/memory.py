@@ -207,10 +207,10 @@ def _lm_head_bytes(
 
 
 
-def outside_allocator_bytes(gpu: GPUSpec) -> int:
-    """CUDA context + cuBLAS workspace: the same calibrated constants the simulator uses
-    (profiles/measurements/cuda_constants.json)."""
+def outside_allocator_bytes(gpu: GPUSpec, threads: int | None = None) -> int:
+    """CUDA context + cuBLAS workspaces (one per thread issuing GEMMs, `threads`: default a training step's): the same
+    calibrated constants the simulator uses (profiles/measurements/cuda_constants.json)."""
     from .._physics import context_bytes, cublas_workspace_bytes
 
-    return context_bytes(gpu.compute_capability) + cublas_workspace_bytes(gpu.compute_capability)
+    return context_bytes(gpu.compute_capability) + cublas_workspace_bytes(gpu.compute_capability, threads)
 

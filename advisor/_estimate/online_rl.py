@@ -68,7 +68,8 @@ def _knob(c: Candidate, name: str) -> Any:
 
 
 def _proxy(workload: Workload, rows: int, prompt: int, completion: int) -> Any:
-    """The training micro-batch as SFT rows: `rows` sequences of prompt + completion, the completion trained."""
+    """The training micro-batch as SFT rows: `rows` sequences of prompt + completion, the completion trained (an SFT
+    workload: no reward model, which the online step counts itself as `reward_model_bytes`)."""
     from ..data import TokenizedDataset
 
     row = {"input_ids": [0] * (prompt + completion), "completion_mask": [0] * prompt + [1] * completion}
@@ -144,7 +145,8 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
         max_completion_length=completion, per_device_train_batch_size=b, gradient_accumulation_steps=ga,
         lora=c.use_lora, gradient_checkpointing=c.activation_checkpointing, reference_bytes=ref_bytes,
         reward_model_bytes=reward, card_bytes=gpu.memory_bytes, cuda=gpu.is_cuda,
-        context_bytes=outside_allocator_bytes(gpu) if gpu.is_cuda else 0, supports_bf16=gpu.supports_bf16,
+        # when vLLM snapshots the device no backward has run: the Python thread's cuBLAS workspace only
+        context_bytes=outside_allocator_bytes(gpu, threads=1) if gpu.is_cuda else 0, supports_bf16=gpu.supports_bf16,
         world_size=world, zero3=zero3, optimizer_temporary_bytes=opt_temp, train_activation_bytes=parts.activations,
         train_recompute_bytes=parts.recompute, teacher_arch=teacher_arch, teacher_bytes=teacher_bytes,
         teacher_weight_element_bytes=teacher_element, **knobs,

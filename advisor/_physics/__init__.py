@@ -15,7 +15,8 @@ the simulator (advisor/simulator.py with _sim/) depend on this package and never
   from the shapes (_estimate/step_time.py), the simulator observes the fake run's ops (_sim/timing_hook.py).
 - `ranks_closed.py`: several GPUs in closed form: ZeRO-2/3's model states per rank, the collectives' time over the
   interconnect, CPU offload's host step, and the estimate's moments and step time of one rank.
-- `vllm.py`: vLLM's pool, KV pages, refusals and sleep levels from vLLM's own accounting.
+- `vllm.py`: vLLM's pool (its CUDA graphs inside it), KV pages, refusals and sleep levels from vLLM's own
+  accounting, as vLLM 0.31.0 has them (`VLLM_FOLLOWED`; checked against 0.22.0: TRL 1.16's range).
 - `online_rl.py`: online RL's (GRPO, RLOO, distillation) step in closed form: each phase's device bytes (allocator
   and outside it), colocated vLLM's typed refusals, `device_peak` (the simulator's measured phase peaks combined with
   vLLM's bytes), the step-time terms of generation, weight sync and scoring.
@@ -43,8 +44,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{name: ("modelled", name) for name in ("knob_memory_savings", "knob_time")},
     # ---- the CUDA caching allocator and the memory outside it (cuda_rules.py) -------------------------------------
     "cuda_constants": ("cuda_rules", "constants"),
-    **{name: ("cuda_rules", name) for name in ("context_bytes", "cublas_workspace_bytes", "replay", "round_size",
-                                                 "RESERVED_FACTOR")},
+    **{name: ("cuda_rules", name) for name in ("context_bytes", "cublas_workspace_bytes", "local_cuda_major", "replay",
+                                                 "round_size", "RESERVED_FACTOR")},
     # ---- the step-time model (timing/) ----------------------------------------------------------------------------
     **{name: ("timing", name) for name in (
         "AttentionKind", "Basis", "BatchDistribution", "BatchPoint", "OptimizerCost", "OptimizerImpl", "SamplerSpec",
@@ -71,7 +72,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "vllm_Sleep", "vllm_Started", "vllm_asleep", "vllm_derived_max_model_len", "vllm_kv_layout",
         "vllm_min_utilization", "vllm_start", "vllm_training_gpu_peak", "vllm_dtype", "vllm_KVLayout",
         "vllm_LayerKV", "vllm_batch_kv_bytes", "vllm_UtilizationNeed", "vllm_Asleep", "vllm_DevicePeak",
-        "vllm_TRL_SLEEP_LEVEL", "vllm_TRL_MAX_NUM_BATCHED_TOKENS", "vllm_NULL_BLOCKS"
+        "vllm_TRL_SLEEP_LEVEL", "vllm_TRL_MAX_NUM_BATCHED_TOKENS", "vllm_NULL_BLOCKS", "vllm_VLLM_FOLLOWED",
+        "vllm_VLLM_CHECKED", "vllm_CudaGraphs", "vllm_cudagraph_capture_sizes", "vllm_cudagraph_graphs",
+        "vllm_CUDAGRAPH_MIN_GRAPH_BYTES",
     )},
     # ---- online RL's step in closed form (online_rl.py): per-phase device bytes, vLLM's refusals, step time; its
     # names are generic there (Reference, step_time, ...), so each is exported as "online_<name>"
@@ -81,7 +84,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes", "online_vllm_terms",
         "online_vllm_profile_activation_bytes", "online_startup_bytes", "online_device_peak", "online_step_time",
         "online_step_time_on", "online_constants", "online_PHASES", "online_vllm_side", "online_colocated_vllm",
-        "online_build_step", "online_Loss",
+        "online_build_step", "online_Loss", "online_vllm_cudagraph_bytes",
     )},
     # ---- on-policy distillation's training pass (distillation.py): the teacher and the chunked divergence --------
     **{name: ("distillation", name) for name in (

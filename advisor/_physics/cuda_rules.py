@@ -167,17 +167,51 @@ def replay(events: list[tuple[int, int]], *, expandable_segments: bool, base_byt
 RESERVED_FACTOR = {True: 1.02, False: 1.10}
 
 
-def context_bytes(compute_capability: str | None) -> int:
-    """The CUDA context (outside PyTorch's allocator); a measured `sm<cc>` entry wins over the default."""
+def context_bytes(compute_capability: str | None, cuda_major: int | None = None) -> int:
+    """What a training process holds on the device outside the caching allocator (the CUDA context, the kernel modules
+    loaded, the cuBLAS handles), measured per CUDA major and compute capability (`cuda_context_bytes.measured`).
+
+    `cuda_major`: the CUDA major the run uses; None: the local torch build's. Unknown (a build without CUDA): the
+    newest CUDA major measured for that compute capability. No measurement matches: the (unverified) default."""
     ctx = constants()["cuda_context_bytes"]
-    key = f"sm{compute_capability.replace('.', '')}" if compute_capability else None
-    return int(ctx.get(key, ctx["default"]) if key else ctx["default"])
+    if not compute_capability:
+        return int(ctx["default"])
+    sm = f"sm{compute_capability.replace('.', '')}"
+    measured = ctx.get("measured", {})
+    major = local_cuda_major() if cuda_major is None else cuda_major
+    if major is not None:
+        entry = measured.get(f"cuda{major}", {}).get(sm)
+    else:
+        majors = sorted((int(k.removeprefix("cuda")) for k, v in measured.items() if sm in v), reverse=True)
+        entry = measured[f"cuda{majors[0]}"][sm] if majors else None
+    return int(entry["bytes"] if entry else ctx["default"])
 
 
-def cublas_workspace_bytes(compute_capability: str | None) -> int:
+def cublas_workspace_bytes(compute_capability: str | None, threads: int | None = None) -> int:
+    """The cuBLAS workspaces a training process holds: one per thread issuing GEMMs (`threads`; default the training
+    step's: the forward's Python thread and autograd's device thread)."""
     ws = constants()["cublas_workspace_bytes"]
-    if compute_capability and compute_capability.startswith("9"):
-        return int(ws["sm90"])
-    return int(ws["default"])
+    one = ws["sm90"] if compute_capability and compute_capability.startswith("9") else ws["default"]
+    return int(one) * int(ws["threads"] if threads is None else threads)
 
 
+@lru_cache(maxsize=1)
+def local_cuda_major() -> int | None:
+    """The CUDA major version the installed torch was built for (torch.version.cuda), None for a build without CUDA.
+    Read from torch/version.py when torch is not imported yet (the estimate does not import it)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        version = torch.version.cuda
+    else:
+        import importlib.util
+        import re
+
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+        m = re.search(r"^cuda\b[^=]*=\s*'([^']*)'", text, re.MULTILINE)
+        version = m.group(1) if m else None
+    return int(version.split(".")[0]) if version else None

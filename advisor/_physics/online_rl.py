@@ -67,6 +67,7 @@ from .vllm import (
     Started,
     asleep,
     batch_kv_bytes,
+    cudagraph_graphs,
     min_utilization,
     start,
 )
@@ -117,6 +118,7 @@ class VllmSide:
     activation_bytes: int  # profile_run's torch peak increase (vllm_profile_activation_bytes, or measured)
     non_torch_bytes: int  # non_torch_increase (profiles/measurements/online_rl_constants.json, or measured)
     context_bytes: int = 0  # the training process's CUDA context and workspaces when vLLM snapshots the device
+    cudagraph_bytes: int = 0  # vLLM's CUDA-graph estimate, inside the pool (vllm_cudagraph_bytes, or measured)
 
 
 @dataclass(frozen=True)
@@ -542,27 +544,44 @@ def vllm_profile_activation_bytes(*, hidden: int, intermediate: int, vocab: int,
     return tokens * (3 * intermediate + 4 * hidden) * dtype_bytes + 2 * max_num_seqs * vocab * 4
 
 
+def vllm_cudagraph_bytes(*, hidden: int, intermediate: int, max_num_seqs: int, dtype_bytes: int) -> int:
+    """vLLM's estimate of its CUDA graphs' memory (vllm.py `cudagraph_graphs`, `CudaGraphs.estimate_bytes`: the
+    graphs of its default FULL_AND_PIECEWISE mode for TRL's max_num_seqs), its measured inputs modelled
+    (online_rl_constants.json vllm_cudagraph_per_graph_bytes; unverified): the first capture holds the graph pool's
+    working set at the largest capture size, one decoder layer's transients per token (3 x intermediate + 4 x hidden,
+    the weights' dtype: the profile run's per-token term); every further graph its per-graph bytes."""
+    graphs = cudagraph_graphs(max_num_seqs)
+    first = graphs.largest_tokens * (3 * intermediate + 4 * hidden) * dtype_bytes
+    return graphs.estimate_bytes(first, int(_c("vllm_cudagraph_per_graph_bytes")))
+
+
 def vllm_side(config: Mapping[str, Any], *, parameters: int, generation_batch: int,
               vllm_max_model_length: int | None = None, context_bytes: int = 0, supports_bf16: bool = True,
-              activation_bytes: int | None = None, non_torch_bytes: int | None = None) -> VllmSide:
+              activation_bytes: int | None = None, non_torch_bytes: int | None = None,
+              cudagraph_bytes: int | None = None) -> VllmSide:
     """What colocated vLLM loads for a transformers `config` (vllm.py: `vllm_dtype`, `kv_layout`,
     `derived_max_model_len`): the checkpoint's `parameters` at vLLM's dtype, its KV layout, its max_model_len, and
-    the profile run's activations and non-torch memory (measured values win over the modelled ones)."""
+    the profile run's activations, non-torch memory and CUDA graphs (measured values win over the modelled ones).
+    `generation_batch`: TRL's max_num_seqs (the local generation batch, tensor-parallel 1)."""
     from .vllm import DTYPE_BYTES as _VLLM_BYTES
     from .vllm import derived_max_model_len, kv_layout, vllm_dtype
 
     name = vllm_dtype(config, supports_bf16=supports_bf16)
     nbytes = _VLLM_BYTES[name]
     c = config.get("text_config") or config
+    hidden, intermediate = int(c["hidden_size"]), int(c["intermediate_size"])
     if activation_bytes is None:
         activation_bytes = vllm_profile_activation_bytes(
-            hidden=int(c["hidden_size"]), intermediate=int(c["intermediate_size"]), vocab=int(c["vocab_size"]),
-            max_num_seqs=generation_batch, dtype_bytes=nbytes)
+            hidden=hidden, intermediate=intermediate, vocab=int(c["vocab_size"]), max_num_seqs=generation_batch,
+            dtype_bytes=nbytes)
+    if cudagraph_bytes is None:
+        cudagraph_bytes = vllm_cudagraph_bytes(hidden=hidden, intermediate=intermediate,
+                                               max_num_seqs=max(1, int(generation_batch)), dtype_bytes=nbytes)
     return VllmSide(
         weights_bytes=parameters * nbytes, layout=kv_layout(config, supports_bf16=supports_bf16),
         max_model_len=derived_max_model_len(config, vllm_max_model_length), activation_bytes=int(activation_bytes),
         non_torch_bytes=int(_c("vllm_non_torch_bytes") if non_torch_bytes is None else non_torch_bytes),
-        context_bytes=context_bytes)
+        context_bytes=context_bytes, cudagraph_bytes=int(cudagraph_bytes))
 
 
 def startup_bytes(step: OnlineStep) -> int:
@@ -597,7 +616,7 @@ def colocated_vllm(side: VllmSide, *, card_bytes: int, utilization: float, sleep
     free = card_bytes - startup_bytes
     outcome = start(pool, free_at_startup=free, weights_bytes=side.weights_bytes,
                     activation_bytes=side.activation_bytes, non_torch_bytes=side.non_torch_bytes, layout=side.layout,
-                    max_model_len=side.max_model_len)
+                    max_model_len=side.max_model_len, cudagraph_bytes=side.cudagraph_bytes)
     shape = _Shape(side, card_bytes, generation_batch, prompt_length, max_completion_length)
     if isinstance(outcome, Refused):
         return VllmRefusal(outcome, _fix(shape, outcome, free))
@@ -627,7 +646,7 @@ def _need(step: _Shape, sequences: int) -> Any:
     length = min(step.sequence_length, v.max_model_len)
     return min_utilization(step.card_bytes, weights_bytes=v.weights_bytes, activation_bytes=v.activation_bytes,
                            non_torch_bytes=v.non_torch_bytes, layout=v.layout, sequences=sequences,
-                           sequence_length=length, max_model_len=v.max_model_len)
+                           sequence_length=length, max_model_len=v.max_model_len, cudagraph_bytes=v.cudagraph_bytes)
 
 
 def _fix(step: _Shape, refused: Refused, free: int) -> str:

@@ -11,23 +11,48 @@ checkpoint from disk at its own `dtype="auto"`, whatever dtype the policy trains
 `llm.sleep(level=2)` right after building it and after each generation, `wake_up(tags=["weights"])` before each
 weight sync and `wake_up(tags=["kv_cache"])` before each generate (`sync_weights`, `generate`).
 
+The vLLM this follows: `VLLM_FOLLOWED` (0.31.0), checked line by line against `VLLM_CHECKED` (0.22.0 and 0.31.0),
+the two ends of the range TRL 1.16 supports (trl/import_utils.py `is_vllm_available`: 0.22.0 <= vLLM <= 0.31.0;
+tests/test_vllm_memory.py reads it back from the installed TRL). File:line citations below are of those releases'
+wheels (vllm-0.22.0 / vllm-0.31.0, cp38-abi3 manylinux_2_28_x86_64, from PyPI); where the two differ it says so.
+
 vLLM's rules, each term with its source (vLLM's code, vllm-project/vllm):
-- The pool: `Worker.init_device` (vllm/v1/worker/gpu_worker.py) takes a `MemorySnapshot` after CUDA and the
-  distributed group are up and sets `requested_memory = total_memory * gpu_memory_utilization`; when the snapshot's
-  `free_memory < requested_memory` it raises "Free memory on device (...) on startup is less than desired GPU memory
+- The pool: `Worker.init_device` (vllm/v1/worker/gpu_worker.py, 0.22.0 :300, 0.31.0 :490) takes a `MemorySnapshot`
+  after CUDA and the distributed group are up; `request_memory` (vllm/v1/worker/utils.py, 0.22.0 :403-423, 0.31.0
+  :540-559) sets `requested_memory = ceil(total_memory * gpu_memory_utilization)` and, when the snapshot's
+  `free_memory < requested_memory`, raises "Free memory on device (...) on startup is less than desired GPU memory
   utilization". Colocated, the training process's own bytes (its weights, a reference, the CUDA context) are on the
   device by then: they count against the free memory.
 - The split: `Worker.determine_available_memory` (same file) runs `model_runner.profile_run()` inside
-  `memory_profiling` (vllm/utils/mem_utils.py), whose `non_kv_cache_memory = weights_memory + torch_peak_increase +
-  non_torch_increase` (the weights as loaded, the PyTorch allocator's peak increase of the profile run: the
-  activations of one `max_num_batched_tokens` forward and the sampler, and memory outside PyTorch's allocator that
-  grew since the snapshot: NCCL, attention backends' buffers); `available_kv_cache_memory_bytes =
-  requested_memory - non_kv_cache_memory - cudagraph_memory_estimate_applied` (the CUDA-graph estimate is applied
-  only under VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS). The KV cache is the rest of the pool.
+  `memory_profiling` (vllm/utils/mem_utils.py), whose non-KV memory is the weights as loaded, the profile run's
+  activation peak (one `max_num_batched_tokens` forward and the sampler) and memory outside PyTorch's allocator that
+  grew since the snapshot (NCCL, attention backends' buffers, kernels' modules): 0.22.0 sums them
+  (`non_torch_increase + torch_peak_increase + weights_memory`, gpu_worker.py:417-421), 0.31.0 measures the first
+  and last through free memory (`total_consumed + transient_peak_headroom`, mem_utils.py:312-321), the same bytes.
+  `available_kv_cache_memory_bytes = requested_memory - non_kv_cache_memory - cudagraph_memory_estimate_applied`
+  (0.22.0 gpu_worker.py:447-451, 0.31.0 gpu_worker.py:673-677): the CUDA graphs are inside the pool. The estimate is
+  applied when VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS is set, which defaults to 1 since vLLM 0.21.0 (0.22.0
+  envs.py:1954-1956, 0.31.0 envs.py:2162-2164; the log line "CUDA graph memory profiling is enabled (default since
+  v0.21.0)", 0.22.0 gpu_worker.py:481-483), and TRL sets neither it nor `enforce_eager`
+  (trl/generation/vllm_generation.py `LLM(...)`). The KV cache is the rest of the pool.
+- CUDA graphs (`cudagraph_graphs`, `CudaGraphs.estimate_bytes`): vLLM's default mode is FULL_AND_PIECEWISE
+  (optimization level O2, the default: 0.31.0 config/vllm.py:316 and :442, 0.22.0 :244). The capture sizes
+  (`_set_cudagraph_sizes`, 0.31.0 config/vllm.py:2388-2590, 0.22.0 :1597-1700): the largest is
+  min(2 x max_num_seqs, 512, max_num_batched_tokens) (1,024 instead of 512 on compute capability 10.x in 0.31.0:
+  not modelled, it matters only above 256 sequences); 1, 2, 4, then every 8 below 256, every 16 from 256;
+  max_num_batched_tokens when it fits; 0.31.0 also max_num_seqs (its uniform decode size; 0.22.0 does not).
+  PIECEWISE graphs are captured at every size, FULL ones at the sizes up to max_num_seqs
+  (`CudagraphDispatcher.initialize_cudagraph_keys`, 0.31.0 cudagraph_dispatcher.py:164-229, 0.22.0 :170-236).
+  `GPUModelRunner.profile_cudagraph_memory` (0.22.0 gpu_model_runner.py:6265-6370, 0.31.0 :6606-6750) captures
+  the two largest of each mode and estimates max over the modes of the first capture + per mode (graphs - 1) x
+  the second capture, at least 1 MiB a graph (0.22.0 :6305-6332 and :6362-6364; 0.31.0 :6668-6696 and
+  :6739-6746). What a capture takes depends on the kernels: an input here (online_rl.py `vllm_cudagraph_bytes`:
+  modelled, unverified).
 - One sequence must fit: `check_enough_kv_cache_memory` (vllm/v1/core/kv_cache_utils.py) raises "No available
   memory for the cache blocks" when the KV memory is <= 0, and "To serve at least one request with the models's max
   seq len (...)" when `max_memory_usage_bytes` of every layer's `KVCacheSpec` at `max_model_len` exceeds it
-  (recent vLLM first holds back one block of each group: the null block `BlockPool` keeps).
+  (0.31.0 first holds back one block of each group, the null block `BlockPool` keeps, kv_cache_utils.py:1018-1026;
+  0.22.0 checks the whole, kv_cache_utils.py:794-819: one page more starts there).
 - KV bytes: `AttentionSpec.page_size_bytes` (vllm/v1/kv_cache_interface.py) = block_size x num_kv_heads x
   (head_size + head_size_v) x dtype bytes per layer (MLA: one latent of kv_lora_rank + qk_rope_head_dim, no x2);
   `FullAttentionSpec.max_memory_usage_bytes` = cdiv(max_model_len, block_size) pages; `SlidingWindowSpec`'s =
@@ -36,12 +61,19 @@ vLLM's rules, each term with its source (vLLM's code, vllm-project/vllm):
 - dtype "auto": `_resolve_auto_dtype` (vllm/config/model.py) keeps the checkpoint's dtype and downcasts float32 to
   the platform's first supported dtype (bfloat16 on compute capability >= 8.0, else float16; never float16 for
   gemma2/gemma3/glm4).
-- Sleep: `CuMemAllocator.sleep(offload_tags)` (vllm/device_allocator/cumem.py) unmaps every allocation made under
-  its pool, copying those tagged for offload to (pinned) CPU memory and discarding the rest, then empties PyTorch's
-  cache. `Worker.sleep(level)` offloads the "weights" tag at level 1 and nothing at level 2 (weights and KV cache
-  both discarded; level 2 copies the model's buffers to the CPU first). Only the "weights" (load_model) and
-  "kv_cache" (initialize_from_config) pools are under the allocator: the non-torch memory and CUDA-graph pools
-  stay on the device while asleep.
+- Sleep: `CuMemAllocator.sleep(offload_tags)` (vllm/device_allocator/cumem.py, 0.31.0 :233-298) unmaps every
+  allocation made under its pool, copying those tagged for offload to (pinned) CPU memory and discarding the rest,
+  then empties PyTorch's cache. `Worker.sleep(level)` offloads the "weights" tag at level 1 and nothing at level 2
+  (weights and KV cache both discarded; level 2 copies the model's buffers to the CPU first; 0.31.0 goes through
+  `CuMemBackend.suspend`, sleep_mode_backend.py:127-133, "NCCL buffers left untouched"). Only the "weights"
+  (load_model) and "kv_cache" (initialize_from_config) pools are under the allocator (0.22.0 gpu_worker.py:337, :557;
+  0.31.0 :540, :813): the non-torch memory (NCCL, workspaces, kernels' modules) and the CUDA-graph pool stay on the
+  device while asleep (`asleep`). vLLM PR 11743, which brought sleep mode, measured it: 79.22 GiB card, 0.90, model
+  weights 2.32 GiB, non_torch_memory 0.67 GiB; free before sleep 8.34 GiB, after 78.29 GiB: 0.93 GiB stays (its
+  CUDA context, the non-torch memory and the CUDA-graph pool, "cudagraph memory pool is not released"). Colocated in
+  TRL, vLLM shares the training process's CUDA context (counted there: cuda_constants.json); what it keeps of its
+  own is the non-torch memory and the graphs. NCCL communicator suspension (`enable_nccl_comm_suspend`, 0.31.0
+  gpu_worker.py:289) is opt-in and off in TRL.
 - Server mode (`trl vllm-serve`): vLLM runs on GPUs of its own; the training GPUs hold no pool.
 
 Modelled, not run: the profile run's activation peak and the non-torch increase depend on vLLM's kernels; they are
@@ -61,8 +93,15 @@ from typing import Any
 from ..errors import ConfigError
 from .shapes import DTYPE_BYTES as _WEIGHT_BYTES
 
-BLOCK_SIZE = 16  # vllm/config/cache.py CacheConfig.block_size default on CUDA (tokens per KV page)
+# The vLLM release this closed form follows, and those it was checked against line by line: the two ends of the
+# range TRL 1.16 supports (trl/import_utils.py is_vllm_available: "TRL currently supports vLLM versions from 0.22.0
+# to 0.31.0"); where they differ the docstring above says which rule is whose.
+VLLM_FOLLOWED = "0.31.0"
+VLLM_CHECKED = ("0.22.0", "0.31.0")
+BLOCK_SIZE = 16  # vllm/config/cache.py CacheConfig.DEFAULT_BLOCK_SIZE (0.22.0 :45, 0.31.0 :71; FlashAttention keeps it)
 TRL_MAX_NUM_BATCHED_TOKENS = 4096  # trl/generation/vllm_generation.py: LLM(max_num_batched_tokens=4096)
+CUDAGRAPH_MAX_CAPTURE = 512  # vllm/config/vllm.py _set_cudagraph_sizes default_max_graph_size (not sm100)
+CUDAGRAPH_MIN_GRAPH_BYTES = 1 << 20  # gpu_model_runner.py profile_cudagraph_memory: "at least 1 MiB per graph"
 
 # the weights' dtypes (shapes.py, one place) and the KV cache's fp8 kinds (vllm/config/cache.py CacheDType)
 DTYPE_BYTES = {**{d.value: n for d, n in _WEIGHT_BYTES.items()}, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -220,6 +259,56 @@ def _sliding_layers(c: Mapping[str, Any], layers: int) -> list[bool]:
     return [True] * layers
 
 
+# ---- CUDA graphs: the sizes vLLM captures and its estimate of their memory -----------------------------------------
+def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int = TRL_MAX_NUM_BATCHED_TOKENS
+                            ) -> tuple[int, ...]:
+    """The token counts vLLM captures graphs at (`VllmConfig._set_cudagraph_sizes`, vLLM 0.31.0, no speculative
+    decoding): up to min(2 x max_num_seqs, 512, max_num_batched_tokens); 1, 2, 4, every 8 below 256, every 16 from
+    256, max_num_batched_tokens when it fits, and max_num_seqs (the uniform decode size) when it fits."""
+    if max_num_seqs < 1 or max_num_batched_tokens < 1:
+        raise ConfigError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} must be "
+                          ">= 1", context="vLLM CUDA graphs")
+    cap = min(max_num_seqs * 2, CUDAGRAPH_MAX_CAPTURE)
+    decode = [max_num_seqs] if max_num_seqs <= cap else []
+    cap = min(max_num_batched_tokens, cap)
+    sizes = [i for i in (1, 2, 4) if i <= cap]
+    if cap >= 8:
+        sizes += range(8, min(cap + 1, 256), 8)
+    if cap >= 256:
+        sizes += range(256, cap + 1, 16)
+    if max_num_batched_tokens <= cap:
+        sizes.append(max_num_batched_tokens)
+    sizes += [n for n in decode if n <= max_num_batched_tokens]
+    return tuple(sorted(set(sizes)))
+
+
+@dataclass(frozen=True)
+class CudaGraphs:
+    """The graphs vLLM captures in FULL_AND_PIECEWISE mode: PIECEWISE at every capture size (mixed prefill/decode
+    batches), FULL at those up to max_num_seqs (uniform decode batches)."""
+
+    piecewise: tuple[int, ...]
+    full: tuple[int, ...]
+
+    @property
+    def largest_tokens(self) -> int:
+        return max((*self.piecewise, *self.full), default=0)
+
+    def estimate_bytes(self, first_capture_bytes: int, per_graph_bytes: int) -> int:
+        """`profile_cudagraph_memory`'s estimate: the largest first capture (both modes share one pool: taken once) +
+        per mode (graphs - 1) x the per-graph bytes, at least 1 MiB a graph."""
+        per = max(int(per_graph_bytes), CUDAGRAPH_MIN_GRAPH_BYTES)
+        graphs = sum(max(0, len(mode) - 1) for mode in (self.piecewise, self.full))
+        return (int(first_capture_bytes) if self.largest_tokens else 0) + per * graphs
+
+
+def cudagraph_graphs(max_num_seqs: int, max_num_batched_tokens: int = TRL_MAX_NUM_BATCHED_TOKENS) -> CudaGraphs:
+    """The graphs of vLLM's default mode for `max_num_seqs` (TRL: the local generation batch x tensor-parallel size)
+    (`CudagraphDispatcher.initialize_cudagraph_keys`)."""
+    sizes = cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens)
+    return CudaGraphs(piecewise=sizes, full=tuple(n for n in sizes if n <= max_num_seqs))
+
+
 # ---- the pool, its split, and the refusals ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Pool:
@@ -239,8 +328,8 @@ class Pool:
 
     @property
     def requested_bytes(self) -> int:
-        """`requested_memory = total_memory * gpu_memory_utilization` (vLLM compares the float; the pool's whole
-        bytes are its ceiling)."""
+        """`requested_memory = ceil(total_memory * gpu_memory_utilization)` (vllm/v1/worker/utils.py
+        `request_memory`)."""
         return math.ceil(self.total_bytes * self.utilization)
 
 
@@ -252,7 +341,8 @@ class PoolSplit:
     weights_bytes: int  # memory_profiling's weights_memory: the checkpoint as vLLM loaded it
     activation_bytes: int  # torch_peak_increase of profile_run
     non_torch_bytes: int  # non_torch_increase since the startup snapshot (NCCL, attention buffers)
-    cudagraph_bytes: int = 0  # cudagraph_memory_estimate_applied (0 unless VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS)
+    cudagraph_bytes: int = 0  # cudagraph_memory_estimate_applied (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by
+    # default since vLLM 0.21.0; 0 only with it set to 0, or enforce_eager)
 
     @property
     def non_kv_bytes(self) -> int:
@@ -438,7 +528,9 @@ class Asleep:
 
 def asleep(split: PoolSplit, level: Sleep) -> Asleep:
     """`CuMemAllocator.sleep`: the "weights" and "kv_cache" allocations are unmapped (level 1 backs the weights up
-    in CPU memory first); PyTorch's cache (the profile/generation activations) is emptied; the rest stays."""
+    in CPU memory first); PyTorch's cache (the profile/generation activations) is emptied; what is not under the
+    allocator's pool stays: the non-torch memory and the CUDA graphs (PR 11743: "cudagraph memory pool is not
+    released")."""
     if level is Sleep.OFF:
         return Asleep(level, device_bytes=split.pool_bytes, host_bytes=0, released_bytes=0)
     kept = split.non_torch_bytes + split.cudagraph_bytes

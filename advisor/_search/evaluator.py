@@ -61,10 +61,6 @@ class Evaluator:
 
     def __init__(self, workload: Workload, backend: FunctionBackend, ledger: Ledger, pool: Any = None):
         self.workload, self.backend, self.ledger = workload, backend, ledger
-        from ..trainers import get_trainer
-
-        # the ranks that train a candidate, where its trainer sets GPUs aside (online RL's vLLM server)
-        self._training_gpus = getattr(get_trainer(workload.trainer), "training_gpus", None)
         self.pool = pool if pool is not None else SerialPool(backend)
         self.limit = workload.limit_bytes
         self.new_measurements = 0
@@ -192,14 +188,11 @@ class Evaluator:
         return entry
 
     def workload_for(self, cand: Candidate) -> Workload:
-        """The workload a backend measures `cand` on: the training side of the run. Where its trainer sets GPUs of
-        --num-gpus aside for this candidate (`training_gpus`: vLLM server mode's `trl vllm-serve` GPUs), the rest
-        train, and the per-rank peak, the sharding and the trained tokens per second count those ranks only."""
-        wl = self.workload
-        n = self._training_gpus(cand, wl.num_gpus) if self._training_gpus is not None else wl.num_gpus
-        if n == wl.num_gpus:
-            return wl
-        return dataclasses.replace(wl, num_gpus=n, num_machines=wl.num_machines if n % wl.num_machines == 0 else 1)
+        """The workload a backend measures `cand` on: the training side of the run (advisor/trainers/base.py
+        `training_workload`: vLLM server mode's `trl vllm-serve` GPUs left out)."""
+        from ..trainers import training_workload
+
+        return training_workload(self.workload, cand)
 
     def evaluate(self, cand: Candidate, number: int | None) -> tuple[Entry, bool]:
         """(entry, cached). Measures only a candidate never seen, not bounded and not far over by the estimate."""

@@ -112,8 +112,9 @@ class StudySpace:
     def _world(self, cand: Candidate) -> int:
         """The ranks that train, which the effective batch counts: --num-gpus, less the GPUs a trainer sets aside
         for this candidate (online RL's vLLM server: `training_gpus`)."""
-        own = getattr(self.trainer, "training_gpus", None)
-        return own(cand, self.workload.num_gpus) if own is not None else self.workload.num_gpus
+        from ..trainers import training_gpus
+
+        return training_gpus(self.trainer, cand, self.workload.num_gpus)
 
     def derivation_notes(self, cand: Candidate) -> list[str]:
         """How the trainer derived the pick's derived knobs (the search's notes)."""

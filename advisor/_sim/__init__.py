@@ -44,6 +44,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "flash_attention_names": ("flash", "flash_attention_names"),
     "attention_flops": ("flash", "attention_flops"),
     "batch_facts": ("fake_step", "batch_facts"),
+    # the branches the fake run patches to the target's real path (transformers' masking, TRL's fused LM head on CUDA)
+    "real_path_patches": ("fake_step", "real_path_patches"),
     "materialise": ("fake_step", "_materialise"),  # a meta model's parameters as fake tensors, ties kept
     # ---- model.generate on fake tensors, every sequence at its maximum length (generation.py; online RL) -------
     **{name: ("generation", name) for name in ("simulate_generate", "GenerationRun", "full_length_generate",

@@ -130,11 +130,14 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
       (and packed single sequences a packed mask) that the real run skips: masking_utils sees "not tracing" and
       the `.item()` it then asks is answered from the real batch (ScalarOracle).
     - TRL's fused LM head: on CUDA it scores only labelled rows and folds tiles in a Triton kernel that allocates
-      nothing; on the CPU it scores every position with torch ops. `cuda` selects the CUDA path.
+      nothing; on the CPU it scores every position with torch ops. `cuda` selects the CUDA path, including the
+      backward's fp32 accumulation (`_addmm_fp32`): on a CUDA tensor one `addmm(..., out_dtype=float32, out=acc)`
+      that allocates nothing; on a CPU tensor `acc.addmm_(a.float(), b.float())`, an fp32 copy of the logits tile
+      and of the weight chunk (at 4 x 1024 tokens and Qwen2.5's vocabulary 536 MB + 117 MB that a GPU never holds).
     - TRL's chunked divergence (distillation, trl/kernels/chunked_divergence.py) alike: on CUDA it projects only the
       completion tokens, each tile by `torch.mm(..., out_dtype=torch.float32, out=tile)` straight from 16-bit inputs
-      and accumulates the gradients by `torch.addmm(..., out_dtype=torch.float32)` (no float32 copies of the hidden
-      states or of the head's slice), and folds the tiles in Triton kernels that allocate nothing.
+      and accumulates the gradients by the same `_addmm_fp32` (no float32 copies of the hidden states or of the
+      head's slice), and folds the tiles in Triton kernels that allocate nothing.
     """
     import transformers.masking_utils as mu
     from transformers.utils.import_utils import is_torchdynamo_compiling
@@ -147,6 +150,8 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
 
         saved.append((tu, "_use_triton", tu._use_triton))
         tu._use_triton = lambda device: True
+        saved.append((ck, "_addmm_fp32", ck._addmm_fp32))
+        ck._addmm_fp32 = _cuda_addmm_fp32(ck._addmm_fp32, ck._MM_OUT_DTYPE)
         for name in ("_forward_tile", "_backward_tile"):
             if hasattr(ck, name):
                 saved.append((ck, name, getattr(ck, name)))
@@ -160,6 +165,20 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
                 delattr(obj, name)
             else:
                 setattr(obj, name, value)
+
+
+def _cuda_addmm_fp32(original: Callable[..., None], out_dtype_mm: bool) -> Callable[..., None]:
+    """TRL's `_addmm_fp32(acc, a, b)` (trl/kernels/chunked_logprob.py) as it runs on CUDA tensors: with 16-bit inputs
+    (and torch >= 2.8, TRL's `_MM_OUT_DTYPE`) one `torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`; its
+    test is `acc.device.type == "cuda"`, which a fake CPU tensor fails, so the fake run would take the CPU's upcast."""
+
+    def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        if out_dtype_mm and a.dtype in (torch.float16, torch.bfloat16):
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        else:
+            original(acc, a, b)
+
+    return addmm_fp32
 
 
 def _no_alloc_fold(*args: Any, **kwargs: Any) -> None:
@@ -186,23 +205,17 @@ def _divergence_cuda_path() -> list[tuple[Any, str, Any]]:
 
     def project(tile, hidden_chunk, weight, bias, start, end, dtype):
         w = weight[start:end].to(dtype).t()
-        if dtype in (torch.float16, torch.bfloat16):
+        if cd._MM_OUT_DTYPE and dtype in (torch.float16, torch.bfloat16):
             torch.mm(hidden_chunk, w, out_dtype=torch.float32, out=tile)
         else:
             torch.mm(hidden_chunk.float(), w.float(), out=tile)
         if bias is not None:
             tile.add_(bias[start:end].float())
 
-    def addmm_fp32(acc, a, b):
-        if a.dtype in (torch.float16, torch.bfloat16):
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        else:
-            acc.addmm_(a.float(), b.float())
-
     saved: list[tuple[Any, str, Any]] = []
     for obj, name, value in (
             (cd, "_use_triton", lambda device: True), (dt, "_use_triton", lambda device: True),
-            (cd, "_project", project), (cd, "_addmm_fp32", addmm_fp32),
+            (cd, "_project", project), (cd, "_addmm_fp32", _cuda_addmm_fp32(cd._addmm_fp32, cd._MM_OUT_DTYPE)),
             (cd, "_stats_kernel", _NoAllocKernel()), (cd, "_jsd_kernel", _NoAllocKernel()),
             (cd, "_backward_kernel", _NoAllocKernel()),
             (cd, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b), math=math))):

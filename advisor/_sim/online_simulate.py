@@ -122,7 +122,9 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         gradient_accumulation_steps=ga, lora=candidate.use_lora,
         gradient_checkpointing=candidate.activation_checkpointing, reference_bytes=built.reference_bytes,
         reward_model_bytes=built.reward_model_bytes, card_bytes=target.memory_bytes, cuda=cuda,
-        context_bytes=ctx + ws, supports_bf16=target.supports_bf16,
+        # when vLLM snapshots the device no backward has run: the Python thread's cuBLAS workspace only
+        context_bytes=ctx + (cublas_workspace_bytes(target.compute_capability, threads=1) if cuda else 0),
+        supports_bf16=target.supports_bf16,
         teacher_arch=architecture(teacher) if teacher is not None else None, teacher_bytes=built.teacher_bytes,
         teacher_weight_element_bytes=built.teacher_element_bytes, **kind.step_knobs(candidate),
     )
@@ -160,7 +162,7 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         notes.append(f"device_bytes = the peak phase's allocator bytes x {factor} (the caching allocator's reserved "
                      "over allocated, advisor/_physics/cuda_rules.py RESERVED_FACTOR: the online fake run records no "
                      "allocation stream to replay) + what vLLM holds outside the allocator then + CUDA context + "
-                     "cuBLAS workspace (profiles/measurements/cuda_constants.json)")
+                     "cuBLAS workspaces, one per thread issuing GEMMs (profiles/measurements/cuda_constants.json)")
     else:
         peak_bytes = reserved_bytes = peak
         device_bytes = dp.peak_bytes

@@ -205,7 +205,6 @@ class TimingHook:
         self._param_shapes: set[tuple[int, ...]] | None = None
         self._quant_keys: dict[int, int] | None = None
         self._attn_dims = {layout.seq}
-        self._upcast: dict[int, Any] = {}
         self.memory_bytes: dict[str, float] = {}  # memory-bound bytes by op ("namespace::name"), recorded micro-steps
         # the head's row counts: every position (CPU), or the labelled ones (CUDA), in chunks of 4096
         counts = {layout.trained, layout.tokens, layout.tokens - layout.rows}
@@ -214,7 +213,6 @@ class TimingHook:
     # -- phases --
     def begin_micro(self, record: bool) -> None:
         self.recording = record
-        self._upcast.clear()
         if record:
             self.micro_steps += 1
 
@@ -299,23 +297,15 @@ class TimingHook:
         self._add(Term.ATTENTION if basis is Basis.ATTENTION else Term.MEMORY, basis, t)
 
     def _lm_head(self, name: str, args: tuple, ins: list, outs: list) -> None:
-        """TRL's chunked log-prob head. On CUDA it runs bf16 GEMMs with fp32 accumulation
-        (`torch.addmm(..., out_dtype=float32)`) and Triton folds; the fake run on the CPU takes the torch fallback,
-        whose fp32 upcasts of tiles and weight chunks a GPU never runs: skipped, and their GEMMs costed in 16-bit."""
-        import torch
-
+        """TRL's chunked log-prob head. On CUDA it runs 16-bit GEMMs with fp32 accumulation
+        (`torch.addmm(..., out_dtype=float32)`, which the fake run takes: advisor/_sim/fake_step.real_path_patches) and
+        Triton folds (stood in for by no-ops, costed here after each logits tile's GEMM)."""
         tc = self.tc
         tensors = ins + outs
         per_token = any(d in self._head_dims for x in tensors for d in _shape(x))
         basis = (Basis.TRAINED if tc.cuda else Basis.TOKENS) if per_token else Basis.FIXED
-        if tc.cuda and name == "_to_copy" and outs and outs[0].dtype is torch.float32 and ins and \
-                ins[0].dtype in (torch.bfloat16, torch.float16):
-            self.host -= tc.op_s
-            self.launches -= 1
-            self._upcast[outs[0].untyped_storage()._cdata] = ins[0].dtype
-            return
         if name in _MATMULS:
-            t, _ = self._matmul(name, args, ins, upcast=self._upcast if tc.cuda else None)
+            t, _ = self._matmul(name, args, ins)
             self._add(Term.LM_HEAD, basis, t)
             if tc.cuda and name == "mm" and outs:
                 # the Triton fold over this logits tile: one read forward, a read and a write backward
@@ -337,7 +327,7 @@ class TimingHook:
                 weight_only = False
         return Basis.FIXED if weight_only else Basis.TOKENS
 
-    def _matmul(self, name: str, args: tuple, ins: list, upcast: dict | None = None) -> tuple[float, float]:
+    def _matmul(self, name: str, args: tuple, ins: list) -> tuple[float, float]:
         """(GEMM seconds, dequantisation seconds when a quantized weight is read)."""
         tc = self.tc
         mats = [x for x in ins if x.dim() >= 2]
@@ -350,10 +340,6 @@ class TimingHook:
         m, k = int(a.shape[-2]), int(a.shape[-1])
         n = int(b.shape[-1])
         dtype, size = a.dtype, a.element_size()
-        if upcast:
-            low = upcast.get(a.untyped_storage()._cdata) or upcast.get(b.untyped_storage()._cdata)
-            if low is not None:
-                dtype, size = low, 2
         peak = tc.peak_for(dtype)
         t = gemm_s(m, n, k, size, peak, tc, batch)
         extra = 0.0

@@ -55,31 +55,61 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
                    "teacher_model_name_or_path")
 
 
-def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True, launch: bool = True) -> None:
     parser.add_argument("--config", required=required, metavar="RUN.yaml",
                         help="a trl sft --config file (what `advisor suggest --format yaml` writes)")
+    if launch:
+        parser.add_argument("--accelerate-config", default=None, metavar="FILE",
+                            help="with --num-gpus N > 1: the accelerate config the run launches with (what `advisor "
+                            "suggest --accelerate-output FILE` writes): its layout (instead of --parallelism) and its "
+                            "num_processes, the ranks that train (online RL's vLLM server mode: the other GPUs of "
+                            "--num-gpus run `trl vllm-serve`)")
+
+
+def read_run_config(ns: argparse.Namespace) -> Any:
+    """--config read as --trainer's `trl <command>` reads it (a RunConfig). A file another trainer's command reads
+    and this one refuses (a GRPO file read as the default sft's: every GRPO key unknown) says which --trainer reads
+    it."""
+    from ..emit import load_run_config
+    from ..trainers import names
+
+    trainer = getattr(ns, "trainer", "sft")
+    try:
+        return load_run_config(ns.config, trainer=trainer)
+    except ConfigError as exc:
+        readers = []
+        for other in names():
+            if other == trainer:
+                continue
+            try:
+                load_run_config(ns.config, trainer=other)
+            except (ConfigError, UsageError):
+                continue
+            readers.append(other)
+        if not readers:
+            raise
+        commands = " or ".join(f"`trl {r}`" for r in readers)
+        which = " or ".join(f"--trainer {r}" for r in readers)
+        raise ConfigError([*exc.problems, f"the file reads as a {commands} config, not `trl {trainer}`'s: give "
+                           f"{which}"], context=f"--config {ns.config}") from None
 
 
 def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Workload:
     model = ns.model
     dataset = getattr(ns, "dataset", None)
+    reward_model = getattr(ns, "reward_model", None)
+    teacher = getattr(ns, "teacher", None)
     config_path = getattr(ns, "config", None)
     from .._files import check_names
 
     check_names({"--model": model, "--dataset": dataset, "--tokenizer": getattr(ns, "tokenizer", None),
-                 "--config": config_path, "--reward-model": getattr(ns, "reward_model", None),
-                 "--teacher": getattr(ns, "teacher", None)})
-    teacher = getattr(ns, "teacher", None)
-    from ..trainers import get_trainer
-
-    wants_teacher = teacher is None and getattr(get_trainer(getattr(ns, "trainer", "sft")), "takes_teacher", False)
-    if config_path and (model is None or dataset is None or wants_teacher):
-        from ..emit import load_run_config
-
-        rc = load_run_config(config_path, trainer=getattr(ns, "trainer", "sft"))
+                 "--config": config_path, "--reward-model": reward_model, "--teacher": teacher})
+    if config_path and (model is None or dataset is None or reward_model is None or teacher is None):
+        rc = read_run_config(ns)
         model = model or rc.model_name_or_path
         dataset = dataset or rc.dataset
-        teacher = teacher or rc.candidate.base.get("teacher_model_name_or_path")  # a distillation config's
+        reward_model = reward_model or rc.reward_model_name_or_path  # the file's, as trl grpo loads it
+        teacher = teacher or rc.candidate.base.get("teacher_model_name_or_path")  # as trl distillation loads it
     if model is None:
         raise UsageError("--model is required (or model_name_or_path in --config)")
     from ..profiles import decide_offline
@@ -89,13 +119,14 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
         print(f"advisor: {offline}", file=sys.stderr)
     from_config = {flag: f"--config {config_path}: {key}" for flag, key, given in (
         ("--model", "model_name_or_path", ns.model), ("--dataset", "dataset_name", getattr(ns, "dataset", None)),
+        ("--reward-model", "reward_model_name_or_path", getattr(ns, "reward_model", None)),
         ("--teacher", "teacher_model_name_or_path", getattr(ns, "teacher", None)))
         if given is None and config_path}  # a value the config wrote, not a flag: its error names the key
     try:
         wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
                             sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
                             num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"),
-                            reward_model=getattr(ns, "reward_model", None), teacher=teacher)
+                            reward_model=reward_model, teacher=teacher)
     except UsageError as exc:
         if not from_config:
             raise
@@ -162,33 +193,79 @@ def write_output(path: str | Path, text: str, flag: str) -> None:
 
 
 def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None) -> Candidate:
-    """The Candidate of --config, checked against the target and the model (every problem at once)."""
-    from ..emit import load_run_config
-    from ..trainers import DEFAULT
-
-    cand = load_run_config(ns.config, trainer=getattr(ns, "trainer", DEFAULT)).candidate
+    """The Candidate of --config (and --accelerate-config, --parallelism: the accelerate side of the run, which the
+    TRL file does not hold), checked against the target and the model (every problem at once)."""
+    cand = read_run_config(ns).candidate
     layout = getattr(ns, "parallelism", None)
-    if layout is not None:  # the accelerate side of the run (not in the TRL YAML)
+    launch = None
+    if getattr(ns, "accelerate_config", None):
+        from ..accelerate_config import read_accelerate_config
+
+        launch = read_accelerate_config(ns.accelerate_config)
+        if layout is not None and layout != launch.layout.value:
+            raise UsageError(f"--parallelism {layout} with --accelerate-config {ns.accelerate_config}, whose layout "
+                             f"is {launch.layout.value}: give one of them")
+        layout = launch.layout
+    if layout is not None:
         cand = cand.replace(parallelism=layout)
     if workload is not None:  # the trainer's rules (SFT: the candidate's own; DPO: no packing, ...)
         from ..errors import ConfigError
-        from ..trainers import get_trainer
+        from ..trainers import get_trainer, launched_candidate, training_workload
 
         kind = get_trainer(workload.trainer)
-        problems = kind.problems(cand, workload.gpu, workload.model)
-        world_rules = getattr(kind, "check_world", None)  # rules that need --num-gpus (online RL's server GPUs)
-        if world_rules is not None:
-            problems += world_rules(cand, workload.num_gpus)
-        if problems:
-            raise ConfigError(problems, context=f"--config {ns.config}")
-        cand.check(workload.gpu, workload.model)
+        try:
+            # the knobs the TRL file cannot hold, read back from the launch (online RL's vLLM server GPUs), and the
+            # world's rules (server mode leaves a GPU to train)
+            cand = launched_candidate(kind, cand, workload.num_gpus, launch.num_processes if launch else None)
+            problems = kind.problems(cand, workload.gpu, workload.model)
+            if problems:
+                raise ConfigError(problems)
+            cand.check(workload.gpu, workload.model)
+        except ConfigError as exc:  # the fixes said as the file's keys: this command has no --fix
+            raise ConfigError([in_config_file(p, ns.config) for p in exc.problems],
+                              context=f"--config {ns.config}") from None
+        train = training_workload(workload, cand)
+        if launch is not None:
+            launch.matches(cand, kind.command)
+            if launch.num_machines != train.num_machines:
+                raise UsageError(f"--num-machines {workload.num_machines} with --accelerate-config "
+                                 f"{ns.accelerate_config}, whose num_machines is {launch.num_machines}: give "
+                                 f"--num-machines {launch.num_machines}")
         from ..parallelism import layout_problems
 
         world = [p.replace("parallelism=", "--parallelism ") for p in layout_problems(cand.parallelism,
-                                                                                    workload.num_gpus)]
+                                                                                    train.num_gpus)]
         if world:
             raise UsageError("; ".join(world).replace("--fix parallelism", "--parallelism"))
     return cand
+
+
+def in_config_file(problem: str, path: str) -> str:
+    """A rule's problem as a command reading `--config FILE` says it: each `--fix NAME=VALUE` (the search's way to
+    pin a knob, which such a command has not) becomes what to write in the file: the knob's key in the TRL file,
+    both allocator variables of its `env:` block, or the accelerate config."""
+    import re
+
+    from ..emit import ALLOC_ENV
+    from ..knobs import Home, fix_names, yaml_keys
+    from ..trainers import names as trainer_names
+
+    trainer_names()  # every built-in trainer's own knobs registered
+    names = fix_names()
+
+    def key(m: re.Match) -> str:
+        entry = names.get(m.group(1))
+        value = m.group(2)
+        if entry is None:
+            return f"{m.group(1)}: {value} in --config {path}"
+        k = entry[0]
+        if k.home is Home.ENV:
+            return f"env {' / '.join(ALLOC_ENV)}: {k.name}:{value.capitalize()} in --config {path}"
+        if k.home is Home.ACCELERATE:
+            return f"{k.name}={value} in the accelerate config (--accelerate-config)"
+        return f"{(yaml_keys(k) or (k.key,))[0]}: {value} in --config {path}"
+
+    return re.sub(r"--fix ([\w.]+)=([^\s,;)]+)", key, problem)
 
 
 def emit_json(obj: Any) -> str:

@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "regression, 2 on bad input. Writes the table as Markdown to $GITHUB_STEP_SUMMARY when set.",
     )
     p.add_argument("--baseline", required=True, metavar="FILE.json", help="a file written by `advisor baseline`")
-    add_config_arg(p, required=False)
+    add_config_arg(p, required=False, launch=False)
     p.add_argument("--tolerance", default=f"{DEFAULT_TOLERANCE:.0%}",
                    help="allowed growth of the peaks, e.g. 1%% or 0.01 (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")

@@ -44,12 +44,15 @@ def run(ns: argparse.Namespace) -> int:
     from ..probing import probe
 
     budget = parse_size(ns.memory_budget) if ns.memory_budget is not None else None
-    workload = workload_from_args(ns)
-    candidate = candidate_from_args(ns, workload)
+    from ..trainers import training_workload
+
+    shown = workload_from_args(ns)
+    candidate = candidate_from_args(ns, shown)
+    workload = training_workload(shown, candidate)  # the ranks that train (vLLM server mode's GPUs left out)
     backend = ns.backend or ("cuda" if workload.gpu.is_cuda else "cpu")
     m = probe(workload, candidate, backend, steps=ns.steps, warmup=ns.warmup, timeout_s=ns.timeout,
               memory_budget_bytes=budget, weights=ns.weights)
-    m = with_workload_notes(m, workload)
+    m = with_workload_notes(m, shown)
     if ns.json:
         print(emit_json(m.to_dict()))
     else:

@@ -26,9 +26,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     from ..simulator import simulate
+    from ..trainers import training_workload
 
-    workload = workload_from_args(ns)
-    candidate = candidate_from_args(ns, workload)
+    shown = workload_from_args(ns)
+    candidate = candidate_from_args(ns, shown)
+    workload = training_workload(shown, candidate)  # the ranks that train (vLLM server mode's GPUs left out)
     layers = None if ns.full_depth else (2, 3)
     if workload.num_gpus > 1:  # one rank of N, sharded as --parallelism says (issue 16)
         from ..simulator import simulate_per_rank
@@ -36,9 +38,9 @@ def run(ns: argparse.Namespace) -> int:
         m = simulate_per_rank(workload, candidate, parallelism=candidate.parallelism.parallelism, layers=layers)
     else:
         m = simulate(workload, candidate, layers=layers)
-    m = with_workload_notes(m, workload)
+    m = with_workload_notes(m, shown)
     if ns.json:
         print(emit_json(m.to_dict()))
     else:
-        print(simulate_text(m, workload.budget_bytes))
+        print(simulate_text(m, shown.budget_bytes))
     return 0 if m.ok else 1

@@ -1,5 +1,16 @@
 """TRL trainers behind one seam: `get_trainer("sft" | "dpo" | "reward" | "grpo" | "rloo")` (the protocol: base.py)."""
 
-from .base import DEFAULT, Trainer, choices, get_trainer, names, register
+from .base import (
+    DEFAULT,
+    Trainer,
+    choices,
+    get_trainer,
+    launched_candidate,
+    names,
+    register,
+    training_gpus,
+    training_workload,
+)
 
-__all__ = ["DEFAULT", "Trainer", "choices", "get_trainer", "names", "register"]
+__all__ = ["DEFAULT", "Trainer", "choices", "get_trainer", "launched_candidate", "names", "register",
+           "training_gpus", "training_workload"]

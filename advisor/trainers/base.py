@@ -185,6 +185,47 @@ def get_trainer(name: str | Trainer = "sft") -> Trainer:
                           context="trainer") from None
 
 
+def training_gpus(trainer: Trainer, candidate: Candidate, num_gpus: int) -> int:
+    """The ranks of `num_gpus` that train `candidate` (accelerate's num_processes): all of them, unless the trainer
+    sets some aside for it (`training_gpus`: online RL's `trl vllm-serve` GPUs in server mode)."""
+    own = getattr(trainer, "training_gpus", None)
+    return own(candidate, num_gpus) if own is not None else num_gpus
+
+
+def training_workload(workload: Workload, candidate: Candidate) -> Workload:
+    """The workload a backend measures `candidate` on: the training side of the run. Where its trainer sets GPUs of
+    --num-gpus aside (`training_gpus`), the rest train, and the per-rank peak, the sharding and the trained tokens
+    per second count those ranks only. The search (advisor/_search/evaluator.py) and `advisor simulate|probe|
+    baseline --config` measure through this one rule."""
+    import dataclasses
+
+    n = training_gpus(get_trainer(workload.trainer), candidate, workload.num_gpus)
+    if n == workload.num_gpus:
+        return workload
+    machines = workload.num_machines if n % workload.num_machines == 0 else 1
+    return dataclasses.replace(workload, num_gpus=n, num_machines=machines)
+
+
+def launched_candidate(trainer: Trainer, candidate: Candidate, num_gpus: int, processes: int | None = None
+                       ) -> Candidate:
+    """`candidate` read back from a run's files, launched on `num_gpus` GPUs (`processes`: the accelerate config's
+    num_processes, when that file is given): the knobs a trainer keeps outside the TRL file read back from the
+    launch (`world_from_launch`: online RL's server GPUs), then the accelerate config checked to launch the ranks
+    that train. ConfigError naming the flags and the fix."""
+    own = getattr(trainer, "world_from_launch", None)
+    cand = own(candidate, num_gpus, processes) if own is not None else candidate
+    world = getattr(trainer, "check_world", None)
+    problems = list(world(cand, num_gpus)) if world is not None else []
+    train = training_gpus(trainer, cand, num_gpus)
+    if processes is not None and processes != train:
+        problems.append(f"num_processes {processes} in the accelerate config (--accelerate-config) with --num-gpus "
+                        f"{num_gpus}: this run trains on {train} rank(s); give --num-gpus {processes} (the "
+                        "suggestion's), or the accelerate config written with this TRL file")
+    if problems:
+        raise ConfigError(problems, context="num_gpus")
+    return cand
+
+
 # the built-ins' modules, each registering its trainer
 _BUILTIN = ("sft", "dpo", "reward", "grpo", "rloo", "distillation")
 DEFAULT = _BUILTIN[0]  # the trainer a workload is for unless it names another (--trainer's default)

@@ -24,7 +24,6 @@ default").
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -44,6 +43,7 @@ from .online_knobs import (
     VllmMode,
 )
 from .phases import ClosedForm
+from .server_split import ServerSplit
 
 if TYPE_CHECKING:
     import datasets
@@ -60,18 +60,7 @@ def online_only_keys(config_class: type) -> set[str]:
     return (_field_names(config_class) - _field_names(SFTConfig)) | set(SCRIPT_KEYS)
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuSplit:
-    """How --num-gpus split in server mode: the training GPUs (accelerate's num_processes, `train_env` before the
-    launch) and the `trl vllm-serve` command on the others."""
-
-    train_gpus: int
-    train_env: str  # CUDA_VISIBLE_DEVICES=0,1,...
-    server_command: str  # CUDA_VISIBLE_DEVICES=... trl vllm-serve --model ... --tensor-parallel-size ...
-    chosen: str
-
-
-class OnlineRLTrainer(TrlTrainer):
+class OnlineRLTrainer(ServerSplit, TrlTrainer):
     """What GRPO and RLOO share; a subclass declares its TRL classes and command."""
 
     example_dataset = "trl-lib/DeepMath-103K"
@@ -150,36 +139,6 @@ class OnlineRLTrainer(TrlTrainer):
                        "=True` is not supported when the lm_head carries a PEFT adapter\"; drop lm_head from "
                        "lora_target_modules or set cast_lm_head_to_fp32: false")
         return out
-
-    def check_world(self, candidate: Candidate, num_gpus: int) -> list[str]:
-        """TRL's rules that need the world size: the generation batch counts every training rank, and server mode
-        leaves at least one of --num-gpus to train."""
-        k = self.knobs(candidate)
-        out = []
-        if k.served and k.vllm_server_gpus >= num_gpus:
-            out.append(f"vllm_mode='server' with vllm_server_gpus={k.vllm_server_gpus} of --num-gpus {num_gpus}: "
-                       "no GPU is left to train; give vLLM fewer (--fix vllm_server_gpus=K, K < --num-gpus), add "
-                       "GPUs, or set vllm_mode: colocate")
-        return out
-
-    def gpu_split(self, candidate: Candidate, model_name_or_path: str, num_gpus: int) -> GpuSplit | None:
-        """Server mode: the last `vllm_server_gpus` of --num-gpus run `trl vllm-serve` (tensor-parallel over them),
-        the first ones train (accelerate's num_processes); None otherwise (every GPU trains)."""
-        import shlex
-
-        k = self.knobs(candidate)
-        if not k.served:
-            return None
-        problems = self.check_world(candidate, num_gpus)
-        if problems:
-            raise ConfigError(problems, context="num_gpus")
-        n = k.vllm_server_gpus
-        train = ",".join(str(i) for i in range(num_gpus - n))
-        serve = ",".join(str(i) for i in range(num_gpus - n, num_gpus))
-        cmd = shlex.join(["trl", "vllm-serve", "--model", model_name_or_path, "--tensor-parallel-size", str(n)])
-        return GpuSplit(train_gpus=num_gpus - n, train_env=f"CUDA_VISIBLE_DEVICES={train}",
-                        server_command=f"CUDA_VISIBLE_DEVICES={serve} {cmd}",
-                        chosen=f"vLLM server on GPU(s) {serve}, training on {train}")
 
     def step_knobs(self, candidate: Candidate) -> dict[str, Any]:
         """The step's knobs as the physics builds an online step from them (advisor/_physics/online_rl.py
@@ -276,17 +235,13 @@ class OnlineRLTrainer(TrlTrainer):
             return candidate
         return with_knobs(candidate, **{n: v.value if isinstance(v, Enum) else v for n, v in reset.items()})
 
-    def training_gpus(self, candidate: Candidate, num_gpus: int) -> int:
-        """The ranks that train (accelerate's num_processes): --num-gpus less the server's GPUs in server mode."""
-        k = self.knobs(candidate)
-        return max(1, num_gpus - k.vllm_server_gpus) if k.served else num_gpus
-
     def vllm_pool_need(self, workload: Workload, candidate: Candidate) -> Any:
         """vLLM's own accounting of the pool colocated vLLM needs for this candidate (advisor/_physics/vllm.py
-        `min_utilization`, on `online_vllm_side`'s weights, profile activations, non-torch memory and KV layout, as
-        the estimate builds them): the generation batch TRL hands it (max_num_seqs = per_device_train_batch_size x
-        steps_per_generation, tensor-parallel 1) at full length (the longest prompt + max_completion_length, capped
-        at max_model_len), never below one max_model_len sequence (what vLLM needs to start)."""
+        `min_utilization`, on `online_vllm_side`'s weights, profile activations, non-torch memory, CUDA graphs and KV
+        layout, as the estimate builds them): the generation batch TRL hands it (max_num_seqs =
+        per_device_train_batch_size x steps_per_generation, tensor-parallel 1) at full length (the longest prompt +
+        max_completion_length, capped at max_model_len), never below one max_model_len sequence (what vLLM needs to
+        start)."""
         from .._physics import architecture, online_vllm_side, vllm_min_utilization
 
         c = candidate
@@ -306,7 +261,7 @@ class OnlineRLTrainer(TrlTrainer):
         need = vllm_min_utilization(gpu.memory_bytes, weights_bytes=side.weights_bytes,
                                     activation_bytes=side.activation_bytes, non_torch_bytes=side.non_torch_bytes,
                                     layout=side.layout, sequences=gen, sequence_length=length,
-                                    max_model_len=side.max_model_len)
+                                    max_model_len=side.max_model_len, cudagraph_bytes=side.cudagraph_bytes)
         return need, side, gen, prompt, length
 
     def derive(self, workload: Workload, candidate: Candidate, values: Mapping[str, tuple[Any, ...]]
@@ -347,7 +302,8 @@ class OnlineRLTrainer(TrlTrainer):
                 f"{workload.gpu.memory_bytes / gib:.2f} GiB card, rounded up to 0.01 (exact {need.exact:.4f}), whose "
                 f"pool ({need.pool_bytes / gib:.2f} GiB) holds vLLM's weights ({side.weights_bytes / gib:.2f} GiB), "
                 f"its profile run's activations ({side.activation_bytes / gib:.2f} GiB), non-torch memory "
-                f"({side.non_torch_bytes / gib:.2f} GiB) and KV pages ({need.kv_bytes / gib:.2f} GiB) for the "
+                f"({side.non_torch_bytes / gib:.2f} GiB), its CUDA graphs ({side.cudagraph_bytes / gib:.2f} GiB, "
+                f"inside the pool since vLLM 0.21) and KV pages ({need.kv_bytes / gib:.2f} GiB) for the "
                 f"{need.binding} (the generation batch: {gen} sequences x {length} tokens = the longest prompt "
                 f"{prompt} + max_completion_length {k.max_completion_length}; one sequence: max_model_len "
                 f"{side.max_model_len}), by vLLM's accounting (advisor/_physics/vllm.py min_utilization); "
