@@ -60,3 +60,13 @@ def check_names(names: dict[str, object]) -> None:
             problems.append(f"{flag} {value!r}: not a path (it holds a NUL byte)")
     if problems:
         raise ConfigError(problems)
+
+
+def cache_dir() -> Path:
+    """$ADVISOR_CACHE_DIR, else $XDG_CACHE_HOME/advisor, else ~/.cache/advisor: where the search's studies and the
+    host's measured cost per op (advisor/_physics/timing/host.py) are kept."""
+    env = os.environ.get("ADVISOR_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "advisor"

@@ -13,6 +13,7 @@ import yaml
 
 from .errors import ConfigError
 from .parallelism import Layout, Parallelism, Strategy
+from .workload import DEFAULT_TRAINER, check_world
 
 __all__ = ["LaunchConfig", "LaunchRead", "accelerate_config", "read_accelerate_config"]
 
@@ -32,11 +33,10 @@ class LaunchConfig:
 
 def accelerate_config(candidate: Any, parallelism: Parallelism, num_gpus: int, num_machines: int = 1, *,
                       config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml",
-                      command: str = "sft") -> LaunchConfig:
+                      command: str = DEFAULT_TRAINER) -> LaunchConfig:
     """The accelerate config that launches `candidate` with `parallelism` on `num_gpus` GPUs over `num_machines`;
-    the commands run `trl <command>` (the trainer's: `Trainer.command`, e.g. "dpo"), whose script is
-    `trl.scripts.<command>`."""
-    from .workload import check_world
+    the commands run `trl <command>` (the trainer's: `Trainer.command`; the default trainer's unless given), whose
+    script is `trl.scripts.<command>`."""
 
     check_world(num_gpus, num_machines)
     parallelism.check(num_gpus)

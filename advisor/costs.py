@@ -24,6 +24,10 @@ _NAMES = (
     "offload_copy_s_per_token", "optimizer_cost", "optimizer_impl", "peak_flops", "replay", "round_size",
     "time_constants",
     "zero_bytes", "ZeroTerms", "comm_time_s", "interconnect",
+    # host and device as two queues: this host's cost per op, a micro-step's ops in issue order
+    "HostCost", "OpClass", "OpTrace", "TraceBuilder", "host_cost", "run_queues", "uniform_trace",
+    # the constants measured where the target runs (scripts/gpu_calibrate.py)
+    "calibration_rows", "calibration_path", "read_calibration", "write_calibration_row", "host_name",
     # vLLM's memory in closed form (advisor/_physics/vllm.py), prefixed vllm_
     "vllm_BLOCK_SIZE", "vllm_Mode", "vllm_Pool", "vllm_PoolSplit", "vllm_Refusal", "vllm_Refused", "vllm_Sleep",
     "vllm_Started", "vllm_asleep", "vllm_derived_max_model_len", "vllm_kv_layout", "vllm_min_utilization",
@@ -31,8 +35,9 @@ _NAMES = (
     "vllm_batch_kv_bytes", "vllm_UtilizationNeed", "vllm_Asleep", "vllm_DevicePeak", "vllm_TRL_SLEEP_LEVEL",
     "vllm_TRL_MAX_NUM_BATCHED_TOKENS", "vllm_NULL_BLOCKS", "vllm_VLLM_FOLLOWED", "vllm_VLLM_CHECKED",
     "vllm_CudaGraphs", "vllm_cudagraph_capture_sizes", "vllm_cudagraph_graphs", "vllm_CUDAGRAPH_MIN_GRAPH_BYTES",
-    # online RL's step in closed form (advisor/_physics/online_rl.py), prefixed online_
-    "online_OnlineStep", "online_VllmSide", "online_Reference", "online_HeadBytes", "online_PhaseBytes",
+    # online RL's step (advisor/_physics/online_step.py) and its closed form (online_costs.py), prefixed online_
+    "online_PhaseKind", "online_TrainingState", "online_OnlineStep", "online_VllmSide", "online_Reference",
+    "online_HeadBytes", "online_PhaseBytes",
     "online_VllmTerms", "online_VllmRefusal", "online_OnlineDevicePeak", "online_OnlineTime",
     "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes", "online_vllm_terms",
     "online_vllm_profile_activation_bytes",

@@ -34,6 +34,7 @@ from ._data import (
     columns,
     detect_format,
     list_problems,
+    load_processing_class,
     load_tokenizer,
     prepare_with_trl,
     progress_bars,
@@ -46,10 +47,12 @@ from ._data import (
 from .errors import DatasetError
 
 if TYPE_CHECKING:
+    from .trainers import Trainer
     from .workload import ModelSpec
 
 __all__ = [  # noqa: RUF022
-    "Dataset", "TokenizedDataset", "BadRow", "DataFormat", "load_dataset", "load_tokenizer", "synthetic",
+    "Dataset", "TokenizedDataset", "BadRow", "DataFormat", "load_dataset", "load_tokenizer", "load_processing_class",
+    "synthetic",
     "synthetic_lengths",
     "progress_bars", "tokenizer_note", "read_raw", "RawRows", "LOCAL_SUFFIXES", "TOKENIZER_FILES", "SYNTHETIC_ROWS",
     "SYNTHETIC_SEED", "SYNTHETIC_MEDIAN", "SYNTHETIC_SIGMA", "SYNTHETIC_MIN", "SYNTHETIC_MAX",
@@ -63,8 +66,10 @@ def load_dataset(
     sample: int | None = None,
     seed: int = 0,
     progress: bool = False,
+    trainer: Trainer | None = None,
 ) -> TokenizedDataset:
-    """Rows tokenized exactly as SFTTrainer prepares them (TRL's own code, `max_length=None`).
+    """Rows tokenized exactly as SFTTrainer prepares them (TRL's own code, `max_length=None`), with the tokenizer
+    `trainer` loads (`Trainer.load_processing_class`; without one, TRL's AutoProcessor).
 
     `spec`: None (the synthetic set), a local .jsonl/.json/.parquet/.csv file or dataset directory, or a hub id.
     Bad rows are kept in `bad_rows` with their index, line and field; a file with only bad rows, or a line of
@@ -88,18 +93,7 @@ def load_dataset(
     lines = None if raw.lines is None else [raw.lines[int(i)] for i in indices]
 
     fmt = detect_format(rows, raw.label)
-    good: list[dict[str, Any]] = []
-    good_index: list[int] = []
-    bad: list[BadRow] = []
-    for pos, row in enumerate(rows):
-        index = int(indices[pos])
-        problem = check_row(row, fmt, model.vocab_size)
-        if problem is None:
-            good.append(columns(row, fmt))
-            good_index.append(index)
-        else:
-            bad.append(BadRow(index=index, field=problem[0], reason=problem[1],
-                              line=None if lines is None else lines[pos]))
+    good, bad = _checked(rows, indices, lines, fmt, model.vocab_size)
     if not good:
         raise DatasetError(
             f"--dataset {spec}: no usable row in {raw.label} (format {fmt.value}); "
@@ -107,8 +101,8 @@ def load_dataset(
             + "; fix the rows or omit --dataset to use the synthetic data"
         )
 
-    tok = None if fmt is DataFormat.TOKENIZED else load_tokenizer(tokenizer, model)
-    loaded_as = None if tok is None else tokenizer_note(tok, tokenizer, model)
+    tok = None if fmt is DataFormat.TOKENIZED else load_tokenizer(tokenizer, model, trainer)
+    loaded_as = None if tok is None else tokenizer_note(tok, tokenizer, model, trainer)
     input_ids, labels, said = prepare_with_trl(good, fmt, tok, spec, progress)
     completion_only = any(-100 in lab for lab in labels)
     out_rows = []
@@ -135,3 +129,18 @@ def load_dataset(
         population=population if sample is not None and sample < population else None,
         format=fmt,
     )
+
+
+def _checked(rows: list[Any], indices: np.ndarray, lines: list[Any] | None, fmt: DataFormat, vocab_size: int
+             ) -> tuple[list[dict[str, Any]], list[BadRow]]:
+    """The rows of format `fmt` in the columns TRL reads, and the bad ones with their index, line and field."""
+    good: list[dict[str, Any]] = []
+    bad: list[BadRow] = []
+    for pos, row in enumerate(rows):
+        problem = check_row(row, fmt, vocab_size)
+        if problem is None:
+            good.append(columns(row, fmt))
+        else:
+            bad.append(BadRow(index=int(indices[pos]), field=problem[0], reason=problem[1],
+                              line=None if lines is None else lines[pos]))
+    return good, bad

@@ -12,12 +12,17 @@ the largest:
 Backward lies between them: activations are freed layer by layer as gradients appear.
 
 Step time: the step-time model both backends share (advisor/_physics/timing/) with its terms in closed form
-(`_estimate/step_time.py`), expected over the same batch distribution, so the two backends rank alike. DPO and
-reward modelling are approximated from the SFT estimate of their pairs (below).
+(`_estimate/step_time.py`), expected over the same batch distribution, so the two backends rank alike.
+
+Each trainer is estimated as its step declares itself (`Trainer.step_shape`, advisor/trainers/protocol.py
+`StepShape`): the step over the data's sequences (`Dataset.sequences`: a preference pair is two, so a micro-batch of
+B pairs runs 2B), its LM head's logits or a one-label score, a resident reference copy and the reference's no-grad
+forward; a step that generates is online RL's closed form (`_estimate/online_step.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ._estimate import (
@@ -41,13 +46,17 @@ from ._physics import (
     knob_time,
     lora_parameters,
     quantized_linear_bytes,
+    resident_bytes,
+    time_constants,
+    time_detail,
 )
 from .measurement import Category, Measurement, Source, Status
 from .space import Precision, WeightsDtype
-from .trainers.phases import ClosedForm
+from .trainers import trainer_of
 
 if TYPE_CHECKING:
     from .space import Candidate
+    from .trainers import StepShape
     from .workload import Workload
 
 __all__ = [  # noqa: RUF022
@@ -59,56 +68,65 @@ __all__ = [  # noqa: RUF022
 
 def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     """Peak memory by category and step time of `candidate`; status ok (the search decides what fits). What the
-    step's phases reserve outside PyTorch's allocator (Category.OUTSIDE_ALLOCATOR) is in its device bytes."""
-    trainer = _trainer(workload)
-    m = _CLOSED_FORMS[trainer.closed_form](workload, candidate)  # the kind the trainer declares
-    if trainer.closed_form in _PLACES_OUTSIDE_ALLOCATOR:
-        return m
-    return m.plus_outside_allocator(trainer.outside_allocator_bytes(candidate, workload.gpu.memory_bytes))
+    step reserves outside PyTorch's allocator (colocated vLLM: Category.OUTSIDE_ALLOCATOR) is in its device bytes."""
+    trainer = trainer_of(workload)
+    shape = trainer.step_shape(candidate)
+    if shape.generates:
+        return estimate_online_rl(workload, candidate, trainer.knobs(candidate), trainer)
+    m = _rows_closed_form(workload, candidate) if shape.plain else \
+        _sequences_closed_form(workload, candidate, shape, trainer.name)
+    return _with_models(workload, candidate, m) if workload.models else m
 
 
-def _sft_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
+def _with_models(workload: Workload, candidate: Candidate, m: Measurement) -> Measurement:
+    """The models given beside the policy (`Workload.models`, a trainer's ModelInputs), resident through the step:
+    their weights at the policy's element size added to every moment's bytes."""
+    c = candidate
+    extra = resident_bytes((spec for _, spec in workload.models), DTYPE_BYTES[c.weights_dtype])
+    cuda = workload.gpu.is_cuda
+    peak = int(m.peak_bytes + extra)
+    reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
+    device = reserved + outside_allocator_bytes(workload.gpu) if cuda else peak
+    breakdown = {**m.breakdown, Category.PARAMETERS.value: m.breakdown.get(Category.PARAMETERS.value, 0) + extra}
+    note = (f"models beside the policy ({', '.join(spec.name for _, spec in workload.models)}): resident, "
+            f"+{extra / 2**30:.2f} GiB of weights")
+    return dataclasses.replace(m, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device, breakdown=breakdown,
+                               notes=(*m.notes, note))
+
+
+def _moments(workload: Workload, c: Candidate, p: MemoryParts) -> dict[str, dict[Category, int]]:
+    """What the step holds at its moments: the end of the forward, the start of the backward (after the LM head's
+    backward, the last checkpointed layer recomputed while every other layer's activations are still held) and the
+    optimizer step."""
+    arch = architecture(workload.model)
+    worst = p.batch
+    act_bytes = 2 if (c.precision is not Precision.FP32 or c.weights_dtype is not WeightsDtype.FLOAT32) else 4
+    grad_bytes = 4 if c.use_lora else DTYPE_BYTES[c.weights_dtype]
+    grads_before = p.gradients if c.gradient_accumulation_steps > 1 else 0
+    head_grad = 0 if c.use_lora else arch.vocab * arch.hidden * grad_bytes
+    state = {Category.PARAMETERS: p.parameters, Category.OPTIMIZER: p.optimizer}
+    return {
+        "end of the forward": {**state, Category.GRADIENTS: grads_before, Category.ACTIVATIONS: p.activations,
+                               Category.LM_HEAD: p.lm_head_saved + p.lm_head_temporaries, Category.TEMPORARIES: 0},
+        "start of the backward": {**state, Category.GRADIENTS: max(grads_before, head_grad),
+                                  Category.ACTIVATIONS: p.activations,
+                                  Category.LM_HEAD: worst.rows * worst.seq * arch.hidden * act_bytes,
+                                  Category.TEMPORARIES: p.recompute},
+        "optimizer step": {**state, Category.GRADIENTS: p.gradients, Category.ACTIVATIONS: 0, Category.LM_HEAD: 0,
+                           Category.TEMPORARIES: p.optimizer_temporaries},
+    }
+
+
+def _rows_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
+    """The step over the dataset's rows as they are: the policy, its gradients and optimizer state, the
+    activations and TRL's fused LM head, at the moments of a step."""
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
     arch = architecture(workload.model)
     p = memory_parts(workload, c)
     worst = p.batch
-    act_bytes = 2 if (c.precision is not Precision.FP32 or c.weights_dtype is not WeightsDtype.FLOAT32) else 4
-    grad_bytes = 4 if c.use_lora else DTYPE_BYTES[c.weights_dtype]
-    params, optimizer, grads, activations = p.parameters, p.optimizer, p.gradients, p.activations
-    lm_saved, lm_peak = p.lm_head_saved, p.lm_head_temporaries
-    recompute, opt_temp = p.recompute, p.optimizer_temporaries
-
-    grads_before = grads if c.gradient_accumulation_steps > 1 else 0
-    head_grad = 0 if c.use_lora else arch.vocab * arch.hidden * grad_bytes
-    forward_end = {
-        Category.PARAMETERS: params,
-        Category.OPTIMIZER: optimizer,
-        Category.GRADIENTS: grads_before,
-        Category.ACTIVATIONS: activations,
-        Category.LM_HEAD: lm_saved + lm_peak,
-        Category.TEMPORARIES: 0,
-    }
-    # after the LM head's backward, the last checkpointed layer is recomputed while every other layer's
-    # activations are still held
-    backward_start = {
-        Category.PARAMETERS: params,
-        Category.OPTIMIZER: optimizer,
-        Category.GRADIENTS: max(grads_before, head_grad),
-        Category.ACTIVATIONS: activations,
-        Category.LM_HEAD: worst.rows * worst.seq * arch.hidden * act_bytes,
-        Category.TEMPORARIES: recompute,
-    }
-    step_end = {
-        Category.PARAMETERS: params,
-        Category.OPTIMIZER: optimizer,
-        Category.GRADIENTS: grads,
-        Category.ACTIVATIONS: 0,
-        Category.LM_HEAD: 0,
-        Category.TEMPORARIES: opt_temp,
-    }
-    moments = {"end of the forward": forward_end, "start of the backward": backward_start, "optimizer step": step_end}
+    moments = _moments(workload, c, p)
     rank_notes: list[str] = []
     if workload.num_gpus > 1:  # one rank of N: the model states sharded as the candidate's parallelism shards them
         from ._physics import estimate_rank_moments
@@ -150,110 +168,70 @@ def _sft_closed_form(workload: Workload, candidate: Candidate) -> Measurement:
         time_breakdown=terms,
         mfu=timed.mfu,
         worst_step_time_s=timed.worst_step_s,
+        time_detail=time_detail(timed, time_constants(gpu)),
         peak_batch=f"{worst.rows}x{worst.seq}",
         notes=tuple(notes),
     )
 
 
-# ---- DPO (approximate) -----------------------------------------------------------------------------------------
-_PAIR_ROWS: dict[int, tuple[Any, Any]] = {}  # id(preference data) -> (the data, its rows as SFT rows)
+# ---- a step over sequences a row, a score head, a reference (approximate) -----------------------------------------
+_SEQUENCES: dict[int, tuple[Any, Any]] = {}  # id(dataset) -> (the dataset, its sequences as rows)
 
 
-def _trainer(workload: Workload) -> Any:
-    from .trainers import get_trainer
-
-    return get_trainer(workload.trainer)
-
-
-def _pair_rows(data: Any) -> Any:
-    """Preference pairs as SFT rows: prompt + chosen and prompt + rejected, each its own row, the completion
-    trained. A micro-batch of 2B such rows pads as DPO's B pairs do (chosen and rejected share the batch)."""
-    held = _PAIR_ROWS.get(id(data))
+def _sequences(data: Any) -> Any:
+    """`data.sequences()`, the same object for the same dataset (the micro-batch and sampler caches key on it)."""
+    held = _SEQUENCES.get(id(data))
     if held is not None and held[0] is data:
         return held[1]
-    from .data import TokenizedDataset
-
-    rows = []
-    for p, ch, rj in zip(data.prompt_lengths, data.chosen_lengths, data.rejected_lengths, strict=True):
-        for full in (int(ch), int(rj)):
-            rows.append({"input_ids": [0] * full, "completion_mask": [0] * int(p) + [1] * (full - int(p))})
-    proxy = TokenizedDataset(name=f"{data.name} (pairs as rows)", source=data.source, rows=tuple(rows),
-                             completion_only_loss=True)
-    if len(_PAIR_ROWS) > 4:
-        _PAIR_ROWS.clear()
-    _PAIR_ROWS[id(data)] = (data, proxy)
-    return proxy
+    rows = data.sequences()
+    if len(_SEQUENCES) > 4:
+        _SEQUENCES.clear()
+    _SEQUENCES[id(data)] = (data, rows)
+    return rows
 
 
-def _estimate_dpo(workload: Workload, candidate: Candidate) -> Measurement:
-    """DPO in closed form, approximately: the SFT estimate of 2B sequences a micro-batch of B pairs (chosen and
-    rejected), plus the reference: a second copy of the weights (full fine-tuning without precompute), nothing
-    (LoRA: the policy with its adapters disabled; precompute_ref_log_probs: log-probs computed before training),
-    and its no-grad forward's time (about a third of a forward + backward) unless precomputed."""
-    import dataclasses
-
-    from .trainers.dpo import DPOKnobs, Reference
-
+def _sequences_closed_form(workload: Workload, candidate: Candidate, shape: StepShape, name: str) -> Measurement:
+    """A step over `shape.sequences_per_row` sequences a row, approximately: the rows' closed form on the data's
+    sequences (`Dataset.sequences`: a micro-batch of B pairs runs 2B sequences, padded together), with a resident
+    reference copy of the weights (`reference_copy`), the LM head's logits left out for a one-label score head
+    (`lm_head` False), and a reference's no-grad forward taken as a third of the step's compute
+    (`reference_forward`)."""
     c = candidate
-    ref = DPOKnobs.of(c).reference(c)
-    proxy = dataclasses.replace(workload, dataset=_pair_rows(workload.dataset), trainer="sft")
-    base = {k: v for k, v in c.base.as_dict().items() if k not in ("precompute_ref_log_probs",
-                                                                   "precompute_ref_batch_size", "sync_ref_model")}
-    sft_c = c.replace(per_device_train_batch_size=2 * c.per_device_train_batch_size, packing=False,
-                      padding_free=False, base=base)
-    m = estimate(proxy, sft_c)
+    per_row = shape.sequences_per_row
+    rows = dataclasses.replace(workload, dataset=_sequences(workload.dataset))
+    m = _rows_closed_form(rows, c.replace(per_device_train_batch_size=per_row * c.per_device_train_batch_size,
+                                          packing=False, padding_free=False))
     arch = architecture(workload.model)
-    ref_bytes = arch.total * DTYPE_BYTES[c.weights_dtype] + arch.buffer_bytes if ref is Reference.SEPARATE_COPY \
-        else 0
+    ref_bytes = arch.total * DTYPE_BYTES[c.weights_dtype] + arch.buffer_bytes if shape.reference_copy else 0
+    head = 0 if shape.lm_head else int(m.breakdown.get(Category.LM_HEAD.value, 0))
     cuda = workload.gpu.is_cuda
-    peak = int(m.peak_bytes + ref_bytes)
+    peak = int(m.peak_bytes + ref_bytes - head)
     reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
     device = reserved + outside_allocator_bytes(workload.gpu) if cuda else peak
     breakdown = dict(m.breakdown)
-    breakdown[Category.PARAMETERS.value] = breakdown.get(Category.PARAMETERS.value, 0) + ref_bytes
-    slow = 1.0 if ref is Reference.PRECOMPUTED else 4.0 / 3.0
+    if ref_bytes:
+        breakdown[Category.PARAMETERS.value] = breakdown.get(Category.PARAMETERS.value, 0) + ref_bytes
+    if not shape.lm_head:
+        breakdown[Category.LM_HEAD.value] = 0
+    unit = workload.dataset.unit
+    reference = ""
+    if shape.reference_precomputed:
+        reference = "; the reference: its log-probs precomputed before training (no model kept)"
+    elif shape.reference_copy or shape.reference_forward:
+        reference = "; the reference: " + (f"a resident copy (+{ref_bytes / 2**30:.2f} GiB of weights)"
+                                           if ref_bytes else "no copy resident (the adapters disabled)")
+        reference += ", its no-grad forward taken as a third of the step's compute" if shape.reference_forward else ""
+    notes = [f"{name} (approximate): the rows' closed form on {per_row}B sequences a micro-batch of B {unit}"
+             + ("; a one-label score head (the LM head's logits left out)" if not shape.lm_head else "")
+             + reference, *m.notes]
+    out = dataclasses.replace(m, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device, breakdown=breakdown,
+                              peak_batch=f"{c.per_device_train_batch_size} {unit} ({m.peak_batch})",
+                              notes=tuple(notes))
+    if not shape.reference_forward:
+        return out
+    slow = 4.0 / 3.0
     step = m.step_time_s * slow if m.step_time_s else m.step_time_s
-    notes = [f"dpo (approximate): SFT's closed form on 2B sequences a micro-batch of B pairs; the reference: "
-             f"{ref.value.replace('_', ' ')}" + (f" (+{ref_bytes / 2**30:.2f} GiB of weights)" if ref_bytes else "")
-             + ("" if ref is Reference.PRECOMPUTED else "; its no-grad forward taken as a third of the step's "
-                "compute"), *m.notes]
     return dataclasses.replace(
-        m, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device, breakdown=breakdown, step_time_s=step,
+        out, step_time_s=step,
         tokens_per_second=(m.trained_tokens_per_step / step) if step and m.trained_tokens_per_step else None,
-        worst_step_time_s=m.worst_step_time_s * slow if m.worst_step_time_s else m.worst_step_time_s,
-        peak_batch=f"{c.per_device_train_batch_size} pairs ({m.peak_batch})", notes=tuple(notes))
-
-
-def _estimate_reward(workload: Workload, candidate: Candidate) -> Measurement:
-    """Reward modelling in closed form, approximately: the SFT estimate of 2B sequences a micro-batch of B pairs
-    (RewardTrainer runs chosen and rejected together) without the LM head's logits (a one-label score head)."""
-    import dataclasses
-
-    c = candidate
-    proxy = dataclasses.replace(workload, dataset=_pair_rows(workload.dataset), trainer="sft")
-    m = estimate(proxy, c.replace(per_device_train_batch_size=2 * c.per_device_train_batch_size, packing=False,
-                                  padding_free=False))
-    head = int(m.breakdown.get(Category.LM_HEAD.value, 0))
-    cuda = workload.gpu.is_cuda
-    peak = int(m.peak_bytes - head)
-    reserved = int(peak * RESERVED_FACTOR[bool(c.expandable_segments)]) if cuda else peak
-    device = reserved + outside_allocator_bytes(workload.gpu) if cuda else peak
-    breakdown = {**m.breakdown, Category.LM_HEAD.value: 0}
-    notes = ("reward (approximate): SFT's closed form on 2B sequences a micro-batch of B pairs, the LM head's "
-             "logits left out (a one-label score head)", *m.notes)
-    return dataclasses.replace(m, peak_bytes=peak, reserved_bytes=reserved, device_bytes=device, breakdown=breakdown,
-                               peak_batch=f"{c.per_device_train_batch_size} pairs ({m.peak_batch})", notes=notes)
-
-
-# The closed form of each kind of step a trainer declares (advisor/trainers/phases.py ClosedForm): the trainers
-# name the kind and never import the estimate.
-_CLOSED_FORMS = {
-    ClosedForm.ROWS: _sft_closed_form,
-    ClosedForm.PAIRS_WITH_REFERENCE: _estimate_dpo,
-    ClosedForm.PAIRS_SCORED: _estimate_reward,
-    ClosedForm.ONLINE_RL: estimate_online_rl,  # advisor/_estimate/online_rl.py over advisor/_physics/online_rl.py
-}
-# closed forms that place what the step holds outside PyTorch's allocator phase by phase themselves (colocated vLLM's
-# pool while generating and, asleep, what it keeps while training: advisor/_physics/online_rl.py device_peak); the
-# trainer's phase fractions would count the pool a second time
-_PLACES_OUTSIDE_ALLOCATOR = frozenset({ClosedForm.ONLINE_RL})
+        worst_step_time_s=m.worst_step_time_s * slow if m.worst_step_time_s else m.worst_step_time_s)

@@ -16,9 +16,10 @@ from enum import Enum
 from typing import Any
 
 from .data import Dataset
-from .errors import ConfigError
+from .errors import ConfigError, UsageError
 from .profiles import decide_offline, detect_gpu, resolve_gpu, resolve_model
-from .workload import Goals, Method, ModelSpec, Workload, check_budget, check_world
+from .trainers import get_trainer, model_input, model_inputs, trainer_of
+from .workload import DEFAULT_TRAINER, Goals, Method, ModelSpec, Workload, check_budget, check_world
 
 DEFAULT_GPU = "H100-80GB"
 
@@ -33,15 +34,22 @@ def build_workload(
     seed: int = 0,
     num_gpus: int = 1,
     num_machines: int = 1,
-    trainer: str = "sft",
-    reward_model: str | None = None,
-    teacher: str | None = None,
+    trainer: str = DEFAULT_TRAINER,
+    **models: str | None,
 ) -> Workload:
-    """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted)."""
+    """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted). `models`:
+    the models the trainer takes beside the policy, each by its declared parameter (advisor.trainers ModelInput,
+    e.g. online RL's `reward_model`), a hub id or a local directory; one the trainer takes none of is refused."""
     from ._files import check_names
 
-    check_names({"--model": model, "--dataset": dataset, "--tokenizer": tokenizer, "--reward-model": reward_model,
-                 "--teacher": teacher})
+    declared = {m.param: m for m in model_inputs()}
+    unknown = sorted(set(models) - set(declared))
+    if unknown:
+        raise UsageError(f"build_workload(): unknown parameter(s) {', '.join(unknown)}; the models a trainer takes "
+                         f"are {', '.join(declared) or 'none'}")
+    given = {declared[p]: v for p, v in models.items() if v is not None}
+    check_names({"--model": model, "--dataset": dataset, "--tokenizer": tokenizer,
+                 **{m.flag: v for m, v in given.items()}})
     notes: list[str] = []
     offline_note = decide_offline(model, dataset, tokenizer)
     if offline_note:
@@ -58,21 +66,27 @@ def build_workload(
         target = resolve_gpu(gpu)
     check_budget(goals or Goals(), target)  # before the dataset is read and tokenized
     check_world(num_gpus, num_machines)
-    from .trainers import get_trainer
-
     # the trainer reads its own data (chat rows for SFT, preference pairs for DPO / Reward), refusing others by
     # their columns; `sample` draws the same seeded sample whatever the trainer
     data = get_trainer(trainer).load_dataset(dataset, spec, tokenizer, sample=sample, seed=seed)
     context = context_note(spec, data)
     if context:
         notes.append(context)
-    # their configs (resident, counted), resolved as a model is, their errors naming their own flags
-    scorer = resolve_model(reward_model, flag="--reward-model") if reward_model is not None else None
-    distilled_from = resolve_model(teacher, flag="--teacher") if teacher is not None else None
-    return Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
-                    num_gpus=num_gpus, num_machines=num_machines, trainer=trainer, reward_model=scorer,
-                    teacher=distilled_from,
-                    local_gpu=local is not None and target.is_cuda and target.name == local.name)
+    out = Workload(model=spec, gpu=target, dataset=data, goals=goals or Goals(), notes=tuple(notes),
+                   num_gpus=num_gpus, num_machines=num_machines, trainer=trainer,
+                   models={m.role: _resolved(m.flag, v) for m, v in given.items()},  # their configs: resident, counted
+                   local_gpu=local is not None and target.is_cuda and target.name == local.name)
+    trainer_of(out)  # a model the trainer takes none of: refused, naming the trainers that take one
+    return out
+
+
+def _resolved(flag: str, name: str) -> ModelSpec:
+    """A model given beside the policy (its ModelInput's `flag`), resolved as a model is; its errors name `flag`
+    (resolve_model's name --model, the policy's flag)."""
+    try:
+        return resolve_model(name)
+    except UsageError as exc:
+        raise type(exc)(str(exc).replace("--model ", f"{flag} ", 1)) from None
 
 
 def context_note(model: ModelSpec, data: Dataset) -> str | None:
@@ -117,11 +131,10 @@ class WorkloadRef:
     sample: int | None = None
     goals: Goals = field(default_factory=Goals)
     fingerprint: str = ""
-    num_gpus: int = 1  # several GPUs (issue 16); a baseline or spec written before lacks them: one GPU
+    num_gpus: int = 1  # a baseline or spec written without them: one GPU
     num_machines: int = 1
-    trainer: str = "sft"  # a baseline or spec written before trainers existed is SFT's
-    reward_model: str | None = None  # online RL's --reward-model, as named
-    teacher: str | None = None  # distillation's --teacher, as named
+    trainer: str = DEFAULT_TRAINER  # a baseline or spec written before trainers existed is the default's
+    models: tuple[tuple[str, str], ...] = ()  # the models beside the policy, (role, name as given)
 
     @classmethod
     def of(cls, workload: Workload, **given: Any) -> WorkloadRef:
@@ -132,13 +145,10 @@ class WorkloadRef:
             "gpu": workload.gpu.name,
             "dataset": None if data.source == "synthetic" else (data.dataset_name or data.name),
             # a sampled dataset is rebuilt with the same seeded sample
-            "sample": len(data.rows) if getattr(data, "population", None) is not None else None,
+            "sample": len(data.rows) if data.population is not None else None,
+            "trainer": workload.trainer,
+            "models": tuple((role, spec.name) for role, spec in workload.models),
         }
-        derived["trainer"] = workload.trainer
-        if workload.reward_model is not None:
-            derived["reward_model"] = workload.reward_model.name
-        if workload.teacher is not None:
-            derived["teacher"] = workload.teacher.name
         derived.update({k: v for k, v in given.items() if v is not None})
         return cls(goals=workload.goals, fingerprint=workload.fingerprint(), num_gpus=workload.num_gpus,
                    num_machines=workload.num_machines, **derived)
@@ -148,15 +158,16 @@ class WorkloadRef:
         if not self.model:
             raise ConfigError("the workload was given as a Workload object, not by name: pass workload=... "
                               "to rebuild it", context="workload")
+        models = {model_input(role).param: name for role, name in self.models}
         return build_workload(self.model, gpu=self.gpu, dataset=self.dataset, tokenizer=self.tokenizer,
                               sample=self.sample, goals=goals or self.goals, num_gpus=self.num_gpus,
-                              num_machines=self.num_machines, trainer=self.trainer, reward_model=self.reward_model,
-                              teacher=self.teacher)
+                              num_machines=self.num_machines, trainer=self.trainer, **models)
 
     def to_dict(self) -> dict[str, Any]:
-        """The baseline file's `workload` object."""
-        data = dataclasses.asdict(self)
+        """The baseline file's `workload` object (each model beside the policy under its role)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "models"}
         data["goals"] = goals_to_dict(self.goals)
+        data.update(self.models)
         return data
 
     @classmethod
@@ -166,17 +177,14 @@ class WorkloadRef:
                    tokenizer=data.get("tokenizer"), sample=data.get("sample"),
                    goals=goals_from_dict(data.get("goals")), fingerprint=str(data.get("fingerprint", "")),
                    num_gpus=int(data.get("num_gpus", 1)), num_machines=int(data.get("num_machines", 1)),
-                   trainer=str(data.get("trainer", "sft")), reward_model=data.get("reward_model"),
-                   teacher=data.get("teacher"))
+                   trainer=str(data.get("trainer") or DEFAULT_TRAINER), models=_models_of(data))
 
     def to_spec(self) -> dict[str, Any]:
         """The flat keys a study's spec stores (model, gpu, dataset, tokenizer, sample, goals,
-        workload_fingerprint)."""
+        workload_fingerprint, trainer, each model beside the policy under its role)."""
         return {"model": self.model, "gpu": self.gpu, "dataset": self.dataset, "tokenizer": self.tokenizer,
                 "sample": self.sample, "goals": goals_to_dict(self.goals), "workload_fingerprint": self.fingerprint,
-                "trainer": self.trainer,
-                **({"reward_model": self.reward_model} if self.reward_model is not None else {}),
-                **({"teacher": self.teacher} if self.teacher is not None else {}),
+                "trainer": self.trainer, **dict(self.models),
                 **({"num_gpus": self.num_gpus, "num_machines": self.num_machines}
                    if (self.num_gpus, self.num_machines) != (1, 1) else {})}
 
@@ -187,5 +195,10 @@ class WorkloadRef:
                    tokenizer=spec.get("tokenizer"), sample=spec.get("sample"),
                    goals=goals_from_dict(spec.get("goals")), fingerprint=str(spec.get("workload_fingerprint", "")),
                    num_gpus=int(spec.get("num_gpus") or 1), num_machines=int(spec.get("num_machines") or 1),
-                   trainer=str(spec.get("trainer") or "sft"), reward_model=spec.get("reward_model"),
-                   teacher=spec.get("teacher"))
+                   trainer=str(spec.get("trainer") or DEFAULT_TRAINER), models=_models_of(spec))
+
+
+def _models_of(data: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The models beside the policy a baseline's or a spec's keys name: each declared role's key (advisor.trainers
+    ModelInput), where it is set."""
+    return tuple((m.role, str(data[m.role])) for m in model_inputs() if data.get(m.role))

@@ -1,10 +1,10 @@
 """The knob registry: every memory knob of every trainer declared once.
 
-A `Knob` says what it is (its kind, default and validity), which trainers accept it (`trainers`: None for the
-TrainingArguments / ModelConfig knobs every trainer shares), where it lives in TRL 1.16 (`Home` and the key there),
-its `--fix` names and their parser, its values in the default search space (`search`, and `searched_by`: the
-trainers whose space varies it; the others hold its default), when it has an effect (`active`), how memory moves
-along it (`memory`), its report label and its quality cost. The rest derives from the registry, the way TrlParser
+A `Knob` says what it is (its kind, default and validity), where it lives in TRL 1.16 (`Home` and the key there:
+a trainer accepts it when its TRL config class has that field, advisor/trainers/base.py `TrlTrainer.accepts`), its
+`--fix` names and their parser, its values in the default search space (`search`; a trainer declares the knobs its
+space holds at their default), when it has an effect (`active`), how memory moves along it (`memory`), its report
+label and its quality cost. The rest derives from the registry, the way TrlParser
 derives flags and YAML keys from dataclass fields: Candidate's validation and `canonical()` (advisor/space.py), the
 default space and `--fix` (advisor/_search/space.py), both directions of emit (advisor/_emit/), the report's labels
 (advisor/report.py), the ledger's memory order (advisor/_search/ledger.py) and the stand-ins of what fake tensors
@@ -12,12 +12,13 @@ cannot run (advisor/_sim/modelled.py). `Candidate`'s field block is checked agai
 defines it: a field without a declaration, or a declaration without a field, fails loudly with the fix.
 
 Two kinds of knob: the shared ones in `KNOBS` below are `Candidate` fields; a trainer's own knob (DPO's
-`precompute_ref_log_probs`) is declared in its trainer module with `carried=True` and `register_knobs`, and rides in
-the Candidate's base under its config key (so a candidate of another trainer is unchanged by it). `registry()` is
-both, in order: the shared knobs, then each trainer's.
+`precompute_ref_log_probs`) is declared in its trainer module with `carried=True`, in its typed view (`knob_view`),
+and rides in the Candidate's base under its config key (so a candidate of another trainer is unchanged by it); the
+trainer registry registers a trainer's view when it registers the trainer (`register_knobs`). `registry()` is both,
+in order: the shared knobs, then each trainer's.
 
 Adding a knob: a shared one is one `Knob(...)` in `KNOBS` below and one field on `Candidate` (advisor/space.py); a
-trainer's own is one `Knob(..., trainers=frozenset({NAME}), carried=True)` in its module under advisor/trainers/.
+trainer's own is one `Knob(..., carried=True)` in its module under advisor/trainers/, in its view.
 Then its memory and time in the estimate (advisor/estimator.py, advisor/_estimate/) and, where fake tensors cannot
 run it, the simulator's stand-in (`stand_in` here, the modelled difference in advisor/_sim/modelled.py); see
 docs/architecture.md, "Where to add things".
@@ -27,18 +28,27 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ._candidate import (
     LLAMA_LINEARS,
+    NO_STAND_IN,
+    TRL_DEFAULT,
     Attention,
+    FixResult,
+    Home,
+    Kind,
+    Knob,
+    KnobView,
+    Memory,
     Optimizer,
     PackingStrategy,
     Precision,
     Quantization,
     WeightsDtype,
+    annotation,
+    knob_view,
+    parse_bool,
 )
 from .errors import ConfigError
 from .parallelism import Layout
@@ -46,206 +56,22 @@ from .workload import Method
 
 if TYPE_CHECKING:
     from .space import Candidate
+    from .trainers import Trainer
 
 __all__ = [  # noqa: RUF022
     "Home", "Kind", "Memory", "Knob", "FixResult", "KNOBS", "knob", "knobs_in", "fix_names", "parse_fix_value",
     "canonical_changes", "coerce", "stand_ins", "memory_le", "ordered_names", "trial_label", "summary_rows",
-    "TRL_DEFAULT", "kernels_available", "yaml_keys", "checkpoint_kwargs", "registry", "register_knobs", "value",
-    "carried_defaults", "config_knobs", "owned_rows", "verify", "annotation",
+    "TRL_DEFAULT", "kernels_available", "yaml_keys", "checkpoint_kwargs", "registry", "register_knobs",
+    "unregister_knobs", "value", "carried_defaults", "config_knobs", "owned_rows", "verify", "annotation",
+    "KnobView", "knob_view",
 ]
-
-
-class Home(str, Enum):
-    """Where a knob lives in what `trl <command>` reads."""
-
-    TRAINING_ARGUMENTS = "TrainingArguments"  # a field of transformers.TrainingArguments: every trainer's config
-    TRAINER_CONFIG = "trainer config"  # a field of the trainers' own configs (SFTConfig, DPOConfig...; `trainers`)
-    MODEL_CONFIG = "ModelConfig"  # a field of trl.ModelConfig (trl sft builds model_init_kwargs / quantization)
-    LORA_CONFIG = "LoraConfig"  # ModelConfig's lora_* fields, which trl.get_peft_config turns into a LoraConfig
-    MODEL_INIT_KWARGS = "model_init_kwargs"  # a key of the trainer config's model_init_kwargs (from_pretrained's)
-    CHECKPOINT_KWARGS = "activation_checkpointing_kwargs"  # a key of TrainingArguments' activation_checkpointing_kwargs
-    ENV = "env"  # an environment variable (the YAML's `env:` block)
-    ACCELERATE = "accelerate"  # the accelerate config (`accelerate launch --config_file`), not the TRL YAML
-
-
-class Kind(str, Enum):
-    """The value type of a knob; `Candidate`'s annotation must say the same (checked at import)."""
-
-    BOOL = "bool"
-    INT = "int"
-    OPTIONAL_INT = "int | None"
-    FLOAT = "float"
-    ENUM = "enum"
-    OPTIONAL_ENUM = "enum | None"
-    MODULES = "tuple[str, ...] | None"
-
-
-class Memory(str, Enum):
-    """How peak memory moves along a knob, all else equal (what a failed candidate bounds, see ledger)."""
-
-    UNORDERED = "unordered"  # no order: a failure says nothing about other values
-    GROWS = "grows"  # more memory at larger values; None (no cap) is comparable only with itself
-    SAVES_WHEN_ON = "saves_when_on"  # a bool whose True never needs more memory than False
-    CHECKPOINTING = "checkpointing"  # one of the checkpointing group, ordered jointly (`_checkpointing_le`)
-
-
-# `absent` of a knob whose YAML key, when missing, takes TRL's own default for that field
-TRL_DEFAULT = object()
-_NO_STAND_IN = object()
-
-_BOOL_TRUE = {"true", "1", "yes", "on"}
-_BOOL_FALSE = {"false", "0", "no", "off"}
-_NONE = {"none", "null", "~"}
-
-
-@dataclass(frozen=True)
-class FixResult:
-    """What one `--fix NAME=VALUE` pins: knob -> allowed values, the methods it implies, or the problem."""
-
-    pins: Mapping[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
-    methods: frozenset[Method] | None = None
-    problem: str | None = None
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One memory knob, declared once (see the module docstring for what derives from it)."""
-
-    name: str  # the Candidate field
-    kind: Kind
-    default: Any  # Candidate's default
-    home: Home
-    key: str  # its name in its home (the YAML key, the kwargs key, the variable)
-    doc: str  # what it does in TRL / transformers / torch
-    enum: type[Enum] | None = None
-    minimum: int | None = None  # INT / OPTIONAL_INT: validated >= minimum (None: not validated)
-    bounds: tuple[float, float] | None = None  # FLOAT: lo <= value < hi
-    trl_aliases: tuple[str, ...] = ()  # TRL's other keys for it, read from a run config and accepted by --fix
-    aliases: tuple[str, ...] = ()  # other names --fix accepts
-    fix: Callable[[str, str], FixResult] | None = None  # a parser of its own for `--fix NAME=VALUE`
-    extra_fix: Mapping[str, Callable[[str, str], FixResult]] = dataclasses.field(default_factory=dict)
-    active: Callable[[Candidate], bool] | None = None  # None: always has an effect
-    memory: Memory = Memory.UNORDERED
-    label: str = ""  # the report's row name; "" when it is shown in another knob's row
-    summary: Callable[[Candidate], str | None] | None = None  # the report's row value (None: row left out)
-    short: Callable[[Candidate], str | None] | None = None  # its token in the trial table's candidate cell
-    quality: str = ""  # what it gives up against full float32 fine-tuning ("" when quality-neutral)
-    keyed_at_default: bool = True  # False: left out of to_dict() at its default (study keys of older knobs stay)
-    absent: Any = None  # its value when a run config does not set its key (TRL_DEFAULT: TRL's own default)
-    stand_in: Any = _NO_STAND_IN  # the value fake tensors run instead (simulate models the difference)
-    requires: str | None = None  # a pip package the run needs when the knob is on
-    trainers: frozenset[str] | None = None  # the trainers whose config accepts it (None: every trainer)
-    search: tuple[Any, ...] | None = None  # its default-space values where no workload decides them (_search/space)
-    searched_by: frozenset[str] | None = None  # trainers whose default space varies it (None: all that accept it)
-    carried: bool = False  # a trainer's own knob: in the Candidate's base under `key` (== name), not a field
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.carried and (self.key != self.name or self.trainers is None):
-            problems.append(f"{self.name}: a carried knob is a trainer's own (`trainers`) under its config key")
-        if self.kind in (Kind.ENUM, Kind.OPTIONAL_ENUM) and self.enum is None:
-            problems.append(f"{self.name}: an enum knob needs `enum`")
-        if self.kind is Kind.FLOAT and self.bounds is None:
-            problems.append(f"{self.name}: a float knob needs `bounds`")
-        if self.memory is Memory.SAVES_WHEN_ON and self.kind is not Kind.BOOL:
-            problems.append(f"{self.name}: SAVES_WHEN_ON is for bool knobs")
-        if problems:
-            raise ConfigError(problems, context="knob registry")
-
-    # ---- values ------------------------------------------------------------------------------------------
-    def coerce(self, value: Any) -> tuple[Any, str | None]:
-        """(the stored value, problem): plain strings (YAML, --fix) to Enums, lists to tuples, then the checks."""
-        k = self.kind
-        if k in (Kind.ENUM, Kind.OPTIONAL_ENUM):
-            if value is None and k is Kind.OPTIONAL_ENUM:
-                return None, None
-            if isinstance(value, self.enum):
-                return value, None
-            try:
-                return self.enum(value), None
-            except ValueError:
-                allowed = ", ".join(e.value for e in self.enum)
-                return value, f"{self.name}={value!r}: not one of {allowed}"
-        if k is Kind.MODULES:
-            if isinstance(value, str):
-                return (value,), None
-            if isinstance(value, list):
-                return tuple(value), None
-            return value, None
-        if k is Kind.FLOAT:
-            lo, hi = self.bounds
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value < hi:
-                return value, f"{self.name}={value!r}: must be a number in [{lo:g}, {hi:g})"
-            return float(value), None
-        if k in (Kind.INT, Kind.OPTIONAL_INT) and self.minimum is not None:
-            if value is None and k is Kind.OPTIONAL_INT:
-                return None, None
-            if isinstance(value, bool) or not isinstance(value, int) or value < self.minimum:
-                tail = " or None" if k is Kind.OPTIONAL_INT else ""
-                return value, f"{self.name}={value!r}: must be an integer >= {self.minimum}{tail}"
-        return value, None
-
-    def plain(self, value: Any) -> Any:
-        """The value as JSON / YAML holds it."""
-        return value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) else value
-
-    def parse_text(self, text: str, as_name: str | None = None) -> tuple[Any, str | None]:
-        """(value, problem) of `--fix NAME=TEXT` for this knob's kind."""
-        name = as_name or self.name
-        t = text.strip()
-        k = self.kind
-        if k is Kind.BOOL:
-            b = _parse_bool(t)
-            return (b, None) if b is not None else (None, f"--fix {name}={text}: not a boolean; use true or false")
-        if k is Kind.OPTIONAL_INT and t.lower() in _NONE:
-            return None, None
-        if k in (Kind.INT, Kind.OPTIONAL_INT):
-            try:
-                v = int(t)
-            except ValueError:
-                return None, f"--fix {name}={text}: not an integer"
-            return (v, None) if v >= 1 else (None, f"--fix {name}={text}: must be >= 1")
-        if k is Kind.FLOAT:
-            try:
-                v = float(t)
-            except ValueError:
-                return None, f"--fix {name}={text}: not a number"
-            lo, hi = self.bounds
-            return (v, None) if lo <= v < hi else (None, f"--fix {name}={text}: must be in [{lo:g}, {hi:g})")
-        if k is Kind.MODULES:
-            mods = tuple(m.strip() for m in t.split(",") if m.strip())
-            return (mods, None) if mods else (None, f"--fix {name}={text}: name modules, e.g. q_proj,v_proj")
-        if k is Kind.OPTIONAL_ENUM and t.lower() in _NONE:
-            return None, None
-        try:
-            return self.enum(t), None
-        except ValueError:
-            allowed = ", ".join(e.value for e in self.enum)
-            return None, f"--fix {name}={text}: not one of {allowed}"
-
-    def is_active(self, c: Candidate) -> bool:
-        return self.active is None or bool(self.active(c))
-
-    def accepts(self, trainer: str) -> bool:
-        """`trainer`'s config (and `trl <command>`) has this knob."""
-        return self.trainers is None or trainer in self.trainers
-
-    def searched_in(self, trainer: str) -> bool:
-        """`trainer`'s default space varies it (else the space holds its default): the trainers `searched_by`
-        names, or (None) every trainer that accepts it."""
-        return self.accepts(trainer) if self.searched_by is None else trainer in self.searched_by
-
-
-def _parse_bool(text: str) -> bool | None:
-    t = text.strip().lower()
-    return True if t in _BOOL_TRUE else False if t in _BOOL_FALSE else None
 
 
 # ---- the --fix parsers of knobs TRL spells differently --------------------------------------------------------
 
 def _fix_precision_flag(key: str, text: str) -> FixResult:
     """bf16 / fp16 (SFTConfig): true pins that precision, false rules it out."""
-    b = _parse_bool(text)
+    b = parse_bool(text)
     if b is None:
         return FixResult(problem=f"--fix {key}={text}: not a boolean; use true or false")
     if b:
@@ -255,7 +81,7 @@ def _fix_precision_flag(key: str, text: str) -> FixResult:
 
 def _fix_load_in(key: str, text: str) -> FixResult:
     """load_in_4bit / load_in_8bit (ModelConfig): true is QLoRA with that quantization."""
-    b = _parse_bool(text)
+    b = parse_bool(text)
     q = Quantization.NF4 if key == "load_in_4bit" else Quantization.INT8
     if b is None:
         return FixResult(problem=f"--fix {key}={text}: not a boolean; use true or false")
@@ -348,10 +174,6 @@ def kernels_available() -> bool:
 
 _CKPT = lambda c: c.activation_checkpointing  # noqa: E731
 _LORA = lambda c: c.use_lora  # noqa: E731
-_SFT = frozenset({"sft"})
-# the trainers whose own config (not TrainingArguments) declares max_length, pad_to_multiple_of,
-# activation_offloading and model_init_kwargs: SFTConfig, DPOConfig, RewardConfig
-_TRL_CONFIGS = frozenset({"sft", "dpo", "reward"})
 
 KNOBS: tuple[Knob, ...] = (
     Knob("per_device_train_batch_size", Kind.INT, 8, Home.TRAINING_ARGUMENTS, "per_device_train_batch_size",
@@ -365,28 +187,22 @@ KNOBS: tuple[Knob, ...] = (
     Knob("max_length", Kind.OPTIONAL_INT, 1024, Home.TRAINER_CONFIG, "max_length",
          "tokens per row after truncation (None: no truncation)", minimum=1, memory=Memory.GROWS,
          label="max_length", summary=lambda c: str(c.max_length), short=lambda c: f"L={c.max_length}",
-         quality="rows longer than max_length are truncated", absent=1024, trainers=_TRL_CONFIGS),
+         quality="rows longer than max_length are truncated", absent=1024),
     Knob("packing", Kind.BOOL, False, Home.TRAINER_CONFIG, "packing", "pack rows into max_length sequences",
          label="packing", summary=lambda c: c.packing_strategy.value if c.packing else "off", short=_pack_short,
-         absent=False, trainers=_SFT, search=(False, True)),
+         absent=False, search=(False, True)),
     Knob("packing_strategy", Kind.ENUM, PackingStrategy.BFD, Home.TRAINER_CONFIG, "packing_strategy",
          "bfd / bfd_split (padding-free) or wrapped", enum=PackingStrategy, active=lambda c: c.packing,
-         quality="'wrapped' mixes examples and cuts them mid-sequence", absent="bfd", trainers=_SFT,
-         # inactive where packing is held off (canonical() resets it); left free in every space so the study's
-         # parameters, and so its trials, stay what they were
-         searched_by=_TRL_CONFIGS),
+         quality="'wrapped' mixes examples and cuts them mid-sequence", absent="bfd"),
     Knob("padding_free", Kind.BOOL, False, Home.TRAINER_CONFIG, "padding_free",
          "one flattened row without padding (implied by bfd / bfd_split packing)",
          active=lambda c: not (c.packing and c.packing_strategy is not PackingStrategy.WRAPPED),
          label="padding_free", summary=lambda c: str(c.effective_padding_free), absent=False,
-         # DPOConfig has it, but DPOTrainer 1.16 warns and falls back to padding: searching it measures one run twice
-         trainers=frozenset({"sft", "dpo"}), search=(False, True), searched_by=_SFT),
+         search=(False, True)),
     Knob("pad_to_multiple_of", Kind.OPTIONAL_INT, None, Home.TRAINER_CONFIG, "pad_to_multiple_of",
-         "pad each batch's length to a multiple", minimum=1, absent=None, trainers=_TRL_CONFIGS,
-         # RewardConfig's padding rounding: tensor-core-friendly lengths (8) or FA tiles (64), measured like every
-         # knob (more padding, fewer shapes); SFT pads rows to the batch's longest (or none: padding-free), DPO
-         # concatenates chosen and rejected to the longer
-         search=(None, 8, 64), searched_by=frozenset({"reward"})),
+         "pad each batch's length to a multiple", minimum=1, absent=None,
+         # tensor-core-friendly lengths (8) or FA tiles (64), measured like every knob (more padding, fewer shapes)
+         search=(None, 8, 64)),
     Knob("activation_checkpointing", Kind.BOOL, True, Home.TRAINING_ARGUMENTS, "activation_checkpointing",
          "recompute each checkpointed layer in the backward instead of keeping its activations",
          trl_aliases=("gradient_checkpointing",), memory=Memory.CHECKPOINTING, label="activation checkpointing",
@@ -412,14 +228,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("activation_offloading", Kind.BOOL, False, Home.TRAINER_CONFIG, "activation_offloading",
          "TRL moves saved activations to pinned host memory on a side stream", memory=Memory.SAVES_WHEN_ON,
          label="activation offloading", summary=lambda c: str(c.activation_offloading),
-         short=_on("offload", "activation_offloading"), absent=False, stand_in=False, trainers=_TRL_CONFIGS),
+         short=_on("offload", "activation_offloading"), absent=False, stand_in=False),
     Knob("group_by_length", Kind.BOOL, False, Home.TRAINING_ARGUMENTS, "train_sampling_strategy",
          "TrainingArguments.train_sampling_strategy=group_by_length", label="group_by_length",
          summary=lambda c: str(c.group_by_length), short=_on("gbl", "group_by_length"),
-         extra_fix={"train_sampling_strategy": _fix_sampling},
-         # it changes which rows share a batch, a distribution the step-time model has for SFT's rows only (the
-         # pair trainers are timed on their worst batch): for pairs it would measure one run twice
-         search=(False, True), searched_by=_SFT),
+         extra_fix={"train_sampling_strategy": _fix_sampling}, search=(False, True)),
     Knob("use_lora", Kind.BOOL, False, Home.MODEL_CONFIG, "use_peft", "train LoRA adapters (trl sft --use_peft)",
          fix=_fix_plain("use_lora", _lora_methods), short=_lora_short,
          quality="LoRA adapters instead of full weights", absent=False),
@@ -443,7 +256,7 @@ KNOBS: tuple[Knob, ...] = (
          aliases=("torch_dtype",), short=lambda c: None if c.weights_dtype.value == "float32" else
          c.weights_dtype.value, quality="pure low-precision weights (no float32 master copy)"),
     Knob("attn_implementation", Kind.OPTIONAL_ENUM, Attention.SDPA, Home.MODEL_CONFIG, "attn_implementation",
-         "transformers' attention (None: what transformers picks, see modeling.default_attention)", enum=Attention,
+         "transformers' attention (None: what transformers picks, see space.default_attention)", enum=Attention,
          aliases=("attention",),
          label="attention", summary=_attn_summary, short=_attn_short, absent=None),
     Knob("precision", Kind.ENUM, Precision.BF16, Home.TRAINING_ARGUMENTS, "bf16",
@@ -459,7 +272,7 @@ KNOBS: tuple[Knob, ...] = (
          "(kernels-community/liger-kernels); rotary is swapped for inference only, and the SwiGLU / Linear / loss "
          "kernels only where a KernelConfig asks for them", label="hub kernels",
          summary=_shown_if_on("use_kernels"), short=_on("kernels", "use_kernels"), keyed_at_default=False,
-         absent=False, requires="kernels", trainers=_TRL_CONFIGS),
+         absent=False, requires="kernels"),
     Knob("parallelism", Kind.ENUM, Layout.DDP, Home.ACCELERATE, "distributed_type",
          "how accelerate shards the model over --num-gpus ranks: DDP (nothing sharded), FSDP2 (fsdp_version: 2; "
          "resharding after forward or not; CPUOffloadPolicy) or DeepSpeed ZeRO-2 / ZeRO-3 (optimizer / parameter "
@@ -477,8 +290,10 @@ _CARRIED: dict[str, Any] | None = None
 
 
 def register_knobs(*owned: Knob) -> tuple[Knob, ...]:
-    """Add a trainer's own knobs (its module calls this at import). A taken knob or `--fix` name is refused."""
+    """Add a trainer's own knobs (the trainer registry calls this when it registers the trainer; trainers sharing a
+    declaration, GRPO and RLOO, register the same Knob twice). A taken knob or `--fix` name is refused."""
     global _ALL, _CARRIED
+    owned = tuple(k for k in owned if _OWNED.get(k.name) is not k)
     taken = {n for k in (*KNOBS, *_OWNED.values()) for n in (k.name, *_fix_entries(k))}
     problems = []
     for k in owned:
@@ -497,11 +312,19 @@ def register_knobs(*owned: Knob) -> tuple[Knob, ...]:
     return owned
 
 
+def unregister_knobs(*owned: Knob) -> None:
+    """Take a trainer's own knobs out of the registry again (the trainer registry's `unregister`)."""
+    global _ALL, _CARRIED
+    for k in owned:
+        if _OWNED.get(k.name) is k:
+            del _OWNED[k.name]
+    _ALL = _CARRIED = None
+
+
 def registry() -> tuple[Knob, ...]:
     """Every knob of every registered trainer: the shared ones (KNOBS, Candidate's fields), then the trainers' own,
-    each registered when its trainer module is imported. This module sits below the trainers and never imports them:
-    whoever needs every trainer's knobs loads the trainer registry first (`advisor.trainers.names()`; a Workload
-    does, and so do the default space and `--fix`)."""
+    registered with their trainer (importing `advisor.trainers` registers the built-ins). This module sits below
+    the trainers and never imports them."""
     global _ALL
     if _ALL is None:  # (re)built after a trainer registered its knobs
         _ALL = (*KNOBS, *_OWNED.values())
@@ -520,10 +343,10 @@ def knobs_in(*homes: Home) -> tuple[Knob, ...]:
     return tuple(k for k in KNOBS if k.home in homes)
 
 
-def config_knobs(trainer: str) -> tuple[Knob, ...]:
+def config_knobs(trainer: Trainer) -> tuple[Knob, ...]:
     """The knobs `trainer`'s config object holds as fields (TrainingArguments' and its own), in registry order."""
     return tuple(k for k in registry() if k.home in (Home.TRAINING_ARGUMENTS, Home.TRAINER_CONFIG)
-                 and k.accepts(trainer))
+                 and trainer.accepts(k))
 
 
 def value(c: Candidate, k: Knob) -> Any:
@@ -564,7 +387,7 @@ def canonical_changes(c: Candidate) -> dict[str, Any]:
 def stand_ins(c: Candidate) -> dict[str, Any]:
     """The values fake tensors run instead of what they cannot (simulate models the difference)."""
     return {k.name: k.stand_in for k in KNOBS
-            if k.stand_in is not _NO_STAND_IN and getattr(c, k.name) != k.stand_in}
+            if k.stand_in is not NO_STAND_IN and getattr(c, k.name) != k.stand_in}
 
 
 _TRL_HOMES = (Home.TRAINING_ARGUMENTS, Home.TRAINER_CONFIG, Home.MODEL_CONFIG, Home.LORA_CONFIG)
@@ -582,10 +405,10 @@ def _fix_entries(k: Knob) -> dict[str, Callable[[str, str], FixResult]]:
     return out
 
 
-def fix_names(trainer: str | None = None) -> dict[str, tuple[Knob, Callable[[str, str], FixResult]]]:
+def fix_names(trainer: Trainer | None = None) -> dict[str, tuple[Knob, Callable[[str, str], FixResult]]]:
     """Every name `--fix` accepts -> (its knob, its parser): the field name, TRL's names, the aliases; of the knobs
-    `trainer` accepts (None: of every trainer's)."""
-    return {name: (k, parser) for k in registry() if trainer is None or k.accepts(trainer)
+    `trainer` accepts (None: of every registered trainer's)."""
+    return {name: (k, parser) for k in registry() if trainer is None or trainer.accepts(k)
             for name, parser in _fix_entries(k).items()}
 
 
@@ -646,23 +469,23 @@ def checkpoint_kwargs(c: Candidate) -> dict[str, Any]:
             if getattr(c, k.name) != k.default}
 
 
-def trial_label(c: Candidate, trainer: str | None = None) -> str:
+def trial_label(c: Candidate, trainer: Trainer | None = None) -> str:
     """The trial table's candidate cell: each knob's token, in registry order (a trainer's own knob after the
     shared ones, shown only where the candidate carries it); with `trainer`, only the knobs its config has (a GRPO
     candidate's cell shows no max_length or padding, which GRPOConfig does not have)."""
     return " ".join(t for t in (k.short(c) for k in registry()
-                                if k.short is not None and (trainer is None or k.accepts(trainer))) if t)
+                                if k.short is not None and (trainer is None or trainer.accepts(k))) if t)
 
 
-def summary_rows(c: Candidate, trainer: str | None = None) -> list[list[str]]:
+def summary_rows(c: Candidate, trainer: Trainer | None = None) -> list[list[str]]:
     """The report's (label, value) rows of the knobs, in registry order (a knob whose value is None is left out;
     with `trainer`, a knob its config has no field for: GRPO's report shows no max_length)."""
-    return _rows(c, tuple(k for k in KNOBS if trainer is None or k.accepts(trainer)))
+    return _rows(c, tuple(k for k in KNOBS if trainer is None or trainer.accepts(k)))
 
 
-def owned_rows(c: Candidate, trainer: str) -> list[list[str]]:
-    """The report's (label, value) rows of `trainer`'s own knobs (carried in the base), in registry order."""
-    return _rows(c, tuple(k for k in registry() if k.carried and k.accepts(trainer)))
+def owned_rows(c: Candidate, trainer: Trainer) -> list[list[str]]:
+    """The report's (label, value) rows of `trainer`'s own knobs (its view's, carried in the base), in order."""
+    return _rows(c, trainer.knob_view.KNOBS)
 
 
 def _rows(c: Candidate, ks: tuple[Knob, ...]) -> list[list[str]]:
@@ -677,15 +500,6 @@ def _rows(c: Candidate, ks: tuple[Knob, ...]) -> list[list[str]]:
 
 
 # ---- the check of Candidate against the registry -----------------------------------------------------------------
-
-def annotation(k: Knob) -> str:
-    """The annotation of the Candidate field a shared knob declares (advisor/space.py derives the field)."""
-    if k.kind is Kind.ENUM:
-        return k.enum.__name__
-    if k.kind is Kind.OPTIONAL_ENUM:
-        return f"{k.enum.__name__} | None"
-    return k.kind.value
-
 
 def verify(cls: type) -> None:
     """Raise ConfigError when Candidate's field block (`cls`) and KNOBS disagree (advisor/space.py calls it)."""
@@ -710,4 +524,3 @@ def verify(cls: type) -> None:
         problems.append(f"--fix names declared twice: {dup}")
     if problems:
         raise ConfigError(problems, context="Candidate and the knob registry disagree")
-

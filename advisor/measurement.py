@@ -41,14 +41,14 @@ class Category(str, Enum):
     LM_HEAD = "lm_head_and_loss"
     TEMPORARIES = "temporaries"
     OTHER = "other"
-    # reserved outside PyTorch's caching allocator by a phase of the step (colocated vLLM's share of the card,
-    # advisor.trainers.phases): never in peak / reserved bytes, always in device bytes
+    # reserved outside PyTorch's caching allocator during the step (colocated vLLM's share of the card, advisor/
+    # _physics/online_costs.py): never in peak / reserved bytes, always in device bytes
     OUTSIDE_ALLOCATOR = "outside_allocator"
 
 
 @dataclass(frozen=True)
 class RankResult:
-    """One rank of a multi-process probe (issue 16): its outcome and its own peaks, step time and trained tokens."""
+    """One rank of a multi-process probe: its outcome and its own peaks, step time and trained tokens."""
 
     rank: int
     status: Status
@@ -98,6 +98,11 @@ class Measurement:
     # reserved outside PyTorch's allocator by a phase of the step (Category.OUTSIDE_ALLOCATOR): part of
     # device_bytes when that is known, added to reserved / peak bytes by `budget_bytes` when it is not
     outside_allocator_bytes: int = 0
+    # a predicted step as two queues (advisor/_physics/timing): per optimizer step the seconds the device waits on
+    # the host ("host_bound_s") and the rest ("device_bound_s"), the ops it dispatches ("ops", "launches", "views",
+    # "syncs"), and where the host's cost and the constants come from ("host", "calibration"). A probe: how its step
+    # time was taken ("timed_steps", "spread"). Empty where neither applies
+    time_detail: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", Status(self.status))
@@ -123,17 +128,6 @@ class Measurement:
                 return int(v) + self.outside_allocator_bytes
         return None
 
-    def plus_outside_allocator(self, nbytes: int) -> Measurement:
-        """This prediction with `nbytes` reserved outside PyTorch's allocator (what the step's phases reserve):
-        in device bytes, in the breakdown as Category.OUTSIDE_ALLOCATOR; itself when there are none."""
-        if not nbytes:
-            return self
-        key = Category.OUTSIDE_ALLOCATOR.value
-        return dataclasses.replace(
-            self, outside_allocator_bytes=self.outside_allocator_bytes + int(nbytes),
-            device_bytes=None if self.device_bytes is None else self.device_bytes + int(nbytes),
-            breakdown={**self.breakdown, key: self.breakdown.get(key, 0) + int(nbytes)})
-
     def fits(self, limit_bytes: int) -> bool:
         """True when the run succeeded and its budget bytes are within `limit_bytes`."""
         used = self.budget_bytes
@@ -150,10 +144,12 @@ class Measurement:
         data["notes"] = list(self.notes)
         if self.ranks:
             data["ranks"] = [{**r, "status": Status(r["status"]).value} for r in data["ranks"]]
-        else:  # one process: the dict is as before ranks existed
+        else:  # one process: no ranks
             del data["ranks"]
-        if not self.outside_allocator_bytes:  # as before phases reserved memory outside the allocator
+        if not self.outside_allocator_bytes:  # nothing reserved outside the allocator: no key
             del data["outside_allocator_bytes"]
+        if not self.time_detail:
+            del data["time_detail"]
         return data
 
     @classmethod

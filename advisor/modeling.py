@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from .space import default_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -56,18 +58,6 @@ def build_model(spec: ModelSpec, candidate: Candidate | None = None, device: str
     return model
 
 
-def default_attention(spec: ModelSpec):
-    """The attention transformers 5 picks when none is asked for (`PreTrainedModel.get_correct_attn_implementation`
-    with None): sdpa where the model class supports it, else eager (Gemma2: softcapping, no sdpa)."""
-    from transformers import AutoModelForCausalLM
-
-    from .space import Attention
-
-    config = spec.hf_config()
-    cls = AutoModelForCausalLM._model_mapping[type(config)]
-    return Attention.SDPA if getattr(cls, "_supports_sdpa", False) else Attention.EAGER
-
-
 def save_random_model(spec: ModelSpec, directory: str | Path, candidate: Candidate | None = None) -> Path:
     """Save config + safetensors of random weights so TRL loads the model by path and `model_init_kwargs` apply."""
     directory = Path(directory)
@@ -103,6 +93,29 @@ def save_random_reward_model(spec: ModelSpec, directory: str | Path) -> Path:
     config = reward_model_config(spec, placeholder_tokenizer(spec).pad_token_id)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def input_model(spec: ModelSpec, head: str, *, dtype: Any, pad_token_id: int, device: str = "meta") -> Any:
+    """A model given beside the policy (a trainer's ModelInput), of `spec`'s architecture with random weights on
+    `device`, built as its `head` says: "score", a one-label sequence classifier as `trl grpo` loads
+    reward_model_name_or_path (`reward_model_config`); "lm", a causal LM."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if head == "score":
+        config, cls = reward_model_config(spec, pad_token_id), AutoModelForSequenceClassification
+    else:
+        config, cls = spec.hf_config(), AutoModelForCausalLM
+    with torch.device(device):
+        model = cls.from_config(config, dtype=dtype)
+    model.config._name_or_path = spec.name
+    return model
+
+
+def save_random_input_model(spec: ModelSpec, head: str, directory: str | Path) -> Path:
+    """Save a model given beside the policy with random weights (`input_model`'s `head`), so the trainer loads it
+    by path as `trl <command>` loads it from its YAML key."""
+    return save_random_reward_model(spec, directory) if head == "score" else save_random_model(spec, directory)
 
 
 def placeholder_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:

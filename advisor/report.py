@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import UsageError
 from .knobs import summary_rows, trial_label
@@ -11,6 +11,7 @@ from .knobs import summary_rows, trial_label
 if TYPE_CHECKING:
     from .measurement import Measurement
     from .suggestion import Suggestion, Trial
+    from .trainers import Trainer
 
 _GiB = 2**30
 
@@ -33,10 +34,10 @@ def _step(m: Measurement) -> str:
     return f"{m.step_time_s:.4f}" + (f" ({parts}{mfu})" if parts or mfu else "")
 
 
-def _knobs(t: Trial, trainer: Any) -> str:
+def _knobs(t: Trial, trainer: Trainer | None) -> str:
     """The candidate cell: each knob's token (advisor/knobs.py `short`), a trainer's own knobs included (DPO's
     ref=precomputed is its knob's token)."""
-    return trial_label(t.candidate, getattr(trainer, "name", trainer))
+    return trial_label(t.candidate, trainer)
 
 
 def _trainer_rows(s: Suggestion) -> list[list[str]]:
@@ -57,6 +58,27 @@ def time_lines(m: Measurement) -> list[str]:
         out.append(f"  {term:<18}{seconds * 1e3:9.2f} ms  {seconds / m.step_time_s:6.1%}")
     if m.mfu is not None:
         out.append(f"MFU           {m.mfu:.1%}  (model FLOPs over the dense peak)")
+    out += queue_lines(m.time_detail, m.step_time_s)
+    return out
+
+
+def queue_lines(d: dict, step_s: float) -> list[str]:
+    """Host-bound against device-bound time, the ops dispatched, and where the host's cost and the constants come
+    from (a prediction), or how a probe timed its steps."""
+    out = []
+    if "host_bound_s" in d:
+        hb, db = float(d["host_bound_s"]), float(d["device_bound_s"])
+        out.append(f"queues        host-bound {hb * 1e3:.2f} ms ({hb / step_s:.0%}), device-bound {db * 1e3:.2f} ms "
+                   f"({db / step_s:.0%}) a step")
+        out.append(f"ops           {d['ops']:,.0f} a step: {d['launches']:,.0f} kernel launches, {d['views']:,.0f} "
+                   f"without a kernel, {d['syncs']:,.0f} syncs")
+    if d.get("host"):
+        out.append(f"host          {d['host']}")
+    if d.get("calibration"):
+        out.append(f"constants     {d['calibration']}")
+    if "timed_steps" in d:
+        out.append(f"timed         {d['timed_steps']} steady-state steps (median), spread {d['spread']:.1%} "
+                   f"(last 5: max / min - 1){'' if d.get('stable') else ', not stable within 5%'}")
     return out
 
 
@@ -98,7 +120,7 @@ def render_summary(s: Suggestion) -> str:
                                             f"{_gib(wl.budget_bytes)} GiB)"],
         ["method", c.method.value],
         *_trainer_rows(s),
-        *summary_rows(c, wl.trainer),  # each knob's label and value, of the knobs its trainer has (advisor/knobs.py)
+        *summary_rows(c, s.trainer),  # each knob's label and value, of the knobs its trainer has (advisor/knobs.py)
         [f"device peak (GiB, {_kind(s)})", _gib(m.budget_bytes)],
         [f"tokens/s (trained, {_kind(s)})", _tps(m.tokens_per_second)],
         [f"step time (s, {_kind(s)})", _step(m)],

@@ -29,8 +29,7 @@ import contextvars
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._search import (
     FIDELITY_FLOOR,
@@ -39,13 +38,13 @@ from ._search import (
     HEARTBEAT_S,
     NO_ACCUMULATION,
     PRUNE_FACTOR,
-    SPEC_KEY,
     STALE_S,
     Correction,
     InProcessPool,
     ProcessPool,
     RowTokens,
     SerialPool,
+    StoredStudy,
     StudyRun,
     StudySpace,
     accumulation_for,
@@ -65,7 +64,6 @@ from ._search import (
     device_bytes,
     drop_failed_study,
     empty_message,
-    failure_reason,
     feasible,
     fit_check,
     fit_correction,
@@ -77,7 +75,6 @@ from ._search import (
     next_knob,
     no_fit_message,
     not_installed,
-    open_for_reading,
     open_pool,
     open_search_pool,
     open_storage,
@@ -85,18 +82,17 @@ from ._search import (
     parse_fix,
     prestarted,
     raise_if_backend_failed,
-    space_from_json,
-    study_names,
+    run_worker,
+    stored_studies,
+    stored_suggestion,
     study_spec,
     value_requirements,
     walk_parameters,
     with_accumulation,
-    work,
 )
 from ._search import smallest as smallest_run
 from ._search import study_name as name_study
 from .backends import (
-    FunctionBackend,
     backend_names,
     default_backend_name,
     get_backend,
@@ -106,29 +102,24 @@ from .backends import (
 from .errors import ConfigError, NoFitError, UsageError
 from .events import (
     AnsweredFromStored,
-    ConfirmationFailed,
     EffectiveBatch,
     EmptyStudy,
     ErrorsDiscarded,
     Event,
     FitCheck,
     NoAdmissible,
-    NoConfirmationStored,
     NothingFits,
     Progress,
-    ShownFromStored,
     StorageNote,
     StoredAs,
     TrialsIgnored,
     render,
 )
-from .measurement import Measurement, Source, Status
+from .inputs import build_workload
 from .space import Candidate, PackingStrategy, SearchSpace
 from .suggestion import Suggestion
-from .workload import Goals, Method, Workload, fingerprint, parse_fraction, parse_size
-
-if TYPE_CHECKING:
-    pass
+from .trainers import DEFAULT, choices, get_trainer, model_inputs, trainer_of
+from .workload import Goals, Method, Workload, parse_fraction, parse_size
 
 __all__ = [
     "suggest", "run_worker", "build_space", "Progress", "check_backend", "stored_studies", "stored_suggestion",
@@ -152,7 +143,6 @@ __all__ = [
 
 DEFAULT_TRIALS = 40
 _GiB = 2**30
-_Space = StudySpace  # the name tests used before the split
 
 
 def build_space(workload: Workload, method: Method = Method.FULL, fix: Mapping[str, Any] | None = None) -> SearchSpace:
@@ -177,23 +167,19 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {  # suggest()'s parameter -> 
     "num_gpus": ((int,), "a whole number of GPUs, e.g. num_gpus=8"),
     "num_machines": ((int,), "a whole number of machines, e.g. num_machines=2"),
     "trainer": ((str,), "a trainer name: {trainers}"),
-    "reward_model": (_PATHLIKE, "a reward model's hub id or local directory (str), for a trainer that scores "
-                                "completions with one (online RL)"),
-    "teacher": (_PATHLIKE, "a teacher's hub id, local directory or config.json (str), for a trainer that distills "
-                           "from one (distillation)"),
 }
+_MODEL = (_PATHLIKE, "a hub id or a local directory (str): {what}")  # a model beside the policy (ModelInput)
 
 
 def _check_parameters(**given: Any) -> None:
     """A parameter of the wrong type is a ConfigError naming it, the value and what to pass (every one at once),
     not the TypeError / AttributeError of wherever the value is first used."""
+    declared = {m.param: m for m in model_inputs()}
     problems = []
     for name, value in given.items():
-        kinds, what = _KINDS[name]
-        if "{trainers}" in what:  # the registry's names, not a list kept here
-            from .trainers import choices
-
-            what = what.format(trainers=", ".join(repr(n) for n in choices()))
+        kinds, what = _KINDS[name] if name in _KINDS else _MODEL
+        what = what.replace("{trainers}", ", ".join(repr(n) for n in choices())).replace(
+            "{what}", declared[name].help if name in declared else "")
         if value is None and name != "model":
             continue
         if isinstance(value, bool) or not isinstance(value, kinds):
@@ -259,20 +245,26 @@ def _goals(base: Goals | None, **given: Any) -> Goals:
 
 def _resolve_workload(model: str | Workload, gpu: str | None, dataset: str | None, goals: dict[str, Any],
                       world: dict[str, int] | None = None, trainer: str | None = None,
-                      reward_model: str | None = None, teacher: str | None = None) -> Workload:
+                      models: Mapping[str, str] | None = None) -> Workload:
     world = {k: v for k, v in (world or {}).items() if v is not None}  # num_gpus / num_machines given
+    models = dict(models or {})
     if isinstance(model, Workload):
-        if gpu is not None or dataset is not None or reward_model is not None or teacher is not None:
-            raise UsageError("suggest(): pass gpu, dataset, reward_model and teacher inside the Workload, not beside "
-                             "it")
+        if gpu is not None or dataset is not None or models:
+            beside = ", ".join(["gpu", "dataset", *sorted(models)])
+            raise UsageError(f"suggest(): pass {beside} inside the Workload, not beside it")
         if trainer is not None and trainer != model.trainer:
             raise UsageError(f"suggest(trainer={trainer!r}): the Workload was built for trainer={model.trainer!r} "
                              "(its dataset is that trainer's); build it with trainer=... or drop the argument")
         return dataclasses.replace(model, goals=_goals(model.goals, **goals), **world)
-    from .inputs import build_workload
+    return build_workload(model, gpu=gpu, dataset=dataset, goals=_goals(None, **goals), trainer=trainer or DEFAULT,
+                          **models, **world)
 
-    return build_workload(model, gpu=gpu, dataset=dataset, goals=_goals(None, **goals), trainer=trainer or "sft",
-                          reward_model=reward_model, teacher=teacher, **world)
+
+def _split_keywords(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """suggest()'s other keywords: the models beside the policy (each trainer's declared ModelInput parameter:
+    online RL's `reward_model`) and the goals."""
+    params = {m.param for m in model_inputs()}
+    return ({k: v for k, v in given.items() if k in params}, {k: v for k, v in given.items() if k not in params})
 
 
 def suggest(
@@ -294,9 +286,7 @@ def suggest(
     num_gpus: int | None = None,
     num_machines: int | None = None,
     trainer: str | None = None,
-    reward_model: str | None = None,
-    teacher: str | None = None,
-    **goals: Any,
+    **keywords: Any,
 ) -> Suggestion:
     """The fastest candidate whose device peak stays under budget x (1 - headroom), measured by `backend`.
 
@@ -311,15 +301,15 @@ def suggest(
     `workload_names` (model, gpu, dataset, tokenizer, sample: the names a Workload
     passed as `model` was built from) are stored in the study so that `advisor worker` can rebuild the
     workload and join it. `trainer`: the TRL trainer (a registered name, advisor.trainers.choices(); default:
-    the Workload's, else "sft"); the dataset is read as that trainer reads it, and the suggestion builds that
-    trainer's config.
-    `reward_model` (online RL: GRPO, RLOO): a reward model's hub id or directory, resident beside the policy.
-    `teacher` (distillation): the teacher's hub id, directory or config.json, resident beside the student.
+    the Workload's, else advisor.trainers.DEFAULT); the dataset is read as that trainer reads it, and the
+    suggestion builds that trainer's config.
     """
+    models, goals = _split_keywords(keywords)
     _check_parameters(model=model, gpu=gpu, dataset=dataset, backend=backend, trials=trials,
                       time_budget_s=time_budget_s, fix=fix, storage=storage, jobs=jobs, num_gpus=num_gpus,
-                      num_machines=num_machines, trainer=trainer, reward_model=reward_model, teacher=teacher)
+                      num_machines=num_machines, trainer=trainer, **models)
     model, dataset, storage = (os.fspath(v) if isinstance(v, os.PathLike) else v for v in (model, dataset, storage))
+    models = {k: os.fspath(v) for k, v in models.items() if v is not None}
     goals = _goal_args(goals)
     if trials is not None and trials < 1:
         raise UsageError(f"--trials {trials}: must be >= 1")
@@ -332,118 +322,153 @@ def suggest(
     if backend is not None:
         check_backend(backend)  # before the workload is built: an unusable backend fails in a second
     workload = _resolve_workload(model, gpu, dataset, goals, {"num_gpus": num_gpus, "num_machines": num_machines},
-                                 trainer, os.fspath(reward_model) if reward_model is not None else None,
-                                 os.fspath(teacher) if teacher is not None else None)
-    backend_name = backend or default_backend_name()
-    be = get_backend(backend_name)
-    pins = parse_fix(fix, workload.trainer)
-    if PackingStrategy.WRAPPED in pins.values.get("packing_strategy", ()) and not workload.goals.allow_wrapped:
-        raise UsageError("--fix packing_strategy=wrapped: 'wrapped' packing mixes examples and cuts them "
-                         "mid-sequence, a quality cost the search takes only when allowed; add --allow-wrapped "
-                         "(suggest(allow_wrapped=True)) or drop the --fix")
-    order = method_order(workload.goals.method, pins)
-    rows = RowTokens(workload.dataset)
-    tps = default_tokens_per_step(workload, rows)
-    events: list[Event] = list(ignored)
-    fallback = _STORE_FALLBACK.get()
-    if fallback is None:
-        store, kept = open_store(storage, cache, events, progress)
-    else:  # the store failed in this search's first try: memory, what it holds copied in (after_failure)
-        store, kept = fallback.storage, False
-        events.append(StorageNote(fallback.note))
-        if progress is not None:
-            progress(Progress(0, 0, None, 0.0, note=fallback.note))
-    if not workload.goals.tokens_per_step:
-        # the unit per_device_train_batch_size counts: the trainer's (online RL: completions), else a dataset row's
-        from .trainers import get_trainer
+                                 trainer, models)
+    run = _Search(workload, backend or default_backend_name(), fix, origin, ignored, progress)
+    return run.search(trials=trials, time_budget_s=time_budget_s, storage=storage, study_name=study_name,
+                      cache=cache, exhaustive=exhaustive, jobs=jobs)
 
-        unit = getattr(get_trainer(workload.trainer), "batch_unit", None) or getattr(workload.dataset, "unit", "rows")
-        events.append(EffectiveBatch(tps, unit))
-    smallest: list[tuple[int, Candidate]] = []
-    runs: list[StudyRun] = []
-    full = {m: StudySpace(workload, apply_pins(default_space(workload, m), pins), tps, rows) for m in order}
-    spaces, left = dict(full), {}
-    if workload.runs_here or be.runs_here:  # a run on this machine: only what it can import (advisor/packages.py)
-        for m in order:
-            installed, left[m] = installed_space(full[m].space, pins)
-            spaces[m] = StudySpace(workload, installed, tps, rows)
-    empty = {m: left[m].why_empty() if m in left and left[m].emptied else sp.why_empty() for m, sp in spaces.items()}
-    if all(empty.values()):  # no method has an admissible candidate: bad input, not "nothing fits"
-        why = "; ".join(f"{m.value}: {w}" for m, w in empty.items())
-        batch_blocks = workload.num_gpus > 1 and all(w and w.startswith(NO_ACCUMULATION) for w in empty.values())
-        if fix and not batch_blocks:  # several GPUs: an effective batch the ranks cannot split names the batch flags
-            shown = " ".join(f"--fix {k}={v}" for k, v in fix.items())
-            raise UsageError(f"{shown}: leaves no admissible candidate ({why}); drop or change the --fix")
-        raise UsageError(empty_message(workload, spaces, empty, rows, tps, why))
-    with open_search_pool(backend_name, jobs) as pool, _StorageGuard(kept) as guard:  # one pool for every method
-        for i, m in enumerate(order):
-            space = spaces[m]
-            if empty[m]:
-                nxt = order[i + 1].value if i + 1 < len(order) else None
-                events.append(NoAdmissible(m.value, empty[m], nxt))
-                continue
-            name = study_name if study_name and len(order) == 1 else (
-                f"{study_name}-{m.value}" if study_name else name_study(workload, backend_name, m, space))
-            if not study_name and drop_failed_study(store, name):
-                events.append(ErrorsDiscarded(m.value))
-            study = create_study(store, name, study_spec(workload, backend_name, m, space, origin), study_name)
-            run = StudyRun(workload, m, space, be, study, progress, pool=pool, jobs=pool.jobs)
-            runs.append(run)
-            run.run(trials=trials or DEFAULT_TRIALS, time_budget_s=time_budget_s, exhaustive=exhaustive)
-            run.wait_for_running()  # workers, or another run sharing the cache: their results belong in the answer
-            raise_if_backend_failed(run, backend_name, name)
-            best = confirmed_best(run, events)
-            unmeasured = 0
-            if best is None and not run.stopped_by_time:
-                # The trial budget may have run out before anything that fits was tried: ask the estimate about
-                # the whole admissible space and measure the few it says fit before escalating or giving up.
-                extra, n_fit, unmeasured = fit_check(run.space, run.ledger, run.evaluator)
-                if extra:
-                    events.append(FitCheck(m.value, len(run.ledger.measured), n_fit, len(extra)))
-                    run.enqueue(extra, "fit-check")
-                    run.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True)
-                    best = confirmed_best(run, events)
-                    unmeasured = fit_check(run.space, run.ledger, run.evaluator, 0)[2]
-            if best is not None:
-                entry, confirmed = best
-                if not any(r.new_measurements for r in runs) and run.ledger.measured:
-                    events.append(AnsweredFromStored(name))
-                elif kept:
-                    events.append(StoredAs(name, storage))
-                if left.get(m) and left[m].by_package:
-                    events += not_installed(run, full[m], left[m], entry.candidate)
-                return build_suggestion(workload, runs, entry, confirmed, events, backend_name)
-            if not run.ledger.measured and time_budget_s is not None and run.stopped_by_time:
-                raise NoFitError(
-                    f"--time-budget {time_budget_s:g}s ended before any candidate was measured with {backend_name}; "
-                    "give it more time (finished trials are kept and the next run resumes)",
-                    details={"limit_bytes": workload.limit_bytes, "next_knob": "--time-budget"},
-                )
-            if not run.ledger.entries:
-                events.append(EmptyStudy(m.value))
-            low = smallest_run(run)
-            if low is not None:
-                smallest.append(low)
-            nxt = order[i + 1].value if i + 1 < len(order) else None
-            events.append(NothingFits(m.value, workload.limit_bytes, low[0] if low else None, len(run.ledger.measured),
-                                      unmeasured, backend_name == "estimate", nxt))
-    if guard.failed is not None:  # the store stopped taking writes: one line, and the search again in memory
-        token = _STORE_FALLBACK.set(after_failure(store, storage, guard.failed))
-        try:
-            return suggest(workload, backend=backend, trials=trials, time_budget_s=time_budget_s, fix=fix,
-                           storage=storage, study_name=study_name, cache=cache, exhaustive=exhaustive,
-                           progress=progress, workload_names=origin, jobs=jobs)
-        finally:
-            _STORE_FALLBACK.reset(token)
-    low = min(smallest, key=lambda s: s[0]) if smallest else None
-    raise NoFitError(no_fit_message(workload, order, smallest, events), details={
-        "limit_bytes": workload.limit_bytes,
-        "smallest_device_bytes": low[0] if low else None,
-        "smallest_config": low[1].to_dict() if low else None,
-        "next_knob": next_knob(order[-1]),
-        "notes": [render(e) for e in events],
-        "events": [e.to_dict() for e in events],
-    })
+
+class _Search:
+    """One search of `workload` with one backend: the methods in order, one study each, until one has a confirmed
+    pick (`search`); what it says about its run gathered in `events`."""
+
+    def __init__(self, workload: Workload, backend_name: str, fix: Mapping[str, Any] | None,
+                 origin: dict[str, Any], events: list[Event], progress: Callable[[Progress], None] | None):
+        self.workload, self.backend_name, self.fix, self.origin = workload, backend_name, fix, origin
+        self.be = get_backend(backend_name)
+        self.trainer = trainer_of(workload)
+        self.pins = parse_fix(fix, self.trainer)
+        if PackingStrategy.WRAPPED in self.pins.values.get("packing_strategy", ()) and \
+                not workload.goals.allow_wrapped:
+            raise UsageError("--fix packing_strategy=wrapped: 'wrapped' packing mixes examples and cuts them "
+                             "mid-sequence, a quality cost the search takes only when allowed; add --allow-wrapped "
+                             "(suggest(allow_wrapped=True)) or drop the --fix")
+        self.order = method_order(workload.goals.method, self.pins)
+        self.rows = RowTokens(workload.dataset)
+        self.tps = default_tokens_per_step(workload, self.rows)
+        self.events, self.progress = events, progress
+        self.smallest: list[tuple[int, Candidate]] = []
+        self.runs: list[StudyRun] = []
+
+    def search(self, *, trials: int | None, time_budget_s: float | None, storage: str | None,
+               study_name: str | None, cache: bool, exhaustive: bool, jobs: int | None) -> Suggestion:
+        wl, events = self.workload, self.events
+        fallback = _STORE_FALLBACK.get()
+        if fallback is None:
+            store, kept = open_store(storage, cache, events, self.progress)
+        else:  # the store failed in this search's first try: memory, what it holds copied in (after_failure)
+            store, kept = fallback.storage, False
+            events.append(StorageNote(fallback.note))
+            if self.progress is not None:
+                self.progress(Progress(0, 0, None, 0.0, note=fallback.note))
+        if not wl.goals.tokens_per_step:  # the unit per_device_train_batch_size counts: the trainer's, else a row's
+            events.append(EffectiveBatch(self.tps, self.trainer.batch_unit or wl.dataset.unit))
+        full, spaces, left, empty = self._spaces()
+        with open_search_pool(self.backend_name, jobs) as pool, _StorageGuard(kept) as guard:  # one for every method
+            for i, m in enumerate(self.order):
+                nxt = self.order[i + 1].value if i + 1 < len(self.order) else None
+                if empty[m]:
+                    events.append(NoAdmissible(m.value, empty[m], nxt))
+                    continue
+                name = study_name if study_name and len(self.order) == 1 else (
+                    f"{study_name}-{m.value}" if study_name else name_study(wl, self.backend_name, m, spaces[m]))
+                if not study_name and drop_failed_study(store, name):
+                    events.append(ErrorsDiscarded(m.value))
+                study = create_study(store, name, study_spec(wl, self.backend_name, m, spaces[m], self.origin),
+                                     study_name)
+                run = StudyRun(wl, m, spaces[m], self.be, study, self.progress, pool=pool, jobs=pool.jobs)
+                self.runs.append(run)
+                answer = self._run_method(run, m, name, nxt, trials, time_budget_s, exhaustive, kept, storage,
+                                          full, left)
+                if answer is not None:
+                    return answer
+        if guard.failed is not None:  # the store stopped taking writes: one line, and the search again in memory
+            token = _STORE_FALLBACK.set(after_failure(store, storage, guard.failed))
+            try:
+                return suggest(wl, backend=self.backend_name, trials=trials, time_budget_s=time_budget_s,
+                               fix=self.fix, storage=storage, study_name=study_name, cache=cache,
+                               exhaustive=exhaustive, progress=self.progress, workload_names=self.origin, jobs=jobs)
+            finally:
+                _STORE_FALLBACK.reset(token)
+        raise self._no_fit()
+
+    def _spaces(self) -> tuple[dict, dict, dict, dict]:
+        """Each method's space: the default space with the pins (`full`), what a run on this machine can import
+        (`spaces`, with what was left out: `left`), and why a method has no admissible candidate (`empty`). No
+        method with one is bad input (UsageError), not "nothing fits"."""
+        wl, pins, tps, rows = self.workload, self.pins, self.tps, self.rows
+        full = {m: StudySpace(wl, apply_pins(default_space(wl, m), pins), tps, rows) for m in self.order}
+        spaces, left = dict(full), {}
+        if wl.runs_here or self.be.runs_here:  # a run on this machine: only what it can import (advisor/packages.py)
+            for m in self.order:
+                installed, left[m] = installed_space(full[m].space, pins)
+                spaces[m] = StudySpace(wl, installed, tps, rows)
+        empty = {m: left[m].why_empty() if m in left and left[m].emptied else sp.why_empty()
+                 for m, sp in spaces.items()}
+        if all(empty.values()):
+            why = "; ".join(f"{m.value}: {w}" for m, w in empty.items())
+            batch_blocks = wl.num_gpus > 1 and all(w and w.startswith(NO_ACCUMULATION) for w in empty.values())
+            if self.fix and not batch_blocks:  # several GPUs: an effective batch the ranks cannot split
+                shown = " ".join(f"--fix {k}={v}" for k, v in self.fix.items())
+                raise UsageError(f"{shown}: leaves no admissible candidate ({why}); drop or change the --fix")
+            raise UsageError(empty_message(wl, spaces, empty, rows, tps, why))
+        return full, spaces, left, empty
+
+    def _run_method(self, run: StudyRun, m: Method, name: str, nxt: str | None, trials: int | None,
+                    time_budget_s: float | None, exhaustive: bool, kept: bool, storage: str | None,
+                    full: dict, left: dict) -> Suggestion | None:
+        """One method's study: run, confirm, fit-check; the Suggestion, or None to go on to the next method."""
+        events = self.events
+        run.run(trials=trials or DEFAULT_TRIALS, time_budget_s=time_budget_s, exhaustive=exhaustive)
+        run.wait_for_running()  # workers, or another run sharing the cache: their results belong in the answer
+        raise_if_backend_failed(run, self.backend_name, name)
+        best = confirmed_best(run, events)
+        unmeasured = 0
+        if best is None and not run.stopped_by_time:
+            # The trial budget may have run out before anything that fits was tried: ask the estimate about
+            # the whole admissible space and measure the few it says fit before escalating or giving up.
+            extra, n_fit, unmeasured = fit_check(run.space, run.ledger, run.evaluator)
+            if extra:
+                events.append(FitCheck(m.value, len(run.ledger.measured), n_fit, len(extra)))
+                run.enqueue(extra, "fit-check")
+                run.run(trials=0, time_budget_s=None, exhaustive=False, queue_only=True)
+                best = confirmed_best(run, events)
+                unmeasured = fit_check(run.space, run.ledger, run.evaluator, 0)[2]
+        if best is not None:
+            entry, confirmed = best
+            if not any(r.new_measurements for r in self.runs) and run.ledger.measured:
+                events.append(AnsweredFromStored(name))
+            elif kept:
+                events.append(StoredAs(name, storage))
+            if left.get(m) and left[m].by_package:
+                events.extend(not_installed(run, full[m], left[m], entry.candidate))
+            return build_suggestion(self.workload, self.runs, entry, confirmed, events, self.backend_name)
+        if not run.ledger.measured and time_budget_s is not None and run.stopped_by_time:
+            raise NoFitError(
+                f"--time-budget {time_budget_s:g}s ended before any candidate was measured with {self.backend_name}; "
+                "give it more time (finished trials are kept and the next run resumes)",
+                details={"limit_bytes": self.workload.limit_bytes, "next_knob": "--time-budget"},
+            )
+        if not run.ledger.entries:
+            events.append(EmptyStudy(m.value))
+        low = smallest_run(run)
+        if low is not None:
+            self.smallest.append(low)
+        events.append(NothingFits(m.value, self.workload.limit_bytes, low[0] if low else None,
+                                  len(run.ledger.measured), unmeasured, self.backend_name == "estimate", nxt))
+        return None
+
+    def _no_fit(self) -> NoFitError:
+        events, smallest = self.events, self.smallest
+        low = min(smallest, key=lambda s: s[0]) if smallest else None
+        return NoFitError(no_fit_message(self.workload, self.order, smallest, events), details={
+            "limit_bytes": self.workload.limit_bytes,
+            "smallest_device_bytes": low[0] if low else None,
+            "smallest_config": low[1].to_dict() if low else None,
+            "next_knob": next_knob(self.order[-1]),
+            "notes": [render(e) for e in events],
+            "events": [e.to_dict() for e in events],
+        })
 
 
 _STORE_FALLBACK: contextvars.ContextVar = contextvars.ContextVar("advisor_store_fallback", default=None)
@@ -468,20 +493,26 @@ class _StorageGuard:
         return False
 
 
-def _derive_goal_parameters() -> None:
-    """suggest()'s signature and docstring list the goals as `Goals` declares them (keyword-only, None: not given)."""
+def _derive_keyword_parameters() -> None:
+    """suggest()'s signature and docstring list the models beside the policy as the trainers declare them
+    (advisor.trainers ModelInput) and the goals as `Goals` declares them (keyword-only, None: not given)."""
     import inspect
 
     sig = inspect.signature(suggest)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params += [inspect.Parameter(g.param, inspect.Parameter.KEYWORD_ONLY, default=None) for g in _GOALS.values()]
+    keywords = [m.param for m in model_inputs()] + [g.param for g in _GOALS.values()]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in keywords]
     suggest.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    models = "".join(f"        {m.param}: {m.help} (trainers that take one: "
+                     f"{', '.join(t for t in choices() if m in get_trainer(t).model_inputs)})\n"
+                     for m in model_inputs())
     listed = "".join(f"        {g.param}: {g.help} (default "
                      f"{g.default.value if isinstance(g.default, Method) else g.default})\n" for g in _GOALS.values())
-    suggest.__doc__ = (suggest.__doc__ or "") + "\n    Goals (each overrides the Workload's own when given):\n" + listed
+    suggest.__doc__ = (suggest.__doc__ or "") + "\n    Models beside the policy (hub id or directory):\n" + models \
+        + "\n    Goals (each overrides the Workload's own when given):\n" + listed
 
 
-_derive_goal_parameters()
+_derive_keyword_parameters()
 
 
 def check_backend(name: str) -> None:
@@ -489,125 +520,3 @@ def check_backend(name: str) -> None:
     from .backends import check_usable
 
     check_usable(name)
-
-
-
-# ---- stored searches, shown again without measuring ------------------------------------------------------------
-@dataclass(frozen=True)
-class StoredStudy:
-    """One stored study (one method of one search): what it was for, and how far it got."""
-
-    name: str
-    model: str | None
-    gpu: str | None
-    dataset: str | None
-    backend: str
-    method: str
-    trials: int  # distinct candidates measured
-    answered: bool  # a confirmation is stored: `suggest` returned an answer from it
-    started: str | None  # ISO date of its first trial
-
-
-def stored_studies(storage: str | None = None) -> list[StoredStudy]:
-    """The advisor studies in `storage` (default: the study cache that `suggest` uses), oldest first."""
-    import optuna
-    from optuna.trial import TrialState
-
-    store = open_for_reading(storage)  # never creates a database
-    out = []
-    for su in optuna.get_all_study_summaries(store, include_best_trial=False):
-        spec = su.user_attrs.get(SPEC_KEY)
-        if not spec:
-            continue
-        study = optuna.load_study(study_name=su.study_name, storage=store)
-        measured = {t.user_attrs.get("key") for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                    if t.user_attrs.get("measured")}
-        out.append(StoredStudy(
-            name=su.study_name, model=spec.get("model"), gpu=spec.get("gpu"), dataset=spec.get("dataset"),
-            backend=spec["backend"], method=spec["method"], trials=len(measured),
-            answered=any(k.startswith("confirm:") for k in study.user_attrs),
-            started=su.datetime_start.isoformat(timespec="seconds") if su.datetime_start else None,
-        ))
-    return sorted(out, key=lambda s: (s.started or "", s.name))
-
-
-def stored_suggestion(study_name: str, storage: str | None = None, *, workload: Workload | None = None) -> Suggestion:
-    """The answer of a stored study, rebuilt from its trials and stored confirmation; nothing is measured.
-
-    The workload is rebuilt from the names the study keeps (model, GPU, dataset), unless given.
-    """
-    import optuna
-
-    label = storage or "the study cache"
-    store = open_for_reading(storage)  # never creates a database
-    names = study_names(store)
-    if study_name not in names:
-        ours = [n for n in names if n.startswith("advisor-") or study_name in n]
-        listed = f"stored: {', '.join(ours)}" if ours else "none is stored there yet"
-        raise UsageError(f"--study {study_name!r}: no such study in {label} ({listed}); `advisor studies` lists "
-                         "them")
-    study = optuna.load_study(study_name=study_name, storage=store)
-    spec = study.user_attrs.get(SPEC_KEY)
-    if spec is None:
-        raise UsageError(f"--study {study_name!r}: not an advisor study (no spec attribute)")
-    if workload is None:
-        from .inputs import WorkloadRef
-
-        if not spec.get("model"):
-            raise UsageError(f"--study {study_name!r}: made from a Workload object; call "
-                             "advisor.search.stored_suggestion(name, workload=...)")
-        workload = WorkloadRef.from_spec(spec).build()
-    workload = dataclasses.replace(workload, goals=Goals(**spec["goals"]))
-    if workload.fingerprint() != spec["workload_fingerprint"]:
-        raise UsageError(f"--study {study_name!r}: the model, GPU profile or dataset it names has changed since "
-                         "the search; rerun `advisor suggest` with the same flags")
-    try:
-        be = get_backend(spec["backend"])
-    except UsageError:  # a backend registered by the process that made the study: never called here
-        be = FunctionBackend(spec["backend"], lambda w, c: Measurement(Status.ERROR, Source.EXTERNAL))
-    space = StudySpace(workload, space_from_json(spec["space"]), int(spec["tokens_per_step"]),
-                   RowTokens(workload.dataset))
-    run = StudyRun(workload, Method(spec["method"]), space, be, study)
-    events: list[Event] = [ShownFromStored(study_name, len(run.ledger.measured))]
-    ok = sorted((e for e in run.ledger.measured if feasible(e.measurement, run.limit)),
-                key=lambda e: (-(e.measurement.tokens_per_second or 0.0), len(e.candidate.requirements()),
-                               device_bytes(e.measurement) or 0))
-    for entry in ok:
-        stored = study.user_attrs.get("confirm:" + fingerprint(candidate_key(entry.candidate)))
-        if stored is None:
-            events.append(NoConfirmationStored())
-            return build_suggestion(workload, [run], entry, entry.measurement, events, spec["backend"])
-        confirmed = Measurement.from_dict(stored)
-        if feasible(confirmed, run.limit):
-            return build_suggestion(workload, [run], entry, confirmed, events, spec["backend"])
-        events.append(ConfirmationFailed(entry.candidate, failure_reason(confirmed, run.limit)))
-    raise NoFitError(f"--study {study_name!r}: no measured candidate fits the limit "
-                     f"{workload.limit_bytes / _GiB:.2f} GiB ({len(run.ledger.measured)} measured); "
-                     "rerun `advisor suggest` to search further",
-                     details={"limit_bytes": workload.limit_bytes, "notes": [render(e) for e in events],
-                              "events": [e.to_dict() for e in events]})
-
-
-def run_worker(storage: str, study_name: str, *, workload: Workload | None = None, backend: str | None = None,
-               idle_s: float = 5.0, progress: Callable[[Progress], None] | None = None,
-               jobs: int | None = None) -> int:
-    """Measure queued candidates of a shared study until no queue has had work for `idle_s`; return how many.
-
-    `study_name` is the name given to `suggest --study`: with `--method auto` the worker follows the per-method
-    studies NAME-full, NAME-lora, NAME-qlora as the leader escalates. Optuna hands each queued trial to one
-    worker only, so no two workers measure the same candidate. `jobs`: candidates measured at once.
-    """
-    store = open_storage(storage)
-    runs: dict[str, StudyRun] = {}
-    pools: dict[str, Any] = {}
-    try:
-        work(store, study_name, storage, workload, backend, idle_s, progress, jobs, runs, pools)
-    finally:
-        for pool in pools.values():
-            pool.close()
-    if not runs:
-        known = study_names(store)
-        listed = f"studies there: {', '.join(known)}" if known else "it holds no study yet"
-        raise UsageError(f"--study {study_name!r}: no such study in {storage} ({listed}); pass the --study name "
-                         "given to `advisor suggest`")
-    return sum(run.new_measurements for run in runs.values())

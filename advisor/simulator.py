@@ -6,10 +6,11 @@ it runs two shallow depths and builds the full depth's allocation stream from th
 tests/test_simulate_depth.py). For a CUDA target it follows the CUDA path and replays the caching allocator's
 rules; what fake tensors cannot run is modelled and noted.
 
-Online RL (GRPO, RLOO: a trainer declaring `ClosedForm.ONLINE_RL`) runs TRL's own `train()` at full depth instead,
-generation, scoring and training (advisor/_sim/online_simulate.py over advisor/_sim/online_rl.py), with colocated
-vLLM's share of the card modelled by the physics (advisor/_physics/online_rl.py); on several GPUs one rank under DDP
-(`_online_rank`; what it does not run raises NotSimulated, which the simulate backend answers with the estimate).
+Online RL (GRPO, RLOO: a trainer whose step generates, `StepShape.generates`) runs TRL's own `train()` at full depth
+instead, generation, scoring and training (advisor/_sim/online_simulate.py over advisor/_sim/online_rl.py), with
+colocated vLLM's share of the card modelled by the physics (advisor/_physics/online_costs.py); on several GPUs one
+rank under DDP (`_online_rank`; what it does not run raises NotSimulated, which the simulate backend answers with the
+estimate).
 
 `simulate_per_rank()` is one rank of N GPUs: FSDP2 on the fake process group, DDP and ZeRO as the single-GPU
 run with their model states in closed form, the collectives' time over the interconnect.
@@ -23,7 +24,8 @@ test may use are re-exported here: one run at one depth (`simulate_depth`, `Dept
 `with_depth`), the batch a simulated step runs (`worst_rows`, `worst_batch`), the layer-by-layer build
 (`LayerStream`, `synthesize`, `synthesize_checked`, `NotSeparable`), the candidate as fake tensors run it
 (`runnable`), the FlashAttention stand-in (`fake_flash_attention`, `flash_attention_names`, `attention_flops`,
-`batch_facts`, `materialise`) and the timing hook (`TimingHook`, `BatchLayout`). Each is imported on first use.
+`batch_facts`, `materialise`) and the timing hook (`TimingHook`, `BatchLayout`, and the `StorageTracker` that hands
+it the ops). Each is imported on first use.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ if TYPE_CHECKING:
 _PARTS = ("simulate_depth", "DepthRun", "plan_depths", "with_depth", "worst_rows", "worst_batch", "runnable",
           "LayerStream", "NotSeparable", "synthesize", "synthesize_checked", "fake_flash_attention",
           "flash_attention_names", "attention_flops", "batch_facts", "materialise", "TimingHook", "BatchLayout",
-          # online RL (issue 23): TRL's GRPOTrainer/RLOOTrainer.train() on fake tensors
+          "StorageTracker",
+          # online RL: TRL's GRPOTrainer/RLOOTrainer.train() on fake tensors
           "make_online_trainer_class", "online_construction", "run_online_fake", "OnlineRunResult",
           "GenerateExtrapolation", "NotAffine")
 
@@ -64,48 +67,46 @@ def simulate(
 ) -> Measurement:
     """Peak bytes of `steps` real optimizer steps of `candidate` on the target, predicted on fake tensors.
 
-    `trainer`: the TRL trainer that runs ("sft", "dpo", "reward", "grpo", "rloo", "distillation"; get_trainer);
-    default: the workload's (`Workload.trainer`). A trainer whose step generates (its `closed_form` is
-    `ClosedForm.ONLINE_RL`) is simulated by advisor/_sim/online_simulate.py (`layers` unused: the full depth runs).
+    `trainer`: the TRL trainer that runs (a registered name or a Trainer, advisor.trainers.get_trainer); default:
+    the workload's (`Workload.trainer`, its models checked: advisor.trainers.trainer_of). A trainer whose step
+    generates (`StepShape.generates`) is simulated by advisor/_sim/online_simulate.py (`layers` unused: the full
+    depth runs).
 
     The candidate's base (the user's other keys) is part of the run; `max_steps` below `steps` is simulated as
     written. More steps than 2 change nothing: every simulated step gets the same worst batch, the first step
     allocates the optimizer state lazily in its optimizer step, and from the second on each step frees and
     reallocates the same tensors (tests/test_simulate_accuracy.py checks max_steps 1 and 3 against real runs).
     """
-    from ._sim import (
-        NotSeparable,
-        batch_label,
-        check_simulable,
-        expected_time,
-        extrapolate,
-        modelled_adjustments,
-        plan_depths,
-        resolve_target,
-        runnable,
-        simulate_depth,
-    )
-    from .trainers import get_trainer
+    from ._sim import check_simulable, resolve_target
+    from .trainers import get_trainer, trainer_of
 
     started = time.perf_counter()
-    spec = get_trainer(trainer or getattr(workload, "trainer", "sft"))
+    spec = get_trainer(trainer) if trainer is not None else trainer_of(workload)
     target = resolve_target(gpu, workload)
     candidate = candidate.for_model(workload.model)
     problems = spec.problems(candidate, target, workload.model)
     if problems:
         raise ConfigError(problems, context="configuration rejected")
     spec.check_dataset(workload)
-    from .trainers.phases import ClosedForm
-
     max_steps = candidate.base.get("max_steps")
     if isinstance(max_steps, int) and 0 < max_steps < steps:
         steps = max_steps
     check_simulable(candidate, workload.model)
-    if spec.closed_form is ClosedForm.ONLINE_RL:  # the step's kind it declares: generation inside the step
+    if spec.step_shape(candidate).generates:  # generation inside the step
         from ._sim import simulate_online
 
         m = simulate_online(workload, candidate, target, spec, steps=steps)
-        return dataclasses.replace(m, wall_time_s=time.perf_counter() - started)
+    else:
+        m = _simulate_offline(workload, candidate, target, spec, layers=layers, steps=steps)
+    return dataclasses.replace(m, wall_time_s=time.perf_counter() - started)
+
+
+def _fake_runs(workload: Workload, candidate: Candidate, target: GPUSpec, spec: Trainer,
+               layers: tuple[int, int] | None, steps: int) -> tuple[Any, list, list[str]]:
+    """The fake runs of two shallow depths, the full depth built layer by layer from them (or the full depth run
+    where they do not split into identical layers): (the combined run, the depth runs, the notes)."""
+    from ._sim import NotSeparable, extrapolate, plan_depths, runnable, simulate_depth
+
     run_cand, notes = runnable(candidate, target)
     depth = workload.model.num_layers
     depths, layer_note = plan_depths(workload.model, layers, run_cand)
@@ -120,17 +121,18 @@ def simulate(
         combined = simulate_depth(workload, run_cand, target, depth, steps=steps, original=candidate, trainer=spec)
     if layer_note:
         notes.append(layer_note)
-    notes.extend(spec.notes(candidate))
-    if candidate.group_by_length:
-        notes.append(
-            "group_by_length: transformers' LengthGroupedSampler puts the batch with the longest row first in every "
-            "epoch, so from the second epoch on the optimizer state meets it: simulated with the longest rows at "
-            "every step; a run of one epoch or less never puts them together and peaks lower (this is its bound)"
-        )
+    return combined, runs, notes
+
+
+def _device_bytes(workload: Workload, candidate: Candidate, target: GPUSpec, combined: Any, notes: list[str]
+                  ) -> tuple[int, int, int, dict[str, int], int]:
+    """(peak, reserved, device bytes, the breakdown, the activations the forward saves) of the combined run, with
+    activation offloading at every moment of the stream, what is modelled instead of run, the models beside the
+    policy, and on CUDA the cuBLAS workspace and the context."""
+    from ._sim import modelled_adjustments
+
     peak, allocated, reserved = combined.peak_bytes, combined.allocated_bytes, combined.reserved_bytes
     breakdown = dict(combined.breakdown)
-    step_time = combined.time_s
-
     # what the forward saves: the activation offloader's copy volume
     activations_saved = breakdown.get(Category.ACTIVATIONS.value, 0)
     if combined.offload is not None:  # offloading at every moment of the stream, not at the unoffloaded peak only
@@ -139,67 +141,96 @@ def simulate(
         peak, allocated, reserved = peak + delta, allocated + delta, reserved + delta
         breakdown = dict(off.by_category)
         activations_saved = off.saved_bytes
-    adjust = modelled_adjustments(candidate, workload.model, breakdown, step_time, batch_shape=combined.batch_shape,
-                                   cuda=target.is_cuda)
+    adjust = modelled_adjustments(candidate, workload.model, breakdown, combined.time_s,
+                                  batch_shape=combined.batch_shape, cuda=target.is_cuda)
     notes.extend(adjust.notes)
-    peak += adjust.bytes_delta
-    allocated += adjust.bytes_delta
-    reserved += adjust.bytes_delta
+    peak, allocated, reserved = peak + adjust.bytes_delta, allocated + adjust.bytes_delta, reserved + adjust.bytes_delta
     for cat, delta in adjust.breakdown_delta.items():
         breakdown[cat] = breakdown.get(cat, 0) + delta
+    if workload.models:  # the models beside the policy: resident, their weights in closed form (not run here)
+        from ._physics import DTYPE_BYTES, resident_bytes
 
-    if target.is_cuda:
-        from ._physics import context_bytes, cublas_workspace_bytes
+        extra = resident_bytes((m for _, m in workload.models), DTYPE_BYTES[candidate.weights_dtype])
+        peak, allocated, reserved = peak + extra, allocated + extra, reserved + extra
+        breakdown[Category.PARAMETERS.value] = breakdown.get(Category.PARAMETERS.value, 0) + extra
+        notes.append(f"models beside the policy ({', '.join(m.name for _, m in workload.models)}): resident, their "
+                     f"weights ({extra:,} B) counted in closed form, not run by the fake step")
+    if not target.is_cuda:
+        return peak, peak, peak, breakdown, activations_saved
+    from ._physics import context_bytes, cublas_workspace_bytes
 
-        ws = cublas_workspace_bytes(target.compute_capability)
-        peak_bytes, reserved_bytes = allocated + ws, reserved + ws
-        device_bytes = reserved_bytes + context_bytes(target.compute_capability)
-        breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
+    ws = cublas_workspace_bytes(target.compute_capability)
+    breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
+    notes.append(
+        "device_bytes = reserved + CUDA context; peak and reserved include the cuBLAS workspaces, one per thread "
+        "issuing GEMMs (the forward's, autograd's) (profiles/measurements/cuda_constants.json)"
+    )
+    device = reserved + ws + context_bytes(target.compute_capability)
+    return allocated + ws, reserved + ws, device, breakdown, activations_saved
+
+
+def _simulate_offline(workload: Workload, candidate: Candidate, target: GPUSpec, spec: Trainer, *,
+                      layers: tuple[int, int] | None, steps: int) -> Measurement:
+    """A step that does not generate: the trainer's own step on fake tensors at two shallow depths (`_fake_runs`),
+    its bytes (`_device_bytes`) and its time (the step-time model over the sampler's batches where the trainer
+    declares it, else the worst batch's step)."""
+    from ._sim import batch_label, expected_time
+
+    combined, runs, notes = _fake_runs(workload, candidate, target, spec, layers, steps)
+    notes.extend(spec.notes(candidate, workload))
+    if candidate.group_by_length:
         notes.append(
-            "device_bytes = reserved + CUDA context; peak and reserved include the cuBLAS workspaces, one per thread "
-            "issuing GEMMs (the forward's, autograd's) (profiles/measurements/cuda_constants.json)"
+            "group_by_length: transformers' LengthGroupedSampler puts the batch with the longest row first in every "
+            "epoch, so from the second epoch on the optimizer state meets it: simulated with the longest rows at "
+            "every step; a run of one epoch or less never puts them together and peaks lower (this is its bound)"
         )
-    else:
-        peak_bytes = reserved_bytes = device_bytes = peak
-    timed = expected_time(workload, candidate, target, combined.cost, activations_saved) if spec.timed_over_batches \
-        else None
+    peak_bytes, reserved_bytes, device_bytes, breakdown, saved = _device_bytes(workload, candidate, target, combined,
+                                                                                notes)
+    step_time = combined.time_s
+    timed = expected_time(workload, candidate, target, combined.cost, saved) if spec.timed_over_batches else None
     if timed is not None:
         step_time, trained, tps = timed.step_s, timed.trained_per_step, timed.tokens_per_second
         notes.append(
             "time: the step-time model (advisor/_physics/timing/) over the batches the sampler makes "
-            f"(worst batch {timed.worst_step_s:.4g} s a step); constants unverified until gpu_validate fits them"
+            f"(worst batch {timed.worst_step_s:.4g} s a step), host and device as two queues"
         )
     else:
         trained = combined.trained_tokens * candidate.gradient_accumulation_steps
         tps = trained / step_time if step_time > 0 else None
-    outside = spec.outside_allocator_bytes(candidate, workload.gpu.memory_bytes)  # the phases' (0: SFT, DPO, Reward)
-    if outside:
-        device_bytes += outside
-        breakdown[Category.OUTSIDE_ALLOCATOR.value] = breakdown.get(Category.OUTSIDE_ALLOCATOR.value, 0) + outside
     status = Status.OK if device_bytes <= workload.budget_bytes else Status.OOM
     b, s = combined.batch_shape
     return Measurement(
-        status=status,
-        source=Source.SIMULATE,
-        peak_bytes=int(peak_bytes),
-        reserved_bytes=int(reserved_bytes),
-        device_bytes=int(device_bytes),
-        breakdown={k: int(v) for k, v in breakdown.items() if v},
-        step_time_s=step_time if step_time > 0 else None,
-        tokens_per_second=tps if step_time > 0 else None,
-        trained_tokens_per_step=int(round(trained)),
-        time_breakdown=dict(timed.terms) if timed is not None else {},
+        status=status, source=Source.SIMULATE, peak_bytes=int(peak_bytes), reserved_bytes=int(reserved_bytes),
+        device_bytes=int(device_bytes), breakdown={k: int(v) for k, v in breakdown.items() if v},
+        step_time_s=step_time if step_time > 0 else None, tokens_per_second=tps if step_time > 0 else None,
+        trained_tokens_per_step=int(round(trained)), time_breakdown=dict(timed.terms) if timed is not None else {},
         mfu=timed.mfu if timed is not None else None,
         worst_step_time_s=timed.worst_step_s if timed is not None else None,
+        time_detail=_time_detail(timed if timed is not None else _worst(combined.cost), target),
         peak_batch=batch_label(b, s, combined.unpadded, runs[-1].padding_free_sequences),
         message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes),
-        wall_time_s=time.perf_counter() - started,
-        outside_allocator_bytes=int(outside),
     )
 
 
 # ---- one rank's Measurement ----------------------------------------------------------------------------------------
+
+def _worst(cost: Any) -> Any:
+    """The step-time model on the worst batch at every micro-step (a trainer not timed over the sampler's batches)."""
+    if cost is None:
+        return None
+    from ._physics import BatchDistribution, evaluate
+
+    return evaluate(cost, BatchDistribution.single(cost.worst))
+
+
+def _time_detail(timed: Any, target: Any) -> dict[str, Any]:
+    if timed is None:
+        return {}
+    from ._physics import time_constants, time_detail
+
+    return time_detail(timed, time_constants(target))
+
 
 def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None,
                       parallelism: Parallelism | None = None, *, num_machines: int | None = None, gpu: Any = None,
@@ -215,7 +246,6 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
 
     from ._physics import apply_layout_traffic, offload_time_s
     from ._physics import rank_comm as _comm
-    from ._sim import fake_process_group, fsdp2_sharding
     from ._sim import resolve_target as _resolve_target
     from .workload import check_world
 
@@ -228,39 +258,16 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     notes: list[str] = []
     if num_gpus == 1:
         return simulate(workload, candidate, target, layers=layers, steps=steps)
-    from .trainers import get_trainer
-    from .trainers.phases import ClosedForm
+    from .trainers import trainer_of
 
-    kind = get_trainer(getattr(workload, "trainer", "sft"))
-    online = kind.closed_form is ClosedForm.ONLINE_RL  # the step's kind it declares: generation inside the step
+    kind = trainer_of(workload)
+    online = kind.step_shape(candidate).generates  # generation inside the step
     if online:
         m = _online_rank(workload, candidate, parallelism, num_gpus, target, kind, steps)
         m, more = _modelled_rank(m, workload, candidate, parallelism, num_gpus)
         notes.extend(more)
     elif parallelism.strategy is Strategy.FSDP2:
-        # at full depth: FSDP2's prefetch pairs each layer's gathered parameters with the next layer's work, which
-        # the layer-by-layer extrapolation (advisor/_sim/layers.py) does not split (NotSeparable)
-        with fake_process_group(num_gpus) as mesh, fsdp2_sharding(mesh, parallelism, candidate.precision.value):
-            m = simulate(workload, candidate, target, layers=None, steps=steps)
-        notes.append(
-            f"FSDP2 on {num_gpus} ranks run on fake tensors: the fake process group and accelerate's "
-            f"fsdp2_prepare_model (reshard_after_forward={parallelism.reshard_after_forward}, cpu offload="
-            f"{parallelism.offload_params}) at full depth; all-gather and reduce-scatter buffers counted (as "
-            "temporaries, the gathered parameters as parameters); NCCL's internal buffers are not"
-        )
-        notes.append("checked against real 2-process gloo runs on the CPU (tests/test_multigpu.py, "
-                     "tests/test_multiprobe.py): the same peak within 0.15%; some rank-runs read higher by an FSDP "
-                     "unit's bytes, frees made on gloo's worker threads that the CPU profiler does not see (with it "
-                     "off the heap does not grow by them: advisor/probing/meters.memory_profiler), not memory a run "
-                     "holds")
-        if target.is_cuda:
-            notes.append("FSDP2 all-gathers and reduce-scatters on its own CUDA streams, whose blocks the caching "
-                         "allocator keeps in per-stream pools; the replay keeps one pool, so reserved bytes may be "
-                         "somewhat higher on the GPU")
-        if parallelism.offload_params:
-            notes.append("CPU offload: the sharded parameters, gradients, optimizer state and the optimizer step live "
-                         "in host memory and are not counted; the host-to-device copies of one unit's shards before "
-                         "its all-gather (a no-op on fake CPU tensors) are not counted either")
+        m = _fsdp2_rank(workload, candidate, parallelism, num_gpus, target, steps, notes)
     else:
         m = simulate(workload, candidate, target, layers=layers, steps=steps)
         m, more = _modelled_rank(m, workload, candidate, parallelism, num_gpus)
@@ -292,6 +299,37 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
         time_breakdown=times, notes=tuple(m.notes) + tuple(notes),
         message="" if status is Status.OK else f"device peak {device} B over budget {workload.budget_bytes} B per rank",
     )
+
+
+def _fsdp2_rank(workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int, target: Any, steps: int,
+                notes: list[str]) -> Any:
+    """One rank of FSDP2 on fake tensors: the fake process group and accelerate's sharding, at full depth."""
+    from ._sim import fake_process_group, fsdp2_sharding
+
+    # at full depth: FSDP2's prefetch pairs each layer's gathered parameters with the next layer's work, which
+    # the layer-by-layer extrapolation (advisor/_sim/layers.py) does not split (NotSeparable)
+    with fake_process_group(num_gpus) as mesh, fsdp2_sharding(mesh, parallelism, candidate.precision.value):
+        m = simulate(workload, candidate, target, layers=None, steps=steps)
+    notes.append(
+        f"FSDP2 on {num_gpus} ranks run on fake tensors: the fake process group and accelerate's "
+        f"fsdp2_prepare_model (reshard_after_forward={parallelism.reshard_after_forward}, cpu offload="
+        f"{parallelism.offload_params}) at full depth; all-gather and reduce-scatter buffers counted (as "
+        "temporaries, the gathered parameters as parameters); NCCL's internal buffers are not"
+    )
+    notes.append("checked against real 2-process gloo runs on the CPU (tests/test_multigpu.py, "
+                 "tests/test_multiprobe.py): the same peak within 0.15%; some rank-runs read higher by an FSDP "
+                 "unit's bytes, frees made on gloo's worker threads that the CPU profiler does not see (with it "
+                 "off the heap does not grow by them: advisor/probing/meters.memory_profiler), not memory a run "
+                 "holds")
+    if target.is_cuda:
+        notes.append("FSDP2 all-gathers and reduce-scatters on its own CUDA streams, whose blocks the caching "
+                     "allocator keeps in per-stream pools; the replay keeps one pool, so reserved bytes may be "
+                     "somewhat higher on the GPU")
+    if parallelism.offload_params:
+        notes.append("CPU offload: the sharded parameters, gradients, optimizer state and the optimizer step live "
+                     "in host memory and are not counted; the host-to-device copies of one unit's shards before "
+                     "its all-gather (a no-op on fake CPU tensors) are not counted either")
+    return m
 
 
 def _online_rank(workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int, target: Any, kind: Any,

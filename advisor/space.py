@@ -28,6 +28,7 @@ from ._candidate import (
     RunBase,
     WeightsDtype,
     candidate_problems,
+    default_attention,
     model_linear_names,
     peft_default_targets,
 )
@@ -162,8 +163,6 @@ class Candidate:
         selection when `attn_implementation` is None, PEFT's default targets when `lora_target_modules` is None."""
         changes: dict[str, Any] = {}
         if self.attn_implementation is None:
-            from .modeling import default_attention
-
             changes["attn_implementation"] = default_attention(model)
         if self.use_lora and self.lora_target_modules is None:
             targets = peft_default_targets(model)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from ._messages import LibraryMessage
     from .accelerate_config import LaunchConfig
+    from .trainers import Trainer
     from .workload import Workload
 
 
@@ -55,15 +56,15 @@ class Suggestion:
         return str(spec.local_dir) if spec.source == "local" and spec.local_dir else spec.name
 
     def sft_config(self, **overrides: Any) -> SFTConfig:
-        """A trl.SFTConfig (a suggestion made with trainer="sft"): `trl_config()`, refused for another trainer."""
+        """A trl.SFTConfig (a suggestion for SFT): `trl_config()`, refused for another trainer."""
         return self._config_named("SFTConfig", "sft_config", overrides)
 
     @property
-    def trainer(self) -> Any:
+    def trainer(self) -> Trainer:
         """The TRL trainer this suggestion is for (advisor.trainers; the workload's)."""
-        from .trainers import get_trainer
+        from .trainers import trainer_of
 
-        return get_trainer(self.workload.trainer)
+        return trainer_of(self.workload)
 
     def trl_config(self, **overrides: Any) -> Any:
         """The trainer's TRL config (an SFTConfig, a DPOConfig, a RewardConfig: `Trainer.trl_config`) that can be
@@ -86,7 +87,7 @@ class Suggestion:
         return self.trainer.trl_config(self.candidate, self.workload, **overrides)
 
     def dpo_config(self, **overrides: Any) -> Any:
-        """A trl.DPOConfig (a suggestion made with trainer="dpo"): `trl_config()`, refused for another trainer."""
+        """A trl.DPOConfig (a suggestion for DPO): `trl_config()`, refused for another trainer."""
         return self._config_named("DPOConfig", "dpo_config", overrides)
 
     def _config_named(self, config_name: str, method: str, overrides: dict[str, Any]) -> Any:
@@ -156,7 +157,7 @@ class Suggestion:
 
         return "\n".join(part for line in lines for part in textwrap.wrap(line, 110, subsequent_indent="  "))
 
-    # ---- several GPUs (issue 16): the accelerate config beside the TRL config ---------------------------------
+    # ---- several GPUs: the accelerate config beside the TRL config ------------------------------------------------
     def launch(self, config_file: str = "accelerate.yaml", trl_config_file: str = "trl.yaml") -> LaunchConfig:
         """The accelerate config of this pick (its `parallelism` on the workload's num_gpus / num_machines) and the
         commands that launch it (`accelerate launch --config_file ... -m trl.scripts.<command>`, `trl <command>
@@ -167,8 +168,7 @@ class Suggestion:
 
         wl = self.workload
         # a trainer that sets GPUs aside (online RL's vLLM server) says how --num-gpus split; the rest train
-        split = getattr(self.trainer, "gpu_split", None)
-        sp = split(self.candidate, self.model_name_or_path, wl.num_gpus) if split is not None else None
+        sp = self.trainer.gpu_split(self.candidate, self.model_name_or_path, wl.num_gpus)
         lc = accelerate_config(self.candidate, self.candidate.parallelism.parallelism,
                                sp.train_gpus if sp else wl.num_gpus, wl.num_machines, config_file=config_file,
                                trl_config_file=trl_config_file, command=self.trainer.command)

@@ -17,7 +17,11 @@ from .errors import ConfigError, UsageError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from .data import TokenizedDataset
+    from .data import Dataset
+
+# the trainer a workload is for unless it names another (--trainer's default; advisor/trainers registers it), and the
+# one trainer whose workloads' fingerprints name none (they were made before trainers existed)
+DEFAULT_TRAINER = "sft"
 
 
 class Method(str, Enum):
@@ -191,20 +195,19 @@ class Goals:
 class Workload:
     model: ModelSpec
     gpu: GPUSpec
-    dataset: TokenizedDataset
+    dataset: Dataset
     goals: Goals = field(default_factory=Goals)
     notes: tuple[str, ...] = ()
-    # several GPUs (issue 16): N GPUs of the named kind over M machines; the budget applies to each rank
+    # N GPUs of the named kind over M machines; the budget applies to each rank
     num_gpus: int = 1
     num_machines: int = 1
-    # the TRL trainer that runs (advisor.trainers: "sft", "dpo", "reward"); the dataset is that trainer's data
-    trainer: str = "sft"
-    # a reward model given as a model (online RL's `--reward-model ID`, trl grpo's reward_model_name_or_path): resident
-    # on the device beside the policy, so counted; reward functions run on the host and are not
-    reward_model: ModelSpec | None = None
-    # the teacher of on-policy distillation (`--teacher ID`, trl distillation's teacher_model_name_or_path): resident
-    # beside the student, so counted; it must share the student's vocabulary
-    teacher: ModelSpec | None = None
+    # the TRL trainer that runs (a registered name, advisor.trainers); the dataset is that trainer's data
+    trainer: str = DEFAULT_TRAINER
+    # the models the trainer takes beside the policy, by the role its declaration gives (advisor.trainers
+    # ModelInput: online RL's "reward_model" from --reward-model), each resident on the device, so counted; a
+    # mapping given is kept as (role, spec) pairs in role order. advisor.trainers.trainer_of checks them against
+    # the trainer's declarations
+    models: tuple[tuple[str, ModelSpec], ...] = ()
     # the target GPU is this machine's own (build_workload: detected through NVML, or a --gpu naming it): a run has
     # the packages installed here, so the search leaves out candidates needing one that is missing (`runs_here`)
     local_gpu: bool = False
@@ -212,36 +215,12 @@ class Workload:
     def __post_init__(self) -> None:
         check_budget(self.goals, self.gpu)
         check_world(self.num_gpus, self.num_machines)
-        from .trainers import get_trainer, names
+        models = self.models.items() if isinstance(self.models, Mapping) else self.models
+        object.__setattr__(self, "models", tuple(sorted((str(r), m) for r, m in models if m is not None)))
 
-        kind = get_trainer(self.trainer)  # ConfigError naming the trainers the advisor knows
-        if self.reward_model is not None and not getattr(kind, "takes_reward_model", False):
-            takers = [n for n in names() if getattr(get_trainer(n), "takes_reward_model", False)]
-            raise ConfigError([f"reward_model={self.reward_model.name!r}: trainer {self.trainer!r} scores with no "
-                               f"reward model; use --trainer {' or '.join(takers)}, or drop --reward-model"],
-                              context="workload")
-        self._check_teacher(kind)
-
-    def _check_teacher(self, kind: Any) -> None:
-        """A teacher for a trainer that takes none, none for one that needs it, or one of another vocabulary is a
-        ConfigError naming --teacher and the fix."""
-        from .trainers import get_trainer, names
-
-        takes = bool(getattr(kind, "takes_teacher", False))
-        takers = [n for n in names() if getattr(get_trainer(n), "takes_teacher", False)]
-        if self.teacher is not None and not takes:
-            raise ConfigError([f"teacher={self.teacher.name!r}: trainer {self.trainer!r} distills from no teacher; use "
-                               f"--trainer {' or '.join(takers)}, or drop --teacher"], context="workload")
-        if takes and self.teacher is None:
-            raise ConfigError([f"trainer={self.trainer!r} needs a teacher: pass --teacher ID (suggest(teacher=...)), a "
-                               "hub id, a model directory or a config.json of a model with the student's vocabulary "
-                               f"({self.model.vocab_size} tokens)"], context="workload")
-        if takes and self.teacher.vocab_size != self.model.vocab_size:
-            raise ConfigError([f"teacher={self.teacher.name!r}: its vocabulary has {self.teacher.vocab_size} tokens "
-                               f"and the student {self.model.name!r}'s {self.model.vocab_size}: distillation compares "
-                               "the teacher's full next-token distribution, so DistillationTrainer refuses another "
-                               "vocabulary; use a teacher of the student's family (same tokenizer), or TRL's GOLD "
-                               "trainer for cross-tokenizer distillation"], context="workload")
+    def model_of(self, role: str) -> ModelSpec | None:
+        """The model given for `role` (a trainer's ModelInput), or None."""
+        return dict(self.models).get(role)
 
     @property
     def runs_here(self) -> bool:
@@ -268,9 +247,8 @@ class Workload:
                 "goals": {k: str(v) for k, v in self.goals.__dict__.items()},
                 **({"world": [self.num_gpus, self.num_machines]} if (self.num_gpus, self.num_machines) != (1, 1)
                    else {}),
-                **({"trainer": self.trainer} if self.trainer != "sft" else {}),  # SFT's fingerprint is unchanged
-                **({"reward_model": self.reward_model.fingerprint()} if self.reward_model is not None else {}),
-                **({"teacher": self.teacher.fingerprint()} if self.teacher is not None else {}),
+                **({"trainer": self.trainer} if self.trainer != DEFAULT_TRAINER else {}),
+                **{role: spec.fingerprint() for role, spec in self.models},
             }
         )
 

@@ -92,7 +92,7 @@ def _real_trl_step(a: argparse.Namespace) -> float:
     from transformers import TrainerCallback
     from trl import SFTTrainer
 
-    from advisor.emit import build_sft_config
+    from advisor.emit import build_config
     from advisor.modeling import build_model, placeholder_tokenizer
 
     spec, _, wl, cand = _workload(a)
@@ -106,7 +106,7 @@ def _real_trl_step(a: argparse.Namespace) -> float:
             times[-1] = time.perf_counter() - times[-1]
 
     with tempfile.TemporaryDirectory(prefix="bench-real-") as tmp:
-        args = build_sft_config(cand, wl, output_dir=tmp, use_cpu=True, max_steps=1, report_to="none",
+        args = build_config(cand, wl, output_dir=tmp, use_cpu=True, max_steps=1, report_to="none",
                                 save_strategy="no", logging_steps=1, train_sampling_strategy="sequential",
                                 dataloader_num_workers=0)
         trainer = SFTTrainer(model=build_model(spec, cand, device="cpu"), args=args,

@@ -3,6 +3,8 @@
   python scripts/bench_time_model.py                      # the reference table (simulate and estimate), L4 and H100
   python scripts/bench_time_model.py --json out.json      # also write the rows
   python scripts/bench_time_model.py --calibrate-estimate # the estimate's per-layer op and byte counts, from fake runs
+  python scripts/bench_time_model.py --h200 --json after.json  # the H200 runs of issue 30: 0.5B SFT and GRPO picks
+      # (PYTHONPATH=<another checkout> with the same script: that revision's predictions, for the ratio)
   python scripts/bench_time_model.py --layouts --json after.json [--before before.json]
       # several GPUs: per term, simulate vs estimate for each layout (DDP, FSDP2 with and without resharding, FSDP2
       # offload, ZeRO-2/3) on Llama-3.1-8B x 8 H100 and Qwen2.5-0.5B x 2 L4, and the pick (the fastest layout that
@@ -149,15 +151,24 @@ CALIBRATION = {
 def calibrate() -> dict:
     """Per decoder layer and micro-step: kernel launches, host ops and memory-bound bytes per token, split into
     forward (what checkpointing recomputes) and backward, in multiples of hidden and intermediate (two models with
-    different ratios solve the 2x2 system)."""
+    different ratios solve the 2x2 system); the ops by how the host issues them (host.OpClass: grad off, grad on,
+    autograd's engine), inside a layer and outside the layers, and the syncs."""
     import numpy as np
 
-    from advisor.costs import Basis, Term, time_constants
+    from advisor.costs import Basis, OpClass, Term, time_constants
     from advisor.simulator import runnable as _runnable
     from advisor.simulator import simulate_depth
 
     _TERMS = tuple(Term)  # the order of the model's terms
     from advisor.space import Candidate
+
+    mem = _TERMS.index(Term.MEMORY)
+    classes = {c.name.lower(): int(c) for c in OpClass}
+
+    def counts(trace, inside):
+        ops = {k: int(((trace.cls == v) & inside).sum()) for k, v in classes.items()}
+        launches = {k: int(((trace.cls == v) & inside & trace.kernel).sum()) for k, v in classes.items()}
+        return ops, launches
 
     per: dict[str, dict[str, tuple]] = {}
     for model in ("Qwen/Qwen2.5-0.5B", "HuggingFaceTB/SmolLM2-135M"):
@@ -168,17 +179,35 @@ def calibrate() -> dict:
             c = Candidate(max_length=1024, per_device_train_batch_size=4, **fields)
             rc, _ = _runnable(c, wl.gpu)
             lo, hi = (simulate_depth(wl, rc, wl.gpu, n, steps=2, original=c).cost for n in (2, 3))
-            mem = _TERMS.index(Term.MEMORY)
             dbytes = (hi.device[mem, Basis.TOKENS] - lo.device[mem, Basis.TOKENS]) * tc.mem_bw
+            thi = hi.micro[-1][0]
+            layer = thi.layer == 1  # a middle layer of the 3-layer run
+            ops, launches = counts(thi, layer)
+            out_ops, out_launches = counts(thi, thi.layer < 0)
+            fwd = (thi.cls != int(OpClass.BACKWARD)) & layer
+            row_mem = thi.device[:, Basis.TOKENS] * (thi.term == mem)
+            fwd_share = float(row_mem[fwd].sum() / max(row_mem[layer].sum(), 1e-30))
             per.setdefault(name, {})[model] = (h, inter, float(dbytes), hi.launches - lo.launches,
-                                               (hi.host_s - lo.host_s) / tc.op_s, lo.launches - 2 * (hi.launches
-                                                                                                     - lo.launches))
+                                               (hi.host_s - lo.host_s), lo.launches - 2 * (hi.launches
+                                                                                          - lo.launches),
+                                               ops, launches, out_ops, out_launches, fwd_share, thi.syncs)
     out: dict[str, dict] = {}
     for name, by_model in per.items():
-        (h1, i1, b1, l1, o1, x1), (h2, i2, b2, l2, o2, x2) = by_model.values()
+        rows = list(by_model.values())
+        (h1, i1, b1, l1, _, x1, *_), (h2, i2, b2, l2, _, x2, *_) = rows
         coef = np.linalg.solve(np.array([[h1, i1], [h2, i2]], dtype=float), np.array([b1, b2]))
+
+        def mean(i, key, rows=rows):
+            return round((rows[0][i][key] + rows[1][i][key]) / 2, 1)
+
         out[name] = {"bytes_per_token": {"hidden": round(float(coef[0]), 1), "intermediate": round(float(coef[1]), 1)},
-                     "launches": round((l1 + l2) / 2, 1), "host_ops": round((o1 + o2) / 2, 1),
+                     "launches": round((l1 + l2) / 2, 1),
+                     "ops": {k: mean(6, k) for k in ("nograd", "grad", "backward")},
+                     "kernel_ops": {k: mean(7, k) for k in ("nograd", "grad", "backward")},
+                     "outside_ops": {k: mean(8, k) for k in ("nograd", "grad", "backward")},
+                     "outside_kernel_ops": {k: mean(9, k) for k in ("nograd", "grad", "backward")},
+                     "forward_memory_share": round((rows[0][10] + rows[1][10]) / 2, 3),
+                     "syncs": max(rows[0][11], rows[1][11]),
                      "outside_launches": round((x1 + x2) / 2, 1)}
     return out
 
@@ -253,6 +282,45 @@ def print_layouts(rows: list[dict], before: list[dict] | None) -> None:
     print("(terms in ms per optimizer step; the pick: the fastest layout that fits, among these knobs)")
 
 
+# the held-out H200 runs of issue 30: Qwen2.5-0.5B, 4 x 1024 packed with checkpointing and the fused AdamW (SFT);
+# GRPO at TRL 1.16's defaults with transformers' generate (profiles/baselines/qwen2.5-0.5b-h100-grpo-trl-defaults)
+H200_SFT = {"per_device_train_batch_size": 4, "max_length": 1024, "packing": True, "activation_checkpointing": True,
+            "optim": "adamw_torch_fused", "precision": "bf16"}
+
+
+def h200(rows: list[dict]) -> None:
+    """Both cases through simulate and estimate on the H200 profile, with the time's parts and the two queues."""
+    from advisor.baseline import load_baseline
+    from advisor.estimator import estimate
+    from advisor.inputs import build_workload
+    from advisor.simulator import simulate
+    from advisor.space import Candidate
+
+    grpo = load_baseline(ROOT / "profiles" / "baselines" / "qwen2.5-0.5b-h100-grpo-trl-defaults.json")
+    cases = (("sft 4x1024 packed ckpt fused", build_workload("Qwen/Qwen2.5-0.5B", gpu="H200"),
+              Candidate(**H200_SFT)),
+             ("grpo trl defaults (generate)", build_workload("Qwen/Qwen2.5-0.5B", gpu="H200", trainer="grpo"),
+              grpo.candidate))
+    for name, wl, cand in cases:
+        cand = cand.for_model(wl.model)  # transformers' attention as the run resolves it
+        for backend, fn in (("simulate", simulate), ("estimate", estimate)):
+            started = time.perf_counter()
+            m = fn(wl, cand)
+            detail = getattr(m, "time_detail", {}) or {}
+            rows.append({"case": name, "backend": backend, "step_time_s": m.step_time_s,
+                         "tokens_per_second": m.tokens_per_second, "terms": dict(m.time_breakdown),
+                         "detail": {k: v for k, v in detail.items() if not isinstance(v, list)}})
+            print(f"  {name} {backend}: {time.perf_counter() - started:.0f} s, {m.step_time_s} s a step",
+                  file=sys.stderr, flush=True)
+    for r in rows:
+        parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(r["terms"].items(), key=lambda kv: -kv[1]))
+        d = r["detail"]
+        queues = (f"; host-bound {1e3 * d['host_bound_s']:.1f} ms, {d['ops']:,.0f} ops, {d['syncs']:.0f} syncs"
+                  if "host_bound_s" in d else "")
+        gen = f"; decode {1e3 * d['decode_token_s']:.2f} ms a token" if "decode_token_s" in d else ""
+        print(f"{r['case']:<30}{r['backend']:<9}{r['step_time_s']:9.4f} s  ({parts} ms{queues}{gen})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write the rows to this file")
@@ -261,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", action="store_true",
                    help="several GPUs: each layout per term, simulate vs estimate, and the pick")
     p.add_argument("--before", help="with --layouts: rows (--json) of another revision, to print its picks too")
+    p.add_argument("--h200", action="store_true", help="the H200 runs of issue 30 (0.5B SFT, GRPO with generate)")
     a = p.parse_args(argv)
     import warnings
 
@@ -270,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     rows: list[dict] = []
-    if a.layouts:
+    if a.h200:
+        h200(rows)
+    elif a.layouts:
         layouts(rows)
         print_layouts(rows, json.loads(Path(a.before).read_text()) if a.before else None)
     else:

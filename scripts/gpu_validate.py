@@ -93,18 +93,20 @@ CATALOGUE: tuple[Step, ...] = (
     Step("lora-ckpt", Kind.SFT, 20, 60, knobs=MATRIX["lora-ckpt"]),
     Step("full-ckpt", Kind.SFT, 20, 60, knobs=MATRIX["full-ckpt"]),
     Step("grpo-generate", Kind.ONLINE, 30, 90, knobs=ONLINE_MATRIX["grpo-generate"]),
+    # the step-time model's constants on this GPU (host cost per op under CUDA, GEMM rates, bandwidth, one decode
+    # loop): what the speed predictions most lack (docs/benchmarks.md), so before the front door
+    Step("calibrate", Kind.CALIBRATE, 40, 90),
     Step("front-door", Kind.FRONT_DOOR, 90, 150),
     Step("full-no-ckpt", Kind.SFT, 20, 60, knobs=MATRIX["full-no-ckpt"]),
     Step("packing-bfd", Kind.SFT, 20, 60, knobs=MATRIX["packing-bfd"]),
-    Step("calibrate", Kind.CALIBRATE, 60, 90),
     Step("grpo-vllm-colocate", Kind.ONLINE, 60, 120, knobs=ONLINE_MATRIX["grpo-vllm-colocate"]),
     Step("grpo-vllm-colocate-sleep", Kind.ONLINE, 60, 120, knobs=ONLINE_MATRIX["grpo-vllm-colocate-sleep"]),
     # on request (--only): the same step as packing-bfd, FlashAttention (needs the kernels package)
     *(Step(n, Kind.SFT, 20, 60, knobs=MATRIX[n]) for n in MATRIX if n.startswith(("padding-free", "flash-"))),
     Step("pytest-gpu", Kind.PYTEST, 80, 120, reserved=True),
 )
-DEFAULT = ("prepare", "lora-ckpt", "full-ckpt", "grpo-generate", "front-door", "full-no-ckpt", "packing-bfd",
-           "calibrate", "grpo-vllm-colocate", "grpo-vllm-colocate-sleep", "pytest-gpu")
+DEFAULT = ("prepare", "lora-ckpt", "full-ckpt", "grpo-generate", "calibrate", "front-door", "full-no-ckpt",
+           "packing-bfd", "grpo-vllm-colocate", "grpo-vllm-colocate-sleep", "pytest-gpu")
 SECTIONS = {Kind.SFT: "rows", Kind.ONLINE: "online_rows", Kind.MULTI_GPU: "multi_gpu_rows"}  # else "checks"
 
 

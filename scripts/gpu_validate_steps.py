@@ -24,8 +24,9 @@ GRACE_S = 15.0  # a stopped command's time to clean up (its probes' children) be
 PROBE_STALL_S = 120.0  # the probe's own timeout: no heartbeat for this long
 FRONT_DOOR_LAST_TRIAL_S = 45.0  # the search's --time-budget ends this much before the step's cap: one more trial
 CALIBRATE_SCRIPT = ROOT / "scripts" / "gpu_calibrate.py"
-# the calibration step's command (scripts/gpu_calibrate.py is another change's; adapt these flags to it when it lands)
-CALIBRATE_ARGV = ("--out", "{out}", "--budget-s", "{budget_s}")
+# the calibration step's command: scripts/gpu_calibrate.py writes each row to --out as it finishes; the step's cap
+# stops it (what it measured by then is kept)
+CALIBRATE_ARGV = ("--out", "{out}")
 PROBED = (Kind.SFT, Kind.ONLINE)
 
 
@@ -284,7 +285,7 @@ def run_pytest(ctx: Context, step: Step, timeout_s: float) -> dict:
 def run_calibrate(ctx: Context, step: Step, timeout_s: float) -> dict:
     """scripts/gpu_calibrate.py with its own budget; the JSON it writes is embedded in the row."""
     out = ctx.work / "calibrate.json"
-    args = [x.format(out=out, budget_s=int(timeout_s - GRACE_S)) for x in CALIBRATE_ARGV]
+    args = [x.format(out=out) for x in CALIBRATE_ARGV] + (["--device", "cpu"] if ctx.target.backend == "cpu" else [])
     row = run_command(step.name, [sys.executable, str(CALIBRATE_SCRIPT), *args], timeout_s, ctx.work,
                       stop=signal.SIGTERM)
     row.pop("stdout")

@@ -42,7 +42,7 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
     from trl import SFTTrainer
 
     from advisor._sim import prepare_fsdp2  # the real multi-process probe's (advisor/probing) way in
-    from advisor.emit import build_sft_config, peft_config
+    from advisor.emit import build_config, peft_config
     from advisor.modeling import BatchFeed as _BatchFeed
     from advisor.modeling import build_model, placeholder_tokenizer
     from advisor.parallelism import Parallelism
@@ -70,7 +70,7 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
     torch.manual_seed(0)
     model = build_model(wl.model, cand, device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        args = build_sft_config(
+        args = build_config(
             cand, wl, use_cpu=True, output_dir=tmp, max_steps=steps, report_to="none", save_strategy="no",
             logging_strategy="no", disable_tqdm=True, dataset_num_proc=None, seed=0, model_init_kwargs=None,
         )

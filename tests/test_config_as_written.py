@@ -18,7 +18,7 @@ from advisor.cli import main
 from advisor.emit import (
     KEY_USES,
     KeyUse,
-    build_sft_config,
+    build_config,
     candidate_from_run_dict,
     load_run_config,
     peft_config,
@@ -123,11 +123,11 @@ def test_one_lora_target_is_written_so_trl_sft_matches_it(tmp_path):
 
 def test_sft_config_and_snippet_carry_the_base(tiny_model):
     cand = candidate_from_run_dict({**RUN, "push_to_hub": False, "report_to": "wandb"})
-    full = build_sft_config(cand, use_cpu=True)
+    full = build_config(cand, use_cpu=True)
     assert full.label_smoothing_factor == 0.1 and full.logging_steps == 7 and full.report_to == ["wandb"]
     assert full.output_dir == "out/run" and full.max_steps == 1
     # a measured run gets what changes memory, not the reporting, hub and output options
-    measured = build_sft_config(cand, measured=True, use_cpu=True, output_dir="tmp")
+    measured = build_config(cand, measured=True, use_cpu=True, output_dir="tmp")
     assert measured.label_smoothing_factor == 0.1 and measured.max_steps == 1
     assert measured.logging_steps != 7 and measured.report_to == [] and measured.hub_model_id is None
     code = to_python(cand, model_name_or_path="m")

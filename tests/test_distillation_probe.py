@@ -1,7 +1,7 @@
 """The cpu probe runs the real DistillationTrainer: the teacher loaded by TRL from a saved directory of its
 architecture (random weights, `teacher_model_init_kwargs`' dtype), generate (every completion forced to
 max_completion_length), the teacher's forward and the divergence, the optimizer step; `simulate()` (the trainer
-built through the seam, the teacher built by TRL from its name on meta) predicts that real peak."""
+built through the seam, the teacher built on meta and given built) predicts that real peak."""
 
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ def test_simulate_predicts_the_cpu_probe_with_a_wider_teacher(tiny_model, cpu_ta
         "num_attention_heads": 6})
     data = synthetic_prompts(1024, rows=16, median=32, max_len=64)
     wl = Workload(model=tiny_model, gpu=cpu_target, dataset=data, goals=Goals(), trainer="distillation",
-                  teacher=teacher)
+                  models=(("teacher", teacher),))
     cand = with_knobs(Candidate(per_device_train_batch_size=4, expandable_segments=False, optim="adamw_torch"),
                       max_completion_length=8, beta=0.5)
     sim = simulate(wl, cand)
     real = probe(wl, cand, "cpu", steps=1, warmup=1, timeout_s=300)
     assert sim.status is Status.OK and real.status is Status.OK, (sim.message, real.message)
-    assert any(n.startswith("--teacher org/teacher: a teacher of its architecture") for n in real.notes)
+    assert any(n.startswith("--teacher org/teacher: one of its architecture") for n in real.notes)
     assert sim.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01)
     assert real.trained_tokens_per_step == 4 * 8
-    own = simulate(dataclasses.replace(wl, teacher=tiny_model), cand)
+    own = simulate(dataclasses.replace(wl, models=(("teacher", tiny_model),)), cand)
     assert own.peak_bytes < sim.peak_bytes

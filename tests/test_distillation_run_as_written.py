@@ -46,7 +46,7 @@ def test_the_yaml_and_the_snippet_run_as_written(model_dirs, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"hello world number {i}"}) + "\n" for i in range(8)))
     wl = build_workload(str(student), gpu="cpu", dataset=str(prompts), trainer="distillation", teacher=str(teacher))
-    assert wl.dataset.unit == "prompts" and len(wl.dataset.rows) == 8 and wl.teacher.name == str(teacher)
+    assert wl.dataset.unit == "prompts" and len(wl.dataset.rows) == 8 and wl.model_of("teacher").name == str(teacher)
     t = get_trainer("distillation")
     cand = with_knobs(Candidate(per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                 activation_checkpointing=False, expandable_segments=False, optim="adamw_torch"),
@@ -56,7 +56,7 @@ def test_the_yaml_and_the_snippet_run_as_written(model_dirs, tmp_path):
     written = yaml.safe_load(text)
     assert written["use_cpu"] is True
     assert written["teacher_model_name_or_path"] == str(teacher)
-    assert written["teacher_model_init_kwargs"] == {"dtype": "bfloat16"} and written["beta"] == 0.5
+    assert written["teacher_model_init_kwargs"]["dtype"] == "bfloat16" and written["beta"] == 0.5
     assert written["datasets"] == [{"path": "json", "data_files": str(prompts), "split": "train"}]
     run = tmp_path / "run.yaml"
     run.write_text(text)

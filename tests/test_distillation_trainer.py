@@ -17,7 +17,6 @@ from advisor.cli import main
 from advisor.errors import ConfigError, UsageError
 from advisor.space import Candidate, with_knobs
 from advisor.trainers import choices, get_trainer, names
-from advisor.trainers.phases import ClosedForm, PhaseKind, Resident
 
 
 @pytest.fixture
@@ -43,18 +42,22 @@ def test_distillation_is_a_built_in_trainer():
     assert "distillation" in choices() and "distillation" in names()
     t = get_trainer("distillation")
     assert (t.command, t.config_name, t.trainer_name) == ("distillation", "DistillationConfig", "DistillationTrainer")
-    assert t.closed_form is ClosedForm.ONLINE_RL and t.takes_teacher and not t.takes_reward_model
+    shape = t.step_shape(Candidate())
+    assert shape.generates and shape.distills_from == "teacher" and not shape.train_autocast
+    (teacher,) = t.model_inputs
+    assert (teacher.role, teacher.flag, teacher.yaml_key, teacher.head.value) == (
+        "teacher", "--teacher", "teacher_model_name_or_path", "lm")
+    assert teacher.required and teacher.same_vocabulary
 
 
 def test_knob_defaults_are_the_installed_config():
     """Every knob DistillationConfig has is at its installed default in a plain candidate's view."""
     from trl import DistillationConfig
 
-    from advisor.trainers.distillation import _VIEW
-
     fields = {f.name: f.default for f in dataclasses.fields(DistillationConfig)}
-    k = get_trainer("distillation").knobs(Candidate())
-    for kn in _VIEW:
+    t = get_trainer("distillation")
+    k = t.knobs(Candidate())
+    for kn in t.knob_view.KNOBS:
         if kn.key in fields:
             assert getattr(getattr(k, kn.name), "value", getattr(k, kn.name)) == fields[kn.key], kn.name
     assert k.beta == fields["beta"] == 1.0 and k.teacher_dtype is None
@@ -98,7 +101,8 @@ def test_yaml_goes_through_trls_own_parser_and_reads_back(case, tmp_path, monkey
     assert (config.beta, config.max_completion_length, config.use_vllm) == (k.beta, k.max_completion_length,
                                                                             k.use_vllm)
     assert config.teacher_model_name_or_path == "Qwen/Qwen2.5-1.5B"
-    assert config.teacher_model_init_kwargs == ({"dtype": "bfloat16"} if "teacher_dtype" in CASES[case] else None)
+    # the YAML spells out the teacher's dtype as trl distillation resolves it (ModelConfig's, unless pinned)
+    assert config.teacher_model_init_kwargs["dtype"] == CASES[case].get("teacher_dtype", "float32")
     assert load_run_config(path, trainer="distillation").candidate == cand
 
 
@@ -117,16 +121,20 @@ def test_trl_config_and_the_snippet_load_the_teacher_as_trl_distillation_does(te
     assert "from trl import DistillationConfig, DistillationTrainer" in snippet
     assert f"teacher_model={teacher_config!r}" in snippet and "peft_config=peft_config" in snippet
     assert "'dtype': 'bfloat16'" in snippet.split("teacher_model_init_kwargs=")[1].split("\n")[0]
-    # the YAML leaves the dtype to trl distillation (ModelConfig's dtype), unless pinned
-    assert "teacher_model_init_kwargs" not in yaml.safe_load(t.to_yaml(cand, model_name_or_path="m", workload=wl))
+    # the YAML says the dtype trl distillation loads the teacher in (ModelConfig's dtype, unless pinned)
+    written = yaml.safe_load(t.to_yaml(cand, model_name_or_path="m", workload=wl))
+    assert written["teacher_model_init_kwargs"]["dtype"] == "bfloat16" == written["dtype"]
 
 
-def test_phases_hold_the_teacher_in_every_phase():
-    t = get_trainer("distillation")
-    gen, score, train = t.phases(with_knobs(Candidate(), use_vllm=True, vllm_gpu_memory_utilization=0.2))
-    assert (gen.kind, score.kind, train.kind) == (PhaseKind.GENERATE, PhaseKind.SCORE, PhaseKind.TRAIN)
-    assert all(Resident.TEACHER in p.resident for p in (gen, score, train))
-    assert Resident.REFERENCE not in train.resident and gen.outside_allocator_fraction == 0.2
+def test_the_phases_hold_the_teacher_in_every_phase(tiny_config, teacher_config):
+    """The estimate's phases: the teacher resident in generate, score and train; no reference."""
+    import advisor
+
+    wl = _workload(tiny_config, teacher_config, gpu="H100-80GB")
+    m = advisor.estimate(wl, with_knobs(Candidate(), use_vllm=True, vllm_gpu_memory_utilization=0.2))
+    assert m.ok
+    assert any("training state resident throughout (weights, optimizer state, the teacher)" in n for n in m.notes)
+    assert not any("a separate reference" in n for n in m.notes)
 
 
 # ---- the workload: --teacher -----------------------------------------------------------------------------------
@@ -134,9 +142,9 @@ def test_the_teacher_is_part_of_the_workload(tiny_config, teacher_config):
     from advisor.inputs import WorkloadRef
 
     wl = _workload(tiny_config, teacher_config)
-    assert wl.teacher.name == teacher_config and wl.dataset.unit == "prompts"
+    assert wl.model_of("teacher").name == teacher_config and wl.dataset.unit == "prompts"
     ref = WorkloadRef.of(wl)
-    assert WorkloadRef.from_spec(ref.to_spec()).teacher == teacher_config
+    assert dict(WorkloadRef.from_spec(ref.to_spec()).models)["teacher"] == teacher_config
     assert WorkloadRef.from_dict(ref.to_dict()).build().fingerprint() == wl.fingerprint()
     other = _workload(tiny_config, tiny_config)
     assert other.fingerprint() != wl.fingerprint()
@@ -147,7 +155,7 @@ def test_a_teacher_of_another_vocabulary_is_refused(tiny_config, tmp_path, capsy
 
     big = tmp_path / "big.json"
     big.write_text(json.dumps({**TINY_QWEN2, "vocab_size": 2048}))
-    with pytest.raises(ConfigError, match=r"its vocabulary has 2048 tokens and the student .*'s 1024"):
+    with pytest.raises(ConfigError, match=r"its vocabulary has 2048 tokens and the policy .*'s 1024"):
         _workload(tiny_config, str(big))
     rc = main(["suggest", "--trainer", "distillation", "--model", tiny_config, "--teacher", str(big), "--gpu", "cpu",
                "--backend", "estimate"])
@@ -160,7 +168,7 @@ def test_no_teacher_and_a_teacher_for_another_trainer_are_refused(tiny_config, t
 
     with pytest.raises(ConfigError, match=r"trainer='distillation' needs a teacher: pass --teacher ID"):
         build_workload(tiny_config, gpu="cpu", trainer="distillation")
-    with pytest.raises(ConfigError, match="trainer 'sft' distills from no teacher; use --trainer distillation"):
+    with pytest.raises(ConfigError, match="trainer 'sft' takes no teacher; use --trainer distillation"):
         build_workload(tiny_config, gpu="cpu", teacher=teacher_config)
     rc = main(["suggest", "--trainer", "distillation", "--model", tiny_config, "--gpu", "cpu", "--backend",
                "estimate"])
@@ -245,7 +253,7 @@ def test_simulate_runs_distillation_trainer_with_the_teacher_resident(tiny_confi
             model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
         return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
-    assert m.breakdown["parameters"] - n.breakdown["parameters"] == nbytes(wl.teacher) - nbytes(wl.model)
+    assert m.breakdown["parameters"] - n.breakdown["parameters"] == nbytes(wl.model_of("teacher")) - nbytes(wl.model)
     assert any("teacher resident" in note for note in m.notes)
 
 
@@ -254,8 +262,8 @@ def test_suggest_in_python_takes_the_teacher(tiny_config, teacher_config):
 
     s = advisor.suggest(tiny_config, gpu="H100-80GB", trainer="distillation", teacher=teacher_config,
                         backend="estimate", trials=6)
-    assert s.workload.teacher.name == teacher_config
+    assert s.workload.model_of("teacher").name == teacher_config
     assert type(s.trl_config(use_cpu=True)).__name__ == "DistillationConfig"
     assert yaml.safe_load(s.to_yaml())["teacher_model_name_or_path"] == teacher_config
-    with pytest.raises(ConfigError, match="teacher=3: expected a teacher's hub id"):
+    with pytest.raises(ConfigError, match="teacher=3: expected a hub id"):
         advisor.suggest(tiny_config, trainer="distillation", teacher=3)

@@ -8,7 +8,7 @@ import ast
 import pytest
 import yaml
 
-from advisor.emit import build_sft_config, load_run_config, peft_config, run_config_dict, to_python, to_yaml
+from advisor.emit import build_config, load_run_config, peft_config, run_config_dict, to_python, to_yaml
 from advisor.errors import ConfigError, UsageError
 from advisor.modeling import placeholder_tokenizer, save_random_model
 from advisor.space import Candidate
@@ -122,8 +122,8 @@ def test_sft_config_needs_use_cpu_for_bf16_on_cpu():
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
     with pytest.raises(ValueError, match="bf16"):
-        build_sft_config(Candidate(precision="bf16"), output_dir="x")
-    assert build_sft_config(Candidate(precision="bf16"), output_dir="x", use_cpu=True).bf16 is True
+        build_config(Candidate(precision="bf16"), output_dir="x")
+    assert build_config(Candidate(precision="bf16"), output_dir="x", use_cpu=True).bf16 is True
 
 
 @pytest.mark.parametrize(
@@ -141,7 +141,7 @@ def test_emitted_config_trains_two_steps(cand, tiny_model, tiny_data, tmp_path):
     from trl import SFTTrainer
 
     model_dir = save_random_model(tiny_model, tmp_path / "model")
-    args = build_sft_config(
+    args = build_config(
         cand, None, output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=2, report_to="none",
         save_strategy="no", logging_steps=1, completion_only_loss=True,
     )

@@ -30,22 +30,27 @@ def gv():
 
 
 def _default(gv):
-    steps, left_out = gv.select(None, [], [], vllm=False, calibrate=False)
-    return gv.fit_budget(steps, gv.BUDGET_S)[0], left_out
+    steps, left_out = gv.select(None, [], [], vllm=False, calibrate=True)
+    kept, dropped = gv.fit_budget(steps, gv.BUDGET_S)
+    return steps, kept, dropped, left_out
 
 
 def test_default_plan_is_the_issue_within_five_minutes(gv):
-    steps, left_out = _default(gv)
-    assert [s.name for s in steps] == ["prepare", "lora-ckpt", "full-ckpt", "grpo-generate", "front-door",
-                                       "full-no-ckpt", "packing-bfd", "pytest-gpu"]
+    every, steps, dropped, left_out = _default(gv)
+    assert [s.name for s in steps] == ["prepare", "lora-ckpt", "full-ckpt", "grpo-generate", "calibrate",
+                                       "front-door", "pytest-gpu"]
+    assert [n for n, _ in dropped] == ["packing-bfd", "full-no-ckpt"]  # --budget 340 keeps them
+    assert [s.name for s in gv.fit_budget(every, 340)[0]] == [s.name for s in every]
     assert sum(s.planned_s for s in steps) <= 300
-    assert {n for n, _ in left_out} == {"calibrate", "grpo-vllm-colocate", "grpo-vllm-colocate-sleep"}
+    assert {n for n, _ in left_out} == {"grpo-vllm-colocate", "grpo-vllm-colocate-sleep"}
+    without, _ = gv.select(None, [], [], vllm=False, calibrate=False)  # a checkout without gpu_calibrate.py
+    assert "calibrate" not in [s.name for s in without]
     pytest_step = steps[-1]
     assert pytest_step.kind is gv.Kind.PYTEST and pytest_step.reserved and pytest_step.cap_s <= 120
     from advisor.profiles import resolve_gpu, resolve_model
 
     target = gv.Target(resolve_model("Qwen/Qwen2.5-0.5B"), resolve_gpu("H200"), "cuda", 1024, 64, 4)
-    cands = {s.name: target.candidate(s.kind, s.knobs) for s in steps if s.kind in gv.PROBED}
+    cands = {s.name: target.candidate(s.kind, s.knobs) for s in every if s.kind in gv.PROBED}
     sft = [c for n, c in cands.items() if n != "grpo-generate"]
     assert all(c.per_device_train_batch_size == 4 and c.max_length == 1024 for c in sft)
     assert cands["lora-ckpt"].use_lora and cands["lora-ckpt"].weights_dtype.value == "bfloat16"
@@ -53,7 +58,7 @@ def test_default_plan_is_the_issue_within_five_minutes(gv):
     assert not cands["full-no-ckpt"].activation_checkpointing and not cands["full-ckpt"].use_lora
     assert cands["packing-bfd"].packing and cands["packing-bfd"].effective_padding_free
     assert not cands["grpo-generate"].base.get("use_vllm")
-    assert gv.check_candidates(target, steps) == []  # every candidate is one TRL accepts on the H200
+    assert gv.check_candidates(target, every) == []  # every candidate is one TRL accepts on the H200
 
 
 def test_budget_drops_the_least_valuable_and_keeps_the_reserved(gv):
@@ -159,7 +164,7 @@ sys.modules["gpu_validate"] = gv
 spec.loader.exec_module(gv)
 
 def fake(ctx, step, timeout_s):
-    if step.name == "full-no-ckpt":
+    if step.name == "pytest-gpu":
         time.sleep(3600)
     return {{"case": step.name, "name": step.name, "status": "ok", "probe": {{"peak_bytes": 1}}}}
 
@@ -198,8 +203,8 @@ def test_a_killed_run_keeps_every_row_it_finished(tmp_path):
     assert doc["complete"] is False and doc["schema_version"] == 2 and doc["backend"] == "cpu"
     status = {p["name"]: p["status"] for p in doc["plan"]}
     assert [n for n, s in status.items() if s == "ok"] == ["prepare", "lora-ckpt", "full-ckpt", "grpo-generate",
-                                                          "front-door"]
-    assert status["full-no-ckpt"] == status["pytest-gpu"] == "pending"
+                                                          "calibrate", "front-door"]
+    assert status["pytest-gpu"] == "pending"
     assert [r["case"] for r in doc["rows"]] == ["lora-ckpt", "full-ckpt"]
     assert [r["case"] for r in doc["online_rows"]] == ["grpo-generate"]
     assert not list(out.parent.glob(f".{out.name}.*"))  # no temporary file left beside it
@@ -213,7 +218,7 @@ def test_dry_run_prints_each_steps_planned_time_and_the_total(gv, capsys):
                  "pytest-gpu"):
         assert name in out
     assert "total planned 295 s of the 300 s budget" in out
-    assert "not run: calibrate: scripts/gpu_calibrate.py not found" in out
+    assert "calibrate" in out and "not run: full-no-ckpt: over the 300 s budget (planned 20 s)" in out
 
 
 def test_plan_from_an_earlier_run(gv, tmp_path, capsys):

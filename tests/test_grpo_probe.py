@@ -46,7 +46,7 @@ def test_the_probe_loads_a_reward_model_and_simulate_predicts_it(tiny_model, cpu
     wide = dataclasses.replace(tiny_model, name="org/rm", config={**tiny_model.config, "intermediate_size": 512})
     plain = Workload(model=tiny_model, gpu=cpu_target, dataset=synthetic_prompts(1024, rows=16, median=32, max_len=64),
                      goals=Goals(), trainer="grpo")
-    wl = dataclasses.replace(plain, reward_model=wide)
+    wl = dataclasses.replace(plain, models={"reward_model": wide})
     cand = with_knobs(Candidate(per_device_train_batch_size=4, expandable_segments=False), num_generations=2,
                       max_completion_length=8)
     real = probe(wl, cand, "cpu", steps=1, warmup=1, timeout_s=300)

@@ -1,6 +1,7 @@
-"""GRPO and RLOO on the trainer seam (advisor/trainers/online_rl.py, grpo.py, rloo.py): the registry, the knobs'
+"""GRPO and RLOO on the trainer seam (advisor/trainers/online_trainer.py, online_knobs.py, online_space.py,
+online_files.py, grpo.py, rloo.py): the registry, the knobs'
 TRL 1.16 defaults read back from the installed configs, the files through `trl grpo` / `trl rloo`'s own parser with
-nothing left over, the config objects, the snippet, the phases, server mode's GPU split, the search space at a fixed
+nothing left over, the config objects, the snippet, server mode's GPU split, the search space at a fixed
 number of completions per optimizer step, and each bad input as a ConfigError naming the key and the fix."""
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from advisor.cli import main
 from advisor.errors import ConfigError
 from advisor.space import Candidate, with_knobs
 from advisor.trainers import choices, get_trainer, names
-from advisor.trainers.online_knobs import KNOBS, TRL_DEFAULTS, OnlineKnobs
-from advisor.trainers.phases import ClosedForm, PhaseKind, Resident
+from advisor.trainers.online_knobs import KNOBS
 
 ONLINE = ("grpo", "rloo")
 
@@ -32,7 +32,7 @@ def test_grpo_and_rloo_are_built_in_trainers():
     for name, cfg, tr in (("grpo", "GRPOConfig", "GRPOTrainer"), ("rloo", "RLOOConfig", "RLOOTrainer")):
         t = get_trainer(name)
         assert t.command == name and t.config_name == cfg and t.trainer_name == tr
-        assert t.closed_form is ClosedForm.ONLINE_RL
+        assert t.step_shape(Candidate()).generates and t.knob_view.KNOBS == KNOBS
         assert t.config_class().__name__ == cfg and t.trainer_class().__name__ == tr
 
 
@@ -41,13 +41,14 @@ def test_knob_defaults_are_the_installed_configs(name):
     """Every declared knob's default (or the trainer's own, where GRPO and RLOO differ) is the installed config's."""
     cls = get_trainer(name).config_class()
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    k = OnlineKnobs.of(Candidate(), name)
+    view = get_trainer(name).knob_view
+    k = view.of(Candidate())
     for kn in KNOBS:
         if kn.key not in fields:
             continue  # vllm_server_gpus (the launch), GRPO's own knobs on RLOO
         default = fields[kn.key].default
         assert getattr(k, kn.name) == default, kn.name
-    assert TRL_DEFAULTS[name] == {n: fields[n].default for n in TRL_DEFAULTS[name]}
+    assert view.DEFAULTS == {n: fields[n].default for n in view.DEFAULTS}
     assert (fields["beta"].default, fields["num_generations"].default) == {"grpo": (0.0, 8), "rloo": (0.05, 2)}[name]
 
 
@@ -145,30 +146,6 @@ def test_the_suggestion_builds_the_trainers_config(tiny_model, h100_target):
     assert "trl rloo --config THIS_FILE" in s.to_yaml()
 
 
-# ---- the step's phases -----------------------------------------------------------------------------------------------
-def test_phases_hold_the_pool_in_generate_only_under_sleep_mode():
-    t = get_trainer("grpo")
-    card = 80 * 10**9
-    plain = t.phases(Candidate())
-    assert [p.kind for p in plain] == [PhaseKind.GENERATE, PhaseKind.SCORE, PhaseKind.TRAIN]
-    assert plain[0].kv_cache and not plain[0].activations and plain[2].activations
-    assert Resident.REFERENCE not in plain[2].resident  # GRPO's beta 0: no reference
-    assert all(p.outside_allocator_fraction == 0 for p in plain)
-    awake = t.phases(_online(use_vllm=True, vllm_gpu_memory_utilization=0.4))
-    assert [p.outside_allocator_fraction for p in awake] == [0.4, 0.4, 0.4] and not awake[0].kv_cache
-    asleep = t.phases(_online(use_vllm=True, vllm_gpu_memory_utilization=0.4, vllm_enable_sleep_mode=True))
-    assert [p.outside_allocator_fraction for p in asleep] == [0.4, 0.0, 0.0]
-    assert t.outside_allocator_bytes(_online(use_vllm=True, vllm_gpu_memory_utilization=0.4), card) == int(0.4 * card)
-    served = t.phases(_online(use_vllm=True, vllm_mode="server", vllm_server_gpus=1))
-    assert all(p.outside_allocator_fraction == 0 for p in served)  # vLLM on GPUs of its own
-    # RLOO's beta 0.05 keeps a separate reference without PEFT, none with it (the adapters disabled)
-    r = get_trainer("rloo")
-    assert Resident.REFERENCE in r.phases(Candidate())[2].resident
-    assert Resident.REFERENCE not in r.phases(Candidate(use_lora=True))[2].resident
-    withrm = Candidate().replace(base={"reward_model_name_or_path": "org/rm"})
-    assert all(Resident.REWARD_MODEL in p.resident for p in t.phases(withrm))
-
-
 def test_old_policy_forward_follows_trls_rule():
     k = get_trainer("grpo").knobs
     assert not k(Candidate()).old_policy_forward(Candidate())
@@ -179,8 +156,8 @@ def test_old_policy_forward_follows_trls_rule():
     c = _online(use_vllm=True, vllm_importance_sampling_correction=False)
     assert not k(c).old_policy_forward(c)
     rloo = get_trainer("rloo")
-    assert rloo.old_logps_always and rloo.knobs(Candidate()).old_policy_forward(Candidate())  # RLOO: always
-    assert rloo.trl_defaults == {"num_generations": 2, "beta": 0.05}
+    assert rloo.knobs(Candidate()).old_logps_always and rloo.knobs(Candidate()).old_policy_forward(Candidate())
+    assert rloo.knob_view.DEFAULTS == {"num_generations": 2, "beta": 0.05}
 
 
 # ---- server mode: the GPUs split, the accelerate config counts the training ones ------------------------------------
@@ -352,13 +329,13 @@ def test_a_reward_model_is_part_of_the_workload_and_the_files(tiny_config):
 
     wl = build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo", reward_model=tiny_config)
     plain = build_workload(tiny_config, gpu="H100-80GB-SXM", trainer="grpo")
-    assert wl.reward_model is not None and wl.fingerprint() != plain.fingerprint()
+    assert wl.model_of("reward_model") is not None and wl.fingerprint() != plain.fingerprint()
     ref = WorkloadRef.of(wl)
-    assert WorkloadRef.from_spec(ref.to_spec()).reward_model == tiny_config
+    assert WorkloadRef.from_spec(ref.to_spec()).models == (("reward_model", tiny_config),)
     assert WorkloadRef.from_dict(ref.to_dict()).build().fingerprint() == wl.fingerprint()
     data = get_trainer("grpo").run_config_dict(Candidate(), model_name_or_path="m", workload=wl)
     assert data["reward_model_name_or_path"] == tiny_config and "reward_funcs" not in data
-    with pytest.raises(ConfigError, match="trainer 'sft' scores with no reward model; use --trainer grpo or rloo"):
+    with pytest.raises(ConfigError, match="trainer 'sft' takes no reward model; use --trainer grpo or rloo"):
         build_workload(tiny_config, gpu="H100-80GB-SXM", reward_model=tiny_config)
 
 

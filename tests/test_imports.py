@@ -31,12 +31,6 @@ PHYSICS = "_physics"
 # The edges that still close a circle, each with why; the test fails on a circle they do not explain and when one
 # of them goes away (remove it here), so that this list only shrinks.
 KNOWN: dict[tuple[str, str], str] = {
-    ("space", "modeling"): "Candidate.for_model asks modeling.default_attention for transformers' attention, and "
-                           "modeling imports space's Attention",
-    ("workload", "trainers"): "issue 22 (the trainer seam): Workload.__post_init__ checks its trainer's name in the "
-                              "trainer registry, whose trainers import the value types",
-    ("_data", "trainers"): "issue 22 (the trainer seam): the tokenizer asks SFT's trainer for its data preparation",
-    ("_emit", "trainers"): "issue 22 (the trainer seam): the YAML reader asks a non-SFT trainer for its keys",
     ("probing", "backends"): "the probe's parent looks its backend's Source up in the registry that registers the "
                              "probe",
     ("render", "regress"): "render.check_verdict renders regress.Verdict, and regress renders through render.py",

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from advisor import knobs
-from advisor.emit import build_sft_config, load_run_config, run_config_dict, to_yaml
+from advisor.emit import build_config, load_run_config, run_config_dict, to_yaml
 from advisor.errors import ConfigError
 from advisor.knobs import KNOBS, Home, Kind, memory_le
 from advisor.search import build_space, parse_fix
@@ -117,7 +117,7 @@ _RULED = {"per_device_train_batch_size": 16, "num_generations": 4, "beta": 0.5}
 
 
 def _accepted() -> list[tuple[str, knobs.Knob]]:
-    return [(t, k) for t in names() for k in knobs.registry() if k.accepts(t)]
+    return [(t, k) for t in names() for k in knobs.registry() if get_trainer(t).accepts(k)]
 
 
 def _plain(v):
@@ -190,13 +190,14 @@ def test_a_knob_another_trainer_owns_is_refused_by_name():
 def test_a_taken_knob_name_is_refused():
     with pytest.raises(ConfigError, match="max_length already taken"):
         knobs.register_knobs(knobs.Knob("max_length", Kind.INT, 1, Home.TRAINER_CONFIG, "max_length", "x",
-                                        trainers=frozenset({"x"}), carried=True))
+                                        carried=True))
     with pytest.raises(ConfigError, match="a trainer's own knob is carried"):
         knobs.register_knobs(knobs.Knob("fresh", Kind.INT, 1, Home.TRAINER_CONFIG, "fresh", "x"))
 
 
 def test_the_space_takes_each_trainers_values_from_the_declarations(dpo_workload, small_workload):
-    """What a trainer searches comes from the knobs' declarations (`search`, `searched_by`, `trainers`)."""
+    """What a trainer searches comes from the knobs' declarations (`search`) and the trainer's (`accepts`: its config
+    class's fields; `searches`: what its space holds)."""
     import dataclasses as dc
 
     from advisor.workload import Method
@@ -204,10 +205,11 @@ def test_the_space_takes_each_trainers_values_from_the_declarations(dpo_workload
     dpo = dc.replace(dpo_workload, trainer="dpo")
     for wl in (small_workload, dpo, dc.replace(dpo, trainer="reward")):
         space = build_space(wl, Method.FULL).values
+        tr = get_trainer(wl.trainer)
         for k in knobs.registry():
             if k.name not in space:
-                assert k.search is None or (k.carried and not k.accepts(wl.trainer)), (wl.trainer, k.name)
-            elif not k.searched_in(wl.trainer):
+                assert k.search is None or (k.carried and not tr.accepts(k)), (wl.trainer, k.name)
+            elif not tr.searches(k):
                 assert space[k.name] == (k.default,), (wl.trainer, k.name)
             elif k.search is not None:
                 assert space[k.name] == k.search, (wl.trainer, k.name)
@@ -249,14 +251,15 @@ def test_a_trainers_own_knob_gets_label_and_memory_order_from_its_declaration():
     on = with_knobs(Candidate(), precompute_ref_log_probs=True)
     off = Candidate()
     assert knobs.trial_label(on) == knobs.trial_label(off) + " ref=precomputed"
-    assert knobs.owned_rows(on, "dpo") == [["precompute_ref_log_probs", "True"]]
-    assert knobs.owned_rows(off, "dpo") == [["precompute_ref_log_probs", "False"]]
-    assert knobs.owned_rows(on, "sft") == [] and knobs.owned_rows(on, "reward") == []
+    dpo = get_trainer("dpo")
+    assert knobs.owned_rows(on, dpo) == [["precompute_ref_log_probs", "True"]]
+    assert knobs.owned_rows(off, dpo) == [["precompute_ref_log_probs", "False"]]
+    assert knobs.owned_rows(on, get_trainer("sft")) == [] and knobs.owned_rows(on, get_trainer("reward")) == []
     assert "precompute_ref_log_probs" in knobs.ordered_names()
     assert memory_le(on, off) and not memory_le(off, on)
     # emitted from the declaration: DPOConfig gets every one of its own knobs explicitly
     kw = get_trainer("dpo").config_kwargs(on)
-    assert {k.key: kw[k.key] for k in knobs.registry() if k.carried and k.accepts("dpo")} == {
+    assert {k.key: kw[k.key] for k in knobs.registry() if k.carried and dpo.accepts(k)} == {
         "precompute_ref_log_probs": True, "precompute_ref_batch_size": None, "sync_ref_model": False}
 
 
@@ -344,7 +347,7 @@ def test_sft_config_keeps_the_offload_key_for_transformers():
 
     import transformers
 
-    args = build_sft_config(Candidate(checkpoint_offload=True), output_dir="x", use_cpu=True)
+    args = build_config(Candidate(checkpoint_offload=True), output_dir="x", use_cpu=True)
     assert args.activation_checkpointing_kwargs["offload"] is True
     assert 'gc_kwargs.pop("offload", False)' in inspect.getsource(transformers.Trainer)
 
@@ -473,7 +476,9 @@ def test_hub_kernels_lower_the_peak_by_torchs_extra_rmsnorm_tensors(long_workloa
     # two RMSNorms a layer, six layers kept (none checkpointed)
     assert plain.peak_bytes - kern.peak_bytes == per_elem * rows * seq * 2 * h * 6
     assert any("use_kernels" in n and "modelled" in n for n in kern.notes)
-    assert kern.time_breakdown["memory_bound"] < plain.time_breakdown["memory_bound"]
+    # the tiny model's elementwise kernels all sit at their launch floor, so the bytes Liger saves cannot show in
+    # its time (never more); the saving on a real architecture is test_estimate_moves_the_same_way's
+    assert kern.time_breakdown["memory_bound"] <= plain.time_breakdown["memory_bound"]
     # float32 weights under autocast: the same 4 bytes
     assert _rmsnorm_extra_saved_per_element(h, torch.float32) == 4
     # on the CPU transformers has no training kernel for it: nothing changes

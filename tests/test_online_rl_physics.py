@@ -1,5 +1,5 @@
-"""Online RL's closed form (advisor/_physics/online_rl.py) and the estimate's (advisor/_estimate/online_rl.py) against
-vLLM's own rules, a real transformers DynamicCache and TRL's real GRPOTrainer / RLOOTrainer.train() on the CPU.
+"""Online RL's closed form (advisor/_physics/online_costs.py) and the estimate's (advisor/_estimate/online_step.py)
+against vLLM's own rules, a real transformers DynamicCache and TRL's real GRPOTrainer / RLOOTrainer.train() on the CPU.
 
 Expected numbers are worked out by hand in the comments from the rule each term names (vLLM's file and function,
 transformers' cache, TRL's chunked log-prob head), not by calling the function under test."""
@@ -141,7 +141,7 @@ def test_server_mode_counts_no_pool_on_the_training_gpus():
 
 
 def test_phase_keys_accept_the_trainers_phase_kinds():
-    from advisor.trainers.phases import PhaseKind
+    from advisor.costs import online_PhaseKind as PhaseKind
 
     peak = costs.online_device_peak({PhaseKind.GENERATE: 3, PhaseKind.SCORE: 2, PhaseKind.TRAIN: 5})
     assert peak.allocator == {"generate": 3, "score": 2, "train": 5} and peak.peak_bytes == 5
@@ -231,12 +231,6 @@ def _workload(model, gpu, prompts):
     return Workload(model=model, gpu=gpu, dataset=prompts, goals=Goals(), trainer="grpo")
 
 
-def test_online_rl_is_mapped_to_its_closed_form():
-    from advisor.trainers.phases import ClosedForm
-
-    assert estimator._CLOSED_FORMS[ClosedForm.ONLINE_RL] is estimator.estimate_online_rl
-
-
 def _qwen05():
     from advisor.workload import ModelSpec
 
@@ -251,7 +245,7 @@ def test_estimate_is_a_typed_oom_when_colocated_vllm_would_not_start(h100_target
                   weights_dtype="float32", optim="adamw_torch",
                   base={"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.99,
                         "num_generations": 8, "max_completion_length": 512})
-    m = estimator.estimate_online_rl(w, c)
+    m = estimator.estimate(w, c)
     assert m.status is Status.OOM
     assert "Worker.init_device" in m.message and "vllm_gpu_memory_utilization" in m.message
     # the card is 80e9 bytes: the training process holds the memory outside the allocator and the Python thread's
@@ -270,9 +264,9 @@ def test_estimate_holds_the_pool_outside_the_allocator_and_sleep_gives_it_back(h
              "max_completion_length": 512, "vllm_max_model_length": 1024}
     c = Candidate(per_device_train_batch_size=8, gradient_accumulation_steps=8, precision="bf16",
                   weights_dtype="float32", optim="adamw_torch", base=knobs)
-    awake = estimator.estimate_online_rl(w, c)
-    asleep = estimator.estimate_online_rl(w, c.replace(base={**knobs, "vllm_enable_sleep_mode": True}))
-    server = estimator.estimate_online_rl(w, c.replace(base={**knobs, "vllm_mode": "server"}))
+    awake = estimator.estimate(w, c)
+    asleep = estimator.estimate(w, c.replace(base={**knobs, "vllm_enable_sleep_mode": True}))
+    server = estimator.estimate(w, c.replace(base={**knobs, "vllm_mode": "server"}))
     assert awake.ok and asleep.ok and server.ok
     pool = math.ceil(80 * 10**9 * 0.3)  # utilization x the card's total
     assert awake.outside_allocator_bytes == pool == awake.breakdown[Category.OUTSIDE_ALLOCATOR.value]
@@ -341,7 +335,7 @@ def test_estimate_peak_of_a_tiny_grpo_run_against_the_real_cpu_peak(case, tiny_m
     c = Candidate(per_device_train_batch_size=script.BASE["per_device_train_batch_size"],
                   gradient_accumulation_steps=1, precision="fp32", weights_dtype="float32", optim="adamw_torch",
                   **kw, base={**knobs, "max_completion_length": script.BASE["max_completion_length"]})
-    m = estimator.estimate_online_rl(_workload(tiny_model, cpu_target, _prompts(run.prompts, run.prompt_tokens)), c)
+    m = estimator.estimate(_workload(tiny_model, cpu_target, _prompts(run.prompts, run.prompt_tokens)), c)
     ratio = real.peak_bytes / m.peak_bytes
     assert abs(ratio - 1) <= TOLERANCE, f"{case}: real {real.peak_bytes:,} / estimate {m.peak_bytes:,} = {ratio:.4f}"
 
@@ -371,7 +365,7 @@ def test_estimate_refuses_vllm_on_a_cpu_target(tiny_model, cpu_target):
 
     c = Candidate(per_device_train_batch_size=4, base={"use_vllm": True, "num_generations": 4,
                                                       "max_completion_length": 16})
-    m = estimator.estimate_online_rl(_workload(tiny_model, cpu_target, _prompts(8, 24)), c)
+    m = estimator.estimate(_workload(tiny_model, cpu_target, _prompts(8, 24)), c)
     assert m.status is Status.ERROR and "use_vllm=True" in m.message and "use_vllm=False" in m.message
 
 
@@ -412,7 +406,7 @@ def test_estimate_names_trls_rule_a_candidate_breaks(tiny_model, cpu_target):
 
     # 4 completions a micro-batch, one micro-batch a generation: num_generations 3 does not divide 4
     c = Candidate(per_device_train_batch_size=4, base={"num_generations": 3, "max_completion_length": 16})
-    m = estimator.estimate_online_rl(_workload(tiny_model, cpu_target, _prompts(8, 24)), c)
+    m = estimator.estimate(_workload(tiny_model, cpu_target, _prompts(8, 24)), c)
     assert m.status is Status.ERROR and "num_generations=3 does not divide the generation batch" in m.message
 
 
@@ -426,9 +420,9 @@ def test_estimate_on_several_gpus_counts_every_training_rank(tiny_model, h100_ta
 
     c = Candidate(per_device_train_batch_size=4, parallelism="ddp",
                   base={"num_generations": 4, "max_completion_length": 16})
-    one = estimator.estimate_online_rl(_workload(tiny_model, h100_target, _prompts(8, 24)), c)
+    one = estimator.estimate(_workload(tiny_model, h100_target, _prompts(8, 24)), c)
     wl = dataclasses.replace(_workload(tiny_model, h100_target, _prompts(8, 24)), num_gpus=2)
-    two = estimator.estimate_online_rl(wl, c)
+    two = estimator.estimate(wl, c)
     assert two.trained_tokens_per_step == 2 * one.trained_tokens_per_step
     assert two.step_time_s >= one.step_time_s and two.tokens_per_second > 1.5 * one.tokens_per_second
     assert any("throughput counts all 2 ranks" in n for n in two.notes)

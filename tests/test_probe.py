@@ -157,6 +157,34 @@ def test_probe_cpu_ok_reports_peak_speed_and_the_peak_batch(tiny_workload, child
     assert_no_child_left(children)
 
 
+def test_probe_cpu_times_the_steady_state(tiny_workload, children):
+    """The peaks from the measured steps (the CPU's profiler on), then the step time from a run of the longest rows
+    again and again without it: its first step untimed, then timed until the median of the last `window` steps is
+    within the tolerance of the `window` before (or the bound); the report says how many and their spread. The peaks
+    are those of a probe that times nothing."""
+    import statistics
+
+    from advisor.probing.runner import Timing
+
+    timing = Timing(window=3, tolerance=0.05, max_steps=9, max_s=120)
+    m = probe(tiny_workload, SMALL, "cpu", steps=1, warmup=1, timeout_s=120, timing=timing)
+    assert m.status is Status.OK, m.message
+    d = m.time_detail
+    times = d["steady_step_s"]
+    assert len(times) == d["timed_steps"] and 1 <= len(times) <= timing.max_steps
+    last = times[-timing.window:]
+    assert m.step_time_s == pytest.approx(statistics.median(last))
+    assert d["spread"] == pytest.approx(max(last) / min(last) - 1)
+    before = statistics.median(times[-2 * timing.window:-timing.window]) if len(times) >= 2 * timing.window else None
+    stable = before is not None and abs(statistics.median(last) - before) <= timing.tolerance * statistics.median(last)
+    assert d["stable"] is stable
+    assert stable or len(times) == timing.max_steps  # it stops when stable, else at the bound
+    assert any("steady-state steps" in n for n in m.notes)
+    plain = probe(tiny_workload, SMALL, "cpu", steps=1, warmup=1, timeout_s=120, timing=None)
+    assert (m.peak_bytes, m.breakdown) == (plain.peak_bytes, plain.breakdown) and not plain.time_detail
+    assert_no_child_left(children)
+
+
 @pytest.mark.slow
 def test_probe_cpu_under_a_small_budget_is_oom_with_the_size(tiny_workload, children):
     m = probe(tiny_workload, SMALL, "cpu", memory_budget_bytes=40 * 2**20, timeout_s=120)

@@ -41,12 +41,12 @@ def _inline_peak(workload, candidate, tmp_path) -> int:
     import torch
     from trl import SFTTrainer
 
-    from advisor.emit import build_sft_config, peft_config
+    from advisor.emit import build_config, peft_config
     from advisor.modeling import placeholder_tokenizer, save_random_model
 
     plan = plan_batches(workload, candidate, STEPS, WARMUP)
     path = save_random_model(workload.model, tmp_path / "model", candidate)
-    config = build_sft_config(
+    config = build_config(
         candidate, workload, output_dir=str(tmp_path / "out"), max_steps=STEPS + WARMUP, report_to="none",
         save_strategy="no", logging_steps=STEPS + WARMUP, train_sampling_strategy="sequential",
         dataloader_num_workers=0, disable_tqdm=True, seed=0,

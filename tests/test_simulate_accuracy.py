@@ -41,7 +41,7 @@ def _real_cpu_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> 
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
-    from advisor.emit import build_sft_config, peft_config
+    from advisor.emit import build_config, peft_config
     from advisor.modeling import BatchFeed as _BatchFeed
     from advisor.modeling import build_model, placeholder_tokenizer
     from advisor.simulator import worst_batch
@@ -57,7 +57,7 @@ def _real_cpu_peak(workload: Workload, candidate: Candidate, steps: int = 2) -> 
     spec = workload.model
     model = build_model(spec, candidate, device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        args = build_sft_config(
+        args = build_config(
             candidate, workload, use_cpu=True, output_dir=tmp, max_steps=steps, report_to="none",
             save_strategy="no", logging_strategy="no", disable_tqdm=True, dataset_num_proc=None, seed=0,
             model_init_kwargs=None,
@@ -126,7 +126,7 @@ def test_unpadded_batch_takes_the_real_path(small_workload):
     assert patched.peak_bytes == pytest.approx(real, rel=0.01)
 
 
-# ---- the config as written (issue 10, items 4 and 5) --------------------------------------------------------------
+# ---- the config as written -------------------------------------------------------------------------------------
 # The real run here is built the way `trl sft --config` builds it, independently of advisor.emit: TRL's own parser
 # reads the YAML, trl.get_peft_config builds the LoraConfig, and the model is created with the YAML's dtype and
 # attn_implementation (None: transformers picks). Only the batch (the longest rows, as the simulator picks them) is
@@ -248,14 +248,14 @@ def _real_training_peak(workload: Workload, candidate: Candidate, **overrides) -
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
-    from advisor.emit import build_sft_config, peft_config
+    from advisor.emit import build_config, peft_config
     from advisor.modeling import build_model, placeholder_tokenizer
 
     torch.manual_seed(0)
     spec = workload.model
     model = build_model(spec, candidate, device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        args = build_sft_config(
+        args = build_config(
             candidate, workload, use_cpu=True, output_dir=tmp, report_to="none", save_strategy="no",
             logging_strategy="no", disable_tqdm=True, dataset_num_proc=None, seed=0, model_init_kwargs=None,
             dataloader_num_workers=0, **overrides,

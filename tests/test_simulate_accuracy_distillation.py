@@ -6,8 +6,8 @@ the teacher's weights live before).
 Both runs are TRL's DistillationTrainer with the same config, prompts and tokenizer; the real one forces every
 completion to `max_completion_length` with `generation_kwargs={"min_new_tokens": N}`, the fake one runs every
 completion to its maximum length (the bound). The real teacher is loaded by TRL from a saved directory with
-`teacher_model_init_kwargs` (as `trl distillation` loads it); the fake one is built by TRL from a name on `meta`
-(online_construction's `configs`), so no real weight is allocated for either model.
+`teacher_model_init_kwargs` (as `trl distillation` loads it); the fake one is built on `meta` in that dtype and given
+built (as the simulator builds it), so no real weight is allocated for either model.
 
 Measured (TRL 1.16.0, torch 2.13 CPU; tiny student 64 wide, 2 layers; teacher 96 wide, 3 layers; vocabulary 1,024;
 4 completions x 16 tokens of 24-token prompts; 2 optimizer steps): fake - real per case, in bytes, is in
@@ -28,14 +28,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import distillation_cpu_peak as real  # noqa: E402
 
-from advisor.trainers.phases import PhaseKind  # noqa: E402
+from advisor.costs import online_PhaseKind as PhaseKind  # noqa: E402
+from advisor.trainers import get_trainer  # noqa: E402
 
 TEACHER_NAME = "teacher-built-on-meta"
 
 
 def _fake_trainer(case: real.Case, teacher: dict | None = None):
-    """The trainer the real run builds, the student on meta and the teacher built by TRL from its name on meta (as
-    the simulator builds them)."""
+    """The trainer the real run builds, the student and the teacher on meta, the teacher in the dtype the real run's
+    teacher_model_init_kwargs load it in and given built (as the simulator builds them: advisor/modeling.py
+    input_model)."""
     import datasets
     from transformers import AutoConfig, AutoModelForCausalLM
     from trl import DistillationConfig, DistillationTrainer
@@ -43,16 +45,19 @@ def _fake_trainer(case: real.Case, teacher: dict | None = None):
     from advisor.simulator import make_online_trainer_class, online_construction
 
     config = AutoConfig.for_model(**real.STUDENT)
+    kwargs = real.config_kwargs(case, tempfile.mkdtemp())
+    init = kwargs.pop("teacher_model_init_kwargs", None) or {}
     with torch.device("meta"):
         student = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        built = AutoModelForCausalLM.from_config(AutoConfig.for_model(**(teacher or real.TEACHER)),
+                                                 dtype=getattr(torch, init.get("dtype", "float32")))
+    built.config._name_or_path = TEACHER_NAME
     data = datasets.Dataset.from_dict({"prompt": real.prompts(case)})
-    configs = {TEACHER_NAME: AutoConfig.for_model(**(teacher or real.TEACHER))}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with online_construction(config, configs=configs):
+        with online_construction(config, trainer_class=DistillationTrainer):
             trainer = make_online_trainer_class(DistillationTrainer)(
-                model=student, teacher_model=TEACHER_NAME,
-                args=DistillationConfig(**real.config_kwargs(case, tempfile.mkdtemp())), train_dataset=data,
+                model=student, teacher_model=built, args=DistillationConfig(**kwargs), train_dataset=data,
                 processing_class=real.tokenizer(), peft_config=real.lora_config(case))
     assert all(p.is_meta for m in (trainer.model, trainer.teacher_model) for p in m.parameters())
     return trainer
@@ -64,7 +69,8 @@ def _fake(case: real.Case, teacher: dict | None = None, **kwargs):
     trainer = _fake_trainer(case, teacher)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return run_online_fake(trainer, steps=real.BASE["max_steps"], cuda=kwargs.pop("cuda", False), **kwargs)
+        return run_online_fake(trainer, steps=real.BASE["max_steps"], cuda=kwargs.pop("cuda", False),
+                               beside=tuple(get_trainer("distillation").extra_models(trainer)), **kwargs)
 
 
 # The fast cases the brief asks for (generate, a teacher of another width, beta 0 / 0.5 / 1); LoRA and bf16 with a

@@ -1,7 +1,7 @@
 """The simulate backend for online RL (advisor/_sim/online_simulate.py): `advisor.simulator.simulate` of a GRPO / RLOO
 workload runs TRL's own train() on fake tensors (advisor/_sim/online_rl.py run_online_fake, checked against real CPU
 train() peaks in tests/test_simulate_accuracy_grpo.py) built through the trainer seam, and combines its per-phase
-allocator peaks with colocated vLLM's side (advisor/_physics/online_rl.py).
+allocator peaks with colocated vLLM's side (advisor/_physics/online_costs.py).
 
 Here: the glue's construction against a trainer built by hand with TRL's own GRPOConfig (the same peak to the byte on
 the CPU), vLLM's refusals as typed OOM outcomes naming the cause, sleep mode and server mode, and the CLI."""
@@ -215,7 +215,8 @@ def test_a_reward_model_given_as_a_model_is_resident(tiny_model, cpu_target):
     cand = _candidate()
     plain = simulate(_workload(tiny_model, cpu_target), cand)
     wl = Workload(model=tiny_model, gpu=cpu_target, dataset=synthetic_prompts(1024, rows=16, median=32, max_len=64),
-                  goals=Goals(), trainer="grpo", reward_model=dataclasses.replace(tiny_model, name="org/rm"))
+                  goals=Goals(), trainer="grpo",
+                  models={"reward_model": dataclasses.replace(tiny_model, name="org/rm")})
     scored = simulate(wl, cand)
     params = Category.PARAMETERS.value
     # the tied-embedding policy's weights again, plus the one-label score head (hidden x 1, float32)

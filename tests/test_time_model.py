@@ -59,9 +59,11 @@ def test_padding_in_the_ratio_the_lengths_report_gives(qwen_h100):
     assert d.mean(d.tokens) == pytest.approx(d.mean(d.real), rel=1e-12)  # padding-free: no padding at all
 
     m_r, m_g, m_p = (simulate(wl, c) for c in (rand, grouped, packed))
-    # the matmul term scales with padded tokens: its ratio is the lengths report's
+    # the matmul term scales with padded tokens: its ratio is the lengths report's, less what the kernels at their
+    # minimum time (the floor, never under it on a shorter batch) keep of the shorter batches
     ratio = (1.0 - pad.group_by_length) / (1.0 - pad.random)
-    assert m_r.time_breakdown["matmul"] / m_g.time_breakdown["matmul"] == pytest.approx(ratio, rel=1e-6)
+    got = m_r.time_breakdown["matmul"] / m_g.time_breakdown["matmul"]
+    assert ratio * 0.99 < got <= ratio * (1 + 1e-9)
     assert m_r.trained_tokens_per_step == pytest.approx(m_g.trained_tokens_per_step, rel=0.02)
     assert m_r.tokens_per_second < m_g.tokens_per_second < m_p.tokens_per_second
     # the memory case stays the worst batch: the same peak whatever the order

@@ -1,4 +1,4 @@
-"""Every trainer through one seam (issue 22): what is emitted and measured for DPO and Reward is what SFT gets, by
+"""Every trainer through one seam: what is emitted and measured for DPO and Reward is what SFT gets, by
 the trainer's own declarations: the launch line runs `trl <command>`, `--sample N` reads N pairs, a QLoRA pick's
 snippet and config object carry the 4-bit config with the YAML's kwargs."""
 
@@ -134,51 +134,12 @@ def test_memory_reserved_outside_the_allocator_counts_in_device_bytes_and_fit():
     cpu = Measurement(Status.OK, Source.SIMULATE, peak_bytes=1000, reserved_bytes=1200, tokens_per_second=1.0,
                       outside_allocator_bytes=500)
     assert cpu.budget_bytes == 1700 and cpu.fits(1700) and not cpu.fits(1699) and not cpu.feasible(1699)
-    gpu = Measurement(Status.OK, Source.ESTIMATE, peak_bytes=1000, reserved_bytes=1200, device_bytes=1800,
-                      breakdown={"parameters": 1000}, tokens_per_second=1.0).plus_outside_allocator(500)
-    assert gpu.device_bytes == 2300 and gpu.budget_bytes == 2300 and not gpu.fits(2299) and gpu.fits(2300)
-    assert gpu.breakdown[Category.OUTSIDE_ALLOCATOR.value] == 500 and gpu.peak_bytes == 1000
-    assert gpu.reserved_bytes == 1200  # never the allocator's own numbers
+    gpu = Measurement(Status.OK, Source.ESTIMATE, peak_bytes=1000, reserved_bytes=1200, device_bytes=2300,
+                      breakdown={"parameters": 1000, Category.OUTSIDE_ALLOCATOR.value: 500}, tokens_per_second=1.0,
+                      outside_allocator_bytes=500)
+    assert gpu.budget_bytes == 2300 and not gpu.fits(2299) and gpu.fits(2300)
     assert Measurement.from_dict(gpu.to_dict()) == gpu
     plain = Measurement(Status.OK, Source.ESTIMATE, peak_bytes=1)
-    assert plain.plus_outside_allocator(0) is plain and "outside_allocator_bytes" not in plain.to_dict()
+    assert "outside_allocator_bytes" not in plain.to_dict()
 
 
-def test_a_phase_reserving_part_of_the_card_reaches_the_estimate_and_the_simulator(tiny_workload, monkeypatch):
-    """Today's trainers reserve nothing outside the allocator; a trainer whose phase does (colocated vLLM) has it in
-    the estimate's and the simulator's device bytes and budget."""
-    from advisor.estimator import estimate
-    from advisor.measurement import Category
-    from advisor.space import Candidate
-    from advisor.trainers import get_trainer
-    from advisor.trainers.phases import Phase, PhaseKind, Resident, training_phase
-
-    sft = get_trainer("sft")
-    cand = Candidate(max_length=128, per_device_train_batch_size=2)
-    assert sft.phases(cand) == (training_phase(),) and sft.outside_allocator_bytes(cand, 10**9) == 0
-    assert [p.kind for p in get_trainer("dpo").phases(cand)] == [PhaseKind.TRAIN]
-    assert Resident.REFERENCE in get_trainer("dpo").phases(cand)[0].resident  # full fine-tuning: a separate copy
-    before = estimate(tiny_workload, cand)
-    generate = Phase(PhaseKind.GENERATE, (Resident.POLICY,), kv_cache=True, outside_allocator_fraction=0.25)
-    monkeypatch.setattr(type(sft), "phases", lambda self, c: (generate, training_phase()))
-    card = tiny_workload.gpu.memory_bytes
-    after = estimate(tiny_workload, cand)
-    assert after.device_bytes == before.device_bytes + card // 4
-    assert after.breakdown[Category.OUTSIDE_ALLOCATOR.value] == card // 4 and after.peak_bytes == before.peak_bytes
-
-    from advisor.simulator import simulate
-
-    sim = simulate(tiny_workload, cand)  # the CPU target: device bytes are the allocator's peak, plus the phase's
-    assert not tiny_workload.gpu.is_cuda and sim.device_bytes == sim.peak_bytes + card // 4
-    assert sim.outside_allocator_bytes == card // 4 == sim.breakdown[Category.OUTSIDE_ALLOCATOR.value]
-
-
-def test_a_phase_is_checked_when_built():
-    from advisor.errors import ConfigError
-    from advisor.trainers.phases import Phase, PhaseKind, Resident
-
-    with pytest.raises(ConfigError) as e:
-        Phase(PhaseKind.TRAIN, (Resident.POLICY,), kv_cache=True, outside_allocator_fraction=1.5)
-    text = str(e.value)
-    assert "outside_allocator_fraction=1.5" in text and "kv_cache=True in a train phase" in text
-    assert "Resident.GRADIENTS" in text

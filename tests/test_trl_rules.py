@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from advisor.emit import build_sft_config, peft_config
+from advisor.emit import build_config, peft_config
 from advisor.modeling import build_model, placeholder_tokenizer
 from advisor.space import Candidate
 
@@ -12,7 +12,7 @@ from advisor.space import Candidate
 def _trainer(candidate, tiny_model, tiny_data, tmp_path, **over):
     from trl import SFTTrainer
 
-    args = build_sft_config(
+    args = build_config(
         candidate, None, output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to="none",
         save_strategy="no", logging_steps=1, dataloader_num_workers=0, **over,
     )

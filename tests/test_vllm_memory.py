@@ -233,7 +233,7 @@ def test_bad_inputs_name_the_setting():
     assert BLOCK_SIZE == 16
 
 
-# ---- online RL's step (advisor/_physics/online_rl.py) over the same rules ------------------------------------------
+# ---- online RL's step (advisor/_physics/online_costs.py) over the same rules ---------------------------------------
 def _online_step(**changes):
     layout = kv_layout(QWEN05)
     side = costs.online_VllmSide(weights_bytes=QWEN05_WEIGHTS, layout=layout, max_model_len=2_048,
@@ -264,7 +264,7 @@ def test_online_rl_startup_refuses_exactly_where_free_memory_is_under_the_pool()
 
 @pytest.mark.parametrize("sleep", [Sleep.OFF, Sleep.LEVEL_2])
 def test_online_rl_phases_agree_with_training_gpu_peak(sleep):
-    # the same colocated step counted by vllm.py's two-phase peak and by online_rl.py's per-phase combination
+    # the same colocated step counted by vllm.py's two-phase peak and by online_costs.py's per-phase combination
     state, act, extra = 10 * GiB, 7 * GiB, GiB // 4
     terms = costs.online_vllm_terms(_online_step(vllm_gpu_memory_utilization=0.3, sleep=sleep))
     two = training_gpu_peak(Mode.COLOCATE, training_state_bytes=state, training_activation_bytes=act,

@@ -158,3 +158,13 @@ def peft_default_targets(model: ModelSpec) -> tuple[str, ...] | None:
     if targets is None:
         return None
     return (targets,) if isinstance(targets, str) else tuple(targets)
+
+
+def default_attention(spec: ModelSpec) -> Attention:
+    """The attention transformers 5 picks when none is asked for (`PreTrainedModel.get_correct_attn_implementation`
+    with None): sdpa where the model class supports it, else eager (Gemma2: softcapping, no sdpa)."""
+    from transformers import AutoModelForCausalLM  # start-up: loaded on first use
+
+    config = spec.hf_config()
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    return Attention.SDPA if getattr(cls, "_supports_sdpa", False) else Attention.EAGER

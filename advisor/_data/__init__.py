@@ -15,7 +15,14 @@ from .synthetic_set import (
     synthetic,
     synthetic_lengths,
 )
-from .tokenize import TOKENIZER_FILES, load_tokenizer, prepare_with_trl, progress_bars, tokenizer_note
+from .tokenize import (
+    TOKENIZER_FILES,
+    load_processing_class,
+    load_tokenizer,
+    prepare_with_trl,
+    progress_bars,
+    tokenizer_note,
+)
 
 __all__ = [  # noqa: RUF022
     "Dataset", "TokenizedDataset", "BadRow", "DataFormat", "replace_dataset",
@@ -23,5 +30,5 @@ __all__ = [  # noqa: RUF022
     "detect_format", "check_row", "columns",
     "synthetic", "synthetic_lengths", "SYNTHETIC_ROWS", "SYNTHETIC_SEED", "SYNTHETIC_MEDIAN", "SYNTHETIC_SIGMA",
     "SYNTHETIC_MIN", "SYNTHETIC_MAX",
-    "load_tokenizer", "prepare_with_trl", "progress_bars", "TOKENIZER_FILES", "tokenizer_note",
+    "load_tokenizer", "load_processing_class", "prepare_with_trl", "progress_bars", "TOKENIZER_FILES", "tokenizer_note",
 ]

@@ -48,8 +48,8 @@ class BadRow:
 @runtime_checkable
 class Dataset(Protocol):
     """What the advisor reads of a trainer's prepared data, whatever its kind: chat rows (TokenizedDataset, SFT),
-    preference pairs (advisor.trainers.preference.PreferenceDataset: DPO, Reward), prompts (online RL, later: a
-    row is a prompt, `lengths` the prompt plus its longest completion, the trained tokens the completions').
+    preference pairs (advisor.trainers.preference.PreferenceDataset: DPO, Reward), prompts
+    (advisor.trainers.prompts.PromptDataset: online RL; a row is a prompt, the trained tokens its completions').
     A trainer's `load_dataset` returns one; the search, the estimate, the length report and the Suggestion use
     only these members."""
 
@@ -77,6 +77,10 @@ class Dataset(Protocol):
     # the share of trained tokens `max_length` keeps from the loss (for pairs: the worse of chosen and rejected)
 
     def trained_tokens(self, max_length: int | None) -> np.ndarray: ...  # per row, trained tokens after truncation
+
+    def trained_tokens_per_row(self, candidate: Candidate) -> float: ...  # mean trained tokens of a micro-batch row
+
+    def sequences(self) -> TokenizedDataset: ...  # the sequences a step runs, as rows (a pair: two)
 
     def to_hf(self, rows: Any = None) -> datasets.Dataset: ...
 
@@ -176,6 +180,10 @@ class TokenizedDataset:
             rows = max(1.0, math.ceil(total_tokens / candidate.max_length))
             return kept / rows
         return float(self.trained_after_truncation(candidate.max_length).mean()) if len(self.rows) else 0.0
+
+    def sequences(self) -> TokenizedDataset:
+        """The Dataset protocol's sequences: the rows themselves."""
+        return self
 
     def longest_rows(self, n: int) -> list[dict[str, list[int]]]:
         """The `n` longest rows: the batch that needs the most memory comes first."""

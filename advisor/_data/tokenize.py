@@ -24,18 +24,36 @@ GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # what `PreT
 # writes as `tokenizer_class`: no model's own class, so a config.json beside it picks another
 
 
-def load_tokenizer(tokenizer: str | None, model: ModelSpec, trainer: str | Trainer | None = None
+def load_processing_class(loader: str, path: str) -> Any:
+    """The tokenizer `transformers.<loader>` loads from `path`, as `<Trainer>.__init__` calls it when `trl <command>`
+    passes no processing_class (no remote code: `trust_remote_code` is TRL's default False). Not AutoTokenizer's
+    class when it differs: transformers 5 picks the class from a `config.json` beside the tokenizer (Qwen2Tokenizer
+    for qwen2, rebuilt from the saved vocabulary), whatever class the tokenizer was saved as, and TRL trains on what
+    that class gives. A processor's text side is its `tokenizer`, as the trainers take it
+    (`self._tokenizer = processing_class.tokenizer`)."""
+    import transformers
+
+    loaded = getattr(transformers, loader).from_pretrained(path, trust_remote_code=False)
+    return loaded.tokenizer if isinstance(loaded, transformers.ProcessorMixin) else loaded
+
+
+DEFAULT_LOADER = "AutoProcessor"  # what SFTTrainer, DPOTrainer, GRPOTrainer and RLOOTrainer load with
+
+
+def load_tokenizer(tokenizer: str | None, model: ModelSpec, trainer: Trainer | None = None
                    ) -> PreTrainedTokenizerBase:
-    """The tokenizer `trainer` trains with (the default trainer when None), loaded as its `trl <command>` loads it
-    (`Trainer.load_processing_class`): from `--tokenizer PATH`, else the model's directory, else its hub id.
+    """The tokenizer `trainer` trains with (`Trainer.load_processing_class`; without one, TRL's AutoProcessor), loaded
+    as its `trl <command>` loads it: from `--tokenizer PATH`, else the model's directory, else its hub id.
     DatasetError says how to provide one.
 
     The class is the trainer's loader's, not the one the tokenizer was saved as: a tokenizer saved as the generic
     `TokenizersBackend` / `PreTrainedTokenizerFast` beside a qwen2 `config.json` is rebuilt as Qwen2Tokenizer by
     AutoProcessor / AutoTokenizer, and TRL trains on that class's tokens, so the advisor counts those."""
-    from ..trainers import DEFAULT, get_trainer
+    def load(path: str) -> Any:
+        if trainer is not None:
+            return trainer.load_processing_class(path)
+        return load_processing_class(DEFAULT_LOADER, path)
 
-    load = get_trainer(trainer if trainer is not None else DEFAULT).load_processing_class
     if tokenizer is not None:
         try:
             return load(tokenizer)
@@ -66,12 +84,10 @@ def load_tokenizer(tokenizer: str | None, model: ModelSpec, trainer: str | Train
 
 
 def tokenizer_note(tok: PreTrainedTokenizerBase, tokenizer: str | None, model: ModelSpec,
-                   trainer: str | Trainer | None = None) -> str | None:
+                   trainer: Trainer | None = None) -> str | None:
     """What the dataset's notes say when the trainer's loader built another class than the generic one the
     tokenizer was saved as (`load_tokenizer` counts the loader's tokens, as TRL trains; the user may expect the
     saved class's). None otherwise."""
-    from ..trainers import DEFAULT, get_trainer
-
     path = tokenizer if tokenizer is not None else model.local_dir
     if path is None:
         return None
@@ -82,12 +98,13 @@ def tokenizer_note(tok: PreTrainedTokenizerBase, tokenizer: str | None, model: M
     loaded = type(tok).__name__
     if saved not in GENERIC_CLASSES or loaded in GENERIC_CLASSES:
         return None
-    t = get_trainer(trainer if trainer is not None else DEFAULT)
-    return (f"tokenizer: {path} holds a tokenizer saved as {saved}; {t.trainer_name} loads it as {loaded} "
-            f"({t.processing_class_loader}.from_pretrained: the config.json beside it picks the class), so the "
-            f"tokens counted are {loaded}'s, which `trl {t.command}` trains on. To train with the saved class, move "
-            "it to a directory without config.json, pass that as --tokenizer and its tokenizer as the trainer's "
-            "processing_class in Python")
+    who, loader = (trainer.trainer_name, trainer.processing_class_loader) if trainer is not None else \
+        ("the trainer", DEFAULT_LOADER)
+    runs = f"`trl {trainer.command}`" if trainer is not None else "TRL"
+    return (f"tokenizer: {path} holds a tokenizer saved as {saved}; {who} loads it as {loaded} "
+            f"({loader}.from_pretrained: the config.json beside it picks the class), so the tokens counted are "
+            f"{loaded}'s, which {runs} trains on. To train with the saved class, move it to a directory without "
+            "config.json, pass that as --tokenizer and its tokenizer as the trainer's processing_class in Python")
 
 
 def prepare_with_trl(
@@ -101,12 +118,9 @@ def prepare_with_trl(
     import warnings
 
     import datasets
+    from trl import SFTConfig, SFTTrainer
 
     from .._messages import capture, said_note
-    from ..trainers import get_trainer
-
-    sft = get_trainer("sft")
-    SFTConfig, SFTTrainer = sft.config_class(), sft.trainer_class()  # noqa: N806
     columns = sorted({k for r in rows for k in r})
     try:
         hf = datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in columns})

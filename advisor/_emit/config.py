@@ -1,54 +1,55 @@
-"""From a Candidate to TRL's config objects: SFTConfig kwargs (every memory-relevant field set explicitly),
-`model_init_kwargs`, the BitsAndBytesConfig, the LoraConfig and the allocator's environment variables."""
+"""From a Candidate to TRL's config objects: a trainer's config kwargs (every memory-relevant field set explicitly,
+from the knobs its TRL config class has: the one writer of every trainer's), `model_init_kwargs`, the
+BitsAndBytesConfig, the LoraConfig and the allocator's environment variables."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from ..knobs import Home, Knob, config_knobs, knobs_in
-from ..space import Candidate, Precision, Quantization
-from .keys import base_keys
+from ..space import CHECKPOINT_EXTRA, Candidate, Precision, Quantization
+from .keys import KEY_USES, KeyUse, trl_fields
 
 if TYPE_CHECKING:
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
-    from trl import SFTConfig
 
+    from ..trainers import Trainer
     from ..workload import ModelSpec, Workload
 
 ALLOC_CONF = "expandable_segments:True"
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
-def sft_config_kwargs(candidate: Candidate, workload: Workload | None = None, *,
-                      measured: bool = False) -> dict[str, Any]:
-    """The SFTConfig fields that decide memory and speed, each set explicitly, then the base's SFTConfig keys
-    (`measured`: only those that reach a measured run, see KeyUse)."""
+def config_kwargs(trainer: Trainer, candidate: Candidate, workload: Workload | None = None, *,
+                  measured: bool = False) -> dict[str, Any]:
+    """`trainer`'s config kwargs, the one writer of every trainer's: each knob its TRL config class has (advisor/
+    knobs.py, in registry order; its own knobs from its typed view, its TRL defaults resolved), `use_liger_kernel`
+    off (its replacement, use_kernels, is a knob), what no knob owns (`Trainer.config_extras`), `model_init_kwargs`,
+    then the base's keys of its config as the user wrote them (`measured`: only those that reach a measured run,
+    see `base_config_keys`)."""
     c = candidate
-    completion_only = workload.dataset.completion_only_loss if workload is not None else None
+    view = trainer.knobs(c)
+    fields = trainer.config_fields()
     out: dict[str, Any] = {}
-    for k in config_knobs("sft"):  # TrainingArguments' knobs and SFTConfig's own (advisor/knobs.py)
-        out.update(_write_sft(k, c))
-        if k.name == "max_length":
-            out["truncation_mode"] = "keep_start"
-    out["use_liger_kernel"] = False  # replaced by model_init_kwargs use_kernels (a knob)
-    out["completion_only_loss"] = completion_only
+    for k in config_knobs(trainer):
+        out.update(_write_knob(k, c, view, fields))
+    out["use_liger_kernel"] = False
+    extras = trainer.config_extras(c, workload, measured=measured)
+    out.update(extras)
     out["model_init_kwargs"] = model_init_kwargs(c, measured=measured)
-    out.update(base_keys(c, "sft", measured))
+    out.update(base_config_keys(trainer, c, skip={*extras, *(k.key for k in view.KNOBS)}, measured=measured))
     return out
 
 
-def emitted_sft_kwargs(candidate: Candidate, completion_only_loss: bool | None = None) -> dict[str, Any]:
-    """SFTConfig's kwargs as every emitted form carries them (the YAML, the snippet, `trl_config()`):
-    `completion_only_loss` as the user wrote it, else `completion_only_loss` (explicit for the synthetic set, TRL's
-    own default None for real data)."""
-    kw = sft_config_kwargs(candidate)
-    kw["completion_only_loss"] = candidate.base.get("completion_only_loss", completion_only_loss)
-    return kw
-
-
-def _write_sft(k: Knob, c: Candidate) -> dict[str, Any]:
-    """One SFTConfig knob as TRL spells it: its key, or the keys of the knobs TRL spells differently."""
+def _write_knob(k: Knob, c: Candidate, view: Any, fields: frozenset[str]) -> dict[str, Any]:
+    """One knob as TRL spells it: its key (a trainer's own knob from its view; one that declares `emit_none=False`
+    left out at None), or the keys of the knobs TRL spells differently; max_length with the truncation TRL applies
+    (`keep_start`) where the config has truncation_mode."""
+    if k.carried:
+        value = getattr(view, k.name)
+        return {} if value is None and not k.emit_none else {k.key: k.plain(value)}
     if k.name == "precision":
         return {"bf16": c.precision is Precision.BF16, "fp16": c.precision is Precision.FP16}
     if k.name == "group_by_length":
@@ -57,11 +58,32 @@ def _write_sft(k: Knob, c: Candidate) -> dict[str, Any]:
     if k.name == "activation_checkpointing":
         return {"activation_checkpointing": c.activation_checkpointing,
                 "activation_checkpointing_kwargs": c.checkpointing_kwargs}
+    if k.name == "max_length" and "truncation_mode" in fields:
+        return {"max_length": c.max_length, "truncation_mode": "keep_start"}
     return {k.key: k.plain(getattr(c, k.name))}
 
 
+def base_config_keys(trainer: Trainer, candidate: Candidate, *, skip: Collection[str], measured: bool
+                     ) -> dict[str, Any]:
+    """The base's keys that are fields of `trainer`'s config, as the user wrote them (over what the knobs wrote:
+    truncation_mode), but `skip` (what the trainer writes itself: its own knobs, its `config_extras`), `env`, the
+    checkpointing extras and `model_init_kwargs` (the knobs write those). `measured`: only those that reach a
+    measured run: TRL's simulated keys (KEY_USES) and the trainer's own (its loss, which the simulator runs as
+    written: the config's keys the shared reader does not know)."""
+    fields = trainer.config_fields()
+    known = trl_fields()
+    out: dict[str, Any] = {}
+    for key, value in candidate.base.as_dict().items():
+        if key in skip or key in ("env", CHECKPOINT_EXTRA, "model_init_kwargs") or key not in fields:
+            continue
+        if measured and key in known and KEY_USES.get(key) is not KeyUse.SIMULATED:
+            continue
+        out[key] = value
+    return out
+
+
 def model_init_kwargs(candidate: Candidate, *, measured: bool = False) -> dict[str, Any]:
-    """What `from_pretrained` gets through SFTConfig.model_init_kwargs (as trl/scripts/sft.py builds it).
+    """What `from_pretrained` gets through the config's model_init_kwargs (as trl/scripts/sft.py builds it).
 
     Quantization is passed separately, as the trainer's `quantization_config=` argument (see
     `quantization_config`), exactly like trl/scripts/sft.py does. No attn_implementation: transformers picks.
@@ -136,16 +158,4 @@ def env_vars(candidate: Candidate) -> dict[str, str]:
     return out
 
 
-def build_sft_config(candidate: Candidate, workload: Workload | None = None, *, measured: bool = False,
-                     **overrides: Any) -> SFTConfig:
-    """A trl.SFTConfig built through its constructor (so activation/gradient checkpointing names stay synced).
 
-    `measured=True` for the simulator's and the probe's runs: the base's neutral keys (hub, reporting, output
-    paths) stay out. On a machine without a GPU a bf16 config needs `use_cpu=True` among the overrides.
-    """
-    from trl import SFTConfig
-
-    kwargs = sft_config_kwargs(candidate, workload, measured=measured)
-    kwargs["output_dir"] = overrides.pop("output_dir", kwargs.get("output_dir", "advisor-sft"))
-    kwargs.update(overrides)
-    return SFTConfig(**kwargs)

@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from ..space import Candidate
 
 
+# The script whose TrlParser reads the shared vocabulary of run-config keys (SFTConfig's, ModelConfig's, the script
+# arguments': `trl_fields`), which every trainer's reader starts from
+SHARED_SCRIPT = "trl.scripts.sft"
+
+
 class KeyUse(str, Enum):
     KNOB = "knob"  # read into a Candidate field; emitted from it
     SIMULATED = "simulated"  # kept in the base and passed as written to every measured run
@@ -134,11 +139,17 @@ def trl_default(name: str) -> Any:
 
 
 def owner_of(name: str) -> str:
-    """'sft' for SFTConfig fields, 'model' for ModelConfig's, 'script' for the others."""
+    """'config' for the shared config's fields (SFTConfig), 'model' for ModelConfig's, 'script' for the others."""
     from trl import ModelConfig, SFTConfig
 
     cls = trl_fields()[name][0]
-    return "sft" if cls is SFTConfig else "model" if cls is ModelConfig else "script"
+    return "config" if cls is SFTConfig else "model" if cls is ModelConfig else "script"
+
+
+def config_keys() -> tuple[str, ...]:
+    """The shared config's fields (SFTConfig's): what another trainer's reader refuses by name when its config
+    lacks one."""
+    return tuple(name for name in trl_fields() if owner_of(name) == "config")
 
 
 def base_keys(candidate: Candidate, owner: str, measured: bool) -> dict[str, Any]:

@@ -5,14 +5,13 @@ simulated, a misspelt key or a value the advisor cannot measure is a ConfigError
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import enum
 import functools
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -26,12 +25,16 @@ from .keys import (
     KEY_USES,
     NEUTRAL_INIT_KWARGS,
     REFUSED,
+    SHARED_SCRIPT,
     KeyUse,
     trl_default,
     trl_fields,
 )
 from .target import carried_by_run_config, dataset_of
 from .writer import ONE_TARGET
+
+if TYPE_CHECKING:
+    from ..trainers import Trainer
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,9 @@ class RunConfig:
     path: Path | None = None
     datasets: list[dict[str, Any]] | None = None  # a `datasets:` entry of local data (what the writer emits)
     use_cpu: bool | None = None  # the target's (the writer's `use_cpu`), not the candidate's
-    # online RL's reward model given as a model (trl grpo's script key): resident beside the policy, part of the
-    # workload (--reward-model) as the model and the data are
-    reward_model_name_or_path: str | None = None
+    # the models the trainer takes beside the policy (its ModelInputs: online RL's reward_model_name_or_path), by
+    # parameter: resident beside the policy, part of the workload (their flags) as the model and the data are
+    models: dict[str, str] = field(default_factory=dict)
 
     @property
     def dataset(self) -> str | None:
@@ -58,8 +61,10 @@ class RunConfig:
 
 
 def candidate_from_run_dict(data: dict[str, Any], *, source: str = "config") -> Candidate:
-    """Map SFTConfig / ModelConfig keys to a Candidate over a base of the other keys; unset knobs take TRL 1.16's
-    defaults. A key that changes memory and is not simulated is a ConfigError naming it."""
+    """Map the shared keys (SFTConfig's, the vocabulary every trainer's reader starts from, and ModelConfig's) to a
+    Candidate over a base of the other keys; unset knobs take TRL 1.16's defaults. A key that changes memory and is
+    not simulated is a ConfigError naming it. Its values are typed as the shared vocabulary's parser types them
+    (`typed_run_dict`)."""
     d = typed_run_dict(data, source=source)
     problems: list[str] = []
     base: dict[str, Any] = {}
@@ -88,34 +93,13 @@ def candidate_from_run_dict(data: dict[str, Any], *, source: str = "config") -> 
 
     ck_kwargs = _read_mapping(d.get("activation_checkpointing_kwargs", d.get("gradient_checkpointing_kwargs")),
                               "activation_checkpointing_kwargs", problems)
-    ck_keys = {k.key for k in knobs_in(Home.CHECKPOINT_KWARGS)}
-    extra_ck = {}
-    for k, v in ck_kwargs.items():
-        if k in ck_keys:
-            continue  # a knob's (selective, every_n_layers, offload)
-        if k == "use_reentrant" and v is False:
-            continue  # what TRL sets when it is not given, and what the emitter writes
-        if k in CHECKPOINT_KWARGS:
-            extra_ck[k] = v
-        else:
-            problems.append(f"activation_checkpointing_kwargs {k}={v!r}: not an option the advisor simulates "
-                            f"(known: {', '.join([*sorted(ck_keys), *CHECKPOINT_KWARGS])}); remove it")
+    extra_ck = _checkpoint_extras(ck_kwargs, problems)
     if extra_ck:
         base[CHECKPOINT_EXTRA] = extra_ck
-
     if d.get("load_in_4bit") and d.get("load_in_8bit"):
         problems.append("load_in_4bit and load_in_8bit both true: choose one")
     mik = _read_mapping(d.get("model_init_kwargs"), "model_init_kwargs", problems)
-    init_keys = {"dtype", "torch_dtype", "attn_implementation", *(k.key for k in knobs_in(Home.MODEL_INIT_KWARGS))}
-    extra_init = {}
-    for k, v in mik.items():
-        if k in init_keys:
-            continue
-        if k in NEUTRAL_INIT_KWARGS:
-            extra_init[k] = v
-        else:
-            problems.append(f"model_init_kwargs {k}={v!r}: changes how the model is loaded and is not simulated; "
-                            "remove it (quantization: load_in_4bit / load_in_8bit)")
+    extra_init = _init_extras(mik, problems)
     if extra_init:
         base["model_init_kwargs"] = extra_init
     sampling = d.get("train_sampling_strategy")
@@ -147,11 +131,14 @@ def candidate_from_run_dict(data: dict[str, Any], *, source: str = "config") -> 
 
 
 @functools.cache
-def _trl_parser(command: str) -> Any:
-    """The TrlParser `trl <command>` builds (trl/scripts/<command>.py), only to read values as it reads them."""
-    from ..trainers import get_trainer
+def _trl_parser(trainer: Trainer | None) -> Any:
+    """The TrlParser `trl <command>` builds (trl/scripts/<command>.py), only to read values as it reads them; without
+    a trainer, the parser of the shared vocabulary's script (keys.SHARED_SCRIPT)."""
+    if trainer is None:
+        import importlib
 
-    return get_trainer(command).make_parser()
+        return importlib.import_module(SHARED_SCRIPT).make_parser()
+    return trainer.make_parser()
 
 
 def _converts(action: argparse.Action) -> bool:
@@ -164,7 +151,8 @@ def _converts(action: argparse.Action) -> bool:
     return callable(kind) and not isinstance(kind, type)
 
 
-def typed_run_dict(data: dict[str, Any], *, trainer: str = "sft", source: str = "config") -> dict[str, Any]:
+def typed_run_dict(data: dict[str, Any], *, trainer: Trainer | None = None, source: str = "config"
+                   ) -> dict[str, Any]:
     """The config's values as `trl <trainer> --config` reads them: TrlParser.set_defaults_with_config makes every
     YAML value an argparse default, and argparse converts a default that is a string with the field's type at the
     end of parse_args (so `packing: "false"` trains without packing, `per_device_train_batch_size: "4"` is 4 and
@@ -189,12 +177,47 @@ def typed_run_dict(data: dict[str, Any], *, trainer: str = "sft", source: str = 
             fix = ("write true or false" if name == "string_to_bool" else
                    "write a whole number, e.g. 4" if name == "int" else
                    "write a number, e.g. 0.5" if name == "float" else "write a value trl accepts")
-            problems.append(f"{key}={value!r}: trl {trainer} --config refuses it ({exc.message}); {fix}")
+            command = trainer.command if trainer is not None else SHARED_SCRIPT.rpartition(".")[2]
+            problems.append(f"{key}={value!r}: trl {command} --config refuses it ({exc.message}); {fix}")
             continue
         out[key] = typed.value if isinstance(typed, enum.Enum) else typed
     if problems:
         raise ConfigError(problems, context=source)
     return out
+
+
+def _checkpoint_extras(ck_kwargs: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """activation_checkpointing_kwargs beyond the knobs' (selective, every_n_layers, offload): the options torch's
+    checkpoint takes as written; any other is a problem named."""
+    ck_keys = {k.key for k in knobs_in(Home.CHECKPOINT_KWARGS)}
+    extra_ck = {}
+    for k, v in ck_kwargs.items():
+        if k in ck_keys:
+            continue  # a knob's (selective, every_n_layers, offload)
+        if k == "use_reentrant" and v is False:
+            continue  # what TRL sets when it is not given, and what the emitter writes
+        if k in CHECKPOINT_KWARGS:
+            extra_ck[k] = v
+        else:
+            problems.append(f"activation_checkpointing_kwargs {k}={v!r}: not an option the advisor simulates "
+                            f"(known: {', '.join([*sorted(ck_keys), *CHECKPOINT_KWARGS])}); remove it")
+    return extra_ck
+
+
+def _init_extras(mik: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """model_init_kwargs beyond the knobs' (dtype, attention, the MODEL_INIT_KWARGS knobs): the loading options
+    that do not change memory, kept; any other is a problem named."""
+    init_keys = {"dtype", "torch_dtype", "attn_implementation", *(k.key for k in knobs_in(Home.MODEL_INIT_KWARGS))}
+    extra_init = {}
+    for k, v in mik.items():
+        if k in init_keys:
+            continue
+        if k in NEUTRAL_INIT_KWARGS:
+            extra_init[k] = v
+        else:
+            problems.append(f"model_init_kwargs {k}={v!r}: changes how the model is loaded and is not simulated; "
+                            "remove it (quantization: load_in_4bit / load_in_8bit)")
+    return extra_init
 
 
 def _read_mapping(value: Any, name: str, problems: list[str]) -> dict[str, Any]:
@@ -281,9 +304,9 @@ def _read_targets(targets: Any, problems: list[str]) -> tuple[str, ...] | None:
     return None
 
 
-def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
-    """Read a RUN.yaml (what `advisor suggest --format yaml` writes and `trl sft --config` accepts; `trl dpo` /
-    `trl reward`'s with `trainer`: another trainer's keys, e.g. `packing` in a DPO config, are refused by name)."""
+def load_run_config(path: str | Path, trainer: Trainer) -> RunConfig:
+    """Read a RUN.yaml (what `advisor suggest --format yaml` writes and `trl <command> --config` accepts) as
+    `trainer` reads it: another trainer's keys, e.g. `packing` in a DPO config, are refused by name."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--config {path}: no such file; write one with `advisor suggest --format yaml --output "
@@ -297,13 +320,11 @@ def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
     data = answer_part(data, "config")  # `advisor suggest --json`'s answer: its run config
     env = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
     data = typed_run_dict(data, trainer=trainer, source=f"--config {path}")
-    from ..trainers import get_trainer
-
-    kind = get_trainer(trainer)  # its keys (another trainer's, e.g. `packing` in a DPO config, are refused by name)
-    kind.check_run_keys(data, source=f"--config {path}")
-    _check_keys(data, path, extra={f.name for f in dataclasses.fields(kind.config_class())}
-                | set(getattr(kind, "script_keys", frozenset)()))  # its script's own keys (trl grpo's reward_funcs)
-    cand = kind.candidate_from_run_dict(data, source=f"--config {path}")
+    trainer.check_run_keys(data, source=f"--config {path}")
+    # its config's keys, its script's, its models' beside the policy
+    _check_keys(data, path, extra=trainer.config_fields() | trainer.script_keys()
+                | {m.yaml_key for m in trainer.model_inputs})
+    cand = trainer.candidate_from_run_dict(data, source=f"--config {path}")
     return RunConfig(
         candidate=cand,
         model_name_or_path=data.get("model_name_or_path"),
@@ -312,7 +333,7 @@ def load_run_config(path: str | Path, trainer: str = "sft") -> RunConfig:
         path=path,
         datasets=data["datasets"] if dataset_of(data.get("datasets")) is not None else None,
         use_cpu=data.get("use_cpu"),
-        reward_model_name_or_path=data.get("reward_model_name_or_path"),
+        models={m.param: str(data[m.yaml_key]) for m in trainer.model_inputs if data.get(m.yaml_key)},
     )
 
 

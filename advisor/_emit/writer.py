@@ -1,7 +1,7 @@
-"""The files a Candidate is written as: the YAML `trl <command> --config` accepts and a Python snippet that trains
-with it. `write_yaml` / `write_python` are the one writer every trainer's emission goes through
-(advisor/trainers/base.py `TrlTrainer.to_yaml` / `to_python`); `run_config_dict`, `to_yaml` and `to_python` are
-SFT's keys and files."""
+"""The files a Candidate is written as, for any trainer: the keys `trl <command> --config` accepts
+(`run_config_dict`), that YAML (`write_yaml`) and a Python snippet that trains with it (`write_python`), the one
+writer every trainer's emission goes through (advisor/trainers/base.py `TrlTrainer.to_yaml` / `to_python`). What a
+trainer adds is what it declares (`script_kwargs`, `model_extras`, `env`, `snippet_arguments`)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,12 @@ import yaml
 
 from ..knobs import KNOBS, Home, Knob
 from ..space import Candidate, Quantization
-from .config import (
-    compute_dtype,
-    emitted_sft_kwargs,
-    env_vars,
-    peft_config,
-    peft_targets,
-    quantization_config,
-)
+from .config import compute_dtype, peft_targets, quantization_config
 from .keys import base_keys
 from .target import add_workload_keys, load_line, target_keys
 
 if TYPE_CHECKING:
+    from ..trainers import Trainer
     from ..workload import Workload
 
 # One target written for `trl sft`: ModelConfig turns a one-element list into a string, which PEFT matches as a
@@ -55,26 +49,27 @@ def _write_model(k: Knob, c: Candidate) -> dict[str, Any]:
     return {k.key: k.plain(getattr(c, k.name))}
 
 
-def run_config_dict(
-    candidate: Candidate, *, model_name_or_path: str | None, dataset_name: str | None = None,
-    completion_only_loss: bool | None = None, output_dir: str = "advisor-sft", workload: Workload | None = None,
-) -> dict[str, Any]:
-    """The keys `trl sft --config FILE` accepts: ScriptArguments, SFTConfig, ModelConfig and an `env:` block.
-    The base's keys come after the knobs', as the user wrote them. With `workload`, the target's device keys and
-    the measured data too (target.add_workload_keys), so the file runs as written on its target."""
+def run_config_dict(trainer: Trainer, candidate: Candidate, *, model_name_or_path: str | None,
+                    dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
+    """The keys `trl <trainer.command> --config FILE` accepts: ScriptArguments (with the trainer's own script
+    arguments), the trainer's config kwargs as emitted, ModelConfig (with the trainer's own keys there) and an
+    `env:` block. The base's keys come after the knobs', as the user wrote them. With `workload`, the target's
+    device keys and the measured data too (target.add_workload_keys), so the file runs as written on its target."""
     c = candidate
-    kw = emitted_sft_kwargs(c, completion_only_loss)
-    init = kw.pop("model_init_kwargs")  # trl sft builds it from ModelConfig's dtype / attn_implementation
+    kw = trainer.emit_kwargs(c, workload)
+    init = kw.pop("model_init_kwargs")  # trl <command> builds it from ModelConfig's dtype / attn_implementation
     out: dict[str, Any] = {}
     if model_name_or_path is not None:
         out["model_name_or_path"] = model_name_or_path
     if dataset_name is not None:
         out["dataset_name"] = dataset_name
-    out.update(base_keys(c, "script", measured=False))
-    out["output_dir"] = c.base.get("output_dir", output_dir)
+    out.update(model_input_keys(trainer, c, workload))
+    out.update(trainer.script_kwargs(c, workload))
+    out.update({k: v for k, v in base_keys(c, "script", measured=False).items() if k not in trainer.config_fields()})
+    out["output_dir"] = c.base.get("output_dir", f"advisor-{trainer.name}")
     out.update(kw)
     # model_init_kwargs goes into the YAML whole but for what ModelConfig's dtype / attn_implementation carry
-    # (trl sft updates those with it): the model_init_kwargs knobs and the user's other loading keys
+    # (trl <command> updates those with it): the model_init_kwargs knobs and the user's other loading keys
     extra_init = {k: v for k, v in init.items() if k not in ("dtype", "attn_implementation")}
     if extra_init:
         out["model_init_kwargs"] = extra_init
@@ -82,17 +77,23 @@ def run_config_dict(
         if k.home in (Home.MODEL_CONFIG, Home.LORA_CONFIG) and k.is_active(c):
             out.update(_write_model(k, c))
     out.update(base_keys(c, "model", measured=False))
-    env = env_vars(c)
+    out.update(trainer.model_extras(c))
+    env = trainer.env(c)
     if env:
         out["env"] = env
     return add_workload_keys(out, workload)
 
 
-def to_yaml(candidate: Candidate, *, header: str | None = None, **kwargs: Any) -> str:
-    """The `trl sft --config` file; `header` becomes leading `#` comment lines, and without a dataset_name a
-    commented placeholder says where `trl sft` takes it from."""
-    return write_yaml(run_config_dict(candidate, **kwargs), header=header, command="sft",
-                      example_dataset="trl-lib/Capybara")
+def model_input_keys(trainer: Trainer, candidate: Candidate, workload: Workload | None) -> dict[str, str]:
+    """The models the trainer takes beside the policy, each under its declared YAML key (ModelInput.yaml_key): the
+    workload's (`--reward-model`), else what the candidate's base carries (a config read back)."""
+    out = {}
+    for inp in trainer.model_inputs:
+        given = workload.model_of(inp.role) if workload is not None else None
+        name = given.name if given is not None else candidate.base.get(inp.yaml_key)
+        if name:
+            out[inp.yaml_key] = name
+    return out
 
 
 def write_yaml(run_dict: dict[str, Any], *, header: str | None = None, command: str,
@@ -112,33 +113,23 @@ def write_yaml(run_dict: dict[str, Any], *, header: str | None = None, command: 
     return body
 
 
-def to_python(candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None = None,
-              completion_only_loss: bool | None = None, workload: Workload | None = None) -> str:
-    """A snippet that trains with this configuration (SFTConfig + SFTTrainer; with `workload`: on its target,
-    over the measured data)."""
+def write_python(trainer: Trainer, candidate: Candidate, *, model_name_or_path: str, dataset_name: str | None,
+                 workload: Workload | None = None) -> str:
+    """Every trainer's snippet: the env vars first, `<Config>(**kwargs)` (the same kwargs the trainer's config object
+    and YAML carry), the trainer's LoraConfig when LoRA, the BitsAndBytesConfig when quantized (as `trl <command>`
+    passes `get_quantization_config(model_args)` to the trainer), and `<Trainer>(...)` with the trainer's own
+    arguments (`snippet_arguments`: `reward_funcs=[...]` for GRPO / RLOO) and their imports. With `workload`: the
+    target's device keys and the data the search measured (target.py), as the YAML carries them."""
     c = candidate
-    return write_python(c, config_name="SFTConfig", trainer_name="SFTTrainer",
-                        kwargs=emitted_sft_kwargs(c, completion_only_loss), peft=peft_config(c),
-                        model_name_or_path=model_name_or_path, dataset_name=dataset_name,
-                        default_output_dir="advisor-sft", data_hint="your data", workload=workload)
-
-
-def write_python(candidate: Candidate, *, config_name: str, trainer_name: str, kwargs: dict[str, Any], peft: Any,
-                 model_name_or_path: str, dataset_name: str | None, default_output_dir: str, data_hint: str,
-                 workload: Workload | None = None, trainer_args: tuple[str, ...] = (),
-                 imports: tuple[str, ...] = ()) -> str:
-    """Every trainer's snippet: the env vars first, `<config_name>(**kwargs)` (the same kwargs the trainer's config
-    object and YAML carry), the trainer's LoraConfig (`peft`) when LoRA, the BitsAndBytesConfig when quantized (as
-    `trl <command>` passes `get_quantization_config(model_args)` to the trainer), and `<trainer_name>(...)`. With
-    `workload`: the target's device keys and the data the search measured (target.py), as the YAML carries them.
-    `trainer_args`: the trainer's own arguments (`reward_funcs=[...]` for GRPO / RLOO), with their `imports`."""
-    c = candidate
-    kw = dict(kwargs)
+    config_name, trainer_name = trainer.config_name, trainer.trainer_name
+    peft = trainer.peft_config(c)
+    trainer_args, imports = trainer.snippet_arguments(c, workload)
+    kw = dict(trainer.emit_kwargs(c, workload))
     if workload is not None:
         kw.update(target_keys(workload.gpu))
-    output_dir = kw.pop("output_dir", default_output_dir)
+    output_dir = kw.pop("output_dir", f"advisor-{trainer.name}")
     lines = ["import os", ""]
-    for k, v in env_vars(c).items():
+    for k, v in trainer.env(c).items():
         lines.append(f"os.environ.setdefault({k!r}, {v!r})  # before torch initialises CUDA")
     lines += ["", "from datasets import load_dataset", f"from trl import {config_name}, {trainer_name}"]
     if peft is not None:
@@ -146,7 +137,7 @@ def write_python(candidate: Candidate, *, config_name: str, trainer_name: str, k
     if c.quantization is not Quantization.NONE:
         lines.append("from transformers import BitsAndBytesConfig")
     lines += list(imports)
-    load = load_line(workload, dataset_name, data_hint)
+    load = load_line(workload, dataset_name, trainer.data_hint)
     lines += ["", f"dataset = {load}", f"config = {config_name}(", f"    output_dir={output_dir!r},"]
     lines += [f"    {k}={v!r}," for k, v in kw.items()]
     lines.append(")")

@@ -15,7 +15,7 @@ from .memory import (
     outside_allocator_bytes,
 )
 from .micro_batches import BatchShape, batches
-from .online_rl import estimate_online_rl
+from .online_step import estimate_online_rl
 from .step_time import expected_step_time
 
 __all__ = [  # noqa: RUF022

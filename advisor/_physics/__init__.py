@@ -17,11 +17,13 @@ the simulator (advisor/simulator.py with _sim/) depend on this package and never
   interconnect, CPU offload's host step, and the estimate's moments and step time of one rank.
 - `vllm.py`: vLLM's pool (its CUDA graphs inside it), KV pages, refusals and sleep levels from vLLM's own
   accounting, as vLLM 0.31.0 has them (`VLLM_FOLLOWED`; checked against 0.22.0: TRL 1.16's range).
-- `online_rl.py`: online RL's (GRPO, RLOO, distillation) step in closed form: each phase's device bytes (allocator
-  and outside it), colocated vLLM's typed refusals, `device_peak` (the simulator's measured phase peaks combined with
-  vLLM's bytes), the step-time terms of generation, weight sync and scoring.
+- `online_step.py`: online RL's (GRPO, RLOO) step as plain numbers (`OnlineStep`), built by both backends from the
+  trainer's knob view and the training state's bytes (`build_step`), and its phases (`PhaseKind`).
 - `distillation.py`: on-policy distillation's training pass: the resident teacher, its no-grad forward and TRL's
   chunked divergence over the vocabulary (its float32 tiles, the head's float32 weight gradient).
+- `online_costs.py`: that step in closed form: each phase's device bytes (allocator and outside it), colocated
+  vLLM's typed refusals, `device_peak` (the simulator's measured phase peaks combined with vLLM's bytes), the
+  step-time terms of generation, weight sync and scoring.
 
 Only the names in `__all__` may be used outside this package (`from ._physics import X` inside advisor);
 `advisor.costs` is the public way in for scripts and tests. tests/test_privacy.py fails on an import of a module of
@@ -38,7 +40,7 @@ from .._lazy import lazy_exports
 _EXPORTS: dict[str, tuple[str, str]] = {
     # ---- the model's shapes (shapes.py) ---------------------------------------------------------------------------
     **{name: ("shapes", name) for name in (
-        "Architecture", "architecture", "lora_parameters", "quantized_linear_bytes", "DTYPE_BYTES",
+        "Architecture", "architecture", "lora_parameters", "quantized_linear_bytes", "DTYPE_BYTES", "resident_bytes",
     )},
     # ---- the knobs fake tensors cannot run, in closed form (modelled.py) -------------------------------------------
     **{name: ("modelled", name) for name in ("knob_memory_savings", "knob_time")},
@@ -53,6 +55,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "attention_units", "batch_distribution", "causal_tiles", "dequant_s", "evaluate", "extrapolate_cost",
         "fitted_multipliers", "full_tiles", "gemm_s", "memory_s", "model_flops", "offload_copy_s_per_token",
         "optimizer_cost", "optimizer_impl", "peak_flops", "raw_constants", "sampler_spec", "time_constants",
+        "HostCost", "OpClass", "OpTrace", "QueueShare", "QueueTimes", "TraceBuilder", "deepen", "extrapolate_trace",
+        "host_cost", "op_class", "run_queues", "uniform_trace", "time_detail", "calibration_rows",
+        "calibration_path", "read_calibration", "write_calibration_row", "host_name", "Segment", "segment_times",
     )},
     # the cost matrix's sizes (terms x bases), which the fake run's timing hook (advisor/_sim/timing_hook.py) fills
     **{name: ("timing.constants", name) for name in ("_NB", "_NT")},
@@ -76,20 +81,24 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "vllm_VLLM_CHECKED", "vllm_CudaGraphs", "vllm_cudagraph_capture_sizes", "vllm_cudagraph_graphs",
         "vllm_CUDAGRAPH_MIN_GRAPH_BYTES",
     )},
-    # ---- online RL's step in closed form (online_rl.py): per-phase device bytes, vLLM's refusals, step time; its
-    # names are generic there (Reference, step_time, ...), so each is exported as "online_<name>"
-    **{name: ("online_rl", name.removeprefix("online_")) for name in (
-        "online_OnlineStep", "online_VllmSide", "online_Reference", "online_HeadBytes", "online_PhaseBytes",
-        "online_VllmTerms", "online_VllmRefusal", "online_OnlineDevicePeak", "online_OnlineTime",
-        "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes", "online_vllm_terms",
-        "online_vllm_profile_activation_bytes", "online_startup_bytes", "online_device_peak", "online_step_time",
-        "online_step_time_on", "online_constants", "online_PHASES", "online_vllm_side", "online_colocated_vllm",
-        "online_build_step", "online_Loss", "online_vllm_cudagraph_bytes",
+    # ---- online RL's step (online_step.py) and its closed form (online_costs.py): per-phase device bytes, vLLM's
+    # refusals, step time; their names are generic there (Reference, step_time, ...), so each is exported as
+    # "online_<name>"
+    **{name: ("online_step", name.removeprefix("online_")) for name in (
+        "online_OnlineStep", "online_VllmSide", "online_Reference", "online_TrainingState", "online_build_step",
+        "online_constants", "online_PHASES", "online_PhaseKind", "online_vllm_side", "online_Loss",
+        "online_vllm_profile_activation_bytes", "online_vllm_cudagraph_bytes",
+    )},
+    **{name: ("online_costs", name.removeprefix("online_")) for name in (
+        "online_HeadBytes", "online_PhaseBytes", "online_VllmTerms", "online_VllmRefusal", "online_OnlineDevicePeak",
+        "online_OnlineTime", "online_hf_kv_cache_bytes", "online_lm_head_bytes", "online_phase_allocator_bytes",
+        "online_vllm_terms", "online_startup_bytes", "online_device_peak", "online_step_time", "online_step_time_on",
+        "online_colocated_vllm",
     )},
     # ---- on-policy distillation's training pass (distillation.py): the teacher and the chunked divergence --------
     **{name: ("distillation", name) for name in (
         "Teacher", "DivergenceBytes", "divergence_bytes", "step_divergence", "teacher_train_flops",
-        "vocabulary_note",
+        "vocabulary_note", "teacher_of",
     )},
     "divergence_tiles": ("distillation", "tiles"),
 }

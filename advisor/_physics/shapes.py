@@ -3,6 +3,7 @@ from a transformers config (Llama-style decoders), and the adapters' and quantiz
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -97,3 +98,13 @@ def lora_parameters(arch: Architecture, candidate: Candidate) -> int:
     targets = set(candidate.lora_target_modules)
     return arch.layers * sum(candidate.lora_r * (i + o) for name, i, o in arch.linears if name in targets)
 
+
+
+def resident_bytes(models: Iterable[ModelSpec], weight_bytes: int) -> int:
+    """The weights and buffers of models held on the device beside the policy (a trainer's ModelInputs: online
+    RL's reward model), each at `weight_bytes` per parameter."""
+    total = 0
+    for spec in models:
+        arch = architecture(spec)
+        total += arch.total * weight_bytes + arch.buffer_bytes
+    return total

@@ -84,6 +84,11 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "HEARTBEAT_S": ("liveness", "HEARTBEAT_S"),
     "STALE_S": ("liveness", "STALE_S"),
     "work": ("worker", "work"),
+    # ---- stored searches shown again, a worker's side of a shared study (stored.py) ---------------------------------
+    "StoredStudy": ("stored", "StoredStudy"),
+    "stored_studies": ("stored", "stored_studies"),
+    "stored_suggestion": ("stored", "stored_suggestion"),
+    "run_worker": ("stored", "run_worker"),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -61,6 +61,9 @@ class Evaluator:
 
     def __init__(self, workload: Workload, backend: FunctionBackend, ledger: Ledger, pool: Any = None):
         self.workload, self.backend, self.ledger = workload, backend, ledger
+        from ..trainers import trainer_of
+
+        self.trainer = trainer_of(workload)
         self.pool = pool if pool is not None else SerialPool(backend)
         self.limit = workload.limit_bytes
         self.new_measurements = 0
@@ -188,7 +191,7 @@ class Evaluator:
         return entry
 
     def workload_for(self, cand: Candidate) -> Workload:
-        """The workload a backend measures `cand` on: the training side of the run (advisor/trainers/base.py
+        """The workload a backend measures `cand` on: the training side of the run (advisor/trainers/registry.py
         `training_workload`: vLLM server mode's `trl vllm-serve` GPUs left out)."""
         from ..trainers import training_workload
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..space import Candidate, SearchSpace, carried_knobs, knob_value, with_knobs
+from ..trainers import trainer_of
 from ..workload import Workload
 from .space import BATCH_TOLERANCE, RowTokens, attention_refusal, with_accumulation
 
@@ -30,15 +31,12 @@ class StudySpace:
 
     def __init__(self, workload: Workload, space: SearchSpace, tokens_per_step: int, rows: RowTokens):
         self.workload, self.space, self.tokens_per_step, self.rows = workload, space, tokens_per_step, rows
-        from ..trainers import get_trainer
-
-        self.trainer = get_trainer(workload.trainer)
+        self.trainer = trainer_of(workload)
         # a trainer's joint dimensions (online RL's generation engine): one categorical whose choices each set
         # several knobs, so the study never proposes a combination that is refused (sleep mode with expandable
         # segments on) or the same (sleep mode without vLLM); the knobs they set are not dimensions of their own
-        joint = getattr(self.trainer, "joint_dimensions", None)
         self.joint: dict[str, dict[str, dict[str, Any]]] = {
-            name: dict(opts) for name, opts in (joint(space.values) if joint is not None else {}).items()}
+            name: dict(opts) for name, opts in self.trainer.joint_dimensions(space.values).items()}
         covered = {k for opts in self.joint.values() for a in opts.values() for k in a}
         self.fixed = {k: v[0] for k, v in space.values.items() if len(v) == 1}
         for opts in self.joint.values():
@@ -47,8 +45,6 @@ class StudySpace:
         self.params = {k: tuple(v) for k, v in sorted(space.values.items()) if len(v) > 1 and k not in covered}
         self.params.update({name: tuple(opts) for name, opts in sorted(self.joint.items()) if len(opts) > 1})
         self.base = with_knobs(Candidate(), **self.fixed) if self.fixed else Candidate()
-        self._derive = getattr(self.trainer, "derive", None)
-        self._canonical = getattr(self.trainer, "canonical", None)  # a trainer's own knobs that have no effect
         self._candidates: tuple[Candidate, ...] | None = None
         self._neighbours: dict[Candidate, tuple[Candidate, ...]] = {}
 
@@ -72,8 +68,7 @@ class StudySpace:
 
     def admit(self, cand: Candidate) -> Candidate | str:
         wl = self.workload
-        if self._canonical is not None:
-            cand = self._canonical(cand)
+        cand = self.trainer.canonical(cand)  # its own knobs that have no effect back to their defaults
         problems = self.trainer.problems(cand, wl.gpu, wl.model)  # SFT's: Candidate.problems
         if problems:
             # a rule on the accumulation this micro-batch is given below (online RL's generation batch holds whole
@@ -105,21 +100,16 @@ class StudySpace:
             problems = self.trainer.problems(out, wl.gpu, wl.model)
             if problems:
                 return "; ".join(problems)
-        if self._derive is not None:  # what the trainer derives from the rest (colocated vLLM's utilization)
-            return self._derive(wl, out, self.space.values)
-        return out
+        return self.trainer.derive(wl, out, self.space.values)  # what it derives (colocated vLLM's utilization)
 
     def _world(self, cand: Candidate) -> int:
         """The ranks that train, which the effective batch counts: --num-gpus, less the GPUs a trainer sets aside
         for this candidate (online RL's vLLM server: `training_gpus`)."""
-        from ..trainers import training_gpus
-
-        return training_gpus(self.trainer, cand, self.workload.num_gpus)
+        return self.trainer.training_gpus(cand, self.workload.num_gpus)
 
     def derivation_notes(self, cand: Candidate) -> list[str]:
         """How the trainer derived the pick's derived knobs (the search's notes)."""
-        notes = getattr(self.trainer, "derivation_notes", None)
-        return list(notes(self.workload, cand, self.space.values)) if notes is not None else []
+        return list(self.trainer.derivation_notes(self.workload, cand, self.space.values))
 
     def params_of(self, cand: Candidate) -> dict[str, Any]:
         out = {}
@@ -200,12 +190,11 @@ class StudySpace:
 
 
 def space_from_json(data: Mapping[str, list[Any]]) -> SearchSpace:
+    """A study's stored space read back (what `to_json` wrote), its values typed as the knobs declare them (every
+    registered trainer's own knobs included: importing advisor.trainers registers them)."""
     def dec(k: str, v: Any) -> Any:
         return tuple(x for x in v.split(",") if x) if k == "lora_target_modules" and isinstance(v, str) else v
 
-    from ..trainers import names
-
-    names()  # every built-in trainer registered, with its own knobs
     values = {}
     carried = carried_knobs()
     for k, vals in data.items():

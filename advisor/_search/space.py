@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from .. import knobs as _knobs
 from ..errors import ConfigError, UsageError
+from ..knobs import fix_names, knob, parse_fix_value, registry
+from ..parallelism import search_layouts
 from ..space import (
     Attention,
     Candidate,
@@ -23,10 +23,12 @@ from ..space import (
     default_lora_targets,
     with_knobs,
 )
+from ..trainers import get_trainer, owners, trainer_of
 from ..workload import Method
 
 if TYPE_CHECKING:
-    from ..data import TokenizedDataset
+    from ..data import Dataset
+    from ..trainers import Trainer
     from ..workload import Workload
 
 # TRL's defaults: per_device_train_batch_size=8, gradient_accumulation_steps=1 -> the default effective batch.
@@ -34,49 +36,24 @@ DEFAULT_ROWS_PER_STEP = 8
 
 # ---- effective batch ---------------------------------------------------------------------------------------
 class RowTokens:
-    """Trained tokens per micro-batch row for each (max_length, packing, strategy), memoised (it scans the data)."""
+    """Trained tokens per micro-batch row for each (max_length, packing, strategy), memoised (it scans the data);
+    the data read through the Dataset protocol only (advisor.data.Dataset)."""
 
-    def __init__(self, dataset: TokenizedDataset):
+    def __init__(self, dataset: Dataset):
         self.dataset = dataset
         self._memo: dict[tuple, float] = {}
 
     def __call__(self, c: Candidate) -> float:
         key = (c.max_length, c.packing, c.packing_strategy if c.packing else None)
         if key not in self._memo:
-            if _pairs(self.dataset):  # a fixed number of pairs per optimizer step: a pair's untruncated tokens
-                p = self.dataset.prompt_lengths
-                n = (self.dataset.chosen_lengths - p) + (self.dataset.rejected_lengths - p)
-                self._memo[key] = max(1e-9, float(n.mean()) if len(n) else 1.0)
-            else:
-                self._memo[key] = max(1e-9, float(self.dataset.trained_tokens_per_row(c)))
+            self._memo[key] = max(1e-9, float(self.dataset.trained_tokens_per_row(c)))
         return self._memo[key]
 
     def truncation(self, c: Candidate) -> float:
         key = ("trunc", c.max_length, c.packing, c.packing_strategy if c.packing else None)
         if key not in self._memo:
-            if _pairs(self.dataset):  # chosen and rejected apart: the worse of the two
-                self._memo[key] = max(self.dataset.truncated_fraction(c.max_length))
-            else:
-                self._memo[key] = self.dataset.truncated_fraction(c.max_length, c.packing, c.packing_strategy.value)
+            self._memo[key] = self.dataset.truncated_share(c.max_length, c.packing, c.packing_strategy.value)
         return self._memo[key]
-
-
-def _pairs(dataset: Any) -> bool:
-    """Preference data (advisor.trainers.preference.PreferenceDataset: DPO, Reward)."""
-    return hasattr(dataset, "rejected_lengths")
-
-
-def preference_max_lengths(dataset: Any, max_truncation: float) -> tuple[int, ...]:
-    """max_length values for preference pairs: percentiles of the longer of prompt + chosen and prompt + rejected,
-    rounded up to 64, kept where neither the chosen nor the rejected completions lose more than `max_truncation`
-    of their tokens (PreferenceDataset.truncated_fraction); the shortest such value is always offered."""
-    lengths = np.asarray(dataset.lengths)
-    if lengths.size == 0:
-        return (1024,)
-    grid = sorted({max(64, int(math.ceil(float(np.percentile(lengths, q)) / 64.0) * 64))
-                   for q in (50, 75, 90, 95, 99, 99.5, 100)})
-    ok = [v for v in grid if max(dataset.truncated_fraction(v)) <= max_truncation]
-    return tuple(ok) if ok else (grid[-1],)
 
 
 def default_tokens_per_step(workload: Workload, row_tokens: RowTokens | None = None) -> int:
@@ -118,44 +95,19 @@ def with_accumulation(c: Candidate, tokens_per_step: int, row_tokens: RowTokens,
 
 
 # ---- the default space -------------------------------------------------------------------------------------
-def max_length_values(dataset: TokenizedDataset, max_truncation: float) -> tuple[int, ...]:
-    """Candidate max_length values from the data (advisor.lengths when present, else rounded percentiles)."""
-    try:
-        from ..lengths import max_length_candidates
-
-        values = tuple(int(v) for v in max_length_candidates(dataset, max_truncation) if v is not None)
-        if values:
-            return tuple(sorted(set(values)))
-    except ImportError:
-        pass
-    lengths = np.asarray(dataset.lengths)
-    if lengths.size == 0:
-        return (1024,)
-    out = {int(math.ceil(float(np.percentile(lengths, q)) / 64.0) * 64) for q in (90, 95, 99, 99.5, 100)}
-    return tuple(sorted(max(64, v) for v in out))
-
-
 def default_space(workload: Workload, method: Method) -> SearchSpace:
     """Every quality-neutral knob free; quality-changing ones only as the workload's goals allow.
 
-    The values the model, the data, the target or the goals decide are worked out here; the rest are each knob's
-    declaration (advisor/knobs.py `search`, a trainer's own knob in its module), and a knob the workload's trainer
-    does not search (`searched_by`, `trainers`) is held at its default."""
-    from ..knobs import registry
-    from ..trainers import names
-
-    names()  # every built-in trainer registered, with its own knobs
-
+    The values the model, the data, the target or the goals decide are worked out here (the max_length rungs: the
+    trainer's, from its data); the rest are each knob's declaration (advisor/knobs.py `search`, a trainer's own knob
+    in its module), and a knob the workload's trainer does not search (`Trainer.searches`) is held at its default."""
     gpu, model, goals = workload.gpu, workload.model, workload.goals
     cuda = gpu.is_cuda
-    pairs = _pairs(workload.dataset)
-    from ..knobs import knob
-
-    if not knob("max_length").accepts(workload.trainer):  # GRPOConfig / RLOOConfig have no max_length: held
+    trainer = trainer_of(workload)
+    if not trainer.accepts(knob("max_length")):  # GRPOConfig / RLOOConfig have no max_length: held
         lengths: tuple[int, ...] = (knob("max_length").default,)
     else:
-        lengths = (preference_max_lengths(workload.dataset, goals.max_truncation) if pairs
-                   else max_length_values(workload.dataset, goals.max_truncation))
+        lengths = trainer.max_length_values(workload)
     ctx = model.max_position_embeddings  # no max_length beyond the model's context (rows longer are truncated)
     if ctx is not None:
         lengths = tuple(sorted({min(v, ctx) for v in lengths}))
@@ -191,31 +143,22 @@ def default_space(workload: Workload, method: Method) -> SearchSpace:
     # (pip install 'advisor[kernels]') and a CUDA target (transformers' mapping has no CPU training kernels).
     # Offline without the package the key stays out of the space, so candidates keep use_kernels=False and the
     # space, its study key and the search's trials are what they were.
-    from ..knobs import kernels_available
-
-    if cuda and kernels_available():
+    if cuda and _knobs.kernels_available():  # looked up on the module: tests stand one in
         values["use_kernels"] = (False, True)
-    # several GPUs: the parallelism (issue 16); on one GPU the key stays out, so candidates, study keys and the
-    # search's trials are what they were
+    # several GPUs: the parallelism; on one GPU the key stays out, so candidates, study keys and the search's trials
+    # are what they were
     if workload.num_gpus > 1:
-        from ..parallelism import search_layouts
-
         values["parallelism"] = search_layouts(workload.num_gpus)
-    trainer = workload.trainer
     for k in registry():
         if k.name not in values:
-            if k.search is None or (k.carried and not k.accepts(trainer)):
+            if k.search is None or (k.carried and not trainer.accepts(k)):
                 continue  # offered through --fix only (checkpoint_offload, lora_alpha), or another trainer's own
             values[k.name] = k.search
-        if not k.searched_in(trainer):
+        if not trainer.searches(k):
             values[k.name] = (k.default,)  # a Candidate field every candidate has: held at its default
     # the values a trainer decides from the target (online RL's generation engine: vLLM only on CUDA, server mode
-    # only with several GPUs): its `search_values`, declared in its module under advisor/trainers/
-    from ..trainers import get_trainer
-
-    own = getattr(get_trainer(trainer), "search_values", None)
-    if own is not None:
-        values.update(own(workload, values))
+    # only with several GPUs), declared in its module under advisor/trainers/
+    values.update(trainer.search_values(workload, values))
     return SearchSpace(values)
 
 
@@ -318,25 +261,18 @@ class Pins:
     methods: frozenset[Method] | None = None
 
 
-def fixable_fields(trainer: str | None = None) -> list[str]:
-    """Every name `--fix` accepts (for `trainer`; None: for any): each knob's field name, TRL's names and aliases
-    (advisor/knobs.py)."""
-    from ..knobs import fix_names
-    from ..trainers import names
-
-    names()  # every built-in trainer registered, with its own knobs
+def fixable_fields(trainer: Trainer | None = None) -> list[str]:
+    """Every name `--fix` accepts (for `trainer`; None: for any registered trainer): each knob's field name, TRL's
+    names and aliases (advisor/knobs.py)."""
     return sorted(fix_names(trainer))
 
 
-def parse_fix(fix: Mapping[str, Any] | None, trainer: str | None = None) -> Pins:
+def parse_fix(fix: Mapping[str, Any] | None, trainer: str | Trainer | None = None) -> Pins:
     """Map TRL's config / ModelConfig names to knobs; raise ConfigError naming every bad field at once. `trainer`:
     a knob that trainer's config has no field for is refused by name (None: every trainer's knobs accepted)."""
-    from ..knobs import fix_names, parse_fix_value
-    from ..trainers import names
-
     if not fix:
         return Pins({})
-    names()  # every built-in trainer registered, with its own knobs
+    trainer = get_trainer(trainer) if trainer is not None else None
     pins: dict[str, tuple[Any, ...]] = {}
     methods: frozenset[Method] | None = None
     problems: list[str] = []
@@ -354,15 +290,15 @@ def parse_fix(fix: Mapping[str, Any] | None, trainer: str | None = None) -> Pins
             problems.append(f"--fix {key}: unknown field; fixable: {', '.join(fixable_fields(trainer))}")
             continue
         if trainer is not None and key not in fix_names(trainer):
-            owners = ", ".join(sorted(fix_names()[key][0].trainers or ()))
-            problems.append(f"--fix {key}: a knob of {owners}, not of trainer {trainer!r} (its config has no such "
-                            f"field); drop it or use --trainer {owners.split(', ')[0]}")
+            owned = ", ".join(sorted(owners(fix_names()[key][0])))
+            problems.append(f"--fix {key}: a knob of {owned}, not of trainer {trainer.name!r} (its config has no "
+                            f"such field); drop it or use --trainer {owned.split(', ')[0]}")
             continue
         if result.problem:
             problems.append(result.problem)
             continue
-        for knob, vals in result.pins.items():
-            pin(knob, vals)
+        for name, vals in result.pins.items():
+            pin(name, vals)
         if result.methods is not None:
             methods = result.methods
     if problems:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .._files import cache_dir
 from .._versions import TRACKED as _VERSIONED
 from .._versions import library_versions as _library_versions
 from ..errors import UsageError
@@ -31,15 +32,6 @@ if TYPE_CHECKING:
 SQLITE_TIMEOUT_S = 120  # how long a process waits for another's SQLite transaction before "database is locked"
 _SCHEMA_TRIES = 8
 _DB_NAME = "studies.sqlite3"
-
-
-def cache_dir() -> Path:
-    """$ADVISOR_CACHE_DIR, else $XDG_CACHE_HOME/advisor, else ~/.cache/advisor."""
-    env = os.environ.get("ADVISOR_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "advisor"
 
 
 def library_versions() -> dict[str, str]:

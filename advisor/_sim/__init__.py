@@ -51,13 +51,16 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{name: ("generation", name) for name in ("simulate_generate", "GenerationRun", "full_length_generate",
                                                 "IncompleteGeneration", "filler_token")},
     "DataShadow": ("shadow", "DataShadow"),  # the shadow a generating run enters above the tracker
-    # ---- GRPOTrainer/RLOOTrainer.train() on fake tensors (online_rl.py; online RL, issue 23) -------------------
+    # ---- GRPOTrainer/RLOOTrainer.train() on fake tensors (online_rl.py), its generate extrapolated from short decode
+    # loops (decode_extrapolation.py) ------------------------------------------------------------------------------
     **{name: ("online_rl", name) for name in ("make_online_trainer_class", "online_construction", "run_online_fake",
-                                               "OnlineRunResult", "GenerateExtrapolation", "NotAffine")},
+                                               "OnlineRunResult")},
+    **{name: ("decode_extrapolation", name) for name in ("GenerateExtrapolation", "NotAffine")},
     # the simulate backend's online RL: the fake train() built through the trainer seam, vLLM's side, the step time
     "simulate_online": ("online_simulate", "simulate_online"),
     # ---- the fake run's ops costed by the step-time model (timing_hook.py; the model itself: advisor._physics) -----
     **{name: ("timing_hook", name) for name in ("TimingHook", "BatchLayout")},
+    "StorageTracker": ("tracker", "StorageTracker"),  # what hands the hook each op (`on_op`) of a fake run
     # ---- one rank of N GPUs (distributed.py: advisor.simulator.simulate_per_rank, the real multi-process probe) ---
     **{name: ("distributed", name) for name in ("fake_process_group", "fsdp2_sharding", "prepare_fsdp2")},
 }

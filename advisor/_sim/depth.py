@@ -50,19 +50,20 @@ class DepthRun:
 
 def simulate_depth(
     workload: Workload, candidate: Candidate, target: GPUSpec, layers: int, *, steps: int = 2,
-    original: Candidate | None = None, trainer: str | Trainer = "sft",
+    original: Candidate | None = None, trainer: str | Trainer | None = None,
 ) -> DepthRun:
     """One fake run of `candidate` (already runnable on fake tensors) with `layers` decoder layers.
 
     `original` is the candidate as the user runs it (its attention, quantization and optimizer are what the
-    step-time model costs, where the runnable one stands in for kernels fake tensors cannot run)."""
+    step-time model costs, where the runnable one stands in for kernels fake tensors cannot run). `trainer`: the
+    workload's unless given."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from ..trainers import get_trainer
+    from ..trainers import get_trainer, trainer_of
     from .fake_step import make_trainer_class, run_fake_training
     from .timing_hook import TimingHook, layout_of
 
-    kind = get_trainer(trainer)
+    kind = get_trainer(trainer) if trainer is not None else trainer_of(workload)
     spec = with_depth(workload.model, layers)
     model = kind.build_model(spec, candidate, device="meta")
     rows = kind.worst_rows(workload, candidate)
@@ -86,10 +87,11 @@ def simulate_depth(
                           model=trainer.model)
         _record_last_step(trainer, hook, steps, candidate.gradient_accumulation_steps)
         result = run_fake_training(
-            trainer, batch, steps=steps, cuda=target.is_cuda, on_op=hook, record_events=target.is_cuda,
-            num_layers=layers, spec=kind, count_saved=(original or candidate).activation_offloading,
+            trainer, batch, steps=steps, cuda=target.is_cuda, on_op=hook, on_sync=hook.sync, on_tracker=hook.bind,
+            record_events=target.is_cuda, num_layers=layers, spec=kind,
+            count_saved=(original or candidate).activation_offloading,
         )
-        cost = _step_cost(trainer, hook, timed, target)
+        cost = _step_cost(trainer, hook, timed, target, layers)
     from .layers import LayerStream
 
     stream = LayerStream.from_run(layers, result.events, result.event_layers, result.event_categories)
@@ -126,22 +128,29 @@ def _offload(events, categories, layers: int, offloading: bool, saved_bytes: int
 
 
 def _record_last_step(trainer, hook, steps: int, ga: int) -> None:
-    """The timing hook records the micro-steps (forward + backward) of the last optimizer step: the steady state."""
+    """The timing hook records the micro-steps of the last optimizer step (the steady state), each from its
+    `training_step` (forward, loss and metrics, backward) through the Trainer's nan check of its loss, to the next
+    micro-step or to where the gradient norm is taken (clipping and the optimizer are costed analytically)."""
     inner = trainer.training_step
     calls = [0]
 
     def training_step(*args, **kwargs):
         calls[0] += 1
         hook.begin_micro(calls[0] > (steps - 1) * ga)
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            hook.end_micro()
+        return inner(*args, **kwargs)
 
     trainer.training_step = training_step
+    for name in ("_clip_grad_norm", "_get_grad_norm"):
+        method = getattr(trainer, name)
+
+        def ended(*args, _method=method, **kwargs):
+            hook.end_micro()
+            return _method(*args, **kwargs)
+
+        setattr(trainer, name, ended)
 
 
-def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec):
+def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec, layers: int = 0):
     """The micro-step's costs from the fake run, the optimizer step's from the trainable tensors as the target
     runs them, and the model FLOPs for the MFU."""
     import torch
@@ -168,13 +177,18 @@ def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec):
     heads = int(getattr(cfg, "num_attention_heads", 1))
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     flops = model_flops(trained, frozen, int(cfg.num_hidden_layers), heads * head_dim)
-    return hook.cost(accumulation=candidate.gradient_accumulation_steps, optimizer=opt, flops=flops)
+    return hook.cost(accumulation=candidate.gradient_accumulation_steps, optimizer=opt, flops=flops, layers=layers)
+
+
+def _worst_step(cost):
+    """The step-time model on the worst batch at every micro-step (a StepTime)."""
+    from .._physics import BatchDistribution, evaluate
+
+    return evaluate(cost, BatchDistribution.single(cost.worst))
 
 
 def _worst_step_s(cost) -> float:
-    from .._physics import BatchDistribution, evaluate
-
-    return evaluate(cost, BatchDistribution.single(cost.worst)).step_s
+    return _worst_step(cost).step_s
 
 
 def _stream_peaks(events: list, categories: list, *, cuda: bool, expandable_segments: bool):
@@ -289,16 +303,18 @@ def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expanda
     )
 
 
-def worst_rows(workload: Workload, candidate: Candidate, trainer: str | Trainer = "sft") -> list[dict]:
-    """The rows of the longest micro-batch, the batch a simulated step runs (the trainer's `worst_rows`)."""
-    from ..trainers import get_trainer
+def worst_rows(workload: Workload, candidate: Candidate, trainer: str | Trainer | None = None) -> list[dict]:
+    """The rows of the longest micro-batch, the batch a simulated step runs (the trainer's `worst_rows`; the
+    workload's trainer unless given)."""
+    from ..trainers import get_trainer, trainer_of
 
-    return get_trainer(trainer).worst_rows(workload, candidate)
+    kind = get_trainer(trainer) if trainer is not None else trainer_of(workload)
+    return kind.worst_rows(workload, candidate)
 
 
 def worst_batch(trainer: Any, batch_size: int, spec: str | Trainer | None = None) -> dict:
     """The batch that needs the most memory, as `trainer`'s collator builds it (`spec`: its
-    advisor.trainers.Trainer or name; SFT when not given)."""
+    advisor.trainers.Trainer or name; the default trainer when not given)."""
     from .fake_step import worst_batch as of_trainer
 
     return of_trainer(trainer, batch_size, spec)

@@ -1,6 +1,6 @@
 """Runs a TRL trainer's own `train()` for a few optimizer steps on fake tensors, with every storage tracked.
 
-What differs between trainers (SFT, DPO, Reward) comes from their `advisor.trainers.Trainer`: the class, the
+What differs between trainers comes from their `advisor.trainers.Trainer`: the class, the
 methods the fake class replaces, the models besides the policy (DPO's reference), the passes before training
 (DPO's precomputed reference log-probs) and the labels of a batch.
 
@@ -93,10 +93,10 @@ def _seq_lengths(batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
 
 def worst_batch(trainer: Any, batch_size: int, spec: Any = None) -> dict[str, torch.Tensor]:
     """The batch that needs the most memory, as the trainer's collator builds it (`spec`: its
-    advisor.trainers.Trainer; SFT when not given)."""
-    from ..trainers import get_trainer
+    advisor.trainers.Trainer; the default trainer when not given)."""
+    from ..trainers import DEFAULT, get_trainer
 
-    return get_trainer(spec or "sft").worst_batch(trainer, batch_size)
+    return get_trainer(spec or DEFAULT).worst_batch(trainer, batch_size)
 
 
 def _in_module(prefix: str) -> bool:
@@ -251,6 +251,25 @@ class CompactIndexing(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class SyncWatch(torch.utils._python_dispatch.TorchDispatchMode):
+    """Entered above every other mode of the fake run: tells `tracker.on_sync` of each op the host waits at
+    (advisor/_sim/timing_hook.is_sync), after the op ran. Above the shadows, which answer `.item()` on known values
+    without handing it down, it sees every one."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from .timing_hook import is_sync
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.tracker.on_sync is not None and is_sync(func, args, kwargs):
+            self.tracker.on_sync(func)
+        return out
+
+
 def _bool_index(indices: Any) -> bool:
     return (
         isinstance(indices, (list, tuple))
@@ -261,11 +280,11 @@ def _bool_index(indices: Any) -> bool:
 
 
 def make_trainer_class(spec: Any = None):
-    """The trainer class of `spec` (an advisor.trainers.Trainer or its name; SFT when not given) that leaves
-    placement alone, trains on batches handed to it, and takes the trainer's own fake-run overrides."""
-    from ..trainers import get_trainer
+    """The trainer class of `spec` (an advisor.trainers.Trainer or its name; the default trainer when not given)
+    that leaves placement alone, trains on batches handed to it, and takes the trainer's own fake-run overrides."""
+    from ..trainers import DEFAULT, get_trainer
 
-    spec = get_trainer(spec or "sft")
+    spec = get_trainer(spec or DEFAULT)
     base = spec.trainer_class()
 
     def _move_model_to_device(self, model, device):
@@ -292,16 +311,20 @@ def run_fake_training(
     steps: int,
     cuda: bool,
     on_op: Callable[[Any, tuple, dict, Any], None] | None = None,
+    on_sync: Callable[[Any], None] | None = None,
+    on_tracker: Callable[[StorageTracker], None] | None = None,
     record_events: bool = False,
     num_layers: int = 0,
     spec: Any = None,
     count_saved: bool = False,
 ) -> FakeRunResult:
     """Materialise `trainer.model` (and the trainer's other models) as fake tensors, run the trainer's passes before
-    training, then `trainer.train()` for `steps` optimizer steps. `spec`: the advisor.trainers.Trainer (SFT)."""
-    from ..trainers import get_trainer
+    training, then `trainer.train()` for `steps` optimizer steps. `spec`: the advisor.trainers.Trainer (the default
+    trainer when not given). `on_op` sees every op of train(), `on_sync` every op the host waits at (SyncWatch),
+    `on_tracker` the tracker (whose `layer` tags the ops with their decoder layer)."""
+    from ..trainers import DEFAULT, get_trainer
 
-    spec = get_trainer(spec or "sft")
+    spec = get_trainer(spec or DEFAULT)
     facts = batch_facts(batch, spec.labels(batch))
     ga = trainer.args.gradient_accumulation_steps
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -340,6 +363,11 @@ def run_fake_training(
                 run(lift(real))
             batches = deque(lift(batch) for _ in range(steps * ga))
             tracker.on_op = on_op
+            if on_tracker is not None:
+                on_tracker(tracker)
+            if on_sync is not None:
+                tracker.on_sync = on_sync
+                stack.enter_context(SyncWatch(tracker))
             trainer._fake_batches = batches
             trainer.train_dataset = _Sized(steps * ga)
             _label_training_state(trainer, tracker, cuda=cuda)

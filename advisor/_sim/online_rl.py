@@ -1,5 +1,4 @@
-"""TRL's own `GRPOTrainer.train()` / `RLOOTrainer.train()` / `DistillationTrainer.train()` on fake tensors (online
-RL and on-policy distillation).
+"""TRL's own `GRPOTrainer.train()` / `RLOOTrainer.train()` on fake tensors (online RL).
 
 The trainer is built by the caller from `make_online_trainer_class(trl.GRPOTrainer | trl.RLOOTrainer)` on a policy
 built on the `meta` device, inside `online_construction(...)`, so that the reference TRL builds from the policy's name
@@ -31,13 +30,13 @@ its `sync_weights` runs for real up to the hand-over: `_iter_named_params` walks
 (`load_weights` into vLLM's model, the server's `update_named_params`) takes the tensors and allocates nothing in the
 training process's allocator. Sleep mode's wake-up and sleep are vLLM's (outside the allocator).
 
-Distillation: the teacher TRL builds from `teacher_model` (its name) is built on `meta` from `online_construction`'s
-`configs[name]` with the dtype of `teacher_model_init_kwargs`, materialised and tracked beside the student (its
-`teacher_model`); the divergence runs in the training phase. tests/test_simulate_accuracy_distillation.py: the fake
-peak is 4 B under the real CPU train()'s in each of six cases (beta 1 / 0 / 0.5, LoRA, bf16 with a bf16 teacher,
-a wider teacher; 22.5-26.7 MB).
+Distillation: the teacher the simulator builds on `meta` (a model input, advisor/modeling.py `input_model`, in the
+trainer's `input_dtype`) is given to DistillationTrainer as a model, materialised and tracked beside the student
+(`beside`); the divergence runs in the training phase. tests/test_simulate_accuracy_distillation.py: the fake peak is
+4 B under the real CPU train()'s (which loads the teacher from a path with `teacher_model_init_kwargs`) in each of
+six cases (beta 1 / 0 / 0.5, LoRA, bf16 with a bf16 teacher, a wider teacher; 22.5-26.7 MB).
 
-Phases (advisor/trainers/phases.py `PhaseKind`): GENERATE is TRL's `_generate` (weight sync, the generate call, the
+Phases (advisor/_physics/online_step.py `PhaseKind`): GENERATE is TRL's `_generate` (weight sync, the generate call, the
 EOS mask and decoding); SCORE the rest of `_generate_and_score_completions` (the no-grad forwards for the old-policy
 and reference log-probs, the rewards, the advantages); TRAIN everything else (`compute_loss`, backward, optimizer).
 
@@ -92,34 +91,26 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..errors import AdvisorError, UsageError
+from .._physics import online_PhaseKind as PhaseKind
+from ..errors import UsageError
 from ..measurement import Category
-from ..trainers.phases import PhaseKind
-from .fake_step import BatchFacts, ScalarOracle, _frozen_heap, _label_training_state, _materialise, real_path_patches
-from .generation import IncompleteGeneration, filler_token, generate_replaced
+from .decode_extrapolation import GenerateExtrapolation, generate_extrapolated
+from .fake_step import (
+    BatchFacts,
+    ScalarOracle,
+    SyncWatch,
+    _frozen_heap,
+    _label_training_state,
+    _materialise,
+    real_path_patches,
+)
+from .generation import filler_token
 from .shadow import DataShadow
 from .tracker import StorageTracker
 
 ENGINES = ("generate", "vllm")
 # Decode steps `generate` runs on fake tensors (two short lengths; the full length is extrapolated from them).
 SHORT_DECODES = (5, 7)
-
-
-class NotAffine(AdvisorError):
-    """The short fake generations' decode steps are not affine in the decode step: the extrapolation would be a
-    guess. The run then runs the full decode loop instead and says so in its notes (`GenerateExtrapolation.fallback`).
-    """
-
-
-@dataclass(frozen=True)
-class GenerateExtrapolation:
-    """How the generate phase's peak was obtained: the short lengths run, the per-decode-step slope, and the peak."""
-
-    max_new_tokens: int
-    short_lengths: tuple[int, ...]  # () where the decode loop ran to its full length
-    bytes_per_step: int  # the steepest growth of a decode step's moment, bytes a step (0: not extrapolated)
-    peak_bytes: int  # the highest total inside `generate` at max_new_tokens (0: vLLM, no generate here)
-    fallback: str = ""  # why the full decode loop ran although short lengths were asked (a failed check)
 
 
 @dataclass(frozen=True)
@@ -152,29 +143,35 @@ def make_online_trainer_class(base_cls: type) -> type:
 
 
 @contextlib.contextmanager
-def online_construction(config: Any = None, *, engine: str = "generate",
-                        configs: dict[str, Any] | None = None) -> Iterator[None]:
-    """Wrap the trainer's construction. A model TRL builds from a name (`create_model_from_path` in
-    grpo_trainer.py and rloo_trainer.py: the reference, from the policy's name; in distillation_trainer.py: the
-    teacher, from `teacher_model`) is built on `meta` from `configs[name]` when given, else from `config` (the policy's
-    transformers config; None: read from the name with AutoConfig), with TRL's dtype and attention implementation, so
-    no weight is allocated. `engine="vllm"`: TRL's `VLLMGeneration` starts no vLLM (see the module's docstring)."""
+def online_construction(config: Any = None, *, engine: str = "generate", trainer_class: type | None = None
+                        ) -> Iterator[None]:
+    """Wrap the trainer's construction. The reference TRL builds from the policy's name (`create_model_from_path`
+    in grpo_trainer.py and rloo_trainer.py, and in `trainer_class`'s module) is built on `meta` from `config` (the
+    policy's transformers config; None: read from the name with AutoConfig), with TRL's dtype and attention
+    implementation, so no weight is allocated. `engine="vllm"`: TRL's `VLLMGeneration` starts no vLLM (see the
+    module's docstring); a trainer module that asks `is_vllm_available` before building it (DistillationTrainer)
+    is told yes."""
     _check_engine(engine)
+    import sys
+
     import trl.generation.vllm_generation as vg
-    import trl.trainer.distillation_trainer as distillation
     import trl.trainer.grpo_trainer as grpo
     import trl.trainer.rloo_trainer as rloo
+
+    builders = [grpo, rloo]
+    own = sys.modules[trainer_class.__module__] if trainer_class is not None else None
+    if own is not None and own not in builders and hasattr(own, "create_model_from_path"):
+        builders.append(own)
 
     def meta_model_from_path(model_id: str, architecture: Any = None, **kwargs: Any):
         import transformers
         from transformers import AutoConfig
 
         if kwargs.get("quantization_config") is not None:
-            raise UsageError(f"the model TRL loads from {model_id!r} is quantized (quantization_config): a quantized "
-                             "reference or teacher is not built on fake tensors; quantize with PEFT (the adapters "
-                             "disabled are the reference) or simulate without quantization")
-        given = (configs or {}).get(model_id, config)
-        cfg = copy.deepcopy(given) if given is not None else AutoConfig.from_pretrained(
+            raise UsageError(f"the reference of {model_id!r} is quantized (quantization_config): a quantized "
+                               "reference is not built on fake tensors; quantize with PEFT (the adapters disabled "
+                               "are the reference) or simulate without quantization")
+        cfg = copy.deepcopy(config) if config is not None else AutoConfig.from_pretrained(
             model_id, trust_remote_code=kwargs.get("trust_remote_code", False))
         if architecture is None:
             architecture = getattr(transformers, (cfg.architectures or ["AutoModelForCausalLM"])[0], None) \
@@ -199,20 +196,17 @@ def online_construction(config: Any = None, *, engine: str = "generate",
             device_placement = False
         return prepare_model(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
-    built_from_names = (grpo, rloo, distillation)
-    saved: list[tuple[Any, str, Any]] = [(m, "create_model_from_path", m.create_model_from_path)
-                                         for m in built_from_names]
+    saved: list[tuple[Any, str, Any]] = [(m, "create_model_from_path", m.create_model_from_path) for m in builders]
     saved.append((Accelerator, "prepare_model", prepare_model))
-    for m in built_from_names:
+    for m in builders:
         m.create_model_from_path = meta_model_from_path
     Accelerator.prepare_model = prepare_model_in_place
     if engine == "vllm":
         saved.append((vg.VLLMGeneration, "_init_vllm", vg.VLLMGeneration._init_vllm))
         vg.VLLMGeneration._init_vllm = _no_vllm_init
-        # DistillationTrainer.__init__ asks whether vLLM imports before it builds VLLMGeneration (GRPO's and RLOO's
-        # ask inside _init_vllm): no vLLM is started either way
-        saved.append((distillation, "is_vllm_available", distillation.is_vllm_available))
-        distillation.is_vllm_available = lambda: True
+        if own is not None and hasattr(own, "is_vllm_available"):  # no vLLM is started either way
+            saved.append((own, "is_vllm_available", own.is_vllm_available))
+            own.is_vllm_available = lambda: True
     try:
         yield
     finally:
@@ -369,201 +363,6 @@ def _wrapped_bytes(func: Any, args: tuple, kwargs: dict | None) -> int:
     return total
 
 
-# ---- generate: short decode loops, the full length extrapolated --------------------------------------------------
-
-def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model whose forward each decode step calls (under PEFT: the base model)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(inner, "module", inner)
-
-
-_Series = list[tuple[int, dict[Category, int]]]  # the total live (and by category) at each moment of a window
-
-
-@dataclass
-class _Steps:
-    """The windows of one fake generate: before the first forward, then one per forward (the prefill, each decode
-    step), each from one forward's start to the next's (the last: to generate's return)."""
-
-    windows: list[_Series] = field(default_factory=list)
-
-    def peak(self) -> int:
-        return max(t for w in self.windows for t, _ in w)
-
-
-def _run_windows(model: torch.nn.Module, tracker: _PhaseTracker, call: Any) -> tuple[Any, _Steps]:
-    steps = _Steps()
-    hf = _hf_model(model)
-
-    def pre(module: Any, args: Any, kwargs: Any) -> None:
-        steps.windows.append(tracker.close_window())
-        tracker.open_window()
-
-    handle = hf.register_forward_pre_hook(pre, with_kwargs=True)
-    tracker.open_window()
-    try:
-        out = call()
-    finally:
-        handle.remove()
-        steps.windows.append(tracker.close_window())
-    return out, steps
-
-
-def _totals(w: _Series) -> list[int]:
-    return [t for t, _ in w]
-
-
-def _lines(points: dict[int, _Series], what: str) -> tuple[int, list[tuple[int, int]]]:
-    """Per moment of the window, the (value at x0, slope) of the line through the windows at the decode steps in
-    `points`: the windows must have the same moments, each exactly on its line (checked where there are three
-    points or more). Returns x0 and the lines."""
-    xs = sorted(points)
-    sizes = {len(points[x]) for x in xs}
-    if len(sizes) != 1:
-        raise NotAffine(f"{what}: decode steps {xs} have {[len(points[x]) for x in xs]} moments, not one count")
-    x0, x1 = xs[0], xs[1]
-    lines = []
-    for i, (v0, v1) in enumerate(zip(_totals(points[x0]), _totals(points[x1]), strict=True)):
-        dy = v1 - v0
-        if dy % (x1 - x0):
-            raise NotAffine(f"{what}: moment {i} grows {dy}/{x1 - x0} B a decode step, not whole")
-        slope = dy // (x1 - x0)
-        off = [x for x in xs[2:] if points[x][i][0] != v0 + slope * (x - x0)]
-        if off:
-            raise NotAffine(f"{what}: moment {i} of decode steps {off} is off the line through steps {x0}, {x1} "
-                            f"({[points[x][i][0] for x in xs]} B)")
-        lines.append((v0, slope))
-    return x0, lines
-
-
-def _cats_at(points: dict[int, _Series], i: int, x: int) -> dict[Category, int]:
-    """The breakdown at moment `i` of the window at decode step `x`, each category on its own line."""
-    x0, x1 = sorted(points)[:2]
-    lo, hi = points[x0][i][1], points[x1][i][1]
-    out = {k: lo.get(k, 0) + (hi.get(k, 0) - lo.get(k, 0)) // (x1 - x0) * (x - x0) for k in set(lo) | set(hi)}
-    return {k: v for k, v in out.items() if v}
-
-
-def _extrapolate(short: dict[int, _Steps], full: int) -> tuple[int, dict[Category, int], int]:
-    """The peak inside generate at `full` new tokens from runs at the two short lengths in `short`, and its
-    breakdown and the largest per-step growth of a moment. Windows: index 0 before the first forward, 1 the prefill
-    (token 1), 1 + j decode step j (token j + 1); a decode step that another follows is a "middle" step, the last
-    one (n - 1 of a run of n tokens) ends with generate's return instead of preparing the next step's inputs.
-
-    A decode step's moments (the total live after each allocation) are each affine in the step: the DynamicCache,
-    the ids and the attention mask grow by one position a step, every other allocation is the same. A step's peak
-    is the highest of its moments, so it is piecewise affine (a steeper moment overtakes at some step): every moment
-    is extrapolated, not the step's peak. Checked: the windows both runs share are equal; the middle steps have the
-    same moments, each on its line (three or more steps); the last step's moments begin as the middle step's at the
-    same decode step."""
-    n1, n2 = sorted(short)
-    a, b = short[n1].windows, short[n2].windows
-    if len(a) != n1 + 1 or len(b) != n2 + 1:
-        raise NotAffine(f"expected {n1 + 1} and {n2 + 1} windows (one per forward, one before), got {len(a)} and "
-                        f"{len(b)}")
-    if [_totals(w) for w in a[:-1]] != [_totals(w) for w in b[:n1]]:
-        raise NotAffine(f"the windows before decode step {n1 - 1} differ between {n1} and {n2} new tokens")
-    middle = {j: b[1 + j] for j in range(1, n2 - 1)}
-    m0, mid = _lines(middle, "middle decode steps")
-    last = {n1 - 1: a[-1], n2 - 1: b[-1]}
-    l0, end = _lines(last, "last decode step")
-    # the last step does what a middle step does until the loop ends: its moments begin as the middle step's
-    shared = 0
-    while shared < min(len(mid), len(end)) and all(
-            end[shared][0] + end[shared][1] * (x - l0) == mid[shared][0] + mid[shared][1] * (x - m0)
-            for x in (n1 - 1, n2 - 1)):
-        shared += 1
-    if shared < 2:
-        raise NotAffine("the last decode step does not begin as a middle step does")
-    candidates: list[tuple[int, dict[Category, int]]] = [max(w, key=lambda m: m[0]) for w in b[:3]]
-    for i, (v0, s) in enumerate(mid):
-        x = full - 2 if s >= 0 else 1  # the middle steps run 1 .. full - 2
-        candidates.append((v0 + s * (x - m0), _cats_at(middle, i, x)))
-    for i, (v0, s) in enumerate(end):
-        candidates.append((v0 + s * (full - 1 - l0), _cats_at(last, i, full - 1)))
-    best = max(candidates, key=lambda c: c[0])
-    return best[0], best[1], max(s for _, s in mid)
-
-
-@contextlib.contextmanager
-def _generate_extrapolated(model: torch.nn.Module, shadow: DataShadow, tracker: _PhaseTracker,
-                           decode_lengths: tuple[int, int] | None, record: list) -> Iterator[None]:
-    """`model.generate` on fake tensors, every completion at its maximum length (full_length_generate's rules), its
-    peak inside generate extrapolated from `decode_lengths` (None: the full decode loop)."""
-    original = model.generate
-    token = filler_token(model)
-
-    def run(args: tuple, kwargs: dict, new_tokens: int) -> tuple[torch.Tensor, _Steps]:
-        kw = dict(kwargs)
-        gc = kw.get("generation_config")
-        if gc is not None:
-            gc = copy.deepcopy(gc)
-            gc.max_new_tokens = new_tokens
-            kw["generation_config"] = gc
-        else:
-            kw["max_new_tokens"] = new_tokens
-        kw.pop("max_length", None)
-        with shadow.filling(token):
-            out, steps = _run_windows(model, tracker, lambda: original(*args, **kw))
-        seqs = out if isinstance(out, torch.Tensor) else out.sequences
-        return seqs, steps
-
-    def generate(*args: Any, **kwargs: Any):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None or shadow.real(ids) is None:
-            raise IncompleteGeneration("the fake generate needs the prompt ids as a known tensor (input_ids)")
-        gc = kwargs.get("generation_config") or model.generation_config
-        full = int(kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None) or 0))
-        if not full:
-            raise IncompleteGeneration("the fake generate needs max_new_tokens (TRL sets max_completion_length)")
-        prompt = int(ids.shape[1])
-        fallback = ""
-        if decode_lengths is not None and full > max(decode_lengths):
-            tracker.suspended += 1
-            try:
-                short: dict[int, _Steps] = {}
-                for n in decode_lengths:
-                    seqs, steps = run(args, kwargs, n)
-                    _check_full(seqs, prompt + n, shadow)
-                    short[n] = steps
-                    del seqs
-                peak, cats, slope = _extrapolate(short, full)
-            except NotAffine as e:
-                fallback = str(e)
-            finally:
-                tracker.suspended -= 1
-        if decode_lengths is None or full <= max(decode_lengths) or fallback:
-            # the full decode loop, run (no extrapolation asked or possible, or its checks failed)
-            seqs, steps = run(args, kwargs, full)
-            _check_full(seqs, prompt + full, shadow)
-            record.append(GenerateExtrapolation(full, (), 0, steps.peak(), fallback))
-            return seqs
-        tracker.suspended += 1
-        try:
-            # the full-length output: one tensor of [prompt | filler] ids, as the real loop's last torch.cat
-            with _disable_current_modes():
-                prompt_ids = shadow.real(ids)
-                real = torch.cat([prompt_ids, torch.full((ids.shape[0], full), token, dtype=prompt_ids.dtype)],
-                                 dim=1)
-            out = ids.new_empty((ids.shape[0], prompt + full))
-            shadow.know(out, real)
-        finally:
-            tracker.suspended -= 1
-        tracker.note_bytes(tracker.phase, peak, cats)
-        record.append(GenerateExtrapolation(full, tuple(sorted(decode_lengths)), slope, peak))
-        return out
-
-    with generate_replaced(model, generate):
-        yield
-
-
-def _check_full(seqs: torch.Tensor, target: int, shadow: DataShadow) -> None:
-    if seqs.shape[1] != target or shadow.real(seqs) is None:
-        raise IncompleteGeneration(
-            f"fake generate returned {tuple(seqs.shape)}; expected {target} positions of known ids: the decode "
-            "loop's stop decision was not computed on known values")
-
-
 # ---- vLLM: filler completions, the weight sync run --------------------------------------------------------------
 
 def _vllm_filler(trainer: Any, record: list) -> None:
@@ -591,11 +390,12 @@ def _vllm_filler(trainer: Any, record: list) -> None:
 # ---- the run ------------------------------------------------------------------------------------------------------
 
 def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "generate",
-                    decode_lengths: tuple[int, int] | None = SHORT_DECODES) -> OnlineRunResult:
+                    decode_lengths: tuple[int, int] | None = SHORT_DECODES, beside: tuple = ()) -> OnlineRunResult:
     """Run `trainer.train()` for `steps` optimizer steps on fake tensors (see the module's docstring). `trainer`:
     built from `make_online_trainer_class(...)` inside `online_construction(...)` on a `meta` policy. `cuda`: the
     fused LM head's CUDA path (advisor/_sim/fake_step.py `real_path_patches`). `decode_lengths`: the two short
-    generations the generate phase is extrapolated from (None: the full decode loop)."""
+    generations the generate phase is extrapolated from (None: the full decode loop). `beside`: the other models
+    the trainer runs (its `extra_models`: a teacher), materialised and tracked as the policy is."""
     _check_engine(engine)
     if steps < 1:
         raise UsageError(f"steps={steps!r}: at least 1 optimizer step")
@@ -618,11 +418,11 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     record: list[GenerateExtrapolation] = []
     models = [trainer.model]
-    for name in ("ref_model", "teacher_model"):  # GRPO / RLOO's reference, distillation's teacher
-        if getattr(trainer, name, None) is not None:
-            models.append(getattr(trainer, name))
+    if getattr(trainer, "ref_model", None) is not None:
+        models.append(trainer.ref_model)
     reward_models = [f for f in getattr(trainer, "reward_funcs", ()) if isinstance(f, torch.nn.Module)]
     models += reward_models
+    models += [m for m in beside if all(m is not known for known in models)]
     notes = [
         "online RL: TRL's own train() on fake tensors; every completion at max_completion_length (the bound: a "
         "completion that ends early at EOS holds less)",
@@ -632,6 +432,8 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
                      "taken as zeros: the value changes no allocation)")
     with _frozen_heap(), real_path_patches(cuda), mode, tracker, contextlib.ExitStack() as stack:
         stack.enter_context(shadow)
+        if tracker.on_sync is not None:  # above the shadow: it answers `.item()` on known values itself
+            stack.enter_context(SyncWatch(tracker))
         for m in models:
             _materialise(m)
             tracker.set_category([*m.parameters(), *m.buffers()], Category.PARAMETERS)
@@ -644,7 +446,7 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
         _phase_wrap(trainer, "_generate_and_score_completions", PhaseKind.SCORE, tracker)
         _phase_wrap(trainer, "_generate", PhaseKind.GENERATE, tracker)
         if engine == "generate":
-            stack.enter_context(_generate_extrapolated(trainer.model, shadow, tracker, decode_lengths, record))
+            stack.enter_context(generate_extrapolated(trainer.model, shadow, tracker, decode_lengths, record))
         else:
             _vllm_filler(trainer, record)
         trainer.train()
@@ -749,7 +551,8 @@ class _SavedNumbers(torch.overrides.TorchFunctionMode):
 
 
 def _generated_tokens(trainer: Any, record: list) -> int:
-    # GRPOConfig / RLOOConfig: steps_per_generation; DistillationConfig: every gradient_accumulation_steps
+    # GRPOConfig / RLOOConfig: steps_per_generation; a config without it (DistillationConfig) generates every
+    # gradient_accumulation_steps
     steps = getattr(trainer.args, "steps_per_generation", None) or trainer.args.gradient_accumulation_steps
     rows = trainer.args.per_device_train_batch_size * steps
     return sum(r.max_new_tokens for r in record) * rows

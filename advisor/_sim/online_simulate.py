@@ -1,19 +1,20 @@
-"""The simulate backend for online RL (GRPO, RLOO) and on-policy distillation (the teacher resident): TRL's own
-`train()` on fake tensors (online_rl.py's `run_online_fake`), built through the trainer seam, its per-phase allocator
-peaks combined with what vLLM holds outside the allocator by the physics (advisor/_physics/online_rl.py), and the step
-time of the physics' online terms around the training passes the fake run's own ops cost.
+"""The simulate backend for online RL (GRPO, RLOO): TRL's own `train()` on fake tensors (online_rl.py's
+`run_online_fake`), built through the trainer seam, its per-phase allocator peaks combined with what vLLM holds
+outside the allocator by the physics (advisor/_physics/online_costs.py), and the step time of the physics' online
+terms around the training passes the fake run's own ops cost.
 
-`advisor.simulator.simulate` routes here by what the trainer declares (`closed_form is ClosedForm.ONLINE_RL`: a
-step with generation inside it), never by its name.
+`advisor.simulator.simulate` routes here by what the trainer declares (`StepShape.generates`: a step with
+generation inside it), never by its name.
 
 Construction (as the cpu probe builds the measured run, advisor/probing/worker.py): the policy on `meta` at full
 depth (`kind.build_model`), the measured config (`kind.build_config(measured=True)`: every completion forced to
 max_completion_length by `generation_kwargs.min_new_tokens`, the prompts in the order given), the prompts of the
 generation batch that needs the most memory (`kind.worst_rows`: the longest), advisor.modeling's placeholder
-tokenizer (the prompts are its placeholder text of the token ids), the trainer's own kwargs (the reward functions)
-plus a reward model given as a model (`Workload.reward_model`, resident: built on `meta` as a one-label sequence
-classifier, as `trl grpo` loads `reward_model_name_or_path`), inside `online_construction` (the reference TRL builds
-from the policy's name on `meta`; vLLM not started).
+tokenizer (the prompts are its placeholder text of the token ids), the trainer's own kwargs (`kind.trainer_kwargs`:
+the reward functions, and the models given beside the policy, `Workload.models`, each built on `meta` as its
+declaration says, advisor/modeling.py `input_model`: a reward model as `trl grpo` loads
+`reward_model_name_or_path`, resident), inside `online_construction` (the reference TRL builds from the policy's
+name on `meta`; vLLM not started).
 
 The full depth runs (the decode loop is extrapolated inside `run_online_fake`), so depth.py's layer-by-layer
 extrapolation is not used here.
@@ -29,7 +30,7 @@ allocation stream to replay), the CUDA context and cuBLAS workspace.
 Time: the training passes from the fake run's own ops (advisor/_sim/timing_hook.py over the TRAIN-phase ops of the
 last optimizer step's micro-steps: generation and scoring run inside `training_step` and are filtered out by phase),
 costed by the step-time model (advisor/_physics/timing/); generation, the weight sync (with sleep, the wake-up) and
-the scoring forwards from advisor/_physics/online_rl.py `step_time`. The objective: trained completion tokens per
+the scoring forwards from advisor/_physics/online_costs.py `step_time`. The objective: trained completion tokens per
 second.
 
 Checked (tests/test_simulate_online.py): on the CPU the glue's peak equals a GRPOTrainer built by hand with TRL's
@@ -63,13 +64,12 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
     fake `train()`. `candidate` is the user's (already `for_model`); `decode_lengths`: run_online_fake's short
     decode lengths (None: its default)."""
     from .._physics import (
-        RESERVED_FACTOR,
         architecture,
         context_bytes,
         cublas_workspace_bytes,
         online_build_step,
-        online_device_peak,
         online_step_time_on,
+        online_TrainingState,
         online_vllm_terms,
         online_VllmRefusal,
     )
@@ -77,58 +77,35 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
 
     started = time.perf_counter()
     k = kind.knobs(candidate)
-    if k.use_vllm and not target.is_cuda:
-        return Measurement(status=Status.ERROR, source=Source.SIMULATE,
-                           message=f"use_vllm=True on {target.name}: vLLM generates on CUDA GPUs only; set "
-                                   "use_vllm=False (transformers' generate) for a CPU target")
-    if candidate.attn_implementation.is_flash:
-        # the FlashAttention stand-in (_sim/flash.py) answers the varlen kernel's data-dependent shapes from one
-        # batch's facts; an online step runs several shapes (prefill, each decode step, the scoring and training
-        # batches), which it does not describe yet: a typed ERROR the search skips, never a KeyError or a guess
-        return Measurement(status=Status.ERROR, source=Source.SIMULATE,
-                           message=f"attn_implementation={candidate.attn_implementation.value}: the simulate "
-                                   "backend does not run FlashAttention's kernels in an online RL step yet (its "
-                                   "generate / score / train shapes); simulate attn_implementation=sdpa, or measure "
-                                   "this one with --backend estimate or --backend cuda")
+    refused = _not_run(candidate, k, target)
+    if refused is not None:
+        return refused
     run_cand, notes = runnable(candidate, target)
     engine = "vllm" if k.use_vllm else "generate"
     built = _build_and_run(workload, run_cand, candidate, target, kind, steps=steps, engine=engine,
                            decode_lengths=decode_lengths)
     result = built.result
     notes.extend(result.notes)
-    rm = getattr(workload, "reward_model", None)  # --reward-model: the trainer's notes read it as trl grpo's key
-    notes.extend(kind.notes(candidate if rm is None else candidate.replace(
-        base={**candidate.base.as_dict(), "reward_model_name_or_path": rm.name})))
-
+    notes.extend(kind.notes(candidate, workload))
     cuda = target.is_cuda
     ctx = context_bytes(target.compute_capability) if cuda else 0
     ws = cublas_workspace_bytes(target.compute_capability) if cuda else 0
     arch = architecture(workload.model)
-    b, ga = candidate.per_device_train_batch_size, candidate.gradient_accumulation_steps
-    prompt = built.prompt_length
-    completion = int(k.max_completion_length)
-    from .._physics import DTYPE_BYTES
-    from ..space import Precision
-
-    phase_peaks, adjust = _modelled(candidate, workload, result, b, prompt + completion, cuda, notes)
-    teacher = getattr(workload, "teacher", None)
-    step = online_build_step(
-        arch, workload.model.config, weights_bytes=built.policy_bytes + adjust.get(Category.PARAMETERS.value, 0),
+    b = candidate.per_device_train_batch_size
+    phase_peaks, adjust = _modelled(candidate, workload, result, b, built.prompt_length + int(k.max_completion_length),
+                                    cuda, notes)
+    state = online_TrainingState(
+        weights_bytes=built.policy_bytes + adjust.get(Category.PARAMETERS.value, 0),
         gradient_bytes=built.trainable_bytes,
         optimizer_bytes=int(result.breakdown.get(Category.OPTIMIZER, 0)) + adjust.get(Category.OPTIMIZER.value, 0),
-        trainable=built.trainable,
-        weight_element_bytes=DTYPE_BYTES[candidate.weights_dtype], mixed=candidate.precision is not Precision.FP32,
-        prompt_length=prompt, max_completion_length=completion, per_device_train_batch_size=b,
-        gradient_accumulation_steps=ga, lora=candidate.use_lora,
-        gradient_checkpointing=candidate.activation_checkpointing, reference_bytes=built.reference_bytes,
-        reward_model_bytes=built.reward_model_bytes, card_bytes=target.memory_bytes, cuda=cuda,
-        # when vLLM snapshots the device no backward has run: the Python thread's cuBLAS workspace only
-        context_bytes=ctx + (cublas_workspace_bytes(target.compute_capability, threads=1) if cuda else 0),
-        supports_bf16=target.supports_bf16,
-        teacher_arch=architecture(teacher) if teacher is not None else None, teacher_bytes=built.teacher_bytes,
-        teacher_weight_element_bytes=built.teacher_element_bytes, **kind.step_knobs(candidate),
-    )
-    if step.teacher is not None:  # distillation: the divergence's vocabulary-sized parts, named
+        trainable=built.trainable, prompt_length=built.prompt_length, reference_bytes=built.reference_bytes,
+        model_inputs_bytes=built.model_inputs_bytes, teacher=built.teacher)
+    step = online_build_step(arch, workload.model.config, candidate, k, state, target,
+                             # when vLLM snapshots the device no backward has run: the Python thread's cuBLAS
+                             # workspace only
+                             context_bytes=ctx + (cublas_workspace_bytes(target.compute_capability, threads=1)
+                                                  if cuda else 0))
+    if step.teacher is not None:  # a divergence against a teacher: its vocabulary-sized parts, named
         from .._physics import online_constants, step_divergence, vocabulary_note
 
         div = step_divergence(step, b, cpu_fold_tiles=int(online_constants()["cpu_divergence_fold_tiles"]["value"]))
@@ -141,10 +118,69 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
             notes=(*notes, f"colocated vLLM refused: {vllm.cause.value} ({vllm.refused.source}); the training side "
                            f"ran on fake tensors (allocator peak {result.peak_bytes:,d} B)"),
             wall_time_s=time.perf_counter() - started)
+    peak_bytes, reserved_bytes, device_bytes, breakdown, outside = _device(
+        candidate, result, phase_peaks, adjust, vllm, cuda=cuda, ws=ws, ctx=ctx, notes=notes)
+    notes.extend(_vllm_notes(vllm, step, k))
+    # step time: the training passes costed from the fake run's own ops, online RL's terms from the physics
+    phases = built.phases
+    timed = online_step_time_on(
+        step, target, arch, precision=candidate.precision.value, train_s=built.train_s, vllm=vllm,
+        generation_s=phases.generation_s if phases is not None and engine == "generate" else None,
+        scoring_s=phases.scoring_s if phases is not None else None)
+    if phases is not None and engine == "generate":
+        notes.append(f"generate: {phases.per_token_s * 1e3:.3g} ms a decode step ({phases.decode_ops:,d} ops, "
+                     f"{phases.decode_syncs} sync(s)), prefill {phases.prefill_s * 1e3:.3g} ms; scoring "
+                     f"{phases.scoring_s * 1e3:.3g} ms a generation ({phases.scoring_ops:,d} ops)")
+    notes.append(f"time: the training passes ({built.train_s:.4g} s a step) from the fake run's ops of the last "
+                 f"optimizer step's micro-steps ({built.timed_ops:,d} ops in {built.timed_micro_steps}), TRAIN phase "
+                 "only (advisor/_sim/timing_hook.py, the step-time model "
+                 "of advisor/_physics/timing/); generation and scoring from the GENERATE and SCORE phases' ops "
+                 "(advisor/_sim/phase_timing.py; vLLM's generation and the weight sync in closed form, "
+                 "advisor/_physics/online_costs.py step_time)")
+    notes.extend(timed.notes)
+    notes.append("objective: trained completion tokens per optimizer step (per_device_train_batch_size x "
+                 "gradient_accumulation_steps x max_completion_length) over the step's time end to end")
+    status = Status.OK if device_bytes <= workload.budget_bytes else Status.OOM
+    step_s = timed.step_s
+    return Measurement(
+        status=status, source=Source.SIMULATE, peak_bytes=int(peak_bytes), reserved_bytes=int(reserved_bytes),
+        device_bytes=int(device_bytes), breakdown={kk: int(v) for kk, v in breakdown.items() if v},
+        step_time_s=step_s if step_s > 0 else None, tokens_per_second=timed.tokens_per_second,
+        trained_tokens_per_step=timed.trained_tokens_per_step, time_breakdown=dict(timed.terms),
+        worst_step_time_s=step_s if step_s > 0 else None,
+        peak_batch=f"{b}x{step.sequence_length} ({step.generation_batch} generated)",
+        time_detail=_time_detail(built, target, step.generations_per_step),
+        message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
+        notes=tuple(notes), wall_time_s=time.perf_counter() - started, outside_allocator_bytes=int(outside),
+    )
+
+
+def _not_run(candidate: Candidate, k: Any, target: GPUSpec) -> Measurement | None:
+    """A typed ERROR for what the online fake run does not run (the search skips it), never a KeyError or a guess:
+    vLLM on a CPU target; FlashAttention (the stand-in, _sim/flash.py, answers the varlen kernel's data-dependent
+    shapes from one batch's facts, and an online step runs several: prefill, each decode step, the scoring and
+    training batches)."""
+    if k.use_vllm and not target.is_cuda:
+        return Measurement(status=Status.ERROR, source=Source.SIMULATE,
+                           message=f"use_vllm=True on {target.name}: vLLM generates on CUDA GPUs only; set "
+                                   "use_vllm=False (transformers' generate) for a CPU target")
+    if candidate.attn_implementation.is_flash:
+        return Measurement(status=Status.ERROR, source=Source.SIMULATE,
+                           message=f"attn_implementation={candidate.attn_implementation.value}: the simulate "
+                                   "backend does not run FlashAttention's kernels in an online RL step yet (its "
+                                   "generate / score / train shapes); simulate attn_implementation=sdpa, or measure "
+                                   "this one with --backend estimate or --backend cuda")
+    return None
+
+
+def _device(candidate: Candidate, result: Any, phase_peaks: dict, adjust: dict[str, int], vllm: Any, *, cuda: bool,
+            ws: int, ctx: int, notes: list[str]) -> tuple[int, int, int, dict[str, int], int]:
+    """(peak, reserved, device bytes, the breakdown, what is outside the allocator at the device's peak): the
+    phases' allocator peaks combined with what vLLM holds outside the allocator in each (`online_device_peak`)."""
+    from .._physics import RESERVED_FACTOR, online_device_peak
+
     dp = online_device_peak(phase_peaks, vllm)
-    at = dp.peak_phase
-    outside = dp.outside_at_peak
-    peak = dp.allocator_peak_bytes
+    at, outside, peak = dp.peak_phase, dp.outside_at_peak, dp.allocator_peak_bytes
     breakdown = {c.value if isinstance(c, Category) else str(c): int(v) for c, v in result.breakdown.items()}
     for cat, delta in adjust.items():
         breakdown[cat] = breakdown.get(cat, 0) + delta
@@ -155,9 +191,7 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         per_phase = {p: int(dp.allocator[p] * factor) + dp.outside_allocator[p] for p in dp.allocator}
         at = max(per_phase, key=lambda p: per_phase[p])
         outside = dp.outside_allocator[at]
-        peak_bytes = peak + ws
-        reserved_bytes = int(peak * factor) + ws
-        device_bytes = per_phase[at] + ws + ctx
+        peak_bytes, reserved_bytes, device_bytes = peak + ws, int(peak * factor) + ws, per_phase[at] + ws + ctx
         breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
         notes.append(f"device_bytes = the peak phase's allocator bytes x {factor} (the caching allocator's reserved "
                      "over allocated, advisor/_physics/cuda_rules.py RESERVED_FACTOR: the online fake run records no "
@@ -171,43 +205,37 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
     notes.append("per phase (allocator peak + outside the allocator, bytes): "
                  + ", ".join(f"{p} {dp.allocator[p]:,} + {dp.outside_allocator[p]:,}" for p in dp.allocator)
                  + f"; the device peaks in {at}; the breakdown's allocator part is at the allocator's peak")
-    if vllm is not None:
-        if vllm.split is None:
-            notes.append("vLLM server mode: its weights and KV pool live on GPUs of its own; none on this one")
-        else:
-            notes.append(
-                f"vLLM colocated (modelled in closed form, advisor/_physics/vllm.py: vllm/v1/worker/gpu_worker.py "
-                "Worker.init_device, utilization x total; its weights, profile run and non-torch memory inside the "
-                f"pool, profiles/measurements/online_rl_constants.json): its pool {vllm.split.pool_bytes:,} B = "
-                f"vllm_gpu_memory_utilization {step.vllm_gpu_memory_utilization:g} x the card, outside PyTorch's "
-                "allocator, "
-                + ("held in every phase (no sleep mode)" if not k.vllm_enable_sleep_mode else
-                   f"held while generating, {vllm.held_bytes('train'):,} B kept asleep otherwise (sleep level "
-                   f"{step.sleep.value}: vllm.py asleep, vLLM's CuMemAllocator.sleep unmaps its weights and KV cache)")
-                + f"; its KV cache takes the generation batch in {vllm.waves} round(s)")
-    # step time: the training passes costed from the fake run's own ops, online RL's terms from the physics
-    timed = online_step_time_on(step, target, arch, precision=candidate.precision.value, train_s=built.train_s,
-                                vllm=vllm)
-    notes.append(f"time: the training passes ({built.train_s:.4g} s a step) from the fake run's ops of the last "
-                 f"optimizer step's micro-steps ({built.timed_ops:,d} ops in {built.timed_micro_steps}), TRAIN phase "
-                 "only (advisor/_sim/timing_hook.py, the step-time model "
-                 "of advisor/_physics/timing/); generation, weight sync (and wake-up with sleep mode) and the scoring "
-                 "forwards from advisor/_physics/online_rl.py step_time")
-    notes.extend(timed.notes)
-    notes.append("objective: trained completion tokens per optimizer step (per_device_train_batch_size x "
-                 "gradient_accumulation_steps x max_completion_length) over the step's time end to end")
-    status = Status.OK if device_bytes <= workload.budget_bytes else Status.OOM
-    step_s = timed.step_s
-    return Measurement(
-        status=status, source=Source.SIMULATE, peak_bytes=int(peak_bytes), reserved_bytes=int(reserved_bytes),
-        device_bytes=int(device_bytes), breakdown={kk: int(v) for kk, v in breakdown.items() if v},
-        step_time_s=step_s if step_s > 0 else None, tokens_per_second=timed.tokens_per_second,
-        trained_tokens_per_step=timed.trained_tokens_per_step, time_breakdown=dict(timed.terms),
-        worst_step_time_s=step_s if step_s > 0 else None,
-        peak_batch=f"{b}x{step.sequence_length} ({step.generation_batch} generated)",
-        message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
-        notes=tuple(notes), wall_time_s=time.perf_counter() - started, outside_allocator_bytes=int(outside),
-    )
+    return peak_bytes, reserved_bytes, device_bytes, breakdown, outside
+
+
+def _vllm_notes(vllm: Any, step: Any, k: Any) -> list[str]:
+    """What the notes say of vLLM's side: none without it, server mode on GPUs of its own, colocated its pool."""
+    if vllm is None:
+        return []
+    if vllm.split is None:
+        return ["vLLM server mode: its weights and KV pool live on GPUs of its own; none on this one"]
+    return [
+        f"vLLM colocated (modelled in closed form, advisor/_physics/vllm.py: vllm/v1/worker/gpu_worker.py "
+        "Worker.init_device, utilization x total; its weights, profile run and non-torch memory inside the "
+        f"pool, profiles/measurements/online_rl_constants.json): its pool {vllm.split.pool_bytes:,} B = "
+        f"vllm_gpu_memory_utilization {step.vllm_gpu_memory_utilization:g} x the card, outside PyTorch's "
+        "allocator, "
+        + ("held in every phase (no sleep mode)" if not k.vllm_enable_sleep_mode else
+           f"held while generating, {vllm.held_bytes('train'):,} B kept asleep otherwise (sleep level "
+           f"{step.sleep.value}: vllm.py asleep, vLLM's CuMemAllocator.sleep unmaps its weights and KV cache)")
+        + f"; its KV cache takes the generation batch in {vllm.waves} round(s)"]
+
+
+def _time_detail(built: Any, target: GPUSpec, generations: float) -> dict[str, Any]:
+    """The training passes' two queues (per optimizer step), the ops of one decode step and its time."""
+    from .._physics import time_constants, time_detail
+
+    out = time_detail(built.train_timed, time_constants(target))
+    phases = built.phases
+    if phases is not None:
+        out.update(decode_token_s=phases.per_token_s, decode_ops=phases.decode_ops,
+                   generation_s=generations * phases.generation_s, scoring_s=generations * phases.scoring_s)
+    return out
 
 
 _RESIDENT = (Category.PARAMETERS.value, Category.OPTIMIZER.value, Category.TEMPORARIES.value)
@@ -220,7 +248,7 @@ def _modelled(candidate: Candidate, workload: Workload, result: Any, rows: int, 
     optimizer's state, are held in every phase; what a knob frees of the saved activations (use_kernels,
     checkpoint_offload) only in the training phase. Returns the phases' allocator peaks and the breakdown's delta
     (at the allocator's peak phase)."""
-    from ..trainers.phases import PhaseKind
+    from .._physics import online_PhaseKind as PhaseKind
     from .modelled import modelled_adjustments
 
     cats = {c.value if isinstance(c, Category) else str(c): int(v) for c, v in result.breakdown.items()}
@@ -245,45 +273,56 @@ class _Built:
         self.__dict__.update(kw)
 
 
+def _teacher(workload: Workload, models: dict[str, tuple[Any, Any]], role: str | None) -> Any:
+    """The model input the step distills from (`StepShape.distills_from`) as the physics counts it: its architecture
+    and its bytes and weight element as built; None without one."""
+    if role is None or role not in models:
+        return None
+    from .._physics import architecture, teacher_of
+
+    model = models[role][0]
+    return teacher_of(architecture(workload.model_of(role)), weights_bytes=_model_bytes(model),
+                      weight_element_bytes=next(model.parameters()).element_size())
+
+
 def _model_bytes(model: Any) -> int:
     if model is None:
         return 0
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def _element_bytes(model: Any) -> int:
-    if model is None:
-        return 0
-    return next(model.parameters()).element_size()
-
-
-def _reward_model(workload: Workload, dtype: Any) -> tuple[Any, Any]:
-    """A reward model given as a model: `trl grpo` loads `reward_model_name_or_path` with
-    AutoModelForSequenceClassification(num_labels=1); built here on `meta` (resident, counted) with its placeholder
-    tokenizer."""
-    spec = getattr(workload, "reward_model", None)
-    if spec is None:
-        return None, None
+def _model_inputs(workload: Workload, kind: Trainer, candidate: Candidate, dtype: Any
+                  ) -> dict[str, tuple[Any, Any]]:
+    """The models given beside the policy (`workload.models`), each built on `meta` as the trainer's declaration
+    says (advisor/modeling.py `input_model`: a reward model as `trl grpo` loads `reward_model_name_or_path`,
+    AutoModelForSequenceClassification with num_labels=1; a teacher as a causal LM), in the dtype the trainer loads
+    it in (`input_dtype`; `dtype`, the policy's as built, where that is the policy's), resident, counted; with its
+    placeholder tokenizer."""
     import torch
-    from transformers import AutoModelForSequenceClassification
 
-    from ..modeling import reward_model_config
+    from ..modeling import input_model
     from .depth import _tokenizer
 
-    tok = _tokenizer(spec)
-    config = reward_model_config(spec, tok.pad_token_id)
-    with torch.device("meta"):
-        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
-    model.config._name_or_path = spec.name
-    return model, tok
+    out = {}
+    for inp in kind.model_inputs:
+        spec = workload.model_of(inp.role)
+        if spec is not None:
+            tok = _tokenizer(spec)
+            own = kind.input_dtype(candidate, inp.role)
+            at = dtype if own is candidate.weights_dtype else getattr(torch, own.value)
+            out[inp.role] = (input_model(spec, inp.head, dtype=at, pad_token_id=tok.pad_token_id,
+                                         device="meta"), tok)
+    return out
 
 
 @contextlib.contextmanager
-def _train_ops_timed(hook: Any) -> Iterator[None]:
-    """The timing hook on the fake run's ops in the TRAIN phase: run_online_fake builds its own phase tracker, so
-    its class is extended for the run with `on_op` filtered by phase (generation and scoring run inside
-    `training_step`, through `_prepare_inputs`, and are costed by the physics instead)."""
-    from ..trainers.phases import PhaseKind
+def _phases_timed(hook: Any, timers: Any) -> Iterator[None]:
+    """The fake run's ops and syncs by phase: the TRAIN phase's to the timing hook (the training passes), the
+    GENERATE and SCORE phases' to `timers` (advisor/_sim/phase_timing.py). run_online_fake builds its own phase
+    tracker, so its class is extended for the run (generation and scoring run inside `training_step`, through
+    `_prepare_inputs`); the short decode runs of the extrapolated generate (suspended for memory) are what is timed
+    of generation."""
+    from .._physics import online_PhaseKind as PhaseKind
     from . import online_rl
 
     base = online_rl._PhaseTracker
@@ -291,11 +330,29 @@ def _train_ops_timed(hook: Any) -> Iterator[None]:
     class _Timed(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.on_op = self._train_op
+            self.on_op = self._phase_op
+            self.on_sync = self._phase_sync
+            hook.bind(self)
 
-        def _train_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-            if self.phase is PhaseKind.TRAIN and not self.suspended:
+        def _phase_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+            if self.phase is PhaseKind.GENERATE:
+                timers.generate_op(func, args, kwargs, out)
+                return
+            timers.generate_end()
+            if self.phase is PhaseKind.SCORE:
+                timers.score_op(func, args, kwargs, out)
+                return
+            timers.score_end()
+            if not self.suspended:
                 hook(func, args, kwargs, out)
+
+        def _phase_sync(self, func: Any) -> None:
+            if self.phase is PhaseKind.GENERATE:
+                timers.generate_sync(func)
+            elif self.phase is PhaseKind.SCORE:
+                timers.score_sync(func)
+            elif not self.suspended:
+                hook.sync(func)
 
     online_rl._PhaseTracker = _Timed
     try:
@@ -308,8 +365,10 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
                    steps: int, engine: str, decode_lengths: tuple[int, int] | None) -> _Built:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from .depth import _quiet, _record_last_step, _step_cost, _tokenizer, _worst_step_s
+    from .decode_extrapolation import _hf_model
+    from .depth import _quiet, _record_last_step, _step_cost, _tokenizer, _worst_step
     from .online_rl import SHORT_DECODES, make_online_trainer_class, online_construction, run_online_fake
+    from .phase_timing import PhaseTimers
     from .timing_hook import BatchLayout, TimingHook
 
     spec = workload.model
@@ -319,27 +378,21 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
     prompt = max(len(r) for r in rows)
     k = kind.knobs(run_cand)
     completion = int(k.max_completion_length)
-    kwargs = dict(getattr(kind, "trainer_kwargs", lambda w, c: {})(workload, run_cand))
     tok = _tokenizer(spec)
-    rm, rm_tok = _reward_model(workload, next(model.parameters()).dtype)
-    if rm is not None:
-        funcs = list(kwargs.get("reward_funcs") or [])
-        kwargs["reward_funcs"] = [*funcs, rm]
-        kwargs["reward_processing_classes"] = [None] * len(funcs) + [rm_tok]
-    configs = {}
-    teacher = getattr(workload, "teacher", None)  # --teacher: TRL builds it from its name, on meta here
-    if teacher is not None:
-        kwargs["teacher_model"] = teacher.name
-        configs[teacher.name] = teacher.hf_config()
+    models = _model_inputs(workload, kind, run_cand, next(model.parameters()).dtype)
+    kwargs = kind.trainer_kwargs(workload, run_cand, models)
+    # a model given built (on meta) takes no from_pretrained kwargs from the config, as the policy takes none
+    built_inputs = {m.init_kwargs_key: None for m in kind.model_inputs if m.init_kwargs_key and m.role in models}
+    distills_from = kind.step_shape(run_cand).distills_from
     hf_config = copy.deepcopy(model.config)
     with tempfile.TemporaryDirectory(prefix="advisor-sim-") as tmp, _quiet(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = kind.build_config(
             run_cand, workload, measured=True, use_cpu=True, output_dir=tmp, max_steps=steps, report_to="none",
             save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
-            model_init_kwargs=None,
+            model_init_kwargs=None, **built_inputs,
         )
-        with online_construction(hf_config, engine=engine, configs=configs):
+        with online_construction(hf_config, engine=engine, trainer_class=kind.trainer_class()):
             trainer = make_online_trainer_class(kind.trainer_class())(
                 model=model, args=args, train_dataset=kind.train_dataset(workload, rows), processing_class=tok,
                 peft_config=kind.peft_config(run_cand, spec), **kwargs,
@@ -353,24 +406,33 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
                           quantized=original.quantization.value if original.quantization.value != "none" else None,
                           model=trainer.model)
         _record_last_step(trainer, hook, steps, run_cand.gradient_accumulation_steps)
+        timers = PhaseTimers(target, original.attn_implementation.value,
+                             quantized=original.quantization.value if original.quantization.value != "none" else None,
+                             model=trainer.model)
+        forward = _hf_model(trainer.model).register_forward_pre_hook(
+            lambda module, args, kw: timers.forward(kw.get("input_ids", args[0] if args else None)), with_kwargs=True)
         policy = _model_bytes(trainer.model)
         trainable_params = [p for p in trainer.model.parameters() if p.requires_grad]
-        with _train_ops_timed(hook):
+        with _phases_timed(hook, timers):
             result = run_online_fake(trainer, steps=steps, cuda=target.is_cuda, engine=engine,
-                                     decode_lengths=SHORT_DECODES if decode_lengths is None else decode_lengths)
+                                     decode_lengths=SHORT_DECODES if decode_lengths is None else decode_lengths,
+                                     beside=tuple(kind.extra_models(trainer)))
+        forward.remove()
         if not hook.micro_steps or not hook.ops:  # the tracker's ops never reached the hook: a defect, not a time
             from ..errors import AdvisorError
 
             raise AdvisorError("simulate: no op of the training passes reached the timing hook (advisor/_sim/"
-                               "online_simulate.py _train_ops_timed no longer matches online_rl.py's tracker)")
-        cost = _step_cost(trainer, hook, original, target)
-        train_s = _worst_step_s(cost)
+                               "online_simulate.py _phases_timed no longer matches online_rl.py's tracker)")
+        cost = _step_cost(trainer, hook, original, target, spec.num_layers)
+        train_timed = _worst_step(cost)
+        train_s = train_timed.step_s
     return _Built(
         result=result, prompt_length=prompt, policy_bytes=policy,
         trainable=sum(p.numel() for p in trainable_params),
         trainable_bytes=sum(p.numel() * p.element_size() for p in trainable_params),
-        reference_bytes=_model_bytes(getattr(trainer, "ref_model", None)), reward_model_bytes=_model_bytes(rm),
-        teacher_bytes=_model_bytes(getattr(trainer, "teacher_model", None)),
-        teacher_element_bytes=_element_bytes(getattr(trainer, "teacher_model", None)),
+        reference_bytes=_model_bytes(getattr(trainer, "ref_model", None)),
+        model_inputs_bytes=sum(_model_bytes(m) for role, (m, _) in models.items() if role != distills_from),
+        teacher=_teacher(workload, models, distills_from),
         train_s=train_s, timed_ops=hook.ops, timed_micro_steps=hook.micro_steps,
+        phases=timers.timed(completion), train_timed=train_timed,
     )

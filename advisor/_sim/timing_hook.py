@@ -32,6 +32,7 @@ TRL's chunked LM head (CUDA)                   its tile GEMMs in 16-bit, its Tri
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,19 +41,21 @@ import numpy as np
 
 from .._physics import (
     _NB,
-    _NT,
     _TERMS,
     AttentionKind,
     Basis,
     BatchPoint,
+    OpClass,
     OptimizerCost,
     StepCost,
     Term,
+    TraceBuilder,
     attention_tile_s,
     attention_units,
     dequant_s,
     gemm_s,
     memory_s,
+    op_class,
     time_constants,
 )
 
@@ -68,6 +71,23 @@ _WRITE_ONLY = {"copy_", "_foreach_copy_", "fill_", "zero_", "_foreach_zero_", "_
                "random_", "bernoulli_", "exponential_"}
 # the collectives' namespace: priced by the communication model only (advisor/_physics/ranks_closed.comm_time_s)
 _COLLECTIVES = "c10d"
+# ops whose result the host reads (or whose output size depends on the data): the host waits for the device to drain
+SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+                      "unique_consecutive", "unique_dim", "equal", "bincount"})
+
+
+def is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether dispatching `func` makes the host wait for the device: its value is read (`.item()`, `bool()`,
+    `.tolist()`: `_local_scalar_dense`) or its output's size is the data's (nonzero, boolean indexing, unique,
+    repeat_interleave without output_size, ...)."""
+    import torch
+
+    name = func._overloadpacket.__name__
+    if name == "repeat_interleave":
+        return func._overloadname != "self_int" and kwargs.get("output_size") is None
+    if name == "index" and len(args) > 1 and isinstance(args[1], (list, tuple)):
+        return any(isinstance(i, torch.Tensor) and i.dtype is torch.bool for i in args[1])
+    return name in SYNC_OPS
 
 
 def traffic_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
@@ -121,7 +141,7 @@ def _shape(t: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in t.shape)
 
 
-def _in_trl_kernels(depth: int = 10) -> bool:
+def _in_trl_kernels(depth: int = 16) -> bool:
     """Called from TRL's chunked log-prob head (its frames sit within a few of the dispatch)."""
     frame = sys._getframe(2)
     while frame is not None and depth:
@@ -180,11 +200,15 @@ def _is_attention(name: str) -> bool:
 
 
 class TimingHook:
-    """Costs every op of the recorded micro-steps (hook it into StorageTracker.on_op), by term and basis.
+    """Costs every op of the recorded micro-steps (hook it into StorageTracker.on_op, its syncs into on_sync) as the
+    two queues run them: per op its host time (this host's cost per op of its class, plus a kernel launch on CUDA),
+    its kernel's device time by term and basis, whether the host waits there; in issue order (an OpTrace per
+    micro-step, its ops tagged with the decoder layer running).
 
-    Only the micro-steps of the last optimizer step are recorded (`begin_micro`); ops outside a micro-step
-    (clipping, the optimizer, zero_grad) are costed analytically (optimizer_cost), because the CPU fake run takes
-    the for-loop path whatever the target.
+    Only the micro-steps of the last optimizer step are recorded (`begin_micro`), each from its `training_step` to the
+    next one or to the gradient clipping (`end_micro`): the Trainer's nan check of the loss is in it. The clipping,
+    the optimizer and zero_grad are costed analytically (optimizer_cost), because the CPU fake run takes the
+    for-loop path whatever the target.
     """
 
     def __init__(self, gpu: GPUSpec, layout: BatchLayout, attn: str, quantized: str | None = None,
@@ -197,10 +221,15 @@ class TimingHook:
         self.model = model
         self.recording = False
         self.micro_steps = 0
-        self.device = np.zeros((_NT, _NB))
-        self.host = 0.0
+        self.traces: list = []  # one OpTrace per recorded micro-step
+        self._trace: TraceBuilder | None = None
+        self._op: int | None = None  # the trace row of the op being costed
         self.ops = 0
         self.launches = 0
+        self.views = 0
+        self.syncs = 0
+        self.tracker: Any = None  # the StorageTracker whose decoder layer tags the ops (bind)
+        self._backward_seen = False
         self.kind: AttentionKind | None = None
         self._param_shapes: set[tuple[int, ...]] | None = None
         self._quant_keys: dict[int, int] | None = None
@@ -211,13 +240,66 @@ class TimingHook:
         self._head_dims = {d for n in counts if n > 0 for d in (n, min(n, 4096), n % 4096) if d > 0}
 
     # -- phases --
+    def bind(self, tracker: Any) -> None:
+        """The tracker whose `layer` (the decoder layer running, advisor/_sim/layers.py) tags each op."""
+        self.tracker = tracker
+
     def begin_micro(self, record: bool) -> None:
+        self.end_micro()
         self.recording = record
+        self._backward_seen = False
         if record:
             self.micro_steps += 1
+            self._trace = TraceBuilder()
 
     def end_micro(self) -> None:
+        """Close the micro-step being recorded (at the next one, or where the optimizer step begins)."""
+        if self._trace is not None:
+            self.traces.append(self._trace.build(layers=0, sync_s=self.tc.sync_s))
+            self._trace = None
         self.recording = False
+
+    @property
+    def device(self) -> np.ndarray:
+        """(terms, bases): device seconds of the recorded ops at the worst batch (every micro-step's, summed)."""
+        traces = list(self.traces)
+        if self._trace is not None:
+            traces.append(self._trace.build())
+        return sum((t.device_matrix() for t in traces), np.zeros((len(_TERMS), _NB)))
+
+    @property
+    def host(self) -> float:
+        """Host seconds of the recorded ops (the closed micro-steps' and the open one's)."""
+        open_ = float(sum(self._trace.host)) if self._trace is not None else 0.0
+        return float(sum(t.host_s for t in self.traces)) + open_
+
+    def _layer(self) -> int:
+        """The decoder layer of the op being dispatched: the tracker's (set by the layers' forward hooks and by the
+        gradient hooks of their outputs), except after the backward, where the tracker keeps the last layer's."""
+        import torch
+
+        if torch._C._current_autograd_node() is not None:
+            self._backward_seen = True
+        elif self._backward_seen:
+            return -1
+        layer = getattr(self.tracker, "layer", None)
+        return -1 if layer is None else int(layer)
+
+    def _issue(self, cls: OpClass, kernel: bool, host_s: float | None = None) -> None:
+        host = self.tc.op_host_s(cls, kernel) if host_s is None else host_s
+        self._op = self._trace.op(host, kernel=kernel, floor_s=self.tc.floor_s, layer=self._layer(), cls=int(cls))
+
+    def sync(self, func: Any) -> None:
+        """The host waits for the device after this op (StorageTracker.on_sync): `.item()` is answered without an op
+        of its own, so its dispatch is one more host op; a data-sized op (nonzero) was issued as a kernel already."""
+        if not self.recording or self._trace is None:
+            return
+        if func._overloadpacket.__name__ == "_local_scalar_dense":
+            self.ops += 1
+            self.views += 1
+            self._issue(op_class(), False)
+        self._trace.mark_sync()
+        self.syncs += 1
 
     # -- classification --
     def _weights(self) -> set[tuple[int, ...]]:
@@ -255,15 +337,18 @@ class TimingHook:
 
         tc = self.tc
         self.ops += 1
-        if getattr(func, "is_view", False):
-            self.host += tc.view_s
-            return
+        cls = op_class()
         name = func._overloadpacket.__name__
-        if name in _NO_KERNEL:
-            self.host += tc.view_s
+        if getattr(func, "is_view", False) or name in _NO_KERNEL:
+            self.views += 1
+            self._issue(cls, False)
             return
-        self.host += tc.op_s
+        if getattr(func, "namespace", "") == _COLLECTIVES:  # launched on the communication stream: host time only
+            self.launches += 1
+            self._issue(cls, False, tc.op_host_s(cls, True))
+            return
         self.launches += 1
+        self._issue(cls, True)
         if _is_attention(name):
             self._attention(name, args, kwargs)
             return
@@ -273,7 +358,7 @@ class TimingHook:
         if not tensors:
             return
         if _in_trl_kernels():
-            self._lm_head(name, args, ins, outs)
+            self._lm_head(name, args, ins, outs, cls)
             return
         if name in _MATMULS:
             t, extra = self._matmul(name, args, ins)
@@ -296,7 +381,7 @@ class TimingHook:
         basis = Basis.FIXED if getattr(func, "namespace", "") == "fsdp" else self._basis(tensors)
         self._add(Term.ATTENTION if basis is Basis.ATTENTION else Term.MEMORY, basis, t)
 
-    def _lm_head(self, name: str, args: tuple, ins: list, outs: list) -> None:
+    def _lm_head(self, name: str, args: tuple, ins: list, outs: list, cls: OpClass) -> None:
         """TRL's chunked log-prob head. On CUDA it runs 16-bit GEMMs with fp32 accumulation
         (`torch.addmm(..., out_dtype=float32)`, which the fake run takes: advisor/_sim/fake_step.real_path_patches) and
         Triton folds (stood in for by no-ops, costed here after each logits tile's GEMM)."""
@@ -308,10 +393,12 @@ class TimingHook:
             t, _ = self._matmul(name, args, ins)
             self._add(Term.LM_HEAD, basis, t)
             if tc.cuda and name == "mm" and outs:
-                # the Triton fold over this logits tile: one read forward, a read and a write backward
+                # the Triton fold over this logits tile (its own launch through Triton's Python launcher): one read
+                # forward, a read and a write backward
                 tile = outs[0].numel() * outs[0].element_size()
+                self.launches += 1
+                self._issue(cls, True, float(tc.raw["host"]["triton_launch_us"]) * 1e-6 + tc.launch_s)
                 self._add(Term.LM_HEAD, basis, memory_s(1.5 * tile, tc))
-                self.host += float(tc.raw["host"]["triton_launch_us"]) * 1e-6
             return
         nbytes = float(sum(x.numel() * x.element_size() for x in tensors))
         self._add(Term.LM_HEAD, basis, memory_s(nbytes, tc))
@@ -349,7 +436,8 @@ class TimingHook:
                 numel = quant.get(x.untyped_storage()._cdata)
                 if numel:
                     extra += dequant_s(numel, self.quantized, tc) + (t * self._int8_extra())
-                    self.host += tc.op_s
+                    if self._trace is not None:  # bitsandbytes' dequantize: a launch of its own
+                        self._trace.host[self._op] += tc.op_host_s(OpClass.NOGRAD, True)
         return t, extra
 
     def _int8_extra(self) -> float:
@@ -373,6 +461,10 @@ class TimingHook:
             # sdpa: (B, H, S, D); a mask (attn_mask given) means the whole row, is_causal the causal tiles
             heads, head_dim = int(q.shape[1]), int(q.shape[-1])
             rows, s = int(q.shape[0]), int(q.shape[2])
+            k = args[2] if backward else args[1]
+            if not backward and int(k.shape[2]) != s:  # a decode step: s new queries against the cached keys
+                self._cached_attention(q, k)
+                return
             masked = kwargs.get("attn_mask") is not None or any(
                 getattr(x, "dim", lambda: 0)() == 4 and x is not q and _shape(x)[-1] == _shape(x)[-2]
                 for x in args if hasattr(x, "shape")
@@ -382,14 +474,28 @@ class TimingHook:
         if self.kind is None:
             self.kind = kind
         per_tile = attention_tile_s(heads, head_dim, tc.peak_for(q.dtype), tc, backward)
-        self._add(Term.ATTENTION, Basis.ATTENTION, max(units * per_tile, tc.floor_s))
+        self._add(Term.ATTENTION, Basis.ATTENTION, max(units * per_tile, tc.floor_s, tc.attn_floor_s[int(backward)]))
+
+    def _cached_attention(self, q: Any, k: Any) -> None:
+        """Queries against a longer KV cache (generate's decode step): its FLOPs at the attention's efficiency or
+        its keys and values read, whichever is longer (a decode step reads the whole cache)."""
+        tc = self.tc
+        rows, heads, s, d = (int(x) for x in q.shape)
+        length, kv_heads = int(k.shape[2]), int(k.shape[1])
+        flops = 4.0 * rows * heads * s * length * d
+        nbytes = 2.0 * rows * kv_heads * length * d * k.element_size()
+        t = max(flops / (tc.peak_for(q.dtype) * tc.attn_fwd_eff), nbytes / tc.mem_bw, tc.floor_s)
+        self._add(Term.ATTENTION, Basis.FIXED, t)
 
     def _add(self, term: Term, basis: Basis, seconds: float) -> None:
-        self.device[_TERMS.index(term), int(basis)] += seconds
+        self._trace.add_device(self._op, _TERMS.index(term), int(basis), seconds)
 
     # -- result --
-    def cost(self, *, accumulation: int, optimizer: OptimizerCost, flops: tuple[float, float]) -> StepCost:
-        """Per micro-step averages over the recorded micro-steps, divided by the worst batch's bases."""
+    def cost(self, *, accumulation: int, optimizer: OptimizerCost, flops: tuple[float, float],
+             layers: int = 0) -> StepCost:
+        """Per micro-step: the recorded ops' traces (the first and the last micro-step, where they differ), their
+        device times divided by the worst batch's bases; `layers`: the depth of the run."""
+        self.end_micro()
         n = max(1, self.micro_steps)
         lay = self.layout
         kind = self.kind or (AttentionKind.DENSE if self.attn == "eager" else AttentionKind.CAUSAL)
@@ -399,14 +505,19 @@ class TimingHook:
             rows=float(lay.rows), real=float(sum(lay.sequences)), sq=float(sum(s * s for s in lay.sequences)),
         )
         scale = np.array([worst.tokens, worst.trained, worst.attention, 1.0])
-        device = self.device / n / scale[None, :]
+        traces = [dataclasses.replace(t, device=t.device / scale[None, :], layers=layers) for t in self.traces]
+        if not traces:
+            traces = [TraceBuilder().build(layers=layers, sync_s=self.tc.sync_s)]
+        first, last = traces[0], traces[-1]
+        ga = max(1, accumulation)
+        micro = ((last, ga),) if len(traces) == 1 or len(first) == len(last) else ((first, ga - 1), (last, 1))
+        device = sum(t.device_matrix() * c for t, c in micro) / ga
         tc = self.tc
-        serial_host = tc.micro_step_s + 2 * tc.sync_s
         return StepCost(
-            device=device, host_s=self.host / n, serial_host_s=serial_host, collate_row_s=tc.collate_row_s,
+            device=device, host_s=self.host / n, serial_host_s=tc.micro_step_s, collate_row_s=tc.collate_row_s,
             optimizer=optimizer, step_host_s=tc.step_s, serial=not tc.cuda, accumulation=accumulation,
             flops_per_token=flops[0], flops_per_sq=flops[1], peak_flops=0.0, worst=worst, attention_kind=kind,
-            launches=self.launches / n,
+            launches=self.launches / n, micro=micro, views=self.views / n, syncs=self.syncs / n,
         )
 
 

@@ -61,6 +61,8 @@ class StorageTracker(TorchDispatchMode):
         self.answer_scalar = answer_scalar
         self.allocations = 0
         self.on_op: Callable[[object, tuple, dict, object], None] | None = None
+        # told of every op the host waits at (advisor/_sim/fake_step.SyncWatch, above every other mode)
+        self.on_sync: Callable[[object], None] | None = None
         # (+bytes | -bytes) in time order, for replaying the CUDA caching allocator; None when not recording
         self.events: list[tuple[int, int]] | None = None
         # per event: the decoder layer it belongs to (None: unknown), and per allocation its last category; kept

@@ -14,6 +14,7 @@ from ..errors import ConfigError, UsageError
 from ..inputs import build_workload
 from ..measurement import Measurement
 from ..space import Candidate
+from ..trainers import DEFAULT, choices, get_trainer, launched_candidate, model_inputs, trainer_of, training_workload
 from ..workload import Goals, Workload, parse_fraction, parse_size  # noqa: F401 (the CLI's)
 
 
@@ -39,20 +40,14 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
                    help="with --num-gpus N > 1 and --config: how accelerate shards the model (the accelerate config "
                         "`advisor suggest --accelerate-output` writes; default ddp, accelerate's MULTI_GPU). "
                         "suggest searches it: pin it there with --fix parallelism=VALUE")
-    from ..trainers import DEFAULT, choices
-
+    data = "; ".join(f"{n}: {get_trainer(n).data_hint}" for n in choices())
     g.add_argument("--trainer", choices=choices(), default=DEFAULT,
                    help=f"the TRL trainer, one of {', '.join(choices())} (default {DEFAULT}); --dataset is that "
-                   "trainer's data (dpo, reward: prompt/chosen/rejected pairs; grpo, rloo, distillation: a 'prompt' "
-                   "column; default: the built-in synthetic set of its kind); --config is then a `trl <trainer>` file")
-    g.add_argument("--reward-model", default=None, metavar="ID",
-                   help="online RL (grpo, rloo): a reward model (hub id or local directory) resident beside the "
-                   "policy, counted in the memory (reward functions run on the host and are not); written as "
-                   "reward_model_name_or_path")
-    g.add_argument("--teacher", default=None, metavar="ID",
-                   help="distillation: the teacher (hub id, local directory or config.json) resident beside the "
-                   "student, with the student's vocabulary; counted in the memory; written as "
-                   "teacher_model_name_or_path")
+                   f"trainer's data ({data}; default: the built-in synthetic set of its kind); --config is then a "
+                   "`trl <trainer>` file")
+    for m in model_inputs():  # the models a trainer takes beside the policy, as the trainers declare them
+        takers = ", ".join(n for n in choices() if m in get_trainer(n).model_inputs)
+        g.add_argument(m.flag, dest=m.param, default=None, metavar="ID", help=f"{takers}: {m.help}")
 
 
 def add_config_arg(parser: argparse.ArgumentParser, *, required: bool = True, launch: bool = True) -> None:
@@ -73,7 +68,7 @@ def read_run_config(ns: argparse.Namespace) -> Any:
     from ..emit import load_run_config
     from ..trainers import names
 
-    trainer = getattr(ns, "trainer", "sft")
+    trainer = getattr(ns, "trainer", DEFAULT)
     try:
         return load_run_config(ns.config, trainer=trainer)
     except ConfigError as exc:
@@ -97,19 +92,25 @@ def read_run_config(ns: argparse.Namespace) -> Any:
 def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Workload:
     model = ns.model
     dataset = getattr(ns, "dataset", None)
-    reward_model = getattr(ns, "reward_model", None)
-    teacher = getattr(ns, "teacher", None)
     config_path = getattr(ns, "config", None)
     from .._files import check_names
-
+    models = {m.param: getattr(ns, m.param, None) for m in model_inputs()}
+    flags = {m.param: m.flag for m in model_inputs()}
+    trainer = getattr(ns, "trainer", DEFAULT)
     check_names({"--model": model, "--dataset": dataset, "--tokenizer": getattr(ns, "tokenizer", None),
-                 "--config": config_path, "--reward-model": reward_model, "--teacher": teacher})
-    if config_path and (model is None or dataset is None or reward_model is None or teacher is None):
+                 "--config": config_path, **{flags[p]: v for p, v in models.items()}})
+    from_config: dict[str, str] = {}  # a value the config wrote, not a flag: its error names the key
+    if config_path and (model is None or dataset is None or None in models.values()):
         rc = read_run_config(ns)
+        from_config = {flag: f"--config {config_path}: {key}" for flag, key, given in (
+            ("--model", "model_name_or_path", model), ("--dataset", "dataset_name", dataset)) if given is None}
         model = model or rc.model_name_or_path
         dataset = dataset or rc.dataset
-        reward_model = reward_model or rc.reward_model_name_or_path  # the file's, as trl grpo loads it
-        teacher = teacher or rc.candidate.base.get("teacher_model_name_or_path")  # as trl distillation loads it
+        keys = {m.param: m.yaml_key for m in get_trainer(trainer).model_inputs}
+        for param, path in rc.models.items():  # the file's, as `trl <command>` loads them
+            if models.get(param) is None:
+                models[param] = path
+                from_config[flags[param]] = f"--config {config_path}: {keys[param]}"
     if model is None:
         raise UsageError("--model is required (or model_name_or_path in --config)")
     from ..profiles import decide_offline
@@ -117,16 +118,10 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     offline = decide_offline(model, dataset, getattr(ns, "tokenizer", None))  # once, before anything waits on it
     if offline:
         print(f"advisor: {offline}", file=sys.stderr)
-    from_config = {flag: f"--config {config_path}: {key}" for flag, key, given in (
-        ("--model", "model_name_or_path", ns.model), ("--dataset", "dataset_name", getattr(ns, "dataset", None)),
-        ("--reward-model", "reward_model_name_or_path", getattr(ns, "reward_model", None)),
-        ("--teacher", "teacher_model_name_or_path", getattr(ns, "teacher", None)))
-        if given is None and config_path}  # a value the config wrote, not a flag: its error names the key
     try:
         wl = build_workload(model, gpu=ns.gpu, dataset=dataset, tokenizer=getattr(ns, "tokenizer", None),
                             sample=getattr(ns, "sample", None), goals=goals, num_gpus=getattr(ns, "num_gpus", 1),
-                            num_machines=getattr(ns, "num_machines", 1), trainer=getattr(ns, "trainer", "sft"),
-                            reward_model=reward_model, teacher=teacher)
+                            num_machines=getattr(ns, "num_machines", 1), trainer=trainer, **models)
     except UsageError as exc:
         if not from_config:
             raise
@@ -209,10 +204,7 @@ def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None
     if layout is not None:
         cand = cand.replace(parallelism=layout)
     if workload is not None:  # the trainer's rules (SFT: the candidate's own; DPO: no packing, ...)
-        from ..errors import ConfigError
-        from ..trainers import get_trainer, launched_candidate, training_workload
-
-        kind = get_trainer(workload.trainer)
+        kind = trainer_of(workload)
         try:
             # the knobs the TRL file cannot hold, read back from the launch (online RL's vLLM server GPUs), and the
             # world's rules (server mode leaves a GPU to train)

@@ -51,6 +51,23 @@ class BatchKind(str, Enum):
 
 
 @dataclass(frozen=True)
+class Timing:
+    """How a probe times its steps once memory is measured (its `warmup + steps` steps, as before, with the CPU's
+    profiler): a second `train()` on the worst batch (the longest rows) again and again, without the profiler, the
+    first step untimed (its shape's warm-up), then timed until the median of the last `window` steps moves less than
+    `tolerance` from the median of the `window` before them, at most `max_steps` timed steps or `max_s` seconds.
+    Several ranks are not timed so (their step time is the mean of the measured steps)."""
+
+    window: int = 5
+    tolerance: float = 0.05
+    max_steps: int = 40
+    max_s: float = 120.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     """The rows the child trains on, in order, and the kind of each optimizer step."""
 
@@ -68,11 +85,11 @@ def plan_batches(workload: Workload, candidate: Candidate, steps: int, warmup: i
     as accelerate deals them), so rank 0 gets the longest micro-batch.
     """
     total_steps = warmup + steps
-    from ..trainers import get_trainer
+    from ..trainers import trainer_of
 
-    kind = get_trainer(workload.trainer)
+    kind = trainer_of(workload)
     # micro-batch rows per dataset row: online RL samples num_generations completions of each prompt
-    per_row = getattr(kind, "completions_per_row", lambda c: 1)(candidate)
+    per_row = kind.completions_per_row(candidate)
     rows_per_step = -(-candidate.per_device_train_batch_size * candidate.gradient_accumulation_steps
                       * workload.num_gpus // per_row)
     ds = workload.dataset
@@ -110,9 +127,11 @@ def _cycle(pool: list[int], n: int) -> list[int]:
 
 def job_dict(
     workload: Workload, candidate: Candidate, backend: str, *, steps: int, warmup: int,
-    memory_budget_bytes: int | None, weights: str | None,
+    memory_budget_bytes: int | None, weights: str | None, timing: Timing | None = None,
 ) -> dict[str, Any]:
     """Everything the child needs, as JSON: it rebuilds the workload from this, never from the parent's objects."""
+    if workload.num_gpus > 1:
+        timing = None
     plan = plan_batches(workload, candidate, steps, warmup)
     ds = workload.dataset
     from ..inputs import WorkloadRef, goals_to_dict
@@ -125,10 +144,9 @@ def job_dict(
         "weights": weights,
         "candidate": candidate.to_dict(),
         "model": _model_dict(workload.model),
-        # --reward-model (online RL): resident beside the policy; the child loads one of its architecture
-        "reward_model": _model_dict(workload.reward_model) if workload.reward_model is not None else None,
-        # --teacher (distillation): resident beside the student; the child loads one of its architecture
-        "teacher": _model_dict(workload.teacher) if workload.teacher is not None else None,
+        # the models beside the policy (a trainer's ModelInput: online RL's reward model), by role: resident; the
+        # child loads one of each architecture
+        "models": {role: _model_dict(spec) for role, spec in workload.models},
         "gpu": dataclasses.asdict(workload.gpu),
         "goals": goals_to_dict(workload.goals),
         # what names the workload (as a baseline or a study does); the child rebuilds from the values above
@@ -142,6 +160,7 @@ def job_dict(
             "rows": [dict(r) if isinstance(r, dict) else list(r) for r in plan.rows],  # prompts: token ids
         },
         "kinds": [k.value for k in plan.kinds],
+        "timing": timing.to_dict() if timing is not None else None,
         "rows_per_step": plan.rows_per_step,
         "num_gpus": workload.num_gpus,
         "parallelism": candidate.parallelism.value,
@@ -163,8 +182,11 @@ def probe(
     timeout_s: float = 300,
     memory_budget_bytes: int | None = None,
     weights: str | None = None,
+    timing: Timing | None = Timing(),
 ) -> Measurement:
-    """Measure `candidate` with `warmup` + `steps` real SFTTrainer steps in a child process.
+    """Measure `candidate` with `warmup` + `steps` real SFTTrainer steps in a child process: the peaks over those
+    steps, then the step time in steady state (`timing`, Timing's docstring; None: the mean of the `steps` after the
+    warm-up, as measured with the peaks).
 
     `memory_budget_bytes` is a hard cap (CUDA: the allocator's fraction less the CUDA context; CPU: RLIMIT_AS at
     the address space after loading, plus the budget less the weights loaded; lenient by the free heap already
@@ -201,7 +223,7 @@ def probe(
         raise ConfigError(problems, context="probe")
     source = source_of(backend)
     job = job_dict(workload, candidate, backend, steps=steps, warmup=warmup,
-                   memory_budget_bytes=memory_budget_bytes, weights=weights)
+                   memory_budget_bytes=memory_budget_bytes, weights=weights, timing=timing)
     from ..emit import env_vars
 
     jobdir = Path(tempfile.mkdtemp(prefix="advisor-probe-"))

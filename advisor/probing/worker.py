@@ -91,21 +91,19 @@ def _random_model(spec, jobdir: Path, candidate, rank: int, heartbeat: Heartbeat
     return _saved_once(jobdir / "model", rank, lambda path: save_random_model(spec, path, candidate))
 
 
-def _random_reward_model(spec, jobdir: Path, rank: int) -> str:
-    """--reward-model: one of its architecture with random weights, saved once, which the trainer loads by path as
-    `trl grpo` loads reward_model_name_or_path (resident beside the policy, run on every completion)."""
-    from ..modeling import save_random_reward_model
+def _random_input_models(workload, kind, jobdir: Path, rank: int) -> dict[str, tuple[str, Any]]:
+    """The models given beside the policy (the trainer's ModelInputs): one of each architecture with random weights,
+    saved once, which the trainer loads by path as `trl <command>` loads its YAML key (resident beside the policy),
+    with its placeholder tokenizer."""
+    from ..modeling import placeholder_tokenizer, save_random_input_model
 
-    return _saved_once(jobdir / "reward_model", rank, lambda path: save_random_reward_model(spec, path))
-
-
-def _random_teacher(spec, jobdir: Path, rank: int) -> str:
-    """--teacher: a causal LM of its architecture with random weights, saved once, which the trainer loads by path as
-    `trl distillation` loads teacher_model_name_or_path (teacher_model_init_kwargs: its dtype; resident beside the
-    student, run on every training micro-batch)."""
-    from ..modeling import save_random_model
-
-    return _saved_once(jobdir / "teacher", rank, lambda path: save_random_model(spec, path))
+    out = {}
+    for inp in kind.model_inputs:
+        spec = workload.model_of(inp.role)
+        if spec is not None:
+            path = _saved_once(jobdir / inp.role, rank, lambda p, s=spec, h=inp.head: save_random_input_model(s, h, p))
+            out[inp.role] = (path, placeholder_tokenizer(spec))
+    return out
 
 
 def _saved_once(path: Path, rank: int, save: Callable[[Path], Any]) -> str:
@@ -179,8 +177,7 @@ def _rebuild(job: dict[str, Any]):
                          local_dir=Path(m["local_dir"]) if m.get("local_dir") else None)
 
     spec = model_spec(job["model"])
-    reward_model = model_spec(job["reward_model"]) if job.get("reward_model") else None
-    teacher = model_spec(job["teacher"]) if job.get("teacher") else None
+    models = {role: model_spec(m) for role, m in (job.get("models") or {}).items()}
     gpu_fields = dict(job["gpu"])
     gpu_fields["aliases"] = tuple(gpu_fields.get("aliases") or ())
     d = job["dataset"]
@@ -188,17 +185,23 @@ def _rebuild(job: dict[str, Any]):
     dataset = trainer.dataset_from_rows(d["name"], d["source"], tuple(d["rows"]), dataset_name=d.get("dataset_name"),
                                         completion_only_loss=d.get("completion_only_loss"))
     workload = Workload(model=spec, gpu=GPUSpec(**gpu_fields), dataset=dataset, goals=Goals(**job["goals"]),
-                        trainer=trainer.name, reward_model=reward_model, teacher=teacher)
+                        trainer=trainer.name, models=models)
     return workload, Candidate.from_dict(job["candidate"])
 
 
 class StepMeter:
-    """Per optimizer step: end time, micro-batch shapes, trained tokens, and (CUDA) the allocator's peaks."""
+    """Per optimizer step: end time, micro-batch shapes, trained tokens, and (CUDA) the allocator's peaks. After the
+    `memory_steps` (the peaks' steps) `on_memory_done` runs (the CPU's profiler stops) and the steady state is timed
+    (`timing`: runner.Timing's fields, set for the timing run; `done()` says when to stop)."""
 
     def __init__(self, cuda: bool, heartbeat: Heartbeat, fault: str):
         self.cuda = cuda
         self.heartbeat = heartbeat
         self.fault = fault
+        self.memory_steps = 0
+        self.timing: dict[str, Any] | None = None
+        self.timing_started = 0.0
+        self._cpu = 0.0
         self.train_begin_ns = 0
         self.setup_peak = (0, 0)
         self.ends_ns: list[int] = []
@@ -223,6 +226,7 @@ class StepMeter:
             torch.cuda.reset_peak_memory_stats()
         self.heartbeat.beat()
         self.train_begin_ns = time.time_ns()
+        self._cpu = time.process_time()
 
     def step_begin(self) -> None:
         if not self.steps:
@@ -240,10 +244,40 @@ class StepMeter:
         now = time.time_ns()
         previous = self.ends_ns[-1] if self.ends_ns else self.train_begin_ns
         record["time_s"] = (now - previous) / 1e9
+        cpu = time.process_time()  # the process's own CPU time: on a shared machine, without what others take
+        record["cpu_s"] = cpu - self._cpu
+        self._cpu = cpu
         self.ends_ns.append(now)
         self.steps.append(record)
         self._shapes, self._trained = [], 0
         self.heartbeat.beat()
+
+    def time_steady_state(self, timing: dict[str, Any]) -> None:
+        """The steps from now on are the timing run's."""
+        self.memory_steps, self.timing, self.timing_started = len(self.steps), timing, time.monotonic()
+
+    def timed(self) -> list[float]:
+        """The steady-state steps' times: after the memory steps and one untimed step of the timed shape."""
+        return [r["time_s"] for r in self.steps[self.memory_steps + 1:]]
+
+    def done(self) -> bool:
+        """Whether the steady state is timed: the median of the last `window` steps within `tolerance` of the median
+        of the `window` before them, or the bounds reached."""
+        t = self.timing
+        if not t or len(self.steps) <= self.memory_steps:
+            return False
+        times = self.timed()
+        w = int(t["window"])
+        if len(times) >= int(t["max_steps"]) or time.monotonic() - self.timing_started > float(t["max_s"]):
+            return True
+        return len(times) >= 2 * w and steady(times, w, float(t["tolerance"]))
+
+
+def steady(times: list[float], window: int, tolerance: float) -> bool:
+    import statistics
+
+    now, before = statistics.median(times[-window:]), statistics.median(times[-2 * window:-window])
+    return abs(now - before) <= tolerance * now
 
 
 def _callback(meter: StepMeter):
@@ -258,6 +292,8 @@ def _callback(meter: StepMeter):
 
         def on_step_end(self, args, state, control, **kwargs):
             meter.step_end()
+            if meter.done():
+                control.should_training_stop = True
 
     return _Callback()
 
@@ -350,6 +386,7 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     backend = job["backend"]
     cuda = backend == "cuda"
     steps, warmup, budget = int(job["steps"]), int(job["warmup"]), job.get("memory_budget_bytes")
+    timing = job.get("timing")
     rank, world, local = rank_info()
     layout = job.get("parallelism", "ddp")
     cpu_fsdp2 = world > 1 and not cuda and layout != "ddp"
@@ -386,19 +423,12 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         report_to="none", save_strategy="no", logging_strategy="steps", logging_steps=total,
         train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True, seed=0,
     )
-    own = dict(getattr(kind, "trainer_kwargs", lambda w, c: {})(workload, candidate))  # its own (online RL: rewards)
-    if workload.reward_model is not None:  # saved now; the trainer loads it under the meter, as the policy: counted
-        funcs = list(own.get("reward_funcs", []))
-        own["reward_funcs"] = [*funcs, _random_reward_model(workload.reward_model, jobdir, rank)]
-        own["reward_processing_classes"] = [None] * len(funcs) + [placeholder_tokenizer(workload.reward_model)]
-        notes.append(f"--reward-model {workload.reward_model.name}: a reward model of its architecture with random "
-                     "weights, loaded by the trainer from a path as trl grpo loads reward_model_name_or_path "
-                     "(AutoModelForSequenceClassification, num_labels=1, model_init_kwargs)")
-    if workload.teacher is not None:  # saved now; the trainer loads it under the meter, as the student: counted
-        own["teacher_model"] = _random_teacher(workload.teacher, jobdir, rank)
-        notes.append(f"--teacher {workload.teacher.name}: a teacher of its architecture with random weights, loaded "
-                     "by the trainer from a path as trl distillation loads teacher_model_name_or_path "
-                     "(teacher_model_init_kwargs: its dtype)")
+    # the models beside the policy, saved now; the trainer loads them under the meter, as the policy: counted
+    models = _random_input_models(workload, kind, jobdir, rank)
+    own = kind.trainer_kwargs(workload, candidate, models)  # its own (online RL: the rewards)
+    notes.extend(f"{inp.flag} {workload.model_of(inp.role).name}: one of its architecture with random weights, "
+                 f"loaded by the trainer from a path as trl {kind.command} loads {inp.yaml_key}"
+                 for inp in kind.model_inputs if inp.role in models)
     meter = StepMeter(cuda, heartbeat, fault)
     prof = None
     if not cuda:
@@ -432,7 +462,7 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     trainer.train()
     heartbeat.beat()
 
-    records = meter.steps
+    records = list(meter.steps)
     if not records:  # e.g. TRL dropped every planned row (fully masked once truncated)
         raise RuntimeError(f"no training step ran on rank {rank}: the trainer saw no batch of the planned rows")
     packed = bool(candidate.packing)
@@ -461,9 +491,34 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         if world > 1:
             notes.append(f"rank {rank}: peak from train() on (before it each rank loads the whole model, then "
                          "shards it)")
+    # the peaks are measured (the CPU's profiler stopped): the steady state is timed on its own run
+    timed = _time_steady_state(trainer, meter, timing, int(job["rows_per_step"])) if timing else []
     measured = records[warmup:]
     time_s = sum(r["time_s"] for r in measured)
     tokens = sum(r["trained_tokens"] for r in measured)
+    detail: dict[str, Any] = {}
+    step_time = time_s / len(measured) if measured else None
+    tps = tokens / time_s if time_s > 0 else None
+    per_step = int(tokens / len(measured)) if measured else None
+    if timing and timed:
+        import statistics
+
+        w = int(timing["window"])
+        last = timed[-w:]
+        step_time = statistics.median(last)
+        per_step = int(statistics.median(r["trained_tokens"] for r in meter.steps[total + 1:][-w:]))
+        tps = per_step / step_time if step_time > 0 else None
+        cpu = [r["cpu_s"] for r in meter.steps[total + 1:]]
+        detail = {"timed_steps": len(timed), "spread": max(last) / min(last) - 1.0,
+                  "stable": len(timed) >= 2 * w and steady(timed, w, float(timing["tolerance"])),
+                  "timed_batch": "longest", "steady_step_s": timed,
+                  # the CPU time of the same steps (all threads of the process): on the cpu backend with one thread,
+                  # the step's own work, without what other processes of a shared machine take from it
+                  "steady_cpu_s": cpu, "cpu_step_s": statistics.median(cpu[-w:]) if cpu else None}
+        notes.append(f"step time: the median of the last {len(last)} of {len(timed)} steady-state steps of the "
+                     f"longest rows (each shape run once untimed first), spread {detail['spread']:.1%}"
+                     + ("" if detail["stable"] else f"; not stable within {float(timing['tolerance']):.0%} when "
+                                                   "the bound was reached"))
     peak_batch = (_describe(peak_index, kinds, warmup, records[peak_index], packed) if peak_index is not None
                   else "setup (model loading, before the first step)")
     if "cap" in state:
@@ -476,13 +531,29 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         "reserved_bytes": int(reserved),
         "device_bytes": int(device),
         "breakdown": _breakdown(trainer, int(peak)),
-        "step_time_s": time_s / len(measured) if measured else None,
-        "tokens_per_second": tokens / time_s if time_s > 0 else None,
-        "trained_tokens_per_step": int(tokens / len(measured)) if measured else None,
+        "step_time_s": step_time,
+        "tokens_per_second": tps,
+        "trained_tokens_per_step": per_step,
+        "time_detail": detail,
         "peak_batch": peak_batch,
         "notes": notes,
         "steps": [{**r, "description": _describe(i, kinds, warmup, r, packed)} for i, r in enumerate(records)],
     }
+
+
+def _time_steady_state(trainer: Any, meter: StepMeter, timing: dict[str, Any], rows_per_step: int) -> list[float]:
+    """Once memory is measured (and the CPU's profiler stopped): `train()` again, without the profiler, on the first
+    step's rows over and over (the longest rows, runner.plan_batches; packed: the first packed rows), until the
+    steady state (StepMeter.done). Returns the timed steps' seconds."""
+    ds = trainer.train_dataset
+    steps = 1 + int(timing["max_steps"])
+    per_step = min(len(ds), max(1, trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+                                if getattr(trainer.args, "packing", False) else rows_per_step))
+    trainer.train_dataset = ds.select(list(range(per_step)) * steps)
+    trainer.args.max_steps = steps
+    meter.time_steady_state(timing)
+    trainer.train()
+    return meter.timed()
 
 
 def failure(exc: BaseException, job: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:

@@ -15,23 +15,26 @@ Candidate carries them without a field of its own and a YAML reads back to the s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..errors import ConfigError
-from ..knobs import Home, Kind, Knob, Memory, register_knobs
-from .base import PairTrainer, base_config_keys, register
-from .base import field_names as _field_names
-from .phases import ClosedForm
-from .preference import TOKEN_COLUMNS, PreferenceDataset
+from ..knobs import Home, Kind, Knob, KnobView, Memory, knob_view
+from ..modeling import build_model
+from ..space import WeightsDtype
+from .base import PairTrainer, own_keys, register
+from .preference import TOKEN_COLUMNS
+from .protocol import StepShape
 
 if TYPE_CHECKING:
     import torch
 
     from ..space import Candidate
     from ..workload import GPUSpec, ModelSpec, Workload
+    from .preference import PreferenceDataset
 
 
 class Reference(str, Enum):
@@ -42,63 +45,34 @@ class Reference(str, Enum):
     PRECOMPUTED = "precomputed"  # precompute_ref_log_probs: log-probs computed before training, no model kept
 
 
-_DPO = frozenset({"dpo"})
-
-
 def _carried(name: str) -> Callable[[Candidate], Any]:
     return lambda c: c.base.get(name, False)
 
 
-# DPOConfig's memory knobs that SFT has no name for, in the knob registry (advisor/knobs.py): `--fix`, the default
-# space, the memory order, the report's label and the emitted DPOConfig key all come from these declarations.
-KNOBS = register_knobs(
+# DPOConfig's memory knobs that SFT has no name for (registered in the knob registry with the trainer): `--fix`, the
+# default space, the memory order, the report's label and the emitted DPOConfig key all come from these.
+KNOBS = (
     Knob("precompute_ref_log_probs", Kind.BOOL, False, Home.TRAINER_CONFIG, "precompute_ref_log_probs",
          "DPOTrainer computes the reference's log-probs in a no-grad pass over the data before training and keeps "
          "no reference model during it (full fine-tuning; under LoRA the reference is the policy with its adapters "
-         "disabled either way)", trainers=_DPO, carried=True, search=(False, True),
+         "disabled either way)", carried=True, search=(False, True),
          # on: no reference copy beside the policy, its gradients and optimizer state; the pass before training
          # holds the weights and one no-grad batch of precompute_ref_batch_size pairs (DPOTrainer.__init__)
          memory=Memory.SAVES_WHEN_ON, label="precompute_ref_log_probs",
          summary=lambda c: str(_carried("precompute_ref_log_probs")(c)),
          short=lambda c: "ref=precomputed" if _carried("precompute_ref_log_probs")(c) else None),
     Knob("precompute_ref_batch_size", Kind.OPTIONAL_INT, None, Home.TRAINER_CONFIG, "precompute_ref_batch_size",
-         "pairs per batch of the precompute pass (None: per_device_train_batch_size)", minimum=1, trainers=_DPO,
-         carried=True, memory=Memory.GROWS),
+         "pairs per batch of the precompute pass (None: per_device_train_batch_size)", minimum=1, carried=True,
+         memory=Memory.GROWS),
     Knob("sync_ref_model", Kind.BOOL, False, Home.TRAINER_CONFIG, "sync_ref_model",
-         "TR-DPO: the separate reference copy is updated every ref_model_sync_steps", trainers=_DPO, carried=True),
+         "TR-DPO: the separate reference copy is updated every ref_model_sync_steps", carried=True),
 )
 
 
-def _check(self: Any) -> None:
-    problems = []
-    for k in KNOBS:
-        v = getattr(self, k.name)
-        if k.kind is Kind.BOOL and not isinstance(v, bool):
-            problems.append(f"{k.name}={v!r}: must be true or false")
-        elif k.kind is not Kind.BOOL:
-            problems.extend(p for p in [k.coerce(v)[1]] if p)
-    if problems:
-        raise ConfigError(problems, context="dpo")
-
-
-class _DPOKnobsMethods:
+class _DPOKnobsMethods(KnobView):
     """DPOConfig's memory knobs that SFT has no name for: one field per declaration in KNOBS."""
 
-    @classmethod
-    def of(cls, candidate: Candidate) -> Any:
-        b = candidate.base
-        return cls(**{f.name: b.get(f.name, f.default) for f in dataclasses.fields(cls)})
-
-    def apply(self, candidate: Candidate) -> Candidate:
-        """The candidate with these knobs in its base (defaults left out, so a plain candidate stays plain)."""
-        base = candidate.base.as_dict()
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value == f.default:
-                base.pop(f.name, None)
-            else:
-                base[f.name] = value
-        return candidate.replace(base=base)
+    CONTEXT = "dpo"
 
     def reference(self, candidate: Candidate) -> Reference:
         if candidate.use_lora:
@@ -109,20 +83,7 @@ class _DPOKnobsMethods:
         return self.precompute_ref_batch_size or candidate.per_device_train_batch_size
 
 
-# the fields from the declarations (one declaration per knob), validated as they are
-DPOKnobs = dataclasses.make_dataclass(
-    "DPOKnobs", [(k.name, k.kind.value, dataclasses.field(default=k.default)) for k in KNOBS],
-    bases=(_DPOKnobsMethods,), frozen=True, namespace={"__post_init__": _check, "__module__": __name__})
-DPOKnobs.__doc__ = _DPOKnobsMethods.__doc__
-
-
-def dpo_only_keys() -> set[str]:
-    from trl import DPOConfig, SFTConfig
-
-    return _field_names(DPOConfig) - _field_names(SFTConfig)
-
-
-_KNOB_KEYS = {k.key for k in KNOBS}
+DPOKnobs = knob_view("DPOKnobs", KNOBS, _DPOKnobsMethods, __name__)
 
 
 def prepared_as_is(self, dataset, processing_class, args, dataset_name):
@@ -139,6 +100,10 @@ class DPO(PairTrainer):
     name = "dpo"
     command = "dpo"
     config_name, trainer_name, config_label = "DPOConfig", "DPOTrainer", "DPO"
+    knob_view = DPOKnobs
+    # padding_free: DPOConfig has it, but DPOTrainer 1.16 warns and falls back to padding, so searching it measures
+    # one run twice; pad_to_multiple_of: DPO concatenates chosen and rejected to the longer
+    space_holds = PairTrainer.space_holds | {"padding_free"}
 
     # ---- rules, config ------------------------------------------------------------------------------------------
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
@@ -150,7 +115,7 @@ class DPO(PairTrainer):
             out.append("packing=True: `packing` is an SFT-only key (DPOConfig has no packing; DPOTrainer pads each "
                        "batch of pairs); remove it")
         try:
-            k = DPOKnobs.of(c)
+            k = self.knobs(c)
         except ConfigError as exc:
             return out + exc.problems
         if k.sync_ref_model and c.use_lora:
@@ -161,63 +126,15 @@ class DPO(PairTrainer):
                        "sync_ref_model=True together with precompute_ref_log_probs=True\"; choose one")
         return out
 
-    def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
-                      measured: bool = False) -> dict[str, Any]:
-        """Every memory-relevant DPOConfig field, explicitly; then the base's DPOConfig keys (`measured`: only those
-        that reach a measured run: TRL's simulated keys and DPO's loss keys, which the simulator runs as written)."""
-        from ..emit import model_init_kwargs
-        from ..space import Precision
-
-        c = candidate
-        k = DPOKnobs.of(c)
-        sampling = "group_by_length" if c.group_by_length else c.base.get("train_sampling_strategy", "random")
-        out: dict[str, Any] = {
-            "max_length": c.max_length,
-            "truncation_mode": "keep_start",
-            "padding_free": c.padding_free,
-            "pad_to_multiple_of": c.pad_to_multiple_of,
-            "per_device_train_batch_size": c.per_device_train_batch_size,
-            "gradient_accumulation_steps": c.gradient_accumulation_steps,
-            "activation_checkpointing": c.activation_checkpointing,
-            "activation_checkpointing_kwargs": c.checkpointing_kwargs,
-            "activation_offloading": c.activation_offloading,
-            "optim": c.optim.value,
-            "bf16": c.precision is Precision.BF16,
-            "fp16": c.precision is Precision.FP16,
-            "train_sampling_strategy": sampling,
-            "use_liger_kernel": False,
-            **{kn.key: getattr(k, kn.name) for kn in KNOBS},  # its own knobs, each declared once (KNOBS)
-            "model_init_kwargs": model_init_kwargs(c, measured=measured),
-        }
-        out.update(base_config_keys(c, _field_names(self.config_class()), measured=measured, own=dpo_only_keys(),
-                                    skip=_KNOB_KEYS))
-        return out
-
-    def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
-                        dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
-        """The keys `trl dpo --config FILE` accepts: ScriptArguments, DPOConfig and ModelConfig, and `env:`."""
-        from .base import run_config_for
-
-        return run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
-                              output_dir="advisor-dpo", workload=workload)
-
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
-        """A `trl dpo` config read into a Candidate: the shared keys as advisor.emit reads them, DPO's own keys
+        """A `trl dpo` config read into a Candidate: the shared keys as advisor/_emit reads them, DPO's own keys
         in the base (DPOKnobs among them)."""
-        from ..emit import candidate_from_run_dict
-
         self.check_run_keys(data, source=source)
-        dpo_only = dpo_only_keys()
-        shared = {k: v for k, v in data.items() if k not in dpo_only}
-        own = {k: v for k, v in data.items() if k in dpo_only}
-        cand = candidate_from_run_dict(shared, source=source)
-        if cand.base.get("output_dir") == "advisor-dpo":
-            base = cand.base.as_dict()
-            base.pop("output_dir")
-            cand = cand.replace(base=base)
-        cand = cand.replace(base={**cand.base.as_dict(), **own})
+        dpo_only = own_keys(self)
+        cand = self.read_config({k: v for k, v in data.items() if k not in dpo_only},
+                                {k: v for k, v in data.items() if k in dpo_only}, source=source)
         try:
-            knobs = DPOKnobs.of(cand)
+            knobs = self.knobs(cand)
         except ConfigError as exc:
             raise ConfigError(exc.problems, context=source) from None
         return knobs.apply(cand)
@@ -226,11 +143,10 @@ class DPO(PairTrainer):
     def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]:
         """The pairs of the longest micro-batch (enough for the precompute pass's batch too): the longest of
         prompt + chosen and prompt + rejected after truncation, among the pairs TRL keeps."""
-        import numpy as np
 
         data: PreferenceDataset = workload.dataset
         cap = candidate.max_length
-        n = max(candidate.per_device_train_batch_size, DPOKnobs.of(candidate).precompute_batch(candidate))
+        n = max(candidate.per_device_train_batch_size, self.knobs(candidate).precompute_batch(candidate))
         kept = data.kept(cap)
         longest = data.lengths[kept]
         if cap:
@@ -286,7 +202,7 @@ class DPO(PairTrainer):
         real = trainer.data_collator(_longest_pairs(dataset, batch_size, trainer.args.max_length))
 
         def run(batch: dict) -> None:
-            import torch
+            import torch  # start-up: loaded on first use
 
             model = trainer.ref_model or trainer.model
             chosen, rejected = trainer.compute_ref_log_probs(model, batch)
@@ -295,23 +211,22 @@ class DPO(PairTrainer):
 
         return [(real, run)]
 
-    def phases(self, candidate: Candidate) -> tuple:
-        """One training phase; the reference resident beside the policy when it is a separate copy (LoRA runs the
-        policy with its adapters disabled; precompute_ref_log_probs keeps no model)."""
-        from .phases import Resident, training_phase
-
-        ref = DPOKnobs.of(candidate).reference(candidate)
-        return (training_phase(Resident.REFERENCE) if ref is Reference.SEPARATE_COPY else training_phase(),)
-
-    closed_form = ClosedForm.PAIRS_WITH_REFERENCE  # the SFT closed form of the 2B sequences, plus the reference
+    def step_shape(self, candidate: Candidate) -> StepShape:
+        """2B sequences a micro-batch of B pairs; the reference: a separate copy resident and its no-grad forward
+        (full fine-tuning), the forward only (LoRA: the policy with its adapters disabled), or neither
+        (precompute_ref_log_probs: computed before training)."""
+        ref = self.knobs(candidate).reference(candidate)
+        return StepShape(sequences_per_row=2, reference_copy=ref is Reference.SEPARATE_COPY,
+                         reference_forward=ref is not Reference.PRECOMPUTED,
+                         reference_precomputed=ref is Reference.PRECOMPUTED)
 
     def report_rows(self, candidate: Candidate) -> list[list[str]]:
         """The trainer, and how the reference is held (derived: LoRA, precompute_ref_log_probs)."""
-        k = DPOKnobs.of(candidate)
+        k = self.knobs(candidate)
         return [*super().report_rows(candidate), ["reference", k.reference(candidate).value.replace("_", " ")]]
 
-    def notes(self, candidate: Candidate) -> list[str]:
-        k = DPOKnobs.of(candidate)
+    def notes(self, candidate: Candidate, workload: Workload | None = None) -> list[str]:
+        k = self.knobs(candidate)
         ref = k.reference(candidate)
         out = [f"dpo: DPOTrainer's own step on fake tensors (2B sequences a micro-batch of B pairs); the reference: "
                f"{ref.value.replace('_', ' ')}; time: the worst batch's step (the batch distribution is modelled "
@@ -330,6 +245,7 @@ def _longest_pairs(dataset: Any, n: int, max_length: int | None) -> list[dict]:
     if max_length:
         lengths = [min(x, max_length) for x in lengths]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:n]
+
     keep = (*TOKEN_COLUMNS, "ref_chosen_logps", "ref_rejected_logps")
     return [{k: v for k, v in dataset[i].items() if k in keep} for i in order]
 
@@ -339,11 +255,8 @@ def _meta_construction(spec: ModelSpec, candidate: Candidate) -> Iterator[None]:
     """DPOTrainer.__init__ on a meta policy: its reference is built as TRL builds it (`create_model_from_path`
     with the policy's dtype and attention implementation), on meta; `hash_module` (the precompute cache's key)
     cannot read meta weights."""
-    import torch
-    import trl.trainer.dpo_trainer as dt
-
-    from ..modeling import build_model
-    from ..space import WeightsDtype
+    import torch  # start-up: loaded on first use
+    import trl.trainer.dpo_trainer as dt  # start-up: loaded on first use
 
     def reference(model_id: str, architecture: Any = None, **kwargs: Any):
         dtype = kwargs.get("dtype", "float32")

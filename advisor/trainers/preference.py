@@ -10,21 +10,31 @@ completion, text) is refused naming the missing columns.
 from __future__ import annotations
 
 import hashlib
+import math
+import tempfile
+import types
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from .._messages import capture, said_note
 from ..data import (
     SYNTHETIC_MAX,
     SYNTHETIC_MEDIAN,
-    SYNTHETIC_MIN,  # noqa: F401  (the chat set's, which these were copies of)
     SYNTHETIC_SEED,
-    SYNTHETIC_SIGMA,  # noqa: F401
+    TokenizedDataset,
+    load_tokenizer,
+    progress_bars,
+    read_raw,
     synthetic_lengths,
+    tokenizer_note,
 )
 from ..errors import ConfigError, DatasetError
+from ..lengths import Percentiles
+from .registry import get_trainer
 
 if TYPE_CHECKING:
     import datasets
@@ -115,6 +125,22 @@ class PreferenceDataset:
             out[keep] += np.minimum(full[keep], max_length) - p[keep]
         return out
 
+    def sequences(self) -> TokenizedDataset:
+        """The pairs as the sequences a step runs: prompt + chosen and prompt + rejected, each its own row, the
+        completion trained (a micro-batch of 2B such rows pads as B pairs do: chosen and rejected share it)."""
+        rows = []
+        for p, ch, rj in zip(self.prompt_lengths, self.chosen_lengths, self.rejected_lengths, strict=True):
+            for full in (int(ch), int(rj)):
+                rows.append({"input_ids": [0] * full, "completion_mask": [0] * int(p) + [1] * (full - int(p))})
+        return TokenizedDataset(name=f"{self.name} (pairs as rows)", source=self.source, rows=tuple(rows),
+                                completion_only_loss=True)
+
+    def trained_tokens_per_row(self, candidate: Any) -> float:
+        """Trained tokens per micro-batch row, a row being one pair: its chosen and rejected completion tokens,
+        untruncated (the effective batch is a number of pairs)."""
+        n = self.trained_tokens(None)
+        return float(n.mean()) if len(n) else 1.0
+
     def truncated_fraction(self, max_length: int | None) -> tuple[float, float]:
         """Shares of the chosen and of the rejected completion tokens that `max_length` cuts off (kept pairs)."""
         if max_length is None:
@@ -129,7 +155,7 @@ class PreferenceDataset:
         return out[0], out[1]
 
     def to_hf(self, rows: Sequence[dict[str, Any]] | None = None) -> datasets.Dataset:
-        import datasets
+        import datasets  # start-up: loaded on first use
 
         rows = list(self.rows if rows is None else rows)
         return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in TOKEN_COLUMNS})
@@ -158,6 +184,19 @@ def synthetic_preferences(vocab_size: int, rows: int = SYNTHETIC_PAIRS, seed: in
         rows=tuple(out),
         notes=("synthetic preference data: no dataset was given; lengths are log-normal, see README",),
     )
+
+
+def preference_max_lengths(dataset: PreferenceDataset, max_truncation: float) -> tuple[int, ...]:
+    """max_length values for preference pairs: percentiles of the longer of prompt + chosen and prompt + rejected,
+    rounded up to 64, kept where neither the chosen nor the rejected completions lose more than `max_truncation`
+    of their tokens (PreferenceDataset.truncated_fraction); the shortest such value is always offered."""
+    lengths = np.asarray(dataset.lengths)
+    if lengths.size == 0:
+        return (1024,)
+    grid = sorted({max(64, int(math.ceil(float(np.percentile(lengths, q)) / 64.0) * 64))
+                   for q in (50, 75, 90, 95, 99, 99.5, 100)})
+    ok = [v for v in grid if max(dataset.truncated_fraction(v)) <= max_truncation]
+    return tuple(ok) if ok else (grid[-1],)
 
 
 def missing_columns(row: Any) -> list[str]:
@@ -190,7 +229,6 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
     """None: the synthetic set. Else the file / directory / hub id, tokenized by DPOTrainer's own preparation.
     `sample`: a seeded random sample of that many pairs, drawn as advisor.data.load_dataset draws rows (the same
     indices for the same file size and seed), so `--sample N` reads N pairs whatever the trainer."""
-    from ..errors import DatasetError
 
     if sample is not None and sample <= 0:
         raise DatasetError(f"--sample {sample}: must be a positive number of pairs, e.g. --sample 2000")
@@ -202,7 +240,6 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
             note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} pairs)"
             data = dataclasses.replace(data, notes=data.notes + (note,))
         return data
-    from ..data import load_tokenizer, read_raw, tokenizer_note
 
     raw = read_raw(spec)
     population = len(raw.rows)
@@ -219,8 +256,9 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
         prepared = [{c: list(r[c]) for c in TOKEN_COLUMNS} for r in rows]
         return PreferenceDataset(name=raw.label, source=raw.source, rows=tuple(prepared),
                                  dataset_name=spec if raw.source == "hub" else None, **kept)
-    tok = load_tokenizer(tokenizer, model, trainer)
-    loaded_as = tokenizer_note(tok, tokenizer, model, trainer)
+    kind = get_trainer(trainer)
+    tok = load_tokenizer(tokenizer, model, kind)
+    loaded_as = tokenizer_note(tok, tokenizer, model, kind)
     if loaded_as is not None:
         kept["notes"] = (*kept["notes"], loaded_as)
     prepared, conversational, said = prepare_with_trl(rows, tok, spec)
@@ -235,15 +273,10 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str
                      ) -> tuple[list[dict[str, list[int]]], bool, str | None]:
     """DPOTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`; with whether the pairs
     are conversational and a note of what the libraries said meanwhile, each distinct message once (or None)."""
-    import tempfile
-    import types
-    import warnings
 
-    import datasets
-    from trl import DPOConfig, DPOTrainer
-    from trl.data_utils import is_conversational
-
-    from .._messages import capture, said_note
+    import datasets  # start-up: loaded on first use
+    from trl import DPOConfig, DPOTrainer  # start-up: loaded on first use
+    from trl.data_utils import is_conversational  # start-up: loaded on first use
 
     keep = [c for c in (*PREFERENCE_COLUMNS, "tools", "chat_template_kwargs") if any(c in r for r in rows)]
     try:
@@ -256,7 +289,6 @@ def prepare_with_trl(rows: list[dict[str, Any]], tok: Any, spec: str
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     trainer_like = types.SimpleNamespace(_tokenizer=tok)
-    from ..data import progress_bars
 
     try:
         with progress_bars(False), capture() as said:
@@ -324,7 +356,6 @@ def preference_length_report(data: PreferenceDataset, max_lengths: Sequence[int]
                              max_truncation: float = 0.01, multiple: int = 64) -> PreferenceLengthReport:
     """The report; the suggested max_length is the smallest multiple of `multiple` at which neither the chosen nor
     the rejected completions lose more than `max_truncation` of their tokens."""
-    from ..lengths import Percentiles
 
     longest = int(data.lengths.max()) if len(data.rows) else multiple
     top = max(multiple, -(-longest // multiple) * multiple)

@@ -23,8 +23,18 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from ..data import SYNTHETIC_MAX, SYNTHETIC_MEDIAN, SYNTHETIC_SEED, synthetic_lengths
+from ..data import (
+    SYNTHETIC_MAX,
+    SYNTHETIC_MEDIAN,
+    SYNTHETIC_SEED,
+    load_tokenizer,
+    read_raw,
+    synthetic_lengths,
+    tokenizer_note,
+)
 from ..errors import ConfigError, DatasetError
+from ..lengths import Percentiles
+from .registry import get_trainer
 
 if TYPE_CHECKING:
     import datasets
@@ -107,10 +117,16 @@ class PromptDataset:
         completions): max_completion_length, so an effective batch of tokens is a number of completions."""
         return float(candidate.base.get("max_completion_length", DEFAULT_COMPLETION))
 
+    def sequences(self) -> Any:
+        """Prompts make sequences only with their completions, which the online step generates (its closed form
+        counts them: advisor/_estimate/online_step.py); refused by name."""
+        raise DatasetError(f"dataset {self.name}: prompts have no sequences of their own (each completes at "
+                           "max_completion_length in the online step)")
+
     def to_hf(self, rows: Sequence[int] | None = None) -> datasets.Dataset:
         """A `prompt` column of plain text that advisor.modeling's placeholder tokenizer (one word `<tN>` per id)
         turns back into exactly these ids: the same lengths, whatever the original format."""
-        import datasets
+        import datasets  # start-up: loaded on first use
 
         picked = self.rows if rows is None else [self.rows[int(i)] for i in rows]
         return datasets.Dataset.from_dict({PROMPT_COLUMN: [placeholder_text(ids) for ids in picked]})
@@ -196,7 +212,7 @@ def tokenize_prompts(prompts: Sequence[Any], tok: Any, *, trainer: str = "grpo",
     if trainer not in _TRAINERS:
         raise ConfigError(f"trainer={trainer!r} does not read prompt-only data; use one of {', '.join(_TRAINERS)}",
                           context="trainer")
-    import trl
+    import trl  # start-up: loaded on first use
 
     cls = getattr(trl, _TRAINERS[trainer])
     conversational = bool(prompts) and _is_messages(prompts[0])
@@ -234,7 +250,6 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
             note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} prompts)"
             data = dataclasses.replace(data, notes=data.notes + (note,))
         return data
-    from ..data import load_tokenizer, read_raw, tokenizer_note
 
     raw = read_raw(spec)
     population = len(raw.rows)
@@ -246,8 +261,9 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
         indices = np.sort(np.random.default_rng(seed).choice(population, size=sample, replace=False))
     rows = [raw.rows[int(i)] for i in indices]
     conversational = check_prompt_rows(rows, raw.label, trainer)
-    tok = load_tokenizer(tokenizer, model, trainer)  # as the trainer loads it (AutoProcessor)
-    loaded_as = tokenizer_note(tok, tokenizer, model, trainer)
+    kind = get_trainer(trainer)
+    tok = load_tokenizer(tokenizer, model, kind)  # as GRPOTrainer / RLOOTrainer load it (AutoProcessor)
+    loaded_as = tokenizer_note(tok, tokenizer, model, kind)
     ids = tokenize_prompts([r[PROMPT_COLUMN] for r in rows], tok, trainer=trainer,
                            chat_template_kwargs=chat_template_kwargs, label=raw.label)
     return PromptDataset(name=raw.label, source=raw.source, rows=tuple(tuple(r) for r in ids),
@@ -257,7 +273,7 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
                                 if sampled else ()) + ((loaded_as,) if loaded_as is not None else ()))
 
 
-# ---- the lengths report for prompt data (`advisor lengths --trainer grpo|rloo|distillation`) ---------------------
+# ---- the lengths report for prompt data (`advisor lengths --trainer grpo|rloo`) --------------------------------
 @dataclass(frozen=True)
 class PromptLengthReport:
     """The prompts' token lengths (as the trainer tokenizes them) and the sequences they make with every completion
@@ -278,8 +294,6 @@ class PromptLengthReport:
 
 
 def prompt_length_report(data: PromptDataset, max_completion_length: int = DEFAULT_COMPLETION) -> PromptLengthReport:
-    from ..lengths import Percentiles
-
     return PromptLengthReport(name=data.name, synthetic=data.synthetic, prompts=len(data.rows),
                               prompt=Percentiles.of(data.lengths), max_completion_length=int(max_completion_length),
                               sequence=Percentiles.of(data.sequence_lengths(max_completion_length)),

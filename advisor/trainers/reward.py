@@ -12,10 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .base import PairTrainer, base_config_keys, register
-from .base import field_names as _field_names
-from .phases import ClosedForm
-from .preference import PreferenceDataset
+import numpy as np
+
+from .._emit import peft_config
+from ..errors import ConfigError
+from ..modeling import default_attention
+from .base import PairTrainer, own_keys, register
+from .protocol import StepShape
 
 if TYPE_CHECKING:
     import datasets
@@ -23,9 +26,7 @@ if TYPE_CHECKING:
 
     from ..space import Candidate
     from ..workload import GPUSpec, ModelSpec, Workload
-
-# RewardConfig's own keys that reach a measured run as written (the loss)
-_OWN_KEYS = frozenset({"center_rewards_coefficient", "disable_dropout"})
+    from .preference import PreferenceDataset
 
 
 class Reward(PairTrainer):
@@ -35,6 +36,8 @@ class Reward(PairTrainer):
     command = "reward"
     config_name, trainer_name, config_label = "RewardConfig", "RewardTrainer", "reward"
     processing_class_loader = "AutoTokenizer"  # RewardTrainer.__init__ with processing_class=None
+    # pad_to_multiple_of: RewardConfig's padding rounding, searched; group_by_length held (timed on the worst batch)
+    space_holds = frozenset({"group_by_length"})
 
     # ---- rules, config ------------------------------------------------------------------------------------------
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
@@ -49,68 +52,29 @@ class Reward(PairTrainer):
                        "pairs); remove it")
         return out
 
-    def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
-                      measured: bool = False) -> dict[str, Any]:
-        from ..emit import model_init_kwargs
-        from ..space import Precision
-
-        c = candidate
-        sampling = "group_by_length" if c.group_by_length else c.base.get("train_sampling_strategy", "random")
-        out: dict[str, Any] = {
-            "max_length": c.max_length,
-            "pad_to_multiple_of": c.pad_to_multiple_of,
-            "per_device_train_batch_size": c.per_device_train_batch_size,
-            "gradient_accumulation_steps": c.gradient_accumulation_steps,
-            "activation_checkpointing": c.activation_checkpointing,
-            "activation_checkpointing_kwargs": c.checkpointing_kwargs,
-            "activation_offloading": c.activation_offloading,
-            "optim": c.optim.value,
-            "bf16": c.precision is Precision.BF16,
-            "fp16": c.precision is Precision.FP16,
-            "train_sampling_strategy": sampling,
-            "use_liger_kernel": False,
-            "model_init_kwargs": model_init_kwargs(c, measured=measured),
-        }
-        out.update(base_config_keys(c, _field_names(self.config_class()), measured=measured, own=_OWN_KEYS))
-        return out
-
-    def run_config_dict(self, candidate: Candidate, *, model_name_or_path: str | None,
-                        dataset_name: str | None = None, workload: Workload | None = None) -> dict[str, Any]:
-        """The keys `trl reward --config FILE` accepts; LoRA with `lora_task_type: SEQ_CLS` (the score head)."""
-        from .base import run_config_for
-
-        return run_config_for(self, candidate, model_name_or_path=model_name_or_path, dataset_name=dataset_name,
-                              output_dir="advisor-reward",
-                              model_extra={"lora_task_type": "SEQ_CLS"} if candidate.use_lora else None,
-                              workload=workload)
+    def model_extras(self, candidate: Candidate) -> dict[str, Any]:
+        """`lora_task_type: SEQ_CLS` under LoRA: PEFT then trains the score head with the adapters."""
+        return {"lora_task_type": "SEQ_CLS"} if candidate.use_lora else {}
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
-        """A `trl reward` config read back: the shared keys as advisor.emit reads them, with what this trainer
+        """A `trl reward` config read back: the shared keys as advisor/_emit reads them, with what this trainer
         emits itself accepted (`lora_task_type: SEQ_CLS` under LoRA, the default output_dir) and its own keys in
         the base. Another LoRA task type is refused by name."""
-        from ..emit import candidate_from_run_dict
-        from ..errors import ConfigError
 
-        shared = {k: v for k, v in data.items() if k not in _OWN_KEYS}
-        own = {k: v for k, v in data.items() if k in _OWN_KEYS}
+        mine = own_keys(self)
+        shared = {k: v for k, v in data.items() if k not in mine}
+        own = {k: v for k, v in data.items() if k in mine}
         task = shared.pop("lora_task_type", None)
         if task not in (None, "SEQ_CLS"):
             raise ConfigError([f"lora_task_type={task!r}: a reward model's LoRA trains the score head with it; set "
                                "lora_task_type: SEQ_CLS"], context=source)
-        cand = candidate_from_run_dict(shared, source=source)
-        base = cand.base.as_dict()
-        if base.get("output_dir") == "advisor-reward":
-            base.pop("output_dir")
-        base.update(own)
-        return cand.replace(base=base) if base != cand.base.as_dict() else cand
+        return self.read_config(shared, own, source=source)
 
     # ---- the model -------------------------------------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
         """What `trl reward` trains: AutoModelForSequenceClassification with one label, random weights."""
-        import torch
-        from transformers import AutoModelForSequenceClassification
-
-        from ..modeling import default_attention
+        import torch  # start-up: loaded on first use
+        from transformers import AutoModelForSequenceClassification  # start-up: loaded on first use
 
         config = spec.hf_config()
         config.num_labels = 1
@@ -127,7 +91,6 @@ class Reward(PairTrainer):
 
     def peft_config(self, candidate: Candidate, spec: ModelSpec | None = None) -> Any:
         """trl.get_peft_config with `lora_task_type: SEQ_CLS` (as emitted): PEFT then also trains the score head."""
-        from ..emit import peft_config
 
         config = peft_config(candidate, spec)
         if config is not None:
@@ -137,7 +100,6 @@ class Reward(PairTrainer):
     # ---- data ----------------------------------------------------------------------------------------------------
     def worst_rows(self, workload: Workload, candidate: Candidate) -> list[dict]:
         """The B pairs with the longest sequence among those RewardTrainer keeps (both within `max_length`)."""
-        import numpy as np
 
         data: PreferenceDataset = workload.dataset
         longest = data.lengths
@@ -148,7 +110,7 @@ class Reward(PairTrainer):
         return [_pair(data.rows[i]) for i in order]
 
     def train_dataset(self, workload: Workload, rows: list[dict] | None = None) -> datasets.Dataset:
-        import datasets
+        import datasets  # start-up: loaded on first use
 
         rows = [_pair(r) for r in workload.dataset.rows] if rows is None else rows
         return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in ("chosen_ids", "rejected_ids")})
@@ -164,10 +126,12 @@ class Reward(PairTrainer):
         """Every real token is scored (no LM head; the score is read at the last one)."""
         return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
 
-    closed_form = ClosedForm.PAIRS_SCORED  # the SFT closed form of the 2B sequences, without the LM head's logits
+    def step_shape(self, candidate: Candidate) -> StepShape:
+        """2B sequences a micro-batch of B pairs, a one-label score head instead of the LM head's logits."""
+        return StepShape(sequences_per_row=2, lm_head=False)
 
     # ---- the fake step's hooks: none; what the notes say -----------------------------------------------------------
-    def notes(self, candidate: Candidate) -> list[str]:
+    def notes(self, candidate: Candidate, workload: Workload | None = None) -> list[str]:
         out = ["reward: RewardTrainer's own step on fake tensors (a one-label sequence classifier; 2B sequences a "
                "micro-batch of B pairs); time: the worst batch's step (the batch distribution is modelled for SFT)"]
         if candidate.max_length is not None:

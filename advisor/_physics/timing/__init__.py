@@ -19,12 +19,23 @@ Kernels (device time). Every aten op of the fake run's micro-step is costed as t
 - bitsandbytes dequantisation (QLoRA): every GEMM that reads a frozen quantized weight (forward, backward's
   grad-input, the checkpointed recompute) first dequantizes it: 4-bit codes + absmax read, 16-bit weight written.
 
-Host and overlap. Eager PyTorch spends CPU time on every op (Python, autograd, dispatcher, launch); the GPU runs
-the queue asynchronously, so a micro-step takes max(host, device): a small model, short rows or a micro-batch
-of 1 is host-bound. The Trainer syncs once per micro-step (its nan/inf check of the loss) and TRL reads its
-metrics, so the queue drains every micro-step: collation and the Trainer's Python per micro-step are serial.
-Activation offloading's copies run on a side stream: a third lane, max(host, compute, copies).
-On the CPU target host and device are one thread: their times add.
+Host and device as two queues. Eager PyTorch spends host time on every op it dispatches (the Python of the module
+that calls it, the dispatcher, autograd's node, on CUDA the kernel launch) and the GPU runs the kernels as they
+arrive: a micro-step is the fake run's ops in the order the host issues them (queues.OpTrace), each at the host's
+cost for its class (host.py: issued from Python with grad off or on, or by autograd's engine; measured by a
+microbenchmark of transformers' eager code on the machine that runs the advisor, cached per host and versions; on
+CUDA plus a kernel launch) and each kernel at max(FLOPs / achievable rate, bytes / bandwidth, its floor); the device
+starts a kernel when the host has issued it and the stream is free, and the host waits where the real step reads a
+value back (`.item()`: TRL's metrics after the forward, the Trainer's nan check; nonzero and boolean indexing;
+generate's stopping check each token). The step ends when its last kernel ends; the time the device waits on the
+host is `launch_host` (host-bound), the rest the kernels' terms (device-bound). Before each micro-step the Trainer's
+Python and the collator run while the device idles (the previous micro-step ended in a sync). Activation offloading's
+copies run on a side stream: a third lane. On the CPU target host and device are one thread: their times add.
+
+Calibration. scripts/gpu_calibrate.py measures the constants on a device (GEMM rates by shape, bandwidth, attention,
+the host's cost per op with the model on the device, a launch and a sync, a decode loop) into
+profiles/measurements/<gpu>.json (this host's CPU: the advisor's cache); the model reads them when present
+(calibrate.py: "calibrated on <date>, <host>", else "uncalibrated").
 
 Optimizer. What each `optim` really runs on the target (transformers 5 maps adamw_torch to torch's AdamW with
 foreach=None: foreach on CUDA, a per-tensor for-loop on the CPU; adamw_torch_fused to fused=True): launches (per
@@ -48,11 +59,16 @@ Every constant is in profiles/measurements/time_constants.json with its source, 
 scripts/gpu_validate.sh fits it on a GPU.
 
 The package: constants.py (terms, bases, TimeConstants), kernels.py (GEMM, memory, attention, dequantisation),
+host.py (the host's cost per op), queues.py (OpTrace, the two queues), calibrate.py (measured constants),
 optimizer.py, step.py (StepCost, evaluate), sampler.py (batch_distribution). The fake run's ops are observed by
 advisor/_sim/timing_hook.py (TimingHook), the estimate counts the same terms in closed form
 (advisor/_estimate/step_time.py). Outside advisor/_physics everything is imported from `advisor._physics`.
 """
 
+from .calibrate import measurements as calibration_rows
+from .calibrate import path_for as calibration_path
+from .calibrate import read_path as read_calibration
+from .calibrate import write_row as write_calibration_row
 from .constants import (
     _TERMS,
     AttentionKind,
@@ -63,6 +79,7 @@ from .constants import (
     raw_constants,
     time_constants,
 )
+from .host import HostCost, OpClass, host_cost, host_name, op_class
 from .kernels import (
     attention_kind,
     attention_tile_s,
@@ -76,10 +93,42 @@ from .kernels import (
     peak_flops,
 )
 from .optimizer import OptimizerCost, OptimizerImpl, optimizer_cost, optimizer_impl
+from .queues import OpTrace, QueueTimes, Segment, TraceBuilder, deepen, extrapolate_trace, run_queues, segment_times
 from .sampler import SamplerSpec, batch_distribution, sampler_spec
-from .step import BatchDistribution, BatchPoint, StepCost, StepTime, evaluate, extrapolate_cost, model_flops
+from .step import (
+    BatchDistribution,
+    BatchPoint,
+    QueueShare,
+    StepCost,
+    StepTime,
+    evaluate,
+    extrapolate_cost,
+    model_flops,
+    time_detail,
+    uniform_trace,
+)
 
 __all__ = [
+    "calibration_rows",
+    "calibration_path",
+    "read_calibration",
+    "write_calibration_row",
+    "host_name",
+    "HostCost",
+    "OpClass",
+    "OpTrace",
+    "QueueShare",
+    "QueueTimes",
+    "Segment",
+    "segment_times",
+    "TraceBuilder",
+    "deepen",
+    "extrapolate_trace",
+    "host_cost",
+    "op_class",
+    "run_queues",
+    "uniform_trace",
+    "time_detail",
     "AttentionKind",
     "Basis",
     "BatchDistribution",

@@ -11,6 +11,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .host import HostCost, OpClass, host_cost
+
 if TYPE_CHECKING:
     from ...workload import GPUSpec
 
@@ -73,9 +75,14 @@ class TimeConstants:
     split_k_min_k: int
     mem_bw: float  # bytes/s achievable
     floor_s: float
-    op_s: float
-    view_s: float
+    host: HostCost  # this host's cost per dispatched op (host.py), the fitted host multiplier applied
+    launch_s: float  # CUDA: the host time of one kernel launch (cudaLaunchKernel); 0 on the CPU
+    host_scale: float  # the fitted multiplier of the host's times (1.0 unfitted)
     sync_s: float
+    gemm_floor_s: float  # a GEMM's minimum time where measured (the CPU's BLAS call), 0 where the kernel floor rules
+    attn_floor_s: tuple[float, float]  # an attention call's minimum (forward, backward) time where measured
+    cache_bw: float  # bytes/s of an op whose bytes fit `cache_bytes` (a CPU's caches, where measured), else 0
+    cache_bytes: float
     micro_step_s: float
     collate_row_s: float
     step_s: float
@@ -87,6 +94,20 @@ class TimeConstants:
     peak: dict[str, float]  # dtype name -> FLOP/s
     raw: dict[str, Any] = field(repr=False, hash=False, compare=False, default_factory=dict)
     fitted: bool = False
+    calibration: str = "uncalibrated"  # "calibrated on <date>, <host>" where measured constants were read
+
+    def op_host_s(self, cls: OpClass, kernel: bool) -> float:
+        """Host seconds of one dispatched op of class `cls` (a kernel launch on CUDA pays the launch too)."""
+        return self.host.per_op(cls) * self.host_scale + (self.launch_s if kernel else 0.0)
+
+    def issue_s(self, cls: OpClass, ops: float, kernels: float) -> float:
+        """Host seconds of `ops` ops of class `cls`, `kernels` of them launching a kernel."""
+        return ops * self.host.per_op(cls) * self.host_scale + kernels * self.launch_s
+
+    @property
+    def op_s(self) -> float:
+        """One op launched from torch's own Python loop over tensors (the for-loop optimizer, clipping)."""
+        return self.host.loop_s * self.host_scale + self.launch_s
 
     def peak_for(self, dtype: Any) -> float:
         import torch
@@ -107,8 +128,34 @@ def _by_arch(block: Any, gpu: GPUSpec) -> Any:
     return block
 
 
-@lru_cache(maxsize=32)
 def time_constants(gpu: GPUSpec) -> TimeConstants:
+    """The constants for `gpu`: its calibration where one was measured (calibrate.py), with the host's cost per op
+    (pinned by ADVISOR_HOST_COST, else the calibration's own, else this host's microbenchmark: host.py)."""
+    import os
+
+    from .calibrate import read
+    from .host import ENV, HostCost
+
+    block = read(gpu)
+    host = None
+    if block and not os.environ.get(ENV) and isinstance(block.get("rows", {}).get("host"), dict):
+        row = block["rows"]["host"]
+        host = HostCost(nograd_s=float(row["nograd_s"]), grad_s=float(row["grad_s"]),
+                        backward_s=float(row["backward_s"]), loop_s=float(row["loop_s"]),
+                        host=str(row.get("host", block.get("host", "?"))), measured=str(block.get("measured", "")),
+                        versions=str(row.get("versions", "")), source="microbenchmark")
+    return _time_constants(gpu, host or host_cost(), json.dumps(block, sort_keys=True) if block else "")
+
+
+def _cache_clear() -> None:
+    _time_constants.cache_clear()
+
+
+time_constants.cache_clear = _cache_clear  # type: ignore[attr-defined]
+
+
+@lru_cache(maxsize=32)
+def _time_constants(gpu: GPUSpec, host: HostCost, calibration: str) -> TimeConstants:
     r = raw_constants()
     fit = fitted_multipliers(gpu.name)
     cuda = gpu.is_cuda
@@ -121,8 +168,39 @@ def time_constants(gpu: GPUSpec) -> TimeConstants:
             peak[k] = peak["fp32"]
     mem_eff = float(r["memory"]["efficiency"] if cuda else cpu["memory_efficiency"])
     gemm_eff = float(r["gemm"]["efficiency"] if cuda else cpu["matmul_efficiency"])
-    op_us = float(h["op_us"] if cuda else cpu["op_us"])
     tiles = tuple((int(a), int(b), float(e)) for a, b, e in _by_arch(r["gemm"]["tiles"], gpu))
+    attn_fwd, attn_bwd = float(_by_arch(a["forward_efficiency"], gpu)), float(_by_arch(a["backward_efficiency"], gpu))
+    launch_s = float(_by_arch(h["cuda_launch_us"], gpu)) * 1e-6 if cuda else 0.0
+    sync_s = float(h["sync_us"]) * 1e-6 if cuda else 0.0
+    gemm_floor_s = 0.0
+    attn_floor = (0.0, 0.0)
+    cache_bw = cache_bytes = 0.0
+    attn_block = int(a["block"])
+    block = json.loads(calibration) if calibration else None
+    if block:  # measured where it runs (calibrate.py): every value it has replaces the shipped assumption
+        c = block["constants"]
+        rate = c.get("gemm_bf16_flops" if cuda else "gemm_fp32_flops")
+        if cuda:
+            if rate:
+                gemm_eff = rate / peak["bf16"]
+            if c.get("memory_bandwidth"):
+                mem_eff = c["memory_bandwidth"] / (gpu.memory_bandwidth_gbs * 1e9)
+            if "launch_s" in c and "host" in block.get("rows", {}):
+                launch_s = 0.0  # the host's cost per op was measured on CUDA: the launch is in it
+            sync_s = float(c.get("sync_s", sync_s))
+        else:
+            if rate:
+                peak = {"fp32": rate, "bf16": c.get("gemm_bf16_flops", rate), "fp16": c.get("gemm_bf16_flops", rate)}
+                gemm_eff = 1.0
+            if c.get("memory_bandwidth"):
+                mem_eff = c["memory_bandwidth"] / (gpu.memory_bandwidth_gbs * 1e9)
+            gemm_floor_s = float(c.get("gemm_floor_s", 0.0))
+            attn_floor = (float(c.get("attention_fwd_floor_s", 0.0)), float(c.get("attention_bwd_floor_s", 0.0)))
+            cache_bw, cache_bytes = float(c.get("cache_bandwidth", 0.0)), float(c.get("cache_bytes", 0.0))
+            attn_block = 1  # the CPU's sdpa has no 128-wide tiles to fill: every causal score is computed once
+        if c.get("attention_fwd_eff"):
+            attn_fwd = c["attention_fwd_eff"] * gemm_eff
+            attn_bwd = c["attention_bwd_eff"] * gemm_eff
     return TimeConstants(
         cuda=cuda,
         sms=int(r["sms"].get(gpu.name, r["sms"]["default"])) if cuda else 1,
@@ -132,21 +210,33 @@ def time_constants(gpu: GPUSpec) -> TimeConstants:
         split_k_min_k=int(r["gemm"]["split_k_min_k"]),
         mem_bw=gpu.memory_bandwidth_gbs * 1e9 * mem_eff / fit.get(Term.MEMORY.value, 1.0),
         floor_s=float(r["kernel_floor_us"]["value"]) * 1e-6 if cuda else 0.0,
-        op_s=op_us * 1e-6 * fit.get(Term.HOST.value, 1.0),
-        view_s=float(h["view_us"]) * 1e-6 * fit.get(Term.HOST.value, 1.0),
-        sync_s=float(h["sync_us"]) * 1e-6 if cuda else 0.0,
+        host=host,
+        launch_s=launch_s * fit.get(Term.HOST.value, 1.0),
+        host_scale=fit.get(Term.HOST.value, 1.0),
+        sync_s=sync_s,
+        gemm_floor_s=gemm_floor_s,
+        attn_floor_s=attn_floor,
+        cache_bw=cache_bw,
+        cache_bytes=cache_bytes,
         micro_step_s=float(h["micro_step_us"]) * 1e-6 * fit.get(Term.HOST.value, 1.0),
         collate_row_s=float(h["collate_row_us"]) * 1e-6,
         step_s=float(h["step_us"]) * 1e-6,
-        attn_block=int(a["block"]),
-        attn_fwd_eff=float(_by_arch(a["forward_efficiency"], gpu)) / fit.get(Term.ATTENTION.value, 1.0),
-        attn_bwd_eff=float(_by_arch(a["backward_efficiency"], gpu)) / fit.get(Term.ATTENTION.value, 1.0),
+        attn_block=attn_block,
+        attn_fwd_eff=attn_fwd / fit.get(Term.ATTENTION.value, 1.0),
+        attn_bwd_eff=attn_bwd / fit.get(Term.ATTENTION.value, 1.0),
         attn_bwd_factor=float(a["backward_flops_factor"]),
         pcie_bw=float(r["pcie_bandwidth_gbs"]["value"]) * 1e9,
         peak=peak,
         raw=r,
         fitted=bool(fit),
+        calibration=_label(block),
     )
+
+
+def _label(block: dict | None) -> str:
+    from .calibrate import label
+
+    return label(block)
 
 
 def fitted_multipliers(gpu_name: str) -> dict[str, float]:

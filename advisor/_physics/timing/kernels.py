@@ -24,7 +24,7 @@ def gemm_s(m: int, n: int, k: int, itemsize: int, peak: float, tc: TimeConstants
     flops = 2.0 * m * n * k * batch
     if not tc.cuda:
         compute = flops / (peak * tc.gemm_eff)
-        return max(compute, (m * k + k * n + m * n) * batch * itemsize / tc.mem_bw)
+        return max(compute, memory_s((m * k + k * n + m * n) * batch * itemsize, tc), tc.gemm_floor_s)
     best = math.inf
     for tm, tn, rel in tc.tiles:
         tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
@@ -41,7 +41,10 @@ def gemm_s(m: int, n: int, k: int, itemsize: int, peak: float, tc: TimeConstants
 
 
 def memory_s(nbytes: float, tc: TimeConstants, kernels: int = 1) -> float:
-    return max(nbytes / tc.mem_bw, kernels * tc.floor_s)
+    """Bytes over the bandwidth (a CPU's cache bandwidth where they fit its measured working set), never under the
+    kernels' floor."""
+    bw = tc.cache_bw if tc.cache_bw and nbytes / max(kernels, 1) <= tc.cache_bytes else tc.mem_bw
+    return max(nbytes / bw, kernels * tc.floor_s)
 
 
 def causal_tiles(s: np.ndarray | int, block: int) -> np.ndarray | int:

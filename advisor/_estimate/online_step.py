@@ -1,10 +1,12 @@
-"""Online RL (GRPO, RLOO) and on-policy distillation in closed form: the estimate's kind `ClosedForm.ONLINE_RL`.
+"""Online RL (GRPO, RLOO) and on-policy distillation in closed form: the estimate of a step that generates (a
+trainer's `StepShape.generates`).
 
-The step's shape is built from the workload and the candidate (the trainer's `step_knobs`: its knobs by TRL 1.16's
-names, its defaults resolved), its phases counted by the physics package (advisor/_physics/online_rl.py: the KV
-cache of transformers' generate, TRL's fused log-prob head, the scoring forwards, the reference, ZeRO-3's gathers,
-colocated vLLM's pool and refusals; advisor/_physics/distillation.py: the resident teacher, its no-grad forward and
-the chunked divergence over the vocabulary), and the training
+The step's shape is built from the workload, the candidate and the trainer's knob view (TRL 1.16's names, the
+trainer's defaults resolved: advisor/trainers/online_knobs.py), its phases counted by the physics package
+(advisor/_physics/online_step.py, online_costs.py: the KV cache of transformers' generate, TRL's fused log-prob head,
+the scoring forwards, the reference, ZeRO-3's gathers, colocated vLLM's pool and refusals; distillation.py: the
+resident teacher (the model input the trainer's step distills from, `StepShape.distills_from`), its no-grad forward
+and the chunked divergence over the vocabulary), and the training
 micro-batch's own parts (parameters, gradients, optimizer state, saved activations) by the SFT estimate's
 `memory_parts` on the rows GRPO trains: `per_device_train_batch_size` completions of the longest prompt +
 `max_completion_length` tokens, the completion trained. The step time adds online RL's terms (generation, weight sync,
@@ -23,10 +25,12 @@ from .._physics import (
     online_build_step,
     online_Loss,
     online_phase_allocator_bytes,
-    online_Reference,
     online_step_time_on,
+    online_TrainingState,
     online_vllm_terms,
     online_VllmRefusal,
+    resident_bytes,
+    teacher_of,
     vllm_Mode,
     vllm_Sleep,
     vllm_TRL_SLEEP_LEVEL,
@@ -40,6 +44,7 @@ from .step_time import expected_step_time
 
 if TYPE_CHECKING:
     from ..space import Candidate
+    from ..trainers import Trainer
     from ..workload import Workload
 
 # where each part of a phase goes in a Measurement's breakdown
@@ -53,78 +58,52 @@ _CATEGORY = {
 }
 
 
-def _knob(c: Candidate, name: str) -> Any:
-    """An online knob every online trainer defaults alike (max_completion_length, use_vllm) by TRL's name: the
-    Candidate's field, else the candidate's base (a trainer's carried knob), else its declared default
-    (advisor/trainers/online_knobs.py KNOBS); the knobs whose defaults differ by trainer come from the trainer's
-    `step_knobs`."""
-    from ..space import carried_knobs
-
-    if name in getattr(type(c), "__dataclass_fields__", {}):
-        value = getattr(c, name)
-    else:
-        value = c.base.get(name, carried_knobs().get(name))
-    return getattr(value, "value", value)  # a str-Enum knob (vllm_mode) as TRL's string
-
-
-def _proxy(workload: Workload, rows: int, prompt: int, completion: int) -> Any:
-    """The training micro-batch as SFT rows: `rows` sequences of prompt + completion, the completion trained (an SFT
-    workload: no reward model, which the online step counts itself as `reward_model_bytes`)."""
+def _completions(workload: Workload, rows: int, prompt: int, completion: int) -> Any:
+    """The training micro-batch as the rows the estimate's parts count: `rows` sequences of prompt + completion,
+    the completion trained."""
     from ..data import TokenizedDataset
 
     row = {"input_ids": [0] * (prompt + completion), "completion_mask": [0] * prompt + [1] * completion}
-    data = TokenizedDataset(name=f"{getattr(workload.dataset, 'name', 'prompts')} (completions as rows)",
-                            source="synthetic", rows=(row,) * rows, completion_only_loss=True)
-    return dataclasses.replace(workload, dataset=data, trainer="sft", reward_model=None, teacher=None)
+    data = TokenizedDataset(name=f"{workload.dataset.name} (completions as rows)", source="synthetic",
+                            rows=(row,) * rows, completion_only_loss=True)
+    return dataclasses.replace(workload, dataset=data)
 
 
 def _longest_prompt(workload: Workload) -> int:
-    lengths = getattr(workload.dataset, "lengths", None)
-    if lengths is None or len(lengths) == 0:
+    lengths = workload.dataset.lengths
+    if len(lengths) == 0:
         raise ValueError("online RL's estimate needs the prompts' lengths (workload.dataset.lengths)")
     return int(max(lengths))
 
 
-def _reward_model_bytes(workload: Workload, weight_bytes: int) -> int:
-    """Reward models given as models (resident): `workload.reward_model` (a ModelSpec) when the workload carries one;
-    reward functions cost nothing on the device."""
-    spec = getattr(workload, "reward_model", None)
-    if spec is None:
-        return 0
-    arch = architecture(spec)
-    return arch.total * weight_bytes + arch.buffer_bytes
-
-
-def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any, Any]:
-    """(the physics' OnlineStep, the training micro-batch's MemoryParts, the proxy workload, the proxy candidate).
-    The step's knobs are the trainer's (`step_knobs`: its TRL defaults resolved, by the physics' names)."""
-    from ..trainers import get_trainer
-
-    kind = get_trainer(workload.trainer)
-    c = candidate
-    knobs = kind.step_knobs(c)
+def build_step(workload: Workload, candidate: Candidate, knobs: Any, trainer: Trainer
+               ) -> tuple[Any, Any, Any, Any]:
+    """(the physics' OnlineStep, the training micro-batch's MemoryParts, its rows' workload, the candidate they are
+    counted with), from the trainer's knob view `knobs` and its step's declaration (`step_shape`: the training pass
+    without autocast, the model input it distills from; `input_dtype`: each model input's dtype)."""
+    c, k = candidate, knobs
+    shape = trainer.step_shape(c)
     gpu = workload.gpu
     arch = architecture(workload.model)
     b = c.per_device_train_batch_size
-    ga = c.gradient_accumulation_steps
     world = max(1, workload.num_gpus)
     prompt = _longest_prompt(workload)
-    completion = int(_knob(c, "max_completion_length"))
-    proxy = _proxy(workload, b, prompt, completion)
-    sft_c = c.replace(max_length=prompt + completion, packing=False, padding_free=False)
-    if not kind.train_autocast:  # the training passes compute in the weights' dtype (distillation)
-        sft_c = sft_c.replace(precision=Precision.FP32)
-    parts = memory_parts(proxy, sft_c)
+    completion = int(k.max_completion_length)
+    rows = _completions(workload, b, prompt, completion)
+    rows_c = c.replace(max_length=prompt + completion, packing=False, padding_free=False)
+    if not shape.train_autocast:  # the training passes compute in the weights' dtype (DistillationTrainer)
+        rows_c = rows_c.replace(precision=Precision.FP32)
+    parts = memory_parts(rows, rows_c)
     weight_bytes = DTYPE_BYTES[c.weights_dtype]
-    mixed = c.precision is not Precision.FP32
     params, grads, optim = parts.parameters, parts.gradients, parts.optimizer
-    opt_temp = _optimizer_temporaries(arch, c, gpu.is_cuda, parts.optimizer_temporaries)
-    beta = float(knobs["beta"])
-    reference = online_Reference.NONE if beta == 0 else (
-        online_Reference.ADAPTERS_DISABLED if c.use_lora else online_Reference.SEPARATE)
-    ref_bytes = arch.total * weight_bytes + arch.buffer_bytes if reference is online_Reference.SEPARATE else 0
-    reward = _reward_model_bytes(workload, weight_bytes)
-    teacher_arch, teacher_bytes, teacher_element = _teacher(workload, kind.teacher_dtype(c))
+    separate = float(k.kl_beta) != 0 and not c.use_lora
+    ref_bytes = arch.total * weight_bytes + arch.buffer_bytes if separate else 0
+    beside = [(role, spec) for role, spec in workload.models if role != shape.distills_from]
+    beside_bytes = sum(resident_bytes([spec], DTYPE_BYTES[trainer.input_dtype(c, role)]) for role, spec in beside)
+    teacher_spec = workload.model_of(shape.distills_from) if shape.distills_from else None
+    teacher_element = DTYPE_BYTES[trainer.input_dtype(c, shape.distills_from)] if teacher_spec is not None else 0
+    teacher_arch = architecture(teacher_spec) if teacher_spec is not None else None
+    teacher_bytes = teacher_arch.total * teacher_element + teacher_arch.buffer_bytes if teacher_arch else 0
     zero3 = False
     if world > 1:  # one rank of N: the model states as the candidate's parallelism shards them
         from .._physics import estimate_rank_moments
@@ -132,39 +111,27 @@ def build_step(workload: Workload, candidate: Candidate) -> tuple[Any, Any, Any,
         P, G, OPT = Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER
         one = {P: params, G: grads, OPT: optim, Category.ACTIVATIONS: 0, Category.LM_HEAD: 0,
                Category.TEMPORARIES: 0}
-        sharded, _ = estimate_rank_moments(proxy, sft_c, {"state": one}, parts)
+        sharded, _ = estimate_rank_moments(rows, rows_c, {"state": one}, parts)
         params, grads, optim = sharded["state"][P], sharded["state"][G], sharded["state"][OPT]
         strategy = c.parallelism.parallelism.strategy.value
         zero3 = strategy == "zero3"
         if zero3 or strategy == "fsdp2":  # the reference and the teacher are prepared (sharded) like the policy
             ref_bytes = -(-ref_bytes // world)
             teacher_bytes = -(-teacher_bytes // world)
-    step = online_build_step(
-        arch, workload.model.config, weights_bytes=params, gradient_bytes=grads, optimizer_bytes=optim,
-        trainable=parts.trainable, weight_element_bytes=weight_bytes, mixed=mixed, prompt_length=prompt,
-        max_completion_length=completion, per_device_train_batch_size=b, gradient_accumulation_steps=ga,
-        lora=c.use_lora, gradient_checkpointing=c.activation_checkpointing, reference_bytes=ref_bytes,
-        reward_model_bytes=reward, card_bytes=gpu.memory_bytes, cuda=gpu.is_cuda,
-        # when vLLM snapshots the device no backward has run: the Python thread's cuBLAS workspace only
-        context_bytes=outside_allocator_bytes(gpu, threads=1) if gpu.is_cuda else 0, supports_bf16=gpu.supports_bf16,
-        world_size=world, zero3=zero3, optimizer_temporary_bytes=opt_temp, train_activation_bytes=parts.activations,
-        train_recompute_bytes=parts.recompute, teacher_arch=teacher_arch, teacher_bytes=teacher_bytes,
-        teacher_weight_element_bytes=teacher_element, **knobs,
-    )
-    return step, parts, proxy, sft_c
-
-
-def _teacher(workload: Workload, dtype: str | None) -> tuple[Any, int, int]:
-    """A resident teacher (`workload.teacher`, distillation) in `dtype`: its architecture, bytes and weight
-    element; (None, 0, 0) without one."""
-    spec = getattr(workload, "teacher", None)
-    if spec is None or dtype is None:
-        return None, 0, 0
-    from ..space import WeightsDtype
-
-    arch = architecture(spec)
-    element = DTYPE_BYTES[WeightsDtype(dtype)]
-    return arch, arch.total * element + arch.buffer_bytes, element
+    state = online_TrainingState(
+        weights_bytes=params, gradient_bytes=grads, optimizer_bytes=optim, trainable=parts.trainable,
+        prompt_length=prompt, reference_bytes=ref_bytes,
+        model_inputs_bytes=beside_bytes,
+        teacher=teacher_of(teacher_arch, weights_bytes=teacher_bytes, weight_element_bytes=teacher_element)
+        if teacher_arch is not None else None,
+        optimizer_temporary_bytes=_optimizer_temporaries(arch, c, gpu.is_cuda, parts.optimizer_temporaries),
+        train_activation_bytes=parts.activations, train_recompute_bytes=parts.recompute, world_size=world,
+        zero3=zero3)
+    step = online_build_step(arch, workload.model.config, c, k, state, gpu,
+                             # when vLLM snapshots the device no backward has run: the Python thread's cuBLAS
+                             # workspace only
+                             context_bytes=outside_allocator_bytes(gpu, threads=1) if gpu.is_cuda else 0)
+    return step, parts, rows, rows_c
 
 
 def _optimizer_temporaries(arch: Any, c: Candidate, cuda: bool, foreach_bytes: int) -> int:
@@ -183,24 +150,25 @@ def _optimizer_temporaries(arch: Any, c: Candidate, cuda: bool, foreach_bytes: i
     return 2 * largest * DTYPE_BYTES[c.weights_dtype]
 
 
-def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
-    """Peak memory by phase and category, what vLLM holds outside the allocator, and the step time of one GRPO /
-    RLOO optimizer step; status OOM with vLLM's own refusal when colocated vLLM would not start."""
+def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any, trainer: Trainer) -> Measurement:
+    """Peak memory by phase and category, what vLLM holds outside the allocator, and the step time of one online
+    optimizer step (`knobs`: the trainer's view of the candidate; `trainer`: its step's declaration); status OOM
+    with vLLM's own refusal when colocated vLLM would not start."""
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
-    if bool(_knob(c, "use_vllm")) and not cuda:
+    if knobs.use_vllm and not cuda:
         return Measurement(status=Status.ERROR, source=Source.ESTIMATE,
                            message=f"use_vllm=True on {gpu.name}: vLLM generates on CUDA GPUs only; set "
                                    "use_vllm=False (transformers' generate) for a CPU target")
     try:
-        step, parts, proxy, sft_c = build_step(workload, c)
+        step, parts, rows, rows_c = build_step(workload, c, knobs, trainer)
     except ConfigError as e:  # TRL's own rules (num_generations dividing the generation batch, ...): named, not run
         return Measurement(status=Status.ERROR, source=Source.ESTIMATE, message=str(e))
     phases = online_phase_allocator_bytes(step)
     vllm = online_vllm_terms(step)
     notes = [
-        f"online RL (closed form, advisor/_physics/online_rl.py): generation batch {step.generation_batch} "
+        f"online RL (closed form, advisor/_physics/online_costs.py): generation batch {step.generation_batch} "
         f"completions (per_device_train_batch_size {step.per_device_train_batch_size} x steps_per_generation "
         f"{step.steps_per_generation}), every completion at max_completion_length {step.max_completion_length} after "
         f"the longest prompt ({step.prompt_length} tokens): the bound",
@@ -232,7 +200,7 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
                               f"{with_sleep / 2**30:.2f} GiB instead of {device / 2**30:.2f} GiB (vllm.py asleep)")
     # step time: the training passes of the shared step-time model, plus online RL's own terms
     arch = architecture(workload.model)
-    train = expected_step_time(proxy, arch, sft_c, parts.batch, parts.offload_volume)
+    train = expected_step_time(rows, arch, rows_c, parts.batch, parts.offload_volume)
     distilling = step.loss is online_Loss.DIVERGENCE
     extra_s = _teacher_s(step, gpu) if distilling else 0.0
     timed = online_step_time_on(step, gpu, arch, precision=c.precision.value, train_s=train.step_s + extra_s,
@@ -240,31 +208,7 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
     notes += [
         f"peak in the {phases[at].phase} phase; per phase (allocator + outside it, bytes): "
         + ", ".join(f"{p} {dp.allocator[p]:,} + {dp.outside_allocator[p]:,}" for p in dp.allocator),
-        "training state resident throughout (weights, optimizer state"
-        + (", a separate reference" if step.reference_bytes else "")
-        + (", reward models" if step.reward_model_bytes else "") + ")",
-        "generate: transformers' DynamicCache of the generation batch at prompt + max_completion_length - 1 "
-        "positions, values in the compute dtype, keys float32 under autocast over float32 weights (rotary "
-        "promotes them) (cache_utils.py DynamicLayer.update; counted as activations)"
-        if step.engine is vllm_Mode.GENERATE else
-        f"generate: vLLM ({step.engine.value}); " + (
-            f"its pool {vllm.split.pool_bytes:,} B outside PyTorch's allocator "
-            + ("in every phase" if step.sleep is vllm_Sleep.OFF else
-               f"while generating, {vllm.held_bytes('train'):,} B kept asleep (sleep level {step.sleep.value})")
-            + " (vllm/v1/worker/gpu_worker.py Worker.init_device: utilization x total; profile run and non-torch "
-            "memory modelled, profiles/measurements/online_rl_constants.json)"
-            if vllm.split is not None else "server mode: no pool on the training GPUs"),
-        *(_distillation_notes(step) if distilling else [
-            f"scoring: {step.scoring_forwards} no-grad forward(s) of the generation batch (old policy: "
-            f"{step.old_logps_forward}, reference {step.reference.value}) through TRL's fused log-prob head "
-            "(trl/kernels/chunked_logprob.py; no [B, T, V] logits)",
-            "train: the SFT estimate's parts of the micro-batch (advisor/_estimate/memory.py) with TRL's fused head "
-            "on " + ("the completion tokens (CUDA)" if cuda else "every position (no Triton)")]),
-        *(["ZeRO-3: the whole model gathered to generate (ds3_gather_for_generation)"
-           if step.ds3_gather_for_generation else "ZeRO-3: a layer at a time gathered to generate"]
-          if step.zero3 else []),
-        *sleep_note,
-        *timed.notes,
+        *_step_notes(step, vllm, cuda), *sleep_note, *timed.notes,
         "objective: trained completion tokens per optimizer step (per_device_train_batch_size x "
         "gradient_accumulation_steps x max_completion_length) over the step's time end to end",
     ]
@@ -288,6 +232,36 @@ def estimate_online_rl(workload: Workload, candidate: Candidate) -> Measurement:
         peak_batch=f"{step.per_device_train_batch_size}x{step.sequence_length} ({step.generation_batch} generated)",
         notes=tuple(notes), outside_allocator_bytes=outside,
     )
+
+
+def _step_notes(step: Any, vllm: Any, cuda: bool) -> list[str]:
+    """What the notes say of the step: what stays resident, how it generates, scores and trains, ZeRO-3's gathers."""
+    return [
+        "training state resident throughout (weights, optimizer state"
+        + (", a separate reference" if step.reference_bytes else "")
+        + (", reward models" if step.reward_model_bytes else "")
+        + (", the teacher" if step.teacher_bytes else "") + ")",
+        "generate: transformers' DynamicCache of the generation batch at prompt + max_completion_length - 1 "
+        "positions, values in the compute dtype, keys float32 under autocast over float32 weights (rotary "
+        "promotes them) (cache_utils.py DynamicLayer.update; counted as activations)"
+        if step.engine is vllm_Mode.GENERATE else
+        f"generate: vLLM ({step.engine.value}); " + (
+            f"its pool {vllm.split.pool_bytes:,} B outside PyTorch's allocator "
+            + ("in every phase" if step.sleep is vllm_Sleep.OFF else
+               f"while generating, {vllm.held_bytes('train'):,} B kept asleep (sleep level {step.sleep.value})")
+            + " (vllm/v1/worker/gpu_worker.py Worker.init_device: utilization x total; profile run and non-torch "
+            "memory modelled, profiles/measurements/online_rl_constants.json)"
+            if vllm.split is not None else "server mode: no pool on the training GPUs"),
+        *(_distillation_notes(step) if step.loss is online_Loss.DIVERGENCE else [
+            f"scoring: {step.scoring_forwards} no-grad forward(s) of the generation batch (old policy: "
+            f"{step.old_logps_forward}, reference {step.reference.value}) through TRL's fused log-prob head "
+            "(trl/kernels/chunked_logprob.py; no [B, T, V] logits)",
+            "train: the SFT estimate's parts of the micro-batch (advisor/_estimate/memory.py) with TRL's fused head "
+            "on " + ("the completion tokens (CUDA)" if cuda else "every position (no Triton)")]),
+        *(["ZeRO-3: the whole model gathered to generate (ds3_gather_for_generation)"
+           if step.ds3_gather_for_generation else "ZeRO-3: a layer at a time gathered to generate"]
+          if step.zero3 else []),
+    ]
 
 
 def _teacher_s(step: Any, gpu: Any) -> float:
