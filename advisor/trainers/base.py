@@ -69,6 +69,7 @@ class TrlTrainer:
     timed_over_batches = False  # the simulator's step time over the sampler's batches (else the worst batch's)
     knob_view: type[KnobView] = KnobView  # its own knobs: none
     model_inputs: tuple[ModelInput, ...] = ()
+    default_trials: int | None = None  # the search's own default (advisor.search.DEFAULT_TRIALS)
     batch_unit: str | None = None  # per_device_train_batch_size counts dataset rows
     # the knobs its config has that its default space holds at their default: group_by_length changes which rows
     # share a batch, a distribution the step-time model has only where the time is taken over the sampler's

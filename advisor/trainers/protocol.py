@@ -110,6 +110,7 @@ class Trainer(Protocol):
     knob_view: type[KnobView]  # its own knobs, typed (advisor/knobs.py knob_view); registered with it
     model_inputs: tuple[ModelInput, ...]  # the models it takes beside the policy
     batch_unit: str | None  # what per_device_train_batch_size counts when not a dataset row ("completions")
+    default_trials: int | None  # the search's trials when none are given (None: advisor.search.DEFAULT_TRIALS)
 
     # ---- TRL's classes --------------------------------------------------------------------------------------
     def config_class(self) -> type: ...
