@@ -74,7 +74,7 @@ def estimate(workload: Workload, candidate: Candidate) -> Measurement:
     trainer = trainer_of(workload)
     shape = trainer.step_shape(candidate)
     if shape.generates:
-        return estimate_online_rl(workload, candidate, trainer.knobs(candidate))
+        return estimate_online_rl(workload, candidate, trainer.knobs(candidate), trainer)
     m = _rows_closed_form(workload, candidate) if shape.plain else \
         _sequences_closed_form(workload, candidate, shape, trainer.name)
     return _with_models(workload, candidate, m) if workload.models else m

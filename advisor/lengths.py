@@ -425,12 +425,15 @@ class LengthRequest:
     seed: int = 0
     max_completion_length: int | None = None  # the online trainers' completion bound
     plot: str | None = None  # a histogram PNG to write (chat rows)
+    generating: tuple[str, ...] = ()  # the trainers that generate completions (named in the errors)
 
     def refuse_completion_length(self) -> None:
-        """A trainer that generates no completions has no completion length: --max-completion-length refused."""
+        """A trainer that generates no completions has no completion length: --max-completion-length refused,
+        naming the trainers that generate."""
         if self.max_completion_length is not None:
+            which = f" (--trainer {'|'.join(self.generating)})" if self.generating else ""
             raise UsageError(f"--max-completion-length {self.max_completion_length} with --trainer {self.trainer}: "
-                             "only the online trainers (--trainer grpo|rloo) generate completions; use --max-length")
+                             f"only the online trainers{which} generate completions; use --max-length")
 
 
 @dataclass(frozen=True)

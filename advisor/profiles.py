@@ -396,20 +396,21 @@ def _from_hub(name: str, local_only: bool) -> ModelSpec | None:
     return load_model_config(path, name, "hub", path.parent)
 
 
-def resolve_model(name: str, root: Path | None = None) -> ModelSpec:
-    """A model from a local directory, a config.json, the hub, or offline from profiles/models/."""
+def resolve_model(name: str, root: Path | None = None, *, flag: str = "--model") -> ModelSpec:
+    """A model from a local directory, a config.json, the hub, or offline from profiles/models/. `flag`: the flag
+    an error names (--model; --teacher for a distillation teacher)."""
     root = Path(root or PROFILES_DIR)
     path = Path(name).expanduser()
     if path.is_dir():
         cfg = path / "config.json"
         if not cfg.is_file():
-            raise UnknownModelError(f"--model {name!r}: the directory has no config.json; point at a model directory")
+            raise UnknownModelError(f"{flag} {name!r}: the directory has no config.json; point at a model directory")
         return load_model_config(cfg, str(path), "local", path.resolve())
     if path.is_file():
         return load_model_config(path, str(path), "local", None)
     looks_like_path = name.endswith(".json") or name.startswith((".", "/", "~")) or name.count("/") > 1
     if looks_like_path:
-        raise UnknownModelError(f"--model {name!r}: no such file or directory; give an existing path or a hub id")
+        raise UnknownModelError(f"{flag} {name!r}: no such file or directory; give an existing path or a hub id")
 
     spec = None if _hub_offline() or not _hub_reachable() else _from_hub(name, local_only=False)
     if spec is None:
@@ -424,9 +425,9 @@ def resolve_model(name: str, root: Path | None = None) -> ModelSpec:
     near = difflib.get_close_matches(name, list(shipped.values()), n=1, cutoff=0.5)
     hint = f" Did you mean {near[0]!r}?" if near else ""
     raise UnknownModelError(
-        f"--model {name!r}: the hub is not reachable (or HF_HUB_OFFLINE is set) and no profile ships for it.{hint} "
-        f"Shipped: {', '.join(shipped.values())}. Or point --model at a local directory with a config.json, "
-        "or at a config.json file (e.g. --model ./my-model/config.json)."
+        f"{flag} {name!r}: the hub is not reachable (or HF_HUB_OFFLINE is set) and no profile ships for it.{hint} "
+        f"Shipped: {', '.join(shipped.values())}. Or point {flag} at a local directory with a config.json, "
+        f"or at a config.json file (e.g. {flag} ./my-model/config.json)."
     )
 
 

@@ -419,7 +419,9 @@ class _Search:
                     full: dict, left: dict) -> Suggestion | None:
         """One method's study: run, confirm, fit-check; the Suggestion, or None to go on to the next method."""
         events = self.events
-        run.run(trials=trials or DEFAULT_TRIALS, time_budget_s=time_budget_s, exhaustive=exhaustive)
+        # the trials asked for, else the trainer's declared default (its front door's), else the search's
+        run.run(trials=trials or self.trainer.default_trials or DEFAULT_TRIALS, time_budget_s=time_budget_s,
+                exhaustive=exhaustive)
         run.wait_for_running()  # workers, or another run sharing the cache: their results belong in the answer
         raise_if_backend_failed(run, self.backend_name, name)
         best = confirmed_best(run, events)

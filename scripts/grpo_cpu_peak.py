@@ -128,8 +128,6 @@ def run_case(case: Case, size: str = "tiny") -> Peak:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from advisor.probing.meters import cpu_peak, memory_profiler
-
     lengths: list[int] = []
 
     def reward(completions, completion_ids, **_: Any) -> list[float]:
@@ -168,17 +166,27 @@ def run_case(case: Case, size: str = "tiny") -> Peak:
         for cb in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(cb)
         models = [trainer.model] + ([trainer.ref_model] if getattr(trainer, "ref_model", None) is not None else [])
-        before = _live([t for m in models for t in (*m.parameters(), *m.buffers())])
-        gc.collect()
-        start = time.perf_counter()
-        prof = memory_profiler()
-        try:
+        return measure_train(case.name, trainer, models, lengths)
+
+
+def measure_train(name: str, trainer: Any, models: list, lengths: list[int]) -> Peak:
+    """`trainer.train()` under the CPU allocator's profiler: the peak it reports plus the bytes of `models` live
+    before (their parameters and buffers); `lengths`: the completion lengths the run generated (filled as it runs)."""
+    from advisor.probing.meters import cpu_peak, memory_profiler
+
+    before = _live([t for m in models for t in (*m.parameters(), *m.buffers())])
+    gc.collect()
+    start = time.perf_counter()
+    prof = memory_profiler()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             trainer.train()
-        finally:
-            prof.__exit__(None, None, None)
-        seconds = time.perf_counter() - start
-        peak = cpu_peak(prof)
-    return Peak(case.name, before + peak.peak_bytes, before, peak.peak_bytes, peak.events, seconds, tuple(lengths))
+    finally:
+        prof.__exit__(None, None, None)
+    seconds = time.perf_counter() - start
+    peak = cpu_peak(prof)
+    return Peak(name, before + peak.peak_bytes, before, peak.peak_bytes, peak.events, seconds, tuple(lengths))
 
 
 def main(argv: list[str]) -> int:

@@ -126,6 +126,20 @@ def tiny_config(tmp_path, monkeypatch):
     return str(path)
 
 
+def run_offline(argv: list[str], cwd) -> object:
+    """A subprocess of this checkout (first on PYTHONPATH), offline, that must succeed (its output's tail shown
+    otherwise): the run-as-written tests' `trl <command> --config` and snippet runs."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
+
+
 def save_bpe_qwen2_tokenizer(path, corpus: list[str], vocab_size: int = 400) -> None:
     """A byte-level BPE tokenizer trained on `corpus` on the spot, saved in `path` as Qwen2Tokenizer: the class TRL
     (AutoTokenizer / AutoProcessor) and the advisor's loader both read for a qwen2 model."""

@@ -6,19 +6,15 @@ prompts); both train with the emitted default reward function."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import save_tiny_qwen2
+from conftest import run_offline, save_tiny_qwen2
 
 from advisor.space import Candidate, with_knobs
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +23,6 @@ def model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-qwen2")
     save_tiny_qwen2(path, [f"hello world number {i} the quick brown fox jumps over the lazy dog" for i in range(200)])
     return path
-
-
-def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done
 
 
 @pytest.mark.slow
@@ -64,10 +52,10 @@ def test_the_yaml_and_the_snippet_run_as_written(trainer, model_dir, tmp_path):
     trl = shutil.which("trl", path=str(Path(sys.executable).parent)) or shutil.which("trl")
     assert trl, "the trl command is not installed beside this Python"
     (tmp_path / "yaml").mkdir()
-    _run([trl, trainer, "--config", str(run), "--max_steps", "1", "--output_dir", str(tmp_path / "yaml" / "out")],
-         tmp_path / "yaml")
+    run_offline([trl, trainer, "--config", str(run), "--max_steps", "1", "--output_dir",
+                 str(tmp_path / "yaml" / "out")], tmp_path / "yaml")
     code = t.to_python(cand, model_name_or_path=str(model_dir), workload=wl)
     (tmp_path / "snippet").mkdir()
     (tmp_path / "snippet" / "train.py").write_text(code)
-    _run([sys.executable, "train.py"], tmp_path / "snippet")  # one epoch: 8 prompts x 2 completions, 4 a step
+    run_offline([sys.executable, "train.py"], tmp_path / "snippet")  # one epoch: 8 prompts x 2 completions, 4 a step
     assert (tmp_path / "snippet" / f"advisor-{trainer}").is_dir()

@@ -111,8 +111,10 @@ def test_declared_once_reaches_fix_emit_readback(k, tmp_path):
 
 
 # Other values a rule between knobs asks for: GRPO / RLOO's generation batch (8 completions at TRL's defaults) holds
-# whole groups of num_generations (GRPOConfig refuses 9 completions in groups of 8), and GRPO's own default is 8.
-_RULED = {"per_device_train_batch_size": 16, "num_generations": 4}
+# whole groups of num_generations (GRPOConfig refuses 9 completions in groups of 8), and GRPO's own default is 8;
+# DistillationConfig refuses a beta outside [0, 1] (GRPO's and RLOO's KL coefficient takes 0.5 too).
+# values a knob's rule or meaning picks: teacher_dtype float32 over float32 weights is the teacher's default load
+_RULED = {"per_device_train_batch_size": 16, "num_generations": 4, "beta": 0.5, "teacher_dtype": "bfloat16"}
 
 
 def _accepted() -> list[tuple[str, knobs.Knob]]:

@@ -1,9 +1,12 @@
-"""Online RL (GRPO, RLOO) in closed form: the estimate of a step that generates (a trainer's `StepShape.generates`).
+"""Online RL (GRPO, RLOO) and on-policy distillation in closed form: the estimate of a step that generates (a
+trainer's `StepShape.generates`).
 
 The step's shape is built from the workload, the candidate and the trainer's knob view (TRL 1.16's names, the
 trainer's defaults resolved: advisor/trainers/online_knobs.py), its phases counted by the physics package
 (advisor/_physics/online_step.py, online_costs.py: the KV cache of transformers' generate, TRL's fused log-prob head,
-the scoring forwards, the reference, ZeRO-3's gathers, colocated vLLM's pool and refusals), and the training
+the scoring forwards, the reference, ZeRO-3's gathers, colocated vLLM's pool and refusals; distillation.py: the
+resident teacher (the model input the trainer's step distills from, `StepShape.distills_from`), its no-grad forward
+and the chunked divergence over the vocabulary), and the training
 micro-batch's own parts (parameters, gradients, optimizer state, saved activations) by the SFT estimate's
 `memory_parts` on the rows GRPO trains: `per_device_train_batch_size` completions of the longest prompt +
 `max_completion_length` tokens, the completion trained. The step time adds online RL's terms (generation, weight sync,
@@ -20,12 +23,14 @@ from .._physics import (
     DTYPE_BYTES,
     architecture,
     online_build_step,
+    online_Loss,
     online_phase_allocator_bytes,
     online_step_time_on,
     online_TrainingState,
     online_vllm_terms,
     online_VllmRefusal,
     resident_bytes,
+    teacher_of,
     vllm_Mode,
     vllm_Sleep,
     vllm_TRL_SLEEP_LEVEL,
@@ -33,12 +38,13 @@ from .._physics import (
 from .._physics import online_device_peak as device_peak
 from ..errors import ConfigError
 from ..measurement import Category, Measurement, Source, Status
-from ..space import Optimizer
+from ..space import Optimizer, Precision
 from .memory import RESERVED_FACTOR, memory_parts, outside_allocator_bytes
 from .step_time import expected_step_time
 
 if TYPE_CHECKING:
     from ..space import Candidate
+    from ..trainers import Trainer
     from ..workload import Workload
 
 # where each part of a phase goes in a Measurement's breakdown
@@ -48,6 +54,7 @@ _CATEGORY = {
     "activations": Category.ACTIVATIONS, "kv_cache": Category.ACTIVATIONS, "lm_head": Category.LM_HEAD,
     "scoring_forward": Category.TEMPORARIES, "generate_temporaries": Category.TEMPORARIES,
     "temporaries": Category.TEMPORARIES, "buffered_batch": Category.OTHER, "completion_ids": Category.OTHER,
+    "teacher": Category.PARAMETERS, "teacher_forward": Category.TEMPORARIES,
 }
 
 
@@ -69,10 +76,13 @@ def _longest_prompt(workload: Workload) -> int:
     return int(max(lengths))
 
 
-def build_step(workload: Workload, candidate: Candidate, knobs: Any) -> tuple[Any, Any, Any, Any]:
+def build_step(workload: Workload, candidate: Candidate, knobs: Any, trainer: Trainer
+               ) -> tuple[Any, Any, Any, Any]:
     """(the physics' OnlineStep, the training micro-batch's MemoryParts, its rows' workload, the candidate they are
-    counted with), from the trainer's knob view `knobs`."""
+    counted with), from the trainer's knob view `knobs` and its step's declaration (`step_shape`: the training pass
+    without autocast, the model input it distills from; `input_dtype`: each model input's dtype)."""
     c, k = candidate, knobs
+    shape = trainer.step_shape(c)
     gpu = workload.gpu
     arch = architecture(workload.model)
     b = c.per_device_train_batch_size
@@ -81,11 +91,19 @@ def build_step(workload: Workload, candidate: Candidate, knobs: Any) -> tuple[An
     completion = int(k.max_completion_length)
     rows = _completions(workload, b, prompt, completion)
     rows_c = c.replace(max_length=prompt + completion, packing=False, padding_free=False)
+    if not shape.train_autocast:  # the training passes compute in the weights' dtype (DistillationTrainer)
+        rows_c = rows_c.replace(precision=Precision.FP32)
     parts = memory_parts(rows, rows_c)
     weight_bytes = DTYPE_BYTES[c.weights_dtype]
     params, grads, optim = parts.parameters, parts.gradients, parts.optimizer
-    separate = float(k.beta) != 0 and not c.use_lora
+    separate = float(k.kl_beta) != 0 and not c.use_lora
     ref_bytes = arch.total * weight_bytes + arch.buffer_bytes if separate else 0
+    beside = [(role, spec) for role, spec in workload.models if role != shape.distills_from]
+    beside_bytes = sum(resident_bytes([spec], DTYPE_BYTES[trainer.input_dtype(c, role)]) for role, spec in beside)
+    teacher_spec = workload.model_of(shape.distills_from) if shape.distills_from else None
+    teacher_element = DTYPE_BYTES[trainer.input_dtype(c, shape.distills_from)] if teacher_spec is not None else 0
+    teacher_arch = architecture(teacher_spec) if teacher_spec is not None else None
+    teacher_bytes = teacher_arch.total * teacher_element + teacher_arch.buffer_bytes if teacher_arch else 0
     zero3 = False
     if world > 1:  # one rank of N: the model states as the candidate's parallelism shards them
         from .._physics import estimate_rank_moments
@@ -97,12 +115,15 @@ def build_step(workload: Workload, candidate: Candidate, knobs: Any) -> tuple[An
         params, grads, optim = sharded["state"][P], sharded["state"][G], sharded["state"][OPT]
         strategy = c.parallelism.parallelism.strategy.value
         zero3 = strategy == "zero3"
-        if zero3 or strategy == "fsdp2":  # the reference is prepared (sharded) like the policy
+        if zero3 or strategy == "fsdp2":  # the reference and the teacher are prepared (sharded) like the policy
             ref_bytes = -(-ref_bytes // world)
+            teacher_bytes = -(-teacher_bytes // world)
     state = online_TrainingState(
         weights_bytes=params, gradient_bytes=grads, optimizer_bytes=optim, trainable=parts.trainable,
         prompt_length=prompt, reference_bytes=ref_bytes,
-        model_inputs_bytes=resident_bytes((spec for _, spec in workload.models), weight_bytes),
+        model_inputs_bytes=beside_bytes,
+        teacher=teacher_of(teacher_arch, weights_bytes=teacher_bytes, weight_element_bytes=teacher_element)
+        if teacher_arch is not None else None,
         optimizer_temporary_bytes=_optimizer_temporaries(arch, c, gpu.is_cuda, parts.optimizer_temporaries),
         train_activation_bytes=parts.activations, train_recompute_bytes=parts.recompute, world_size=world,
         zero3=zero3)
@@ -129,10 +150,10 @@ def _optimizer_temporaries(arch: Any, c: Candidate, cuda: bool, foreach_bytes: i
     return 2 * largest * DTYPE_BYTES[c.weights_dtype]
 
 
-def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any) -> Measurement:
-    """Peak memory by phase and category, what vLLM holds outside the allocator, and the step time of one GRPO /
-    RLOO optimizer step (`knobs`: the trainer's view of the candidate); status OOM with vLLM's own refusal when
-    colocated vLLM would not start."""
+def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any, trainer: Trainer) -> Measurement:
+    """Peak memory by phase and category, what vLLM holds outside the allocator, and the step time of one online
+    optimizer step (`knobs`: the trainer's view of the candidate; `trainer`: its step's declaration); status OOM
+    with vLLM's own refusal when colocated vLLM would not start."""
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
@@ -141,7 +162,7 @@ def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any) -> 
                            message=f"use_vllm=True on {gpu.name}: vLLM generates on CUDA GPUs only; set "
                                    "use_vllm=False (transformers' generate) for a CPU target")
     try:
-        step, parts, rows, rows_c = build_step(workload, c, knobs)
+        step, parts, rows, rows_c = build_step(workload, c, knobs, trainer)
     except ConfigError as e:  # TRL's own rules (num_generations dividing the generation batch, ...): named, not run
         return Measurement(status=Status.ERROR, source=Source.ESTIMATE, message=str(e))
     phases = online_phase_allocator_bytes(step)
@@ -180,7 +201,10 @@ def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any) -> 
     # step time: the training passes of the shared step-time model, plus online RL's own terms
     arch = architecture(workload.model)
     train = expected_step_time(rows, arch, rows_c, parts.batch, parts.offload_volume)
-    timed = online_step_time_on(step, gpu, arch, precision=c.precision.value, train_s=train.step_s, vllm=vllm)
+    distilling = step.loss is online_Loss.DIVERGENCE
+    extra_s = _teacher_s(step, gpu) if distilling else 0.0
+    timed = online_step_time_on(step, gpu, arch, precision=c.precision.value, train_s=train.step_s + extra_s,
+                                vllm=vllm)
     notes += [
         f"peak in the {phases[at].phase} phase; per phase (allocator + outside it, bytes): "
         + ", ".join(f"{p} {dp.allocator[p]:,} + {dp.outside_allocator[p]:,}" for p in dp.allocator),
@@ -189,6 +213,8 @@ def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any) -> 
         "gradient_accumulation_steps x max_completion_length) over the step's time end to end",
     ]
     terms = {**{k: v for k, v in train.terms.items()}, **{k: v for k, v in timed.terms.items() if k != "training"}}
+    if distilling:
+        terms["teacher_and_divergence"] = extra_s
     step_s, trained = timed.step_s, timed.trained_tokens_per_step
     if workload.num_gpus > 1:  # global throughput, as the SFT estimate: every training rank's completions, plus
         # the collectives' time the training passes do not hide (generation and scoring hide none of it)
@@ -213,7 +239,8 @@ def _step_notes(step: Any, vllm: Any, cuda: bool) -> list[str]:
     return [
         "training state resident throughout (weights, optimizer state"
         + (", a separate reference" if step.reference_bytes else "")
-        + (", reward models" if step.reward_model_bytes else "") + ")",
+        + (", reward models" if step.reward_model_bytes else "")
+        + (", the teacher" if step.teacher_bytes else "") + ")",
         "generate: transformers' DynamicCache of the generation batch at prompt + max_completion_length - 1 "
         "positions, values in the compute dtype, keys float32 under autocast over float32 weights (rotary "
         "promotes them) (cache_utils.py DynamicLayer.update; counted as activations)"
@@ -225,12 +252,45 @@ def _step_notes(step: Any, vllm: Any, cuda: bool) -> list[str]:
             + " (vllm/v1/worker/gpu_worker.py Worker.init_device: utilization x total; profile run and non-torch "
             "memory modelled, profiles/measurements/online_rl_constants.json)"
             if vllm.split is not None else "server mode: no pool on the training GPUs"),
-        f"scoring: {step.scoring_forwards} no-grad forward(s) of the generation batch (old policy: "
-        f"{step.old_logps_forward}, reference {step.reference.value}) through TRL's fused log-prob head "
-        "(trl/kernels/chunked_logprob.py; no [B, T, V] logits)",
-        "train: the SFT estimate's parts of the micro-batch (advisor/_estimate/memory.py) with TRL's fused head on "
-        + ("the completion tokens (CUDA)" if cuda else "every position (no Triton)"),
+        *(_distillation_notes(step) if step.loss is online_Loss.DIVERGENCE else [
+            f"scoring: {step.scoring_forwards} no-grad forward(s) of the generation batch (old policy: "
+            f"{step.old_logps_forward}, reference {step.reference.value}) through TRL's fused log-prob head "
+            "(trl/kernels/chunked_logprob.py; no [B, T, V] logits)",
+            "train: the SFT estimate's parts of the micro-batch (advisor/_estimate/memory.py) with TRL's fused head "
+            "on " + ("the completion tokens (CUDA)" if cuda else "every position (no Triton)")]),
         *(["ZeRO-3: the whole model gathered to generate (ds3_gather_for_generation)"
            if step.ds3_gather_for_generation else "ZeRO-3: a layer at a time gathered to generate"]
           if step.zero3 else []),
+    ]
+
+
+def _teacher_s(step: Any, gpu: Any) -> float:
+    """Seconds a distillation step adds to the SFT passes of its micro-batches: the teacher's no-grad forward and
+    the divergence's projections through both heads (advisor/_physics/distillation.py teacher_train_flops), at the
+    step-time model's GEMM efficiency, in the teacher's weights' dtype (no autocast reaches the training pass)."""
+    from .._physics import peak_flops, teacher_train_flops, time_constants
+
+    precision = "fp32" if step.teacher.weight_element_bytes == 4 else "bf16"
+    flops = teacher_train_flops(step.teacher, rows=step.per_device_train_batch_size, sequence=step.sequence_length,
+                                completion=step.max_completion_length, vocab=step.vocab, student_hidden=step.hidden,
+                                beta=step.divergence_beta)
+    return step.gradient_accumulation_steps * flops / (peak_flops(gpu, precision) * time_constants(gpu).gemm_eff)
+
+
+def _distillation_notes(step: Any) -> list[str]:
+    """What the estimate of a distillation step says of the teacher and of the vocabulary's logits."""
+    from .._physics import online_constants, step_divergence, vocabulary_note
+
+    gib = 2**30
+    teacher = step.teacher
+    div = step_divergence(step, step.per_device_train_batch_size,
+                          cpu_fold_tiles=int(online_constants()["cpu_divergence_fold_tiles"]["value"]))
+    return [
+        f"teacher: resident, {teacher.weights_bytes / gib:.2f} GiB ({teacher.layers} layers x hidden "
+        f"{teacher.hidden}, {teacher.weight_element_bytes}-byte weights); its backbone runs under no_grad on every "
+        "training micro-batch (DistillationTrainer._compute_loss); no reference, nothing scored",
+        vocabulary_note(div, vocab=step.vocab, beta=step.divergence_beta),
+        "train: the SFT estimate's parts of the student's micro-batch (advisor/_estimate/memory.py) in the weights' "
+        "dtype (no autocast reaches DistillationTrainer's training pass), without its LM head's logits, the "
+        "teacher's forward and the divergence (advisor/_physics/distillation.py)",
     ]

@@ -19,6 +19,8 @@ the simulator (advisor/simulator.py with _sim/) depend on this package and never
   accounting, as vLLM 0.31.0 has them (`VLLM_FOLLOWED`; checked against 0.22.0: TRL 1.16's range).
 - `online_step.py`: online RL's (GRPO, RLOO) step as plain numbers (`OnlineStep`), built by both backends from the
   trainer's knob view and the training state's bytes (`build_step`), and its phases (`PhaseKind`).
+- `distillation.py`: on-policy distillation's training pass: the resident teacher, its no-grad forward and TRL's
+  chunked divergence over the vocabulary (its float32 tiles, the head's float32 weight gradient).
 - `online_costs.py`: that step in closed form: each phase's device bytes (allocator and outside it), colocated
   vLLM's typed refusals, `device_peak` (the simulator's measured phase peaks combined with vLLM's bytes), the
   step-time terms of generation, weight sync and scoring.
@@ -84,7 +86,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     # "online_<name>"
     **{name: ("online_step", name.removeprefix("online_")) for name in (
         "online_OnlineStep", "online_VllmSide", "online_Reference", "online_TrainingState", "online_build_step",
-        "online_constants", "online_PHASES", "online_PhaseKind", "online_vllm_side",
+        "online_constants", "online_PHASES", "online_PhaseKind", "online_vllm_side", "online_Loss",
         "online_vllm_profile_activation_bytes", "online_vllm_cudagraph_bytes",
     )},
     **{name: ("online_costs", name.removeprefix("online_")) for name in (
@@ -93,6 +95,12 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "online_vllm_terms", "online_startup_bytes", "online_device_peak", "online_step_time", "online_step_time_on",
         "online_colocated_vllm",
     )},
+    # ---- on-policy distillation's training pass (distillation.py): the teacher and the chunked divergence --------
+    **{name: ("distillation", name) for name in (
+        "Teacher", "DivergenceBytes", "divergence_bytes", "step_divergence", "teacher_train_flops",
+        "vocabulary_note", "teacher_of",
+    )},
+    "divergence_tiles": ("distillation", "tiles"),
 }
 
 __all__ = sorted(_EXPORTS)

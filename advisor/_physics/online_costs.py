@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from .online_step import GENERATE, PHASES, SCORE, TRAIN, OnlineStep, VllmSide, _c, _constants_block
+from .distillation import train_moments
+from .online_step import GENERATE, PHASES, SCORE, TRAIN, Loss, OnlineStep, VllmSide, _c, _constants_block
 from .timing import OpClass
 from .vllm import (
     Mode,
@@ -101,9 +102,10 @@ def _forward_transient(step: OnlineStep, tokens: int) -> int:
 
 def _buffered_bytes(step: OnlineStep) -> int:
     """What `_generate_and_score_completions` keeps for the training micro-steps: prompt and completion ids and
-    masks (int64) of the generation batch, and per completion token fp32 log-probs (old, reference) and advantages."""
+    masks (int64) of the generation batch, and per completion token fp32 log-probs (old, reference) and advantages
+    (distillation keeps the ids and masks only)."""
     g, t, c = step.generation_batch, step.sequence_length, step.max_completion_length
-    return 2 * g * t * 8 + (step.scoring_forwards + 1) * g * c * 4
+    return 2 * g * t * 8 + (step.scoring_forwards + int(step.loss is Loss.LOGPROB)) * g * c * 4
 
 
 # ---- the phases' allocator bytes -----------------------------------------------------------------------------------
@@ -135,7 +137,8 @@ def _gather_bytes(step: OnlineStep, generating: bool) -> int:
 def phase_allocator_bytes(step: OnlineStep) -> dict[str, PhaseBytes]:
     """Each phase's allocator peak (PyTorch's caching allocator, allocated bytes), by part."""
     state = {"parameters": step.weights_bytes, "optimizer_state": step.optimizer_bytes,
-             "reference": step.reference_bytes, "reward_model": step.reward_model_bytes}
+             "reference": step.reference_bytes, "reward_model": step.reward_model_bytes,
+             "teacher": step.teacher_bytes}
     g = step.generation_batch
     out: dict[str, PhaseBytes] = {}
     if step.gradients_while_generating:
@@ -165,16 +168,21 @@ def phase_allocator_bytes(step: OnlineStep) -> dict[str, PhaseBytes]:
             head.forward_peak
     out[SCORE] = PhaseBytes(SCORE, score)
     # TRAIN: one micro-batch's forward and backward, and the optimizer step
-    head = lm_head_bytes(step, rows, entropy=True, trained=True)
     acts = step.train_activation_bytes
     before = step.gradient_bytes if step.gradient_accumulation_steps > 1 else 0
-    moments = {
-        "end of the forward": {"gradients": before, "activations": acts, "lm_head": head.saved + head.forward_peak},
-        "LM head's backward": {"gradients": before, "activations": acts, "lm_head": head.saved + head.backward_peak},
-        "start of the backward": {"gradients": before, "activations": acts + step.train_recompute_bytes,
-                                  "lm_head": rows * step.sequence_length * step.hidden * step.compute_bytes},
-        "optimizer step": {"gradients": step.gradient_bytes, "temporaries": step.optimizer_temporary_bytes},
-    }
+    if step.loss is Loss.DIVERGENCE:
+        moments = train_moments(step, rows, acts, before, cpu_fold_tiles=int(_c("cpu_divergence_fold_tiles")))
+    else:
+        head = lm_head_bytes(step, rows, entropy=True, trained=True)
+        moments = {
+            "end of the forward": {"gradients": before, "activations": acts,
+                                   "lm_head": head.saved + head.forward_peak},
+            "LM head's backward": {"gradients": before, "activations": acts,
+                                   "lm_head": head.saved + head.backward_peak},
+            "start of the backward": {"gradients": before, "activations": acts + step.train_recompute_bytes,
+                                      "lm_head": rows * step.sequence_length * step.hidden * step.compute_bytes},
+            "optimizer step": {"gradients": step.gradient_bytes, "temporaries": step.optimizer_temporary_bytes},
+        }
     when, moment = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     state.pop("gradients", None)  # the train moments place the gradients themselves
     out[TRAIN] = PhaseBytes(f"{TRAIN} ({when})", {**state, "buffered_batch": _buffered_bytes(step), **moment})
@@ -223,7 +231,7 @@ def startup_bytes(step: OnlineStep) -> int:
     """The training process's bytes when vLLM snapshots the device (GRPOTrainer.__init__, before train(): no
     optimizer state yet): its CUDA context, the policy, a reference, reward models."""
     ctx = step.vllm.context_bytes if step.vllm is not None else 0
-    return ctx + step.weights_bytes + step.reference_bytes + step.reward_model_bytes
+    return ctx + step.weights_bytes + step.reference_bytes + step.reward_model_bytes + step.teacher_bytes
 
 
 def vllm_terms(step: OnlineStep) -> VllmTerms | VllmRefusal | None:

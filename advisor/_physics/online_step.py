@@ -54,6 +54,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from .distillation import Teacher
 from .shapes import DTYPE_BYTES
 from .vllm import TRL_SLEEP_LEVEL, KVLayout, Mode, Sleep, cudagraph_graphs
 
@@ -91,6 +92,13 @@ def _c(name: str) -> float:
 
 def _constants_block(name: str) -> dict[str, float]:
     return {k: float(v) for k, v in constants()[name].items() if k != "source"}
+
+
+class Loss(str, Enum):
+    """What the training pass computes on the completions."""
+
+    LOGPROB = "logprob"  # GRPO / RLOO: TRL's fused log-prob head (trl/kernels/chunked_logprob.py)
+    DIVERGENCE = "divergence"  # distillation: the teacher's forward and the chunked divergence (distillation.py)
 
 
 class Reference(str, Enum):
@@ -168,11 +176,16 @@ class OnlineStep:
     # checkpointed layer's recompute: the backend's count
     train_activation_bytes: int = 0
     train_recompute_bytes: int = 0
+    # distillation: the loss, the resident teacher and the divergence's beta (0 forward KL .. 1 reverse KL)
+    loss: Loss = Loss.LOGPROB
+    teacher: Teacher | None = None
+    divergence_beta: float = 1.0
     # the target
     card_bytes: int = 0
     cuda: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "loss", Loss(self.loss))
         object.__setattr__(self, "reference", Reference(self.reference))
         object.__setattr__(self, "engine", Mode(self.engine))
         object.__setattr__(self, "sleep", Sleep(self.sleep))
@@ -195,6 +208,9 @@ class OnlineStep:
             problems.append("vllm_mode=colocate needs vLLM's side (VllmSide: its weights, KV layout, max_model_len)")
         if self.engine is Mode.COLOCATE and self.card_bytes <= 0:
             problems.append("vllm_mode=colocate needs the card's total memory (card_bytes)")
+        if (self.loss is Loss.DIVERGENCE) != (self.teacher is not None):
+            problems.append(f"loss={self.loss.value} with teacher={self.teacher!r}: the divergence is against a "
+                            "teacher, and only it has one")
         if problems:
             raise ConfigError(problems, context="online RL step")
 
@@ -252,9 +268,14 @@ class OnlineStep:
         return (self.steps_per_generation * self.num_iterations) % self.gradient_accumulation_steps != 0
 
     @property
+    def teacher_bytes(self) -> int:
+        return self.teacher.weights_bytes if self.teacher is not None else 0
+
+    @property
     def resident_bytes(self) -> int:
-        """Held in every phase: the policy, its optimizer state, a separate reference, reward models."""
-        return self.weights_bytes + self.optimizer_bytes + self.reference_bytes + self.reward_model_bytes
+        """Held in every phase: the policy, its optimizer state, a separate reference, reward models, a teacher."""
+        return self.weights_bytes + self.optimizer_bytes + self.reference_bytes + self.reward_model_bytes + \
+            self.teacher_bytes
 
 
 # ---- the step from the trainer's knob view and the backend's training-state bytes --------------------------------
@@ -270,6 +291,8 @@ class TrainingState:
     prompt_length: int  # the longest prompt of a generation batch
     reference_bytes: int = 0  # a separate reference on this rank
     model_inputs_bytes: int = 0  # the models given beside the policy (a reward model): resident
+    # the model the loss distills from (a model input: distillation's teacher), its bytes not in model_inputs_bytes
+    teacher: Teacher | None = None
     optimizer_temporary_bytes: int = 0
     train_activation_bytes: int = 0  # the training micro-batch's saved activations (not the LM head)
     train_recompute_bytes: int = 0  # one checkpointed layer's recompute
@@ -283,7 +306,9 @@ def build_step(arch: Any, model_config: Mapping[str, Any], candidate: Candidate,
     online trainer's knob view (advisor/trainers/online_knobs.py `OnlineKnobs`: TRL 1.16's names, the trainer's
     defaults resolved) and the training state's bytes as the backend counts them. With vLLM, its side (`vllm_side`)
     from the model's config. The element sizes follow autocast: the compute dtype is 16-bit under mixed precision
-    or 16-bit weights, the DynamicCache's keys float32 under autocast over float32 weights."""
+    or 16-bit weights, the DynamicCache's keys float32 under autocast over float32 weights. The KL coefficient is
+    the view's `kl_beta`; a view whose loss is a divergence against a teacher (distillation) gives its beta as
+    `divergence_beta` and the state its `teacher`."""
     c, k = candidate, knobs
     b, ga, world = c.per_device_train_batch_size, c.gradient_accumulation_steps, max(1, state.world_size)
     spg = k.steps_per_generation
@@ -292,7 +317,11 @@ def build_step(arch: Any, model_config: Mapping[str, Any], candidate: Candidate,
     weight_element = DTYPE_BYTES[c.weights_dtype]
     float32_weights, mixed = weight_element == 4, c.precision.value != "fp32"
     compute = 2 if (mixed or not float32_weights) else 4
-    beta = float(k.beta)
+    beta = float(k.kl_beta)
+    divergence = k.divergence_beta
+    if (divergence is None) != (state.teacher is None):
+        raise ConfigError([f"divergence_beta={divergence!r} with teacher={state.teacher!r}: a divergence loss needs "
+                           "the teacher the backend counted, and a teacher a divergence loss"], context="online step")
     step = OnlineStep(
         parameters=arch.total, trainable=state.trainable, layers=arch.layers, hidden=arch.hidden,
         intermediate=arch.intermediate, kv_heads=max(1, arch.kv_dim // max(1, arch.head_dim)),
@@ -316,6 +345,8 @@ def build_step(arch: Any, model_config: Mapping[str, Any], candidate: Candidate,
         optimizer_temporary_bytes=state.optimizer_temporary_bytes,
         train_activation_bytes=state.train_activation_bytes, train_recompute_bytes=state.train_recompute_bytes,
         card_bytes=target.memory_bytes, cuda=target.is_cuda,
+        loss=Loss.LOGPROB if divergence is None else Loss.DIVERGENCE, teacher=state.teacher,
+        divergence_beta=1.0 if divergence is None else float(divergence),
     )
     if k.use_vllm:
         side = vllm_side(model_config, parameters=arch.total, generation_batch=step.generation_batch,

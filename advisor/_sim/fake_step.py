@@ -134,6 +134,10 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
       backward's fp32 accumulation (`_addmm_fp32`): on a CUDA tensor one `addmm(..., out_dtype=float32, out=acc)`
       that allocates nothing; on a CPU tensor `acc.addmm_(a.float(), b.float())`, an fp32 copy of the logits tile
       and of the weight chunk (at 4 x 1024 tokens and Qwen2.5's vocabulary 536 MB + 117 MB that a GPU never holds).
+    - TRL's chunked divergence (distillation, trl/kernels/chunked_divergence.py) alike: on CUDA it projects only the
+      completion tokens, each tile by `torch.mm(..., out_dtype=torch.float32, out=tile)` straight from 16-bit inputs
+      and accumulates the gradients by the same `_addmm_fp32` (no float32 copies of the hidden states or of the
+      head's slice), and folds the tiles in Triton kernels that allocate nothing.
     """
     import transformers.masking_utils as mu
     from transformers.utils.import_utils import is_torchdynamo_compiling
@@ -152,11 +156,15 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
             if hasattr(ck, name):
                 saved.append((ck, name, getattr(ck, name)))
                 setattr(ck, name, _no_alloc_fold)
+        saved.extend(_divergence_cuda_path())
     try:
         yield
     finally:
         for obj, name, value in reversed(saved):
-            setattr(obj, name, value)
+            if value is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
 
 
 def _cuda_addmm_fp32(original: Callable[..., None], out_dtype_mm: bool) -> Callable[..., None]:
@@ -176,6 +184,47 @@ def _cuda_addmm_fp32(original: Callable[..., None], out_dtype_mm: bool) -> Calla
 def _no_alloc_fold(*args: Any, **kwargs: Any) -> None:
     """Stands in for TRL's Triton fold kernels: they work in registers and allocate nothing."""
     return None
+
+
+class _NoAllocKernel:
+    """Stands in for a Triton kernel launched as `kernel[grid](...)`: it allocates nothing."""
+
+    def __getitem__(self, grid: Any) -> Any:
+        return _no_alloc_fold
+
+
+def _divergence_cuda_path() -> list[tuple[Any, str, Any]]:
+    """Install the CUDA path of trl/kernels/chunked_divergence.py (see `real_path_patches`); returns what to restore.
+    `_project` and `_addmm_fp32` take their `device.type == "cuda"` branch (torch >= 2.8's out_dtype matmuls, which
+    fake tensors run); the Triton kernels allocate nothing; `triton.cdiv` sizes their grid."""
+    import math
+    import types
+
+    import trl.kernels.chunked_divergence as cd
+    import trl.trainer.distillation_trainer as dt
+
+    def project(tile, hidden_chunk, weight, bias, start, end, dtype):
+        w = weight[start:end].to(dtype).t()
+        if cd._MM_OUT_DTYPE and dtype in (torch.float16, torch.bfloat16):
+            torch.mm(hidden_chunk, w, out_dtype=torch.float32, out=tile)
+        else:
+            torch.mm(hidden_chunk.float(), w.float(), out=tile)
+        if bias is not None:
+            tile.add_(bias[start:end].float())
+
+    saved: list[tuple[Any, str, Any]] = []
+    for obj, name, value in (
+            (cd, "_use_triton", lambda device: True), (dt, "_use_triton", lambda device: True),
+            (cd, "_project", project), (cd, "_addmm_fp32", _cuda_addmm_fp32(cd._addmm_fp32, cd._MM_OUT_DTYPE)),
+            (cd, "_stats_kernel", _NoAllocKernel()), (cd, "_jsd_kernel", _NoAllocKernel()),
+            (cd, "_backward_kernel", _NoAllocKernel()),
+            (cd, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b), math=math))):
+        saved.append((obj, name, getattr(obj, name, _ABSENT)))
+        setattr(obj, name, value)
+    return saved
+
+
+_ABSENT = object()  # a module attribute the patch added (`triton` where Triton is not installed): deleted after
 
 
 class CompactIndexing(torch.utils._python_dispatch.TorchDispatchMode):

@@ -30,6 +30,12 @@ its `sync_weights` runs for real up to the hand-over: `_iter_named_params` walks
 (`load_weights` into vLLM's model, the server's `update_named_params`) takes the tensors and allocates nothing in the
 training process's allocator. Sleep mode's wake-up and sleep are vLLM's (outside the allocator).
 
+Distillation: the teacher the simulator builds on `meta` (a model input, advisor/modeling.py `input_model`, in the
+trainer's `input_dtype`) is given to DistillationTrainer as a model, materialised and tracked beside the student
+(`beside`); the divergence runs in the training phase. tests/test_simulate_accuracy_distillation.py: the fake peak is
+4 B under the real CPU train()'s (which loads the teacher from a path with `teacher_model_init_kwargs`) in each of
+six cases (beta 1 / 0 / 0.5, LoRA, bf16 with a bf16 teacher, a wider teacher; 22.5-26.7 MB).
+
 Phases (advisor/_physics/online_step.py `PhaseKind`): GENERATE is TRL's `_generate` (weight sync, the generate call, the
 EOS mask and decoding); SCORE the rest of `_generate_and_score_completions` (the no-grad forwards for the old-policy
 and reference log-probs, the rewards, the advantages); TRAIN everything else (`compute_loss`, backward, optimizer).
@@ -137,15 +143,25 @@ def make_online_trainer_class(base_cls: type) -> type:
 
 
 @contextlib.contextmanager
-def online_construction(config: Any = None, *, engine: str = "generate") -> Iterator[None]:
+def online_construction(config: Any = None, *, engine: str = "generate", trainer_class: type | None = None
+                        ) -> Iterator[None]:
     """Wrap the trainer's construction. The reference TRL builds from the policy's name (`create_model_from_path`
-    in grpo_trainer.py and rloo_trainer.py) is built on `meta` from `config` (the policy's transformers config;
-    None: read from the name with AutoConfig), with TRL's dtype and attention implementation, so no weight is
-    allocated. `engine="vllm"`: TRL's `VLLMGeneration` starts no vLLM (see the module's docstring)."""
+    in grpo_trainer.py and rloo_trainer.py, and in `trainer_class`'s module) is built on `meta` from `config` (the
+    policy's transformers config; None: read from the name with AutoConfig), with TRL's dtype and attention
+    implementation, so no weight is allocated. `engine="vllm"`: TRL's `VLLMGeneration` starts no vLLM (see the
+    module's docstring); a trainer module that asks `is_vllm_available` before building it (DistillationTrainer)
+    is told yes."""
     _check_engine(engine)
+    import sys
+
     import trl.generation.vllm_generation as vg
     import trl.trainer.grpo_trainer as grpo
     import trl.trainer.rloo_trainer as rloo
+
+    builders = [grpo, rloo]
+    own = sys.modules[trainer_class.__module__] if trainer_class is not None else None
+    if own is not None and own not in builders and hasattr(own, "create_model_from_path"):
+        builders.append(own)
 
     def meta_model_from_path(model_id: str, architecture: Any = None, **kwargs: Any):
         import transformers
@@ -180,14 +196,17 @@ def online_construction(config: Any = None, *, engine: str = "generate") -> Iter
             device_placement = False
         return prepare_model(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
-    saved: list[tuple[Any, str, Any]] = [(m, "create_model_from_path", m.create_model_from_path) for m in (grpo, rloo)]
+    saved: list[tuple[Any, str, Any]] = [(m, "create_model_from_path", m.create_model_from_path) for m in builders]
     saved.append((Accelerator, "prepare_model", prepare_model))
-    for m in (grpo, rloo):
+    for m in builders:
         m.create_model_from_path = meta_model_from_path
     Accelerator.prepare_model = prepare_model_in_place
     if engine == "vllm":
         saved.append((vg.VLLMGeneration, "_init_vllm", vg.VLLMGeneration._init_vllm))
         vg.VLLMGeneration._init_vllm = _no_vllm_init
+        if own is not None and hasattr(own, "is_vllm_available"):  # no vLLM is started either way
+            saved.append((own, "is_vllm_available", own.is_vllm_available))
+            own.is_vllm_available = lambda: True
     try:
         yield
     finally:
@@ -371,11 +390,12 @@ def _vllm_filler(trainer: Any, record: list) -> None:
 # ---- the run ------------------------------------------------------------------------------------------------------
 
 def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "generate",
-                    decode_lengths: tuple[int, int] | None = SHORT_DECODES) -> OnlineRunResult:
+                    decode_lengths: tuple[int, int] | None = SHORT_DECODES, beside: tuple = ()) -> OnlineRunResult:
     """Run `trainer.train()` for `steps` optimizer steps on fake tensors (see the module's docstring). `trainer`:
     built from `make_online_trainer_class(...)` inside `online_construction(...)` on a `meta` policy. `cuda`: the
     fused LM head's CUDA path (advisor/_sim/fake_step.py `real_path_patches`). `decode_lengths`: the two short
-    generations the generate phase is extrapolated from (None: the full decode loop)."""
+    generations the generate phase is extrapolated from (None: the full decode loop). `beside`: the other models
+    the trainer runs (its `extra_models`: a teacher), materialised and tracked as the policy is."""
     _check_engine(engine)
     if steps < 1:
         raise UsageError(f"steps={steps!r}: at least 1 optimizer step")
@@ -402,6 +422,7 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
         models.append(trainer.ref_model)
     reward_models = [f for f in getattr(trainer, "reward_funcs", ()) if isinstance(f, torch.nn.Module)]
     models += reward_models
+    models += [m for m in beside if all(m is not known for known in models)]
     notes = [
         "online RL: TRL's own train() on fake tensors; every completion at max_completion_length (the bound: a "
         "completion that ends early at EOS holds less)",
@@ -530,7 +551,10 @@ class _SavedNumbers(torch.overrides.TorchFunctionMode):
 
 
 def _generated_tokens(trainer: Any, record: list) -> int:
-    rows = trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
+    # GRPOConfig / RLOOConfig: steps_per_generation; a config without it (DistillationConfig) generates every
+    # gradient_accumulation_steps
+    steps = getattr(trainer.args, "steps_per_generation", None) or trainer.args.gradient_accumulation_steps
+    rows = trainer.args.per_device_train_batch_size * steps
     return sum(r.max_new_tokens for r in record) * rows
 
 

@@ -99,12 +99,18 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         gradient_bytes=built.trainable_bytes,
         optimizer_bytes=int(result.breakdown.get(Category.OPTIMIZER, 0)) + adjust.get(Category.OPTIMIZER.value, 0),
         trainable=built.trainable, prompt_length=built.prompt_length, reference_bytes=built.reference_bytes,
-        model_inputs_bytes=built.model_inputs_bytes)
+        model_inputs_bytes=built.model_inputs_bytes, teacher=built.teacher)
     step = online_build_step(arch, workload.model.config, candidate, k, state, target,
                              # when vLLM snapshots the device no backward has run: the Python thread's cuBLAS
                              # workspace only
                              context_bytes=ctx + (cublas_workspace_bytes(target.compute_capability, threads=1)
                                                   if cuda else 0))
+    if step.teacher is not None:  # a divergence against a teacher: its vocabulary-sized parts, named
+        from .._physics import online_constants, step_divergence, vocabulary_note
+
+        div = step_divergence(step, b, cpu_fold_tiles=int(online_constants()["cpu_divergence_fold_tiles"]["value"]))
+        notes.append(vocabulary_note(div, vocab=step.vocab, beta=step.divergence_beta) + " (sizes from TRL's code; "
+                     "the fake run allocated them)")
     vllm = online_vllm_terms(step)
     if isinstance(vllm, online_VllmRefusal):
         return Measurement(
@@ -267,16 +273,33 @@ class _Built:
         self.__dict__.update(kw)
 
 
+def _teacher(workload: Workload, models: dict[str, tuple[Any, Any]], role: str | None) -> Any:
+    """The model input the step distills from (`StepShape.distills_from`) as the physics counts it: its architecture
+    and its bytes and weight element as built; None without one."""
+    if role is None or role not in models:
+        return None
+    from .._physics import architecture, teacher_of
+
+    model = models[role][0]
+    return teacher_of(architecture(workload.model_of(role)), weights_bytes=_model_bytes(model),
+                      weight_element_bytes=next(model.parameters()).element_size())
+
+
 def _model_bytes(model: Any) -> int:
     if model is None:
         return 0
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def _model_inputs(workload: Workload, kind: Trainer, dtype: Any) -> dict[str, tuple[Any, Any]]:
+def _model_inputs(workload: Workload, kind: Trainer, candidate: Candidate, dtype: Any
+                  ) -> dict[str, tuple[Any, Any]]:
     """The models given beside the policy (`workload.models`), each built on `meta` as the trainer's declaration
     says (advisor/modeling.py `input_model`: a reward model as `trl grpo` loads `reward_model_name_or_path`,
-    AutoModelForSequenceClassification with num_labels=1), resident, counted; with its placeholder tokenizer."""
+    AutoModelForSequenceClassification with num_labels=1; a teacher as a causal LM), in the dtype the trainer loads
+    it in (`input_dtype`; `dtype`, the policy's as built, where that is the policy's), resident, counted; with its
+    placeholder tokenizer."""
+    import torch
+
     from ..modeling import input_model
     from .depth import _tokenizer
 
@@ -285,7 +308,9 @@ def _model_inputs(workload: Workload, kind: Trainer, dtype: Any) -> dict[str, tu
         spec = workload.model_of(inp.role)
         if spec is not None:
             tok = _tokenizer(spec)
-            out[inp.role] = (input_model(spec, inp.head, dtype=dtype, pad_token_id=tok.pad_token_id,
+            own = kind.input_dtype(candidate, inp.role)
+            at = dtype if own is candidate.weights_dtype else getattr(torch, own.value)
+            out[inp.role] = (input_model(spec, inp.head, dtype=at, pad_token_id=tok.pad_token_id,
                                          device="meta"), tok)
     return out
 
@@ -354,17 +379,20 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
     k = kind.knobs(run_cand)
     completion = int(k.max_completion_length)
     tok = _tokenizer(spec)
-    models = _model_inputs(workload, kind, next(model.parameters()).dtype)
+    models = _model_inputs(workload, kind, run_cand, next(model.parameters()).dtype)
     kwargs = kind.trainer_kwargs(workload, run_cand, models)
+    # a model given built (on meta) takes no from_pretrained kwargs from the config, as the policy takes none
+    built_inputs = {m.init_kwargs_key: None for m in kind.model_inputs if m.init_kwargs_key and m.role in models}
+    distills_from = kind.step_shape(run_cand).distills_from
     hf_config = copy.deepcopy(model.config)
     with tempfile.TemporaryDirectory(prefix="advisor-sim-") as tmp, _quiet(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = kind.build_config(
             run_cand, workload, measured=True, use_cpu=True, output_dir=tmp, max_steps=steps, report_to="none",
             save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
-            model_init_kwargs=None,
+            model_init_kwargs=None, **built_inputs,
         )
-        with online_construction(hf_config, engine=engine):
+        with online_construction(hf_config, engine=engine, trainer_class=kind.trainer_class()):
             trainer = make_online_trainer_class(kind.trainer_class())(
                 model=model, args=args, train_dataset=kind.train_dataset(workload, rows), processing_class=tok,
                 peft_config=kind.peft_config(run_cand, spec), **kwargs,
@@ -387,7 +415,8 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
         trainable_params = [p for p in trainer.model.parameters() if p.requires_grad]
         with _phases_timed(hook, timers):
             result = run_online_fake(trainer, steps=steps, cuda=target.is_cuda, engine=engine,
-                                     decode_lengths=SHORT_DECODES if decode_lengths is None else decode_lengths)
+                                     decode_lengths=SHORT_DECODES if decode_lengths is None else decode_lengths,
+                                     beside=tuple(kind.extra_models(trainer)))
         forward.remove()
         if not hook.micro_steps or not hook.ops:  # the tracker's ops never reached the hook: a defect, not a time
             from ..errors import AdvisorError
@@ -402,7 +431,8 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
         trainable=sum(p.numel() for p in trainable_params),
         trainable_bytes=sum(p.numel() * p.element_size() for p in trainable_params),
         reference_bytes=_model_bytes(getattr(trainer, "ref_model", None)),
-        model_inputs_bytes=sum(_model_bytes(m) for m, _ in models.values()),
+        model_inputs_bytes=sum(_model_bytes(m) for role, (m, _) in models.items() if role != distills_from),
+        teacher=_teacher(workload, models, distills_from),
         train_s=train_s, timed_ops=hook.ops, timed_micro_steps=hook.micro_steps,
         phases=timers.timed(completion), train_timed=train_timed,
     )

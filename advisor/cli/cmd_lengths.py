@@ -23,8 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int, nargs="+", default=None, metavar="L",
                    help="max_length values to evaluate (default: the advisor's candidates for --max-truncation)")
     p.add_argument("--max-completion-length", type=int, default=None, metavar="C",
-                   help="prompt data (--trainer grpo|rloo): the completion length each prompt is counted with "
-                        "(GRPOConfig / RLOOConfig max_completion_length; default: TRL's 512). The online trainers "
+                   help="prompt data (the trainers that generate): the completion length each prompt is "
+                        "counted with (the config's max_completion_length; default: TRL's 512). The online trainers "
                         "have no max_length")
     p.add_argument("--max-truncation", default="1%",
                    help="share of trained tokens that truncation may drop, for the suggested max_length "
@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(ns: argparse.Namespace) -> int:
     from ..lengths import MICRO_BATCHES, LengthRequest
     from ..profiles import resolve_model
-    from ..trainers import get_trainer
+    from ..trainers import generating, get_trainer
 
     max_truncation = parse_fraction(ns.max_truncation, "--max-truncation")
     check_writable(ns.plot, "--plot")
@@ -57,7 +57,8 @@ def run(ns: argparse.Namespace) -> int:
                                 progress=sys.stderr.isatty())
     request = LengthRequest(trainer=ns.trainer, max_lengths=tuple(ns.max_length) if ns.max_length else None,
                             max_truncation=max_truncation, micro_batches=tuple(ns.micro_batch or MICRO_BATCHES),
-                            seed=ns.seed, max_completion_length=ns.max_completion_length, plot=ns.plot)
+                            seed=ns.seed, max_completion_length=ns.max_completion_length, plot=ns.plot,
+                            generating=generating())
     report = trainer.length_report(data, request)
     print(emit_json(report.to_dict()) if ns.json else report.text())
     return 0

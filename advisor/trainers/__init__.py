@@ -10,6 +10,7 @@ from .protocol import GpuSplit, Head, ModelInput, StepShape, Trainer
 from .registry import (
     DEFAULT,
     choices,
+    generating,
     get_trainer,
     launched_candidate,
     model_input,
@@ -26,5 +27,5 @@ for _module in pkgutil.iter_modules(__path__):  # in name order; a trainer modul
     import_module(f".{_module.name}", __name__)
 
 __all__ = ["DEFAULT", "GpuSplit", "Head", "ModelInput", "PairTrainer", "StepShape", "Trainer", "TrlTrainer", "choices",
-           "get_trainer", "launched_candidate", "model_input", "model_inputs", "names", "owners", "register",
-           "trainer_of", "training_workload", "unregister"]
+           "generating", "get_trainer", "launched_candidate", "model_input", "model_inputs", "names", "owners",
+           "register", "trainer_of", "training_workload", "unregister"]

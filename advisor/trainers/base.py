@@ -75,6 +75,7 @@ class TrlTrainer:
     timed_over_batches = False  # the simulator's step time over the sampler's batches (else the worst batch's)
     knob_view: type[KnobView] = KnobView  # its own knobs: none
     model_inputs: tuple[ModelInput, ...] = ()
+    default_trials: int | None = None  # the search's own default (advisor.search.DEFAULT_TRIALS)
     batch_unit: str | None = None  # per_device_train_batch_size counts dataset rows
     # the knobs its config has that its default space holds at their default: group_by_length changes which rows
     # share a batch, a distribution the step-time model has only where the time is taken over the sampler's
@@ -270,6 +271,10 @@ class TrlTrainer:
     def trainer_kwargs(self, workload: Workload, candidate: Candidate, models: Mapping[str, tuple[Any, Any]]
                        ) -> dict[str, Any]:
         return {}
+
+    def input_dtype(self, candidate: Candidate, role: str) -> Any:
+        """A model given beside the policy is loaded in the policy's dtype (ModelConfig's `dtype`)."""
+        return candidate.weights_dtype
 
     # ---- data: chat rows (advisor.data.TokenizedDataset), as SFTTrainer prepares them --------------------------------
     def load_processing_class(self, path: str) -> Any:

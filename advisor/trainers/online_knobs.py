@@ -173,6 +173,13 @@ class _OnlineKnobsMethods(KnobView):
     """The online trainers' knobs of a candidate, each trainer's TRL default resolved (its view's `DEFAULTS`)."""
 
     old_logps_always: ClassVar[bool] = False  # the scoring runs the old policy's forward every generation (RLOO)
+    # the loss is a divergence against a teacher at this beta (distillation's view); None: the log-prob loss
+    divergence_beta: ClassVar[float | None] = None
+
+    @property
+    def kl_beta(self) -> float:
+        """The KL coefficient against a reference (GRPOConfig / RLOOConfig `beta`): != 0 keeps one."""
+        return float(self.beta)
 
     def steps(self, candidate: Candidate) -> int:
         """steps_per_generation as TRL resolves it (GRPOConfig.__post_init__), on one rank."""
@@ -198,7 +205,7 @@ class _OnlineKnobsMethods(KnobView):
 
     def separate_reference(self, candidate: Candidate) -> bool:
         """GRPOTrainer.__init__: beta 0 keeps no reference; PEFT disables the adapters; else a second copy."""
-        return self.beta != 0.0 and not candidate.use_lora
+        return self.kl_beta != 0.0 and not candidate.use_lora
 
     def old_policy_forward(self, candidate: Candidate) -> bool:
         """GRPOTrainer._generate_and_score_completions: the old policy's no-grad forward runs when generation is
@@ -230,7 +237,7 @@ def problems(config: str, trainer: str, c: Candidate, k: Any, gpu: GPUSpec | Non
         out.append(f"num_generations={k.num_generations}: {config} raises \"{trainer.upper()} requires at least 2 "
                    "generations per prompt to calculate the advantages\"; set num_generations >= 2")
     out.extend(_batch_problems(config, c, k))
-    out.extend(_engine_problems(c, k, gpu))
+    out.extend(engine_problems(c, k, gpu))
     if k.cast_lm_head_to_fp32 and c.use_lora and c.lora_target_modules and "lm_head" in c.lora_target_modules:
         out.append("cast_lm_head_to_fp32=True with LoRA on lm_head: GRPOTrainer raises \"`cast_lm_head_to_fp32"
                    "=True` is not supported when the lm_head carries a PEFT adapter\"; drop lm_head from "
@@ -262,7 +269,7 @@ def _batch_problems(config: str, c: Candidate, k: Any) -> list[str]:
             "or use a num_generations that divides it"]
 
 
-def _engine_problems(c: Candidate, k: Any, gpu: GPUSpec | None) -> list[str]:
+def engine_problems(c: Candidate, k: Any, gpu: GPUSpec | None) -> list[str]:
     """vLLM's rules: CUDA only, server mode's own GPUs, sleep mode's allocator, ZeRO-3's gathered weights."""
     out = []
     if k.use_vllm and gpu is not None and not gpu.is_cuda:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 PROMPT_COLUMN = "prompt"
 SYNTHETIC_PROMPTS = 2048
-_TRAINERS = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}
+_TRAINERS = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer", "distillation": "DistillationTrainer"}
 DEFAULT_COMPLETION = 512  # GRPOConfig / RLOOConfig max_completion_length (TRL 1.16), the online knob's default
 _BATCH = 256  # prompts per call of TRL's tokenizer path (it tokenizes a batch per step; the result is per prompt)
 
@@ -174,7 +174,7 @@ def check_prompt_rows(rows: Sequence[Any], label: str, trainer: str = "grpo") ->
         if isinstance(first, dict) and "messages" in first:
             hint = " (a chat dataset: keep each conversation without its last assistant turn as 'prompt')"
         elif isinstance(first, dict) and {"chosen", "rejected"} <= set(first):
-            hint = " (a preference dataset: its prompts are what GRPO/RLOO take)"
+            hint = f" (a preference dataset: its prompts are what {name} takes)"
         raise ConfigError(
             [f"dataset={label}: the {trainer} trainer reads prompt-only data ({name} takes the {PROMPT_COLUMN!r} "
              f"column: a string, or a list of messages), and row 0 has no {PROMPT_COLUMN!r} column (it has "

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from ..knobs import Knob, KnobView
     from ..lengths import LengthRequest
-    from ..space import Candidate
+    from ..space import Candidate, WeightsDtype
     from ..workload import GPUSpec, ModelSpec, Workload
 
 
@@ -38,7 +38,9 @@ class ModelInput:
     """A model a trainer takes beside the policy, declared once by the trainer: the rest derives from it. `role` keys
     it in the Workload (`Workload.models`), the fingerprint, the study's spec, a baseline and the probe's job; `param`
     is the build_workload() / suggest() parameter, `flag` the CLI's, `yaml_key` what `trl <command>` reads it from.
-    It is resident on the device beside the policy (the backends count it, built as `head`)."""
+    It is resident on the device beside the policy (the backends count it, built as `head`, in the trainer's
+    `input_dtype`). `required`: the trainer runs only with it (a workload without it is refused naming the flag);
+    `same_vocabulary`: it must have the policy's vocabulary (one of another is refused naming both sizes)."""
 
     role: str  # "reward_model"
     flag: str  # "--reward-model"
@@ -46,6 +48,9 @@ class ModelInput:
     help: str
     head: Head = Head.SCORE
     param: str = ""  # the Python parameter; "" means the role
+    required: bool = False
+    same_vocabulary: bool = False
+    init_kwargs_key: str | None = None  # its config's from_pretrained kwargs (a run given it built sets None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "head", Head(self.head))
@@ -66,7 +71,10 @@ class StepShape:
     under no_grad (KTO's KL batch: the same prompts, the completions rotated by one), through the policy before its
     trained forward and through the reference beside the micro-batch; `reference_held`: the reference's no-grad
     forwards run while the policy's activations are held (their working memory counted at the end of the forward;
-    otherwise only their time)."""
+    otherwise only their time). A step that generates may train against a model input's distribution
+    (`distills_from`: its role; the loss a divergence over the vocabulary, that model's forward on every training
+    micro-batch) and run its training passes outside accelerate's autocast (`train_autocast` False: in the weights'
+    dtype whatever bf16 / fp16 say)."""
 
     generates: bool = False
     sequences_per_row: int = 1
@@ -76,6 +84,8 @@ class StepShape:
     reference_precomputed: bool = False
     no_grad_batches: int = 0
     reference_held: bool = False
+    distills_from: str | None = None
+    train_autocast: bool = True
 
     @property
     def plain(self) -> bool:
@@ -107,6 +117,7 @@ class Trainer(Protocol):
     knob_view: type[KnobView]  # its own knobs, typed (advisor/knobs.py knob_view); registered with it
     model_inputs: tuple[ModelInput, ...]  # the models it takes beside the policy
     batch_unit: str | None  # what per_device_train_batch_size counts when not a dataset row ("completions")
+    default_trials: int | None  # the search's trials when none are given (None: advisor.search.DEFAULT_TRIALS)
 
     # ---- TRL's classes --------------------------------------------------------------------------------------
     def config_class(self) -> type: ...
@@ -205,6 +216,8 @@ class Trainer(Protocol):
 
     def trainer_kwargs(self, workload: Workload, candidate: Candidate, models: Mapping[str, tuple[Any, Any]]
                        ) -> dict[str, Any]: ...  # `<Trainer>(...)` beyond the shared arguments, its models given
+
+    def input_dtype(self, candidate: Candidate, role: str) -> WeightsDtype: ...  # a model input's dtype as loaded
 
     # ---- data ------------------------------------------------------------------------------------------------
     example_dataset: str  # a hub id of this trainer's kind of data (the YAML's placeholder)

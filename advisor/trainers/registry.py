@@ -66,6 +66,13 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def generating() -> tuple[str, ...]:
+    """The registered trainers whose step generates completions (their StepShape at their defaults)."""
+    from ..space import Candidate
+
+    return tuple(n for n, t in _REGISTRY.items() if t.step_shape(Candidate()).generates)
+
+
 def choices() -> tuple[str, ...]:
     """The names `--trainer` accepts."""
     return names()
@@ -95,6 +102,19 @@ def trainer_of(workload: Workload) -> Trainer:
             flag = inp.flag if inp is not None else role
             problems.append(f"{role}={spec.name!r}: trainer {workload.trainer!r} takes no {role.replace('_', ' ')}; "
                             f"use --trainer {' or '.join(takers) or '(none declares it)'}, or drop {flag}")
+    given = dict(workload.models)
+    for m in kind.model_inputs:
+        spec = given.get(m.role)
+        if spec is None and m.required:
+            problems.append(f"trainer={workload.trainer!r} needs a {m.role.replace('_', ' ')}: pass {m.flag} ID "
+                            f"(suggest({m.param}=...)), a hub id, a model directory or a config.json"
+                            + (f" of a model with the policy's vocabulary ({workload.model.vocab_size} tokens)"
+                               if m.same_vocabulary else ""))
+        elif spec is not None and m.same_vocabulary and spec.vocab_size != workload.model.vocab_size:
+            problems.append(f"{m.param}={spec.name!r}: its vocabulary has {spec.vocab_size} tokens and the policy "
+                            f"{workload.model.name!r}'s {workload.model.vocab_size}: {kind.trainer_name} compares "
+                            f"the two models' next-token distributions over one vocabulary and refuses another; give "
+                            f"{m.flag} a model of the policy's family (the same tokenizer)")
     if problems:
         raise ConfigError(problems, context="workload")
     return kind
