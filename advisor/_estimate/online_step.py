@@ -184,20 +184,9 @@ def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any, tra
     reserved = int(peak * factor)
     context = outside_allocator_bytes(gpu) if cuda else 0
     device = per_phase_device[at] + context if cuda else max(peak, per_phase_device[at])
-    breakdown: dict[str, int] = {}
-    for name, nbytes in phases[at].parts.items():
-        key = _CATEGORY.get(name, Category.OTHER).value
-        breakdown[key] = breakdown.get(key, 0) + int(nbytes)
     outside = dp.outside_allocator[at]
-    if outside:
-        breakdown[Category.OUTSIDE_ALLOCATOR.value] = outside
-    sleep_note = []
-    if vllm is not None and vllm.split is not None and step.sleep is vllm_Sleep.OFF:
-        slept = dataclasses.replace(vllm, sleep=vllm_TRL_SLEEP_LEVEL)
-        with_sleep = max(int(dp.allocator[p] * factor) + slept.held_bytes(p) for p in dp.allocator) + context
-        if with_sleep < device:
-            sleep_note.append(f"vllm_enable_sleep_mode would give the pool back outside generation: device peak "
-                              f"{with_sleep / 2**30:.2f} GiB instead of {device / 2**30:.2f} GiB (vllm.py asleep)")
+    breakdown = _breakdown(phases[at].parts, outside)
+    sleep_note = _sleep_note(step, vllm, dp, factor, context, device)
     # step time: the training passes of the shared step-time model, plus online RL's own terms
     arch = architecture(workload.model)
     train = expected_step_time(rows, arch, rows_c, parts.batch, parts.offload_volume)
@@ -232,6 +221,29 @@ def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any, tra
         peak_batch=f"{step.per_device_train_batch_size}x{step.sequence_length} ({step.generation_batch} generated)",
         notes=tuple(notes), outside_allocator_bytes=outside,
     )
+
+
+def _breakdown(parts: dict[str, int], outside: int) -> dict[str, int]:
+    """The peak phase's parts by category, and what is outside the allocator then."""
+    breakdown: dict[str, int] = {}
+    for name, nbytes in parts.items():
+        key = _CATEGORY.get(name, Category.OTHER).value
+        breakdown[key] = breakdown.get(key, 0) + int(nbytes)
+    if outside:
+        breakdown[Category.OUTSIDE_ALLOCATOR.value] = outside
+    return breakdown
+
+
+def _sleep_note(step: Any, vllm: Any, dp: Any, factor: float, context: int, device: int) -> list[str]:
+    """Colocated vLLM without sleep mode: what the device peak would be with it, when lower."""
+    if vllm is None or vllm.split is None or step.sleep is not vllm_Sleep.OFF:
+        return []
+    slept = dataclasses.replace(vllm, sleep=vllm_TRL_SLEEP_LEVEL)
+    with_sleep = max(int(dp.allocator[p] * factor) + slept.held_bytes(p) for p in dp.allocator) + context
+    if with_sleep >= device:
+        return []
+    return [f"vllm_enable_sleep_mode would give the pool back outside generation: device peak "
+            f"{with_sleep / 2**30:.2f} GiB instead of {device / 2**30:.2f} GiB (vllm.py asleep)"]
 
 
 def _step_notes(step: Any, vllm: Any, cuda: bool) -> list[str]:

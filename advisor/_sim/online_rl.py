@@ -396,18 +396,7 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
     fused LM head's CUDA path (advisor/_sim/fake_step.py `real_path_patches`). `decode_lengths`: the two short
     generations the generate phase is extrapolated from (None: the full decode loop). `beside`: the other models
     the trainer runs (its `extra_models`: a teacher), materialised and tracked as the policy is."""
-    _check_engine(engine)
-    if steps < 1:
-        raise UsageError(f"steps={steps!r}: at least 1 optimizer step")
-    if bool(getattr(trainer, "use_vllm", False)) != (engine == "vllm"):
-        raise UsageError(f"engine={engine!r} but the trainer's use_vllm is {getattr(trainer, 'use_vllm', None)}: "
-                           "build the trainer with use_vllm=True (inside online_construction(engine='vllm')) for "
-                           "vLLM, use_vllm=False for generate")
-    if decode_lengths is not None:
-        lo, hi = sorted(decode_lengths)
-        if lo < 3 or hi < lo + 2:
-            raise UsageError(f"decode_lengths={decode_lengths!r}: two lengths, the shorter at least 3, the longer "
-                               "at least 2 more (the middle decode steps must show the slope)")
+    _check_run(trainer, steps, engine, decode_lengths)
     trainer.args.max_steps = steps
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -454,26 +443,8 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
             handle.remove()
     for name in ("_generate_and_score_completions", "_generate"):
         vars(trainer).pop(name, None)
-    synced = 0
-    if engine == "vllm":
-        vars(trainer.vllm_generation).pop("generate", None)
-        stand_in = getattr(trainer.vllm_generation, "llm", None) or trainer.vllm_generation.vllm_client
-        synced = stand_in.handed_over
-        notes.append(f"vLLM: no generate in the training process; completions are full-length filler ids; the "
-                     f"weight sync ran up to the hand-over ({stand_in.handed_over} tensors handed to vLLM, which "
-                     f"allocates them outside this allocator); vLLM's pool, weights, KV cache and sleep/wake are "
-                     f"modelled in closed form (advisor/_physics)")
-    for r in record:
-        if r.fallback:
-            notes.append(f"generate: the decode extrapolation's check failed ({r.fallback}); the full decode loop of "
-                         f"{r.max_new_tokens} tokens ran instead")
-            break
-    extrapolated = [r for r in record if r.short_lengths]
-    if extrapolated:
-        r = extrapolated[0]
-        notes.append(f"generate: decode run to {r.short_lengths[0]} and {r.short_lengths[1]} tokens, the peak at "
-                     f"{r.max_new_tokens} extrapolated affinely ({r.bytes_per_step:,d} B a decode step; checked on "
-                     f"the short runs)")
+    synced = _vllm_handed_over(trainer, notes) if engine == "vllm" else 0
+    notes.extend(_generation_notes(record))
     phase_peaks = dict(tracker.phase_peak)
     top = max(phase_peaks, key=lambda k: phase_peaks[k])
     breakdown = tracker.phase_breakdown[top]
@@ -481,6 +452,52 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
     return OnlineRunResult(peak_bytes=phase_peaks[top], phase_peaks=phase_peaks, breakdown=dict(breakdown),
                            generated_tokens=generated, generations=len(record), notes=tuple(notes),
                            extrapolations=tuple(record), synced_tensors=synced)
+
+
+def _check_run(trainer: Any, steps: int, engine: str, decode_lengths: tuple[int, int] | None) -> None:
+    """UsageError for a run that cannot be what it says: an unknown engine, no step, a trainer built for the other
+    engine, short decode lengths that cannot show the slope."""
+    _check_engine(engine)
+    if steps < 1:
+        raise UsageError(f"steps={steps!r}: at least 1 optimizer step")
+    if bool(getattr(trainer, "use_vllm", False)) != (engine == "vllm"):
+        raise UsageError(f"engine={engine!r} but the trainer's use_vllm is {getattr(trainer, 'use_vllm', None)}: "
+                         "build the trainer with use_vllm=True (inside online_construction(engine='vllm')) for "
+                         "vLLM, use_vllm=False for generate")
+    if decode_lengths is not None:
+        lo, hi = sorted(decode_lengths)
+        if lo < 3 or hi < lo + 2:
+            raise UsageError(f"decode_lengths={decode_lengths!r}: two lengths, the shorter at least 3, the longer "
+                             "at least 2 more (the middle decode steps must show the slope)")
+
+
+def _vllm_handed_over(trainer: Any, notes: list[str]) -> int:
+    """vLLM's stand-in after the run: its generate unpatched, the tensors the weight sync handed it (noted)."""
+    vars(trainer.vllm_generation).pop("generate", None)
+    stand_in = getattr(trainer.vllm_generation, "llm", None) or trainer.vllm_generation.vllm_client
+    notes.append(f"vLLM: no generate in the training process; completions are full-length filler ids; the "
+                 f"weight sync ran up to the hand-over ({stand_in.handed_over} tensors handed to vLLM, which "
+                 f"allocates them outside this allocator); vLLM's pool, weights, KV cache and sleep/wake are "
+                 f"modelled in closed form (advisor/_physics)")
+    return stand_in.handed_over
+
+
+def _generation_notes(record: list[GenerateExtrapolation]) -> list[str]:
+    """What the notes say of the generate calls: a failed extrapolation check (the full loop ran), else the short
+    decode runs the peak was extrapolated from."""
+    out = []
+    for r in record:
+        if r.fallback:
+            out.append(f"generate: the decode extrapolation's check failed ({r.fallback}); the full decode loop of "
+                       f"{r.max_new_tokens} tokens ran instead")
+            break
+    extrapolated = [r for r in record if r.short_lengths]
+    if extrapolated:
+        r = extrapolated[0]
+        out.append(f"generate: decode run to {r.short_lengths[0]} and {r.short_lengths[1]} tokens, the peak at "
+                   f"{r.max_new_tokens} extrapolated affinely ({r.bytes_per_step:,d} B a decode step; checked on "
+                   f"the short runs)")
+    return out
 
 
 @contextlib.contextmanager

@@ -68,7 +68,6 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         context_bytes,
         cublas_workspace_bytes,
         online_build_step,
-        online_step_time_on,
         online_TrainingState,
         online_vllm_terms,
         online_VllmRefusal,
@@ -121,22 +120,7 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
     peak_bytes, reserved_bytes, device_bytes, breakdown, outside = _device(
         candidate, result, phase_peaks, adjust, vllm, cuda=cuda, ws=ws, ctx=ctx, notes=notes)
     notes.extend(_vllm_notes(vllm, step, k))
-    # step time: the training passes costed from the fake run's own ops, online RL's terms from the physics
-    phases = built.phases
-    timed = online_step_time_on(
-        step, target, arch, precision=candidate.precision.value, train_s=built.train_s, vllm=vllm,
-        generation_s=phases.generation_s if phases is not None and engine == "generate" else None,
-        scoring_s=phases.scoring_s if phases is not None else None)
-    if phases is not None and engine == "generate":
-        notes.append(f"generate: {phases.per_token_s * 1e3:.3g} ms a decode step ({phases.decode_ops:,d} ops, "
-                     f"{phases.decode_syncs} sync(s)), prefill {phases.prefill_s * 1e3:.3g} ms; scoring "
-                     f"{phases.scoring_s * 1e3:.3g} ms a generation ({phases.scoring_ops:,d} ops)")
-    notes.append(f"time: the training passes ({built.train_s:.4g} s a step) from the fake run's ops of the last "
-                 f"optimizer step's micro-steps ({built.timed_ops:,d} ops in {built.timed_micro_steps}), TRAIN phase "
-                 "only (advisor/_sim/timing_hook.py, the step-time model "
-                 "of advisor/_physics/timing/); generation and scoring from the GENERATE and SCORE phases' ops "
-                 "(advisor/_sim/phase_timing.py; vLLM's generation and the weight sync in closed form, "
-                 "advisor/_physics/online_costs.py step_time)")
+    timed = _timed(step, target, arch, candidate, built, vllm, engine, notes)
     notes.extend(timed.notes)
     notes.append("objective: trained completion tokens per optimizer step (per_device_train_batch_size x "
                  "gradient_accumulation_steps x max_completion_length) over the step's time end to end")
@@ -153,6 +137,30 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         message="" if status is Status.OK else f"device peak {device_bytes} B over budget {workload.budget_bytes} B",
         notes=tuple(notes), wall_time_s=time.perf_counter() - started, outside_allocator_bytes=int(outside),
     )
+
+
+def _timed(step: Any, target: GPUSpec, arch: Any, candidate: Candidate, built: Any, vllm: Any, engine: str,
+           notes: list[str]) -> Any:
+    """The step's time: the training passes costed from the fake run's own ops, generation and scoring from its
+    GENERATE and SCORE phases' ops (transformers' generate), online RL's other terms from the physics."""
+    from .._physics import online_step_time_on
+
+    phases = built.phases
+    timed = online_step_time_on(
+        step, target, arch, precision=candidate.precision.value, train_s=built.train_s, vllm=vllm,
+        generation_s=phases.generation_s if phases is not None and engine == "generate" else None,
+        scoring_s=phases.scoring_s if phases is not None else None)
+    if phases is not None and engine == "generate":
+        notes.append(f"generate: {phases.per_token_s * 1e3:.3g} ms a decode step ({phases.decode_ops:,d} ops, "
+                     f"{phases.decode_syncs} sync(s)), prefill {phases.prefill_s * 1e3:.3g} ms; scoring "
+                     f"{phases.scoring_s * 1e3:.3g} ms a generation ({phases.scoring_ops:,d} ops)")
+    notes.append(f"time: the training passes ({built.train_s:.4g} s a step) from the fake run's ops of the last "
+                 f"optimizer step's micro-steps ({built.timed_ops:,d} ops in {built.timed_micro_steps}), TRAIN phase "
+                 "only (advisor/_sim/timing_hook.py, the step-time model "
+                 "of advisor/_physics/timing/); generation and scoring from the GENERATE and SCORE phases' ops "
+                 "(advisor/_sim/phase_timing.py; vLLM's generation and the weight sync in closed form, "
+                 "advisor/_physics/online_costs.py step_time)")
+    return timed
 
 
 def _not_run(candidate: Candidate, k: Any, target: GPUSpec) -> Measurement | None:
