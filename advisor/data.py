@@ -29,6 +29,7 @@ from ._data import (
     DataFormat,
     Dataset,
     RawRows,
+    SourcedRows,
     TokenizedDataset,
     check_row,
     columns,
@@ -51,7 +52,8 @@ if TYPE_CHECKING:
     from .workload import ModelSpec
 
 __all__ = [  # noqa: RUF022
-    "Dataset", "TokenizedDataset", "BadRow", "DataFormat", "load_dataset", "load_tokenizer", "load_processing_class",
+    "Dataset", "TokenizedDataset", "SourcedRows", "BadRow", "DataFormat", "load_dataset", "load_tokenizer",
+    "load_processing_class",
     "synthetic",
     "synthetic_lengths",
     "progress_bars", "tokenizer_note", "read_raw", "RawRows", "LOCAL_SUFFIXES", "TOKENIZER_FILES", "SYNTHETIC_ROWS",

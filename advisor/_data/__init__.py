@@ -2,7 +2,7 @@
 statistics, the synthetic set, the raw readers, the row formats and checks, TRL's tokenization. Import from here,
 never from the modules inside."""
 
-from .dataset import BadRow, DataFormat, Dataset, TokenizedDataset, replace_dataset
+from .dataset import BadRow, DataFormat, Dataset, SourcedRows, TokenizedDataset, replace_dataset
 from .readers import LOCAL_SUFFIXES, RawRows, first_line, list_problems, read_raw
 from .rows import check_row, columns, detect_format
 from .synthetic_set import (
@@ -25,7 +25,7 @@ from .tokenize import (
 )
 
 __all__ = [  # noqa: RUF022
-    "Dataset", "TokenizedDataset", "BadRow", "DataFormat", "replace_dataset",
+    "Dataset", "TokenizedDataset", "SourcedRows", "BadRow", "DataFormat", "replace_dataset",
     "RawRows", "read_raw", "LOCAL_SUFFIXES", "list_problems", "first_line",
     "detect_format", "check_row", "columns",
     "synthetic", "synthetic_lengths", "SYNTHETIC_ROWS", "SYNTHETIC_SEED", "SYNTHETIC_MEDIAN", "SYNTHETIC_SIGMA",

@@ -85,6 +85,31 @@ class Dataset(Protocol):
     def to_hf(self, rows: Any = None) -> datasets.Dataset: ...
 
 
+class SourcedRows:
+    """What a trainer's own dataset type (pairs, prompts, examples) shares: synthetic or read from a source, sampled
+    or whole (`source`, `population`: its fields), and a fingerprint of its kind, name and length arrays."""
+
+    source: str
+    population: int | None
+    name: str
+
+    @property
+    def synthetic(self) -> bool:
+        return self.source == "synthetic"
+
+    @property
+    def sampled(self) -> bool:
+        return self.population is not None
+
+    def fingerprint_of(self, kind: str, *arrays: np.ndarray) -> str:
+        """The first 16 hex digits of sha256 over `kind`, the name and the arrays' bytes."""
+        h = hashlib.sha256()
+        h.update(f"{kind}:".encode() + self.name.encode())
+        for a in arrays:
+            h.update(a.tobytes())
+        return h.hexdigest()[:16]
+
+
 @dataclass(frozen=True, eq=False)
 class TokenizedDataset:
     """Rows as SFTTrainer's prepared dataset holds them, before truncation and packing (a `Dataset`)."""

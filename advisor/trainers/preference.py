@@ -9,7 +9,6 @@ completion, text) is refused naming the missing columns.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import tempfile
 import types
@@ -25,6 +24,7 @@ from ..data import (
     SYNTHETIC_MAX,
     SYNTHETIC_MEDIAN,
     SYNTHETIC_SEED,
+    SourcedRows,
     TokenizedDataset,
     load_tokenizer,
     progress_bars,
@@ -52,7 +52,7 @@ SYNTHETIC_REJECTED_SIGMA = 0.35
 
 
 @dataclass(frozen=True, eq=False)
-class PreferenceDataset:
+class PreferenceDataset(SourcedRows):
     """Pairs as DPOTrainer's prepared dataset holds them: `prompt_ids`, `chosen_ids`, `rejected_ids` per row."""
 
     name: str
@@ -78,13 +78,7 @@ class PreferenceDataset:
     completion_only_loss = True
     bad_rows: tuple = ()
 
-    @property
-    def synthetic(self) -> bool:
-        return self.source == "synthetic"
 
-    @property
-    def sampled(self) -> bool:
-        return self.population is not None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -93,11 +87,7 @@ class PreferenceDataset:
 
     @property
     def fingerprint(self) -> str:
-        h = hashlib.sha256()
-        h.update(b"preference:" + self.name.encode())
-        for a in (self.prompt_lengths, self.chosen_lengths, self.rejected_lengths):
-            h.update(a.tobytes())
-        return h.hexdigest()[:16]
+        return self.fingerprint_of("preference", self.prompt_lengths, self.chosen_lengths, self.rejected_lengths)
 
     def kept(self, max_length: int | None) -> np.ndarray:
         """Indices of the pairs TRL keeps: with `keep_start` truncation, a prompt that fills `max_length` is dropped

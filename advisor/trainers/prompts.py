@@ -15,7 +15,6 @@ uniform in [0.2, 0.6)), so its prompts have a median of ~120 tokens.
 
 from __future__ import annotations
 
-import hashlib
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from ..data import (
     SYNTHETIC_MAX,
     SYNTHETIC_MEDIAN,
     SYNTHETIC_SEED,
+    SourcedRows,
     load_tokenizer,
     read_raw,
     synthetic_lengths,
@@ -49,7 +49,7 @@ _BATCH = 256  # prompts per call of TRL's tokenizer path (it tokenizes a batch p
 
 
 @dataclass(frozen=True, eq=False)
-class PromptDataset:
+class PromptDataset(SourcedRows):
     """Prompts as the trainer tokenizes them: one tuple of token ids per row (the chat template's tokens and the
     generation prompt included). A `Dataset` (advisor.data): a row is a prompt (`unit` "prompts"); `lengths` are the
     prompts' tokens (each completion adds the candidate's max_completion_length, `sequence_lengths`); the trained
@@ -72,20 +72,11 @@ class PromptDataset:
     def __post_init__(self) -> None:
         object.__setattr__(self, "lengths", np.array([len(r) for r in self.rows], dtype=np.int64))
 
-    @property
-    def synthetic(self) -> bool:
-        return self.source == "synthetic"
 
-    @property
-    def sampled(self) -> bool:
-        return self.population is not None
 
     @property
     def fingerprint(self) -> str:
-        h = hashlib.sha256()
-        h.update(b"prompts:" + self.name.encode())
-        h.update(self.lengths.tobytes())
-        return h.hexdigest()[:16]
+        return self.fingerprint_of("prompts", self.lengths)
 
     def longest(self, n: int) -> np.ndarray:
         """Indices of the `n` longest prompts, longest first (ties by row order): the generation batch whose every

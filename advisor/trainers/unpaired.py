@@ -12,7 +12,6 @@ micro-batch's completions are rotated by one to make its KL batch (`kl_completio
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,6 +22,7 @@ from ..data import (
     SYNTHETIC_MAX,
     SYNTHETIC_MEDIAN,
     SYNTHETIC_SEED,
+    SourcedRows,
     TokenizedDataset,
     load_tokenizer,
     read_raw,
@@ -46,7 +46,7 @@ SYNTHETIC_DESIRABLE = 0.5  # the share of desirable examples in the synthetic se
 
 
 @dataclass(frozen=True, eq=False)
-class UnpairedDataset:
+class UnpairedDataset(SourcedRows):
     """Examples as KTOTrainer's prepared dataset holds them: `prompt_ids`, `completion_ids`, `label` per row, in
     the dataset's order (TRL samples them sequentially for loss_type "kto"). A `Dataset` (advisor.data): a row is
     an example (`unit` "examples"), `lengths` prompt + completion, the trained tokens the completion's."""
@@ -76,21 +76,11 @@ class UnpairedDataset:
         """Prompt + completion of each example: what the collator pads (before truncation)."""
         return self.prompt_lengths + self.trained
 
-    @property
-    def synthetic(self) -> bool:
-        return self.source == "synthetic"
 
-    @property
-    def sampled(self) -> bool:
-        return self.population is not None
 
     @property
     def fingerprint(self) -> str:
-        h = hashlib.sha256()
-        h.update(b"unpaired:" + self.name.encode())
-        for a in (self.prompt_lengths, self.trained, self.labels):
-            h.update(a.tobytes())
-        return h.hexdigest()[:16]
+        return self.fingerprint_of("unpaired", self.prompt_lengths, self.trained, self.labels)
 
     @property
     def desirable(self) -> int:
