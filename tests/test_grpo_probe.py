@@ -51,7 +51,7 @@ def test_the_probe_loads_a_reward_model_and_simulate_predicts_it(tiny_model, cpu
                       max_completion_length=8)
     real = probe(wl, cand, "cpu", steps=1, warmup=1, timeout_s=300)
     assert real.status is Status.OK, real.message
-    assert any(n.startswith("--reward-model org/rm: a reward model of its architecture") for n in real.notes)
+    assert any(n.startswith("--reward-model org/rm: one of its architecture with random weights") for n in real.notes)
     sim, without = simulate(wl, cand), simulate(plain, cand)
     assert sim.status is Status.OK and without.status is Status.OK
     assert sim.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01)

@@ -146,7 +146,11 @@ def test_a_cpu_file_builds_its_trl_config_with_nothing_added(tiny_workload, tmp_
     # the synthetic set has no file to name: the placeholder says where trl takes the data from
     assert "# dataset_name: trl-lib/Capybara" in path.read_text() and "datasets:" not in path.read_text()
     back = load_run_config(path)
-    assert back.candidate == cand and back.use_cpu is True and back.dataset is None
+    # the synthetic set is pre-tokenized prompt/completion, which TRL cannot tell apart: the file says so explicitly,
+    # and the candidate read back carries it as the user's key
+    assert "completion_only_loss: true" in path.read_text()
+    assert back.candidate == cand.replace(base={"completion_only_loss": True})
+    assert back.use_cpu is True and back.dataset is None
 
 
 def test_a_gpu_file_says_use_cpu_false(tiny_workload, h100_target):

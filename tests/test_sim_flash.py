@@ -328,7 +328,7 @@ def test_front_door_never_pairs_padding_free_with_sdpa_on_fa_gpus(tiny_model, mo
     monkeypatch.setenv("ADVISOR_CACHE_DIR", str(tmp_path / "cache"))
     target = resolve_gpu(gpu)
     wl = Workload(model=tiny_model, gpu=target, dataset=_data(), goals=Goals(tokens_per_step=2048))
-    space = search._Space(wl, search.build_space(wl, fix={**_NARROW, **fix}), 2048, RowTokens(wl.dataset))
+    space = search.StudySpace(wl, search.build_space(wl, fix={**_NARROW, **fix}), 2048, RowTokens(wl.dataset))
     cands = list(space.candidates())
     pf = [c for c in cands if c.effective_padding_free]
     assert pf and cands
