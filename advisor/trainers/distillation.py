@@ -125,11 +125,7 @@ class Distillation(OnlineRLTrainer):
     def problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
                  ) -> list[str]:
         c = candidate
-        out = c.replace(packing=False, padding_free=False).problems(gpu, model)
-        for key in ("packing", "padding_free"):
-            if getattr(c, key):
-                out.append(f"{key}=True: an SFT-only key (DistillationConfig has no {key!r}; DistillationTrainer "
-                           "pads each batch of completions); remove it")
+        out = self.candidate_problems(c, gpu, model)
         try:
             k = self.knobs(c)
         except ConfigError as exc:

@@ -75,16 +75,24 @@ class OnlineRLTrainer(TrlTrainer):
         """The shared rules (SFT's packing / padding-free rules left out: these configs have neither), then TRL's
         GRPOConfig / RLOOConfig rules, exactly as strict (one rank: the generation batch of this GPU), and vLLM's."""
         c = candidate
-        out = c.replace(packing=False, padding_free=False).problems(gpu, model)
-        for key in ("packing", "padding_free"):
-            if getattr(c, key):
-                out.append(f"{key}=True: an SFT-only key ({self.config_name} has no {key!r}; {self.trainer_name} "
-                           "pads each batch of completions); remove it")
+        out = self.candidate_problems(c, gpu, model)
         try:
             k = self.knobs(c)
         except ConfigError as exc:
             return [*out, *exc.problems]
         return [*out, *problems(self.config_name, self.name, c, k, gpu)]
+
+    def candidate_problems(self, candidate: Candidate, gpu: GPUSpec | None = None, model: ModelSpec | None = None
+                           ) -> list[str]:
+        """The candidate's own rules but SFT's packing / padding-free ones (these configs have neither), and those
+        two keys refused by name."""
+        c = candidate
+        out = c.replace(packing=False, padding_free=False).problems(gpu, model)
+        for key in ("packing", "padding_free"):
+            if getattr(c, key):
+                out.append(f"{key}=True: an SFT-only key ({self.config_name} has no {key!r}; {self.trainer_name} "
+                           "pads each batch of completions); remove it")
+        return out
 
     def check_world(self, candidate: Candidate, num_gpus: int) -> list[str]:
         return world_problems(self.knobs(candidate), num_gpus)
