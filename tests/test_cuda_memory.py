@@ -124,13 +124,15 @@ def test_fused_head_allocates_as_on_cuda(monkeypatch, weight_dtype, trainable):
     import trl.kernels.chunked_logprob as ck
 
     from advisor._sim import real_path_patches
+    from advisor._sim.out_dtype import fake_out_dtype_matmuls
 
     with real_path_patches(cuda=True):  # the Triton folds' stand-ins, as the simulator runs them
         fold_forward, fold_backward = ck._forward_tile, ck._backward_tile
     monkeypatch.setattr(ck, "_use_triton", lambda device: False)  # the tile path, with the folds' stand-ins
     monkeypatch.setattr(ck, "_forward_tile", fold_forward)
     monkeypatch.setattr(ck, "_backward_tile", fold_backward)
-    on_cuda = _head_backward("cuda", weight_dtype, trainable)  # TRL's code as a GPU runs it
+    with fake_out_dtype_matmuls():  # torch 2.11's fake addmm(out_dtype=) fails (advisor/_sim/out_dtype.py)
+        on_cuda = _head_backward("cuda", weight_dtype, trainable)  # TRL's code as a GPU runs it
     monkeypatch.undo()
     with real_path_patches(cuda=True):
         simulated = _head_backward("cpu", weight_dtype, trainable)
@@ -218,3 +220,28 @@ def test_lora_and_full_rows_of_the_h200_run():
     full = simulate(wl, Candidate(**base), gpu)
     assert lora.peak_bytes == pytest.approx(1_762_590_208, rel=0.03)
     assert full.peak_bytes == pytest.approx(9_949_676_544, rel=0.01)
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["this-torch", "workaround-forced"])
+def test_fake_addmm_out_dtype_on_every_declared_torch(monkeypatch, forced):
+    """TRL's CUDA accumulation `addmm(acc, a, b, out_dtype=float32, out=acc)` runs on fake tensors under
+    `fake_out_dtype_matmuls`: on torch 2.11 its own fake kernel binds out_dtype to beta and fails (every CUDA
+    candidate of the front door failed with the CUDA build of 2.11); the stand-in answers as torch 2.13+ does.
+    `forced` runs the stand-in on this torch too (the CPU wheel answers the op itself)."""
+    import advisor._sim.out_dtype as od
+
+    if forced:
+        monkeypatch.setattr(od, "fake_addmm_out_dtype_works", lambda: False)
+    with od.fake_out_dtype_matmuls(), FakeTensorMode(), _Allocations() as seen:
+        acc = torch.empty(300, 64)
+        a, b = torch.empty(300, 1024, dtype=torch.bfloat16), torch.empty(1024, 64, dtype=torch.bfloat16)
+        before = len(seen.made)
+        into = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        assert into is acc and len(seen.made) == before  # in place: nothing allocated
+        new = torch.addmm(acc, a, b, out_dtype=torch.float32)
+        assert new.shape == (300, 64) and new.dtype == torch.float32 and new is not acc
+        assert seen.made[-1] == ("addmm.dtype", torch.float32, (300, 64))
+    assert "aten.addmm.dtype_out" in seen.ops and "aten.addmm.dtype" in seen.ops  # dispatched by name, as always
+    from torch._decomp import decomposition_table
+
+    assert torch.ops.aten.addmm.dtype_out in decomposition_table  # restored on exit

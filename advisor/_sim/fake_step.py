@@ -27,6 +27,7 @@ from ..measurement import Category
 from ..modeling import BatchFeed
 from .flash import fake_flash_attention
 from .layers import install_layer_hooks
+from .out_dtype import fake_out_dtype_matmuls
 from .shadow import IntegerShadow
 from .tracker import PeakSnapshot, StorageTracker, _key, _storage
 
@@ -137,7 +138,9 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
     - TRL's chunked divergence (distillation, trl/kernels/chunked_divergence.py) alike: on CUDA it projects only the
       completion tokens, each tile by `torch.mm(..., out_dtype=torch.float32, out=tile)` straight from 16-bit inputs
       and accumulates the gradients by the same `_addmm_fp32` (no float32 copies of the hidden states or of the
-      head's slice), and folds the tiles in Triton kernels that allocate nothing.
+      head's slice), and folds the tiles in Triton kernels that allocate nothing. Those `out_dtype` matmuls run on
+      fake tensors under every torch the project declares (advisor/_sim/out_dtype.py: torch 2.11's fake kernel
+      fails them).
     """
     import transformers.masking_utils as mu
     from transformers.utils.import_utils import is_torchdynamo_compiling
@@ -157,14 +160,17 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
                 saved.append((ck, name, getattr(ck, name)))
                 setattr(ck, name, _no_alloc_fold)
         saved.extend(_divergence_cuda_path())
-    try:
-        yield
-    finally:
-        for obj, name, value in reversed(saved):
-            if value is _ABSENT:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, value)
+    with contextlib.ExitStack() as stack:
+        if cuda:
+            stack.enter_context(fake_out_dtype_matmuls())
+        try:
+            yield
+        finally:
+            for obj, name, value in reversed(saved):
+                if value is _ABSENT:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, value)
 
 
 def _cuda_addmm_fp32(original: Callable[..., None], out_dtype_mm: bool) -> Callable[..., None]:
