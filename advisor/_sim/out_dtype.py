@@ -24,7 +24,8 @@ import torch
 
 
 def _overloads() -> tuple[Any, ...]:
-    return tuple(op for op in (getattr(torch.ops.aten.addmm, n, None) for n in ("dtype", "dtype_out")) if op is not None)
+    found = (getattr(torch.ops.aten.addmm, name, None) for name in ("dtype", "dtype_out"))
+    return tuple(op for op in found if op is not None)
 
 
 @functools.cache
