@@ -163,16 +163,9 @@ class DPO(PairTrainer):
         return {"_prepare_dataset": prepared_as_is}
 
     def fake_overrides(self) -> dict[str, Callable]:
-        def _precompute_ref_logps(self, dataset, name, batch_size):
-            # Deferred to the fake run (DPO.before_train): the weights are meta here. The columns TRL adds are added
-            # with the values' type, so the collator builds the same batch.
-            self._advisor_precompute = (dataset, batch_size)
-            n = len(dataset)
-            return dataset.add_column("ref_chosen_logps", [0.0] * n).add_column("ref_rejected_logps", [0.0] * n)
-
         return {
             "create_accelerator_and_postprocess": no_device_placement,
-            "_precompute_ref_logps": _precompute_ref_logps,
+            "_precompute_ref_logps": deferred_precompute(lambda trainer: ("ref_chosen_logps", "ref_rejected_logps")),
         }
 
     def construction(self, spec: ModelSpec, candidate: Candidate) -> contextlib.AbstractContextManager:
@@ -251,6 +244,21 @@ def _longest_pairs(dataset: Any, n: int, max_length: int | None) -> list[dict]:
 
     keep = (*TOKEN_COLUMNS, "ref_chosen_logps", "ref_rejected_logps")
     return [{k: v for k, v in dataset[i].items() if k in keep} for i in order]
+
+
+def deferred_precompute(columns: Callable[[Any], tuple[str, ...]]) -> Callable:
+    """A preference trainer's `_precompute_ref_logps(dataset, name, batch_size)` for the fake run: deferred to
+    `before_train` (the weights are meta at construction); the columns TRL adds (`columns(trainer)`) are added with
+    the values' type, so the collator builds the same batch."""
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        self._advisor_precompute = (dataset, batch_size)
+        n = len(dataset)
+        for column in columns(self):
+            dataset = dataset.add_column(column, [0.0] * n)
+        return dataset
+
+    return _precompute_ref_logps
 
 
 def no_device_placement(self: Any) -> None:

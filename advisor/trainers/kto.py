@@ -219,16 +219,11 @@ class KTO(PairTrainer):
         return {"_prepare_dataset": prepared_as_is}
 
     def fake_overrides(self) -> dict[str, Callable]:
-        def _precompute_ref_logps(self, dataset, name, batch_size):
-            # Deferred to the fake run (KTO.before_train): the weights are meta here. The columns TRL adds are added
-            # with the values' type, so the collator builds the same batch.
-            self._advisor_precompute = (dataset, batch_size)
-            n = len(dataset)
-            dataset = dataset.add_column("ref_logps", [0.0] * n)
-            return dataset.add_column("ref_KL_logps", [0.0] * n) if self.calculate_KL else dataset
+        def columns(trainer) -> tuple[str, ...]:
+            return ("ref_logps", "ref_KL_logps") if trainer.calculate_KL else ("ref_logps",)
 
         return {"create_accelerator_and_postprocess": dpo.no_device_placement,
-                "_precompute_ref_logps": _precompute_ref_logps}
+                "_precompute_ref_logps": dpo.deferred_precompute(columns)}
 
     def construction(self, spec: ModelSpec, candidate: Candidate) -> contextlib.AbstractContextManager:
         return dpo.meta_construction(spec, candidate, "trl.trainer.kto_trainer")
