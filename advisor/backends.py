@@ -72,7 +72,7 @@ def _estimate(workload: Workload, candidate: Candidate) -> Measurement:
 
 
 def _simulate(workload: Workload, candidate: Candidate) -> Measurement:
-    if workload.num_gpus > 1:  # one rank of N (issue 16), the candidate's parallelism
+    if workload.num_gpus > 1:  # one rank of N, the candidate's parallelism
         from .errors import NotSimulated
         from .simulator import simulate_per_rank
 

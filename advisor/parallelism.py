@@ -1,4 +1,4 @@
-"""Several GPUs (issue 16): the value types of how the ranks share the model. A leaf: it imports no backend.
+"""Several GPUs: the value types of how the ranks share the model. A leaf: it imports no backend.
 
 `Strategy` is what accelerate launches (DDP, FSDP2, DeepSpeed ZeRO-2 / ZeRO-3) and `Parallelism` one strategy with
 FSDP2's resharding after forward and CPU offload of parameters / optimizer state (`problems()`: what cannot run as

@@ -45,8 +45,8 @@ __all__ = [  # noqa: RUF022
 ]
 
 
-# The order of Candidate's fields (`to_dict()`, the JSON the CLI writes, baselines), as it was before the fields were
-# derived from the registry; a knob not named here follows, in registry order (advisor/knobs.py KNOBS).
+# The order of Candidate's fields (`to_dict()`, the JSON the CLI writes, baselines): the order stored studies and
+# baselines keep; a knob not named here follows, in registry order (advisor/knobs.py KNOBS).
 _FIELD_ORDER = (
     "max_length", "packing", "packing_strategy", "padding_free", "pad_to_multiple_of", "per_device_train_batch_size",
     "gradient_accumulation_steps", "activation_checkpointing", "checkpoint_selective", "checkpoint_every_n_layers",

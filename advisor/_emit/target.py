@@ -1,4 +1,4 @@
-"""What the emitted file needs beyond the candidate to run as written where it was measured (issue 25): the target's
+"""What the emitted file needs beyond the candidate to run as written where it was measured: the target's
 device keys and the data the search measured, as `trl <command> --config FILE` reads them.
 
 - The target: `use_cpu: true` for the CPU target (transformers refuses bf16 / fp16 on a machine without an

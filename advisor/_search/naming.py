@@ -42,7 +42,7 @@ def spec(workload: Workload, backend: str, method: Method, space: StudySpace,
             "tokens_per_step": space.tokens_per_step, "workload_fingerprint": workload.fingerprint(),
             "goals": {k: (v.value if isinstance(v, Enum) else v) for k, v in workload.goals.__dict__.items()},
             "trainer": workload.trainer,
-            # several GPUs (issue 16): the world the study was made for (left out on one GPU: older specs stay)
+            # several GPUs: the world the study was made for (left out on one GPU: older specs stay)
             **({"num_gpus": workload.num_gpus, "num_machines": workload.num_machines}
                if (workload.num_gpus, workload.num_machines) != (1, 1) else {}),
             **origin}

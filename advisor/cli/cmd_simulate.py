@@ -32,7 +32,7 @@ def run(ns: argparse.Namespace) -> int:
     candidate = candidate_from_args(ns, shown)
     workload = training_workload(shown, candidate)  # the ranks that train (vLLM server mode's GPUs left out)
     layers = None if ns.full_depth else (2, 3)
-    if workload.num_gpus > 1:  # one rank of N, sharded as --parallelism says (issue 16)
+    if workload.num_gpus > 1:  # one rank of N, sharded as --parallelism says
         from ..simulator import simulate_per_rank
 
         m = simulate_per_rank(workload, candidate, parallelism=candidate.parallelism.parallelism, layers=layers)

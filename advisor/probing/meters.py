@@ -61,7 +61,7 @@ def memory_profiler(*, user_scopes: bool = True) -> Any:
     `__exit__(None, None, None)`.
 
     `user_scopes=False` leaves out record functions of RecordScope.USER_SCOPE (several ranks on gloo). Measured on
-    2-rank gloo FSDP2 runs (issue 16): the profiler's memory events are per thread, and buffers of gloo's collectives
+    2-rank gloo FSDP2 runs: the profiler's memory events are per thread, and buffers of gloo's collectives
     (all-gather outputs, FSDP's reduce-scatter inputs, gloo's clones of them) are freed on gloo's worker threads when
     the worker drops its Work after the caller did: the profile shows them never freed, a few per step, so the
     replayed peak read high by one FSDP unit or more, growing with the steps (8 steps: 0.6-1.4 MB over the

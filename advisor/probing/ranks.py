@@ -1,4 +1,4 @@
-"""A probe of several ranks (issue 16): the launch command, every process of the job, and one Measurement of N.
+"""A probe of several ranks: the launch command, every process of the job, and one Measurement of N.
 
 CUDA: `accelerate launch --config_file JOBDIR/accelerate.yaml --num_processes N` (the config advisor emits for the
 candidate, advisor/accelerate_config.py), so accelerate's own FSDP2 / DDP runs. CPU: `accelerate launch --cpu`

@@ -57,7 +57,7 @@ class BatchKind(str, Enum):
 
 @dataclass(frozen=True)
 class Timing:
-    """How a probe times its steps once memory is measured (its `warmup + steps` steps, as before, with the CPU's
+    """How a probe times its steps once memory is measured (its `warmup + steps` steps, with the CPU's
     profiler): a second `train()` on the worst batch (the longest rows) again and again, without the profiler, the
     first step untimed (its shape's warm-up), then timed until the median of the last `window` steps moves less than
     `tolerance` from the median of the `window` before them, at most `max_steps` timed steps or `max_s` seconds.
@@ -216,7 +216,7 @@ def probe(
     if memory_budget_bytes is not None and memory_budget_bytes <= 0:
         problems.append(f"--memory-budget {memory_budget_bytes}: must be positive, e.g. 40GB")
     world = workload.num_gpus
-    if world > 1:  # several ranks (issue 16): never one GPU measured silently for N
+    if world > 1:  # several ranks: never one GPU measured silently for N
         problems.extend(_world_problems(workload, candidate, backend))
     if not problems:
         problems.extend(_device_problems(workload, candidate, backend, weights))

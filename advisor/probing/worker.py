@@ -5,7 +5,7 @@ SFTTrainer on the planned rows, and writes JOBDIR/result.json (a Measurement's f
 It touches JOBDIR/heartbeat at each stage and each step: the parent's timeout counts from the last touch.
 An exception of any kind becomes a result; only a signal or a hang leaves no result, and the parent handles those.
 
-Several ranks (issue 16): launched N times (`accelerate launch` on CUDA, `torch.distributed.run` with gloo on the
+Several ranks: launched N times (`accelerate launch` on CUDA, `torch.distributed.run` with gloo on the
 CPU; advisor/probing/ranks.py), each rank reads RANK / WORLD_SIZE / LOCAL_RANK, writes JOBDIR/pid.RANK first and
 JOBDIR/result.RANK.json last, dies with its launcher (PR_SET_PDEATHSIG), and exits non-zero after a failure so the
 launcher tears the others down. CUDA: accelerate's own FSDP2 / DDP from the config file. CPU: accelerate's FSDP
