@@ -64,7 +64,7 @@ def check_names(names: dict[str, object]) -> None:
 
 def cache_dir() -> Path:
     """$ADVISOR_CACHE_DIR, else $XDG_CACHE_HOME/advisor, else ~/.cache/advisor: where the search's studies and the
-    host's measured cost per op (advisor/_physics/timing/host.py) are kept."""
+    host's measured cost per op (advisor/physics/timing/host.py) are kept."""
     env = os.environ.get("ADVISOR_CACHE_DIR")
     if env:
         return Path(env).expanduser()

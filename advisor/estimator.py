@@ -3,7 +3,7 @@
 It follows the path TRL 1.16's SFTTrainer really takes (the fused, tiled LM head of `trl/kernels/chunked_logprob.py`;
 the parts are counted in `advisor/_estimate/`: the micro-batches, the memory parts and the step-time terms; the
 architecture, the knobs modelled in closed form and the step-time model itself come from the physics package
-`advisor/_physics/`, which the simulator shares). Here they are placed at the moments of a training step; the peak is
+`advisor/physics/`, which the simulator shares). Here they are placed at the moments of a training step; the peak is
 the largest:
 - the end of the forward (activations saved for backward, the autocast weight cache, the LM head's tiles and,
   when gradients accumulate over micro-batches, the previous micro-batches' gradients);
@@ -11,7 +11,7 @@ the largest:
 - the optimizer step (every gradient, the optimizer state and the optimizer's own temporaries).
 Backward lies between them: activations are freed layer by layer as gradients appear.
 
-Step time: the step-time model both backends share (advisor/_physics/timing/) with its terms in closed form
+Step time: the step-time model both backends share (advisor/physics/timing/) with its terms in closed form
 (`_estimate/step_time.py`), expected over the same batch distribution, so the two backends rank alike.
 
 Each trainer is estimated as its step declares itself (`Trainer.step_shape`, advisor/trainers/protocol.py
@@ -40,7 +40,8 @@ from ._estimate import (
     no_grad_forwards,
     outside_allocator_bytes,
 )
-from ._physics import (
+from .measurement import Category, Measurement, Source, Status
+from .physics import (
     DTYPE_BYTES,
     Architecture,
     architecture,
@@ -52,7 +53,6 @@ from ._physics import (
     time_constants,
     time_detail,
 )
-from .measurement import Category, Measurement, Source, Status
 from .space import Precision, WeightsDtype
 from .trainers import trainer_of
 
@@ -134,7 +134,7 @@ def _rows_closed_form(workload: Workload, candidate: Candidate, adjust: Any = No
         moments = adjust(moments, p)
     rank_notes: list[str] = []
     if workload.num_gpus > 1:  # one rank of N: the model states sharded as the candidate's parallelism shards them
-        from ._physics import estimate_rank_moments
+        from .physics import estimate_rank_moments
 
         moments, rank_notes = estimate_rank_moments(workload, c, moments, p)
     when, moment = max(moments.items(), key=lambda kv: sum(kv[1].values()))
@@ -147,7 +147,7 @@ def _rows_closed_form(workload: Workload, candidate: Candidate, adjust: Any = No
     step_time, trained_per_step = timed.step_s, int(round(timed.trained_per_step))
     terms = dict(timed.terms)
     if workload.num_gpus > 1:  # global throughput: every rank's tokens over the step with the collectives' time
-        from ._physics import estimate_rank_time
+        from .physics import estimate_rank_time
 
         step_time, trained_per_step, exposed, comm_note = estimate_rank_time(workload, c, step_time,
                                                                               trained_per_step)
@@ -156,7 +156,7 @@ def _rows_closed_form(workload: Workload, candidate: Candidate, adjust: Any = No
     notes = [
         f"LM head: TRL's fused tiled head, {'labelled positions only (CUDA)' if cuda else 'every position (CPU)'}",
         f"peak at the {when}",
-        f"step time: the step-time model's terms in closed form (advisor/_physics/timing/) on {gpu.name}, expected "
+        f"step time: the step-time model's terms in closed form (advisor/physics/timing/) on {gpu.name}, expected "
         "over the batches the sampler makes",
         *rank_notes,
     ]

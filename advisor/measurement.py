@@ -42,7 +42,7 @@ class Category(str, Enum):
     TEMPORARIES = "temporaries"
     OTHER = "other"
     # reserved outside PyTorch's caching allocator during the step (colocated vLLM's share of the card, advisor/
-    # _physics/online_costs.py): never in peak / reserved bytes, always in device bytes
+    # physics/online_costs.py): never in peak / reserved bytes, always in device bytes
     OUTSIDE_ALLOCATOR = "outside_allocator"
 
 
@@ -85,7 +85,7 @@ class Measurement:
     tokens_per_second: float | None = None
     trained_tokens_per_step: int | None = None
     peak_batch: str | None = None
-    # predicted seconds per optimizer step by term (advisor/_physics/timing Term values; they sum to step_time_s)
+    # predicted seconds per optimizer step by term (advisor/physics/timing Term values; they sum to step_time_s)
     time_breakdown: dict[str, float] = field(default_factory=dict)
     mfu: float | None = None  # model FLOPs utilisation against the target's dense peak (predicted or measured)
     worst_step_time_s: float | None = None  # one optimizer step on the worst batch at every micro-step
@@ -98,7 +98,7 @@ class Measurement:
     # reserved outside PyTorch's allocator by a phase of the step (Category.OUTSIDE_ALLOCATOR): part of
     # device_bytes when that is known, added to reserved / peak bytes by `budget_bytes` when it is not
     outside_allocator_bytes: int = 0
-    # a predicted step as two queues (advisor/_physics/timing): per optimizer step the seconds the device waits on
+    # a predicted step as two queues (advisor/physics/timing): per optimizer step the seconds the device waits on
     # the host ("host_bound_s") and the rest ("device_bound_s"), the ops it dispatches ("ops", "launches", "views",
     # "syncs"), and where the host's cost and the constants come from ("host", "calibration"). A probe: how its step
     # time was taken ("timed_steps", "spread"). Empty where neither applies

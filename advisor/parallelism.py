@@ -7,7 +7,7 @@ advisor/accelerate_config.py): one value per valid combination, so the search ex
 `search_layouts` are those the default space explores on N GPUs and `layout_problems` why a layout cannot run on
 N. `accumulation_for` splits an effective batch over the ranks. What one rank holds and how fast it runs is
 predicted by the backends: the simulator's `advisor.simulator.simulate_per_rank` (FSDP2 on fake tensors), the
-closed forms both backends share in advisor/_physics/ranks_closed.py (ZeRO's model states, the collectives' time,
+closed forms both backends share in advisor/physics/ranks_closed.py (ZeRO's model states, the collectives' time,
 the estimate's rank).
 """
 

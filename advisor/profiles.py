@@ -37,7 +37,7 @@ _GPU_KEYS_REQUIRED = (
     "name", "kind", "memory", "bf16_tflops", "fp16_tflops", "fp32_tflops", "memory_bandwidth_gbs",
     "supports_bf16", "supports_flash_attention", "compute_capability", "aliases", "description",
 )
-_GPU_KEYS_OPTIONAL = ("nvml_names", "interconnect")  # interconnect: advisor/_physics/ranks_closed.interconnect
+_GPU_KEYS_OPTIONAL = ("nvml_names", "interconnect")  # interconnect: advisor/physics/ranks_closed.interconnect
 _VENDOR_PREFIXES = ("nvidia", "tesla", "geforce")
 # Keys every model config must provide for the estimate (read from text_config for multimodal configs).
 _MODEL_KEYS_REQUIRED = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "intermediate_size")

@@ -8,7 +8,7 @@ rules; what fake tensors cannot run is modelled and noted.
 
 Online RL (GRPO, RLOO: a trainer whose step generates, `StepShape.generates`) runs TRL's own `train()` at full depth
 instead, generation, scoring and training (advisor/_sim/online_simulate.py over advisor/_sim/online_rl.py), with
-colocated vLLM's share of the card modelled by the physics (advisor/_physics/online_costs.py); on several GPUs one
+colocated vLLM's share of the card modelled by the physics (advisor/physics/online_costs.py); on several GPUs one
 rank under DDP (`_online_rank`; what it does not run raises NotSimulated, which the simulate backend answers with the
 estimate).
 
@@ -19,7 +19,7 @@ This module is the simulator's public face; its parts live in the private packag
 at one depth and the extrapolation: `depth.py`; what is modelled instead of run: `modelled.py`; the fake step,
 the storage tracker, the layer streams, the FlashAttention stand-in, the fake run's timing hook, the fake process
 group), and the physics it shares with the estimate (the allocator's rules, the step-time model, the multi-GPU
-closed forms, the modelled knobs) in `advisor/_physics/`; it never imports the estimate. The parts a caller or a
+closed forms, the modelled knobs) in `advisor/physics/`; it never imports the estimate. The parts a caller or a
 test may use are re-exported here: one run at one depth (`simulate_depth`, `DepthRun`, `plan_depths`,
 `with_depth`), the batch a simulated step runs (`worst_rows`, `worst_batch`), the layer-by-layer build
 (`LayerStream`, `synthesize`, `synthesize_checked`, `NotSeparable`), the candidate as fake tensors run it
@@ -148,7 +148,7 @@ def _device_bytes(workload: Workload, candidate: Candidate, target: GPUSpec, com
     for cat, delta in adjust.breakdown_delta.items():
         breakdown[cat] = breakdown.get(cat, 0) + delta
     if workload.models:  # the models beside the policy: resident, their weights in closed form (not run here)
-        from ._physics import DTYPE_BYTES, resident_bytes
+        from .physics import DTYPE_BYTES, resident_bytes
 
         extra = resident_bytes((m for _, m in workload.models), DTYPE_BYTES[candidate.weights_dtype])
         peak, allocated, reserved = peak + extra, allocated + extra, reserved + extra
@@ -157,7 +157,7 @@ def _device_bytes(workload: Workload, candidate: Candidate, target: GPUSpec, com
                      f"weights ({extra:,} B) counted in closed form, not run by the fake step")
     if not target.is_cuda:
         return peak, peak, peak, breakdown, activations_saved
-    from ._physics import context_bytes, cublas_workspace_bytes
+    from .physics import context_bytes, cublas_workspace_bytes
 
     ws = cublas_workspace_bytes(target.compute_capability)
     breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
@@ -191,7 +191,7 @@ def _simulate_offline(workload: Workload, candidate: Candidate, target: GPUSpec,
     if timed is not None:
         step_time, trained, tps = timed.step_s, timed.trained_per_step, timed.tokens_per_second
         notes.append(
-            "time: the step-time model (advisor/_physics/timing/) over the batches the sampler makes "
+            "time: the step-time model (advisor/physics/timing/) over the batches the sampler makes "
             f"(worst batch {timed.worst_step_s:.4g} s a step), host and device as two queues"
         )
     else:
@@ -219,7 +219,7 @@ def _worst(cost: Any) -> Any:
     """The step-time model on the worst batch at every micro-step (a trainer not timed over the sampler's batches)."""
     if cost is None:
         return None
-    from ._physics import BatchDistribution, evaluate
+    from .physics import BatchDistribution, evaluate
 
     return evaluate(cost, BatchDistribution.single(cost.worst))
 
@@ -227,7 +227,7 @@ def _worst(cost: Any) -> Any:
 def _time_detail(timed: Any, target: Any) -> dict[str, Any]:
     if timed is None:
         return {}
-    from ._physics import time_constants, time_detail
+    from .physics import time_constants, time_detail
 
     return time_detail(timed, time_constants(target))
 
@@ -244,9 +244,9 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     (`simulate`). Throughput is global: every rank's trained tokens over the step time including the
     collectives' exposed time (`comm_time_s`)."""
 
-    from ._physics import apply_layout_traffic, offload_time_s
-    from ._physics import rank_comm as _comm
     from ._sim import resolve_target as _resolve_target
+    from .physics import apply_layout_traffic, offload_time_s
+    from .physics import rank_comm as _comm
     from .workload import check_world
 
     parallelism = parallelism or Parallelism()
@@ -281,7 +281,7 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     host = offload_time_s(workload, candidate, parallelism, num_gpus) if target.is_cuda else 0.0
     if host:
         notes.append(f"CPU offload: {host:.3g} s a step added (the host optimizer step and the gradients' copies, "
-                     "advisor/_physics/ranks_closed.offload_time_s)")
+                     "advisor/physics/ranks_closed.offload_time_s)")
     step = (m.step_time_s or 0.0) + comm.exposed_s + host
     trained = (m.trained_tokens_per_step or 0) * num_gpus
     notes.append(
@@ -363,9 +363,9 @@ def _online_rank(workload: Any, candidate: Any, parallelism: Parallelism, num_gp
 
 def _modelled_rank(m: Any, workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int):
     """DDP and ZeRO from the single-GPU simulation: the model states at its peak replaced by theirs."""
-    from ._physics import model_counts as _model_counts
-    from ._physics import trainable_bytes as _trainable_bytes
-    from ._physics import zero_bytes
+    from .physics import model_counts as _model_counts
+    from .physics import trainable_bytes as _trainable_bytes
+    from .physics import zero_bytes
 
     br = dict(m.breakdown)
     grads = br.get(Category.GRADIENTS.value, 0)
@@ -387,7 +387,7 @@ def _modelled_rank(m: Any, workload: Any, candidate: Any, parallelism: Paralleli
         br[Category.GRADIENTS.value] = terms.gradients
         br[Category.OPTIMIZER.value] = terms.optimizer_state
         delta = terms.total - old
-        notes.append(f"DeepSpeed ZeRO-{stage}: modelled in closed form (advisor/_physics/ranks_closed.zero_bytes: "
+        notes.append(f"DeepSpeed ZeRO-{stage}: modelled in closed form (advisor/physics/ranks_closed.zero_bytes: "
                      "the ZeRO paper's model-state terms, DeepSpeed's default bucket sizes); activations from the "
                      "simulation")
     return dataclasses.replace(

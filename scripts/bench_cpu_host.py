@@ -96,7 +96,7 @@ def run(cases: list[str], repeats: int, calibrate: bool) -> list[dict]:
     import torch
 
     torch.set_num_threads(1)
-    from advisor.costs import time_constants
+    from advisor.physics import time_constants
     from advisor.probing.runner import probe
     from advisor.simulator import simulate
 

@@ -155,7 +155,7 @@ def calibrate() -> dict:
     autograd's engine), inside a layer and outside the layers, and the syncs."""
     import numpy as np
 
-    from advisor.costs import Basis, OpClass, Term, time_constants
+    from advisor.physics import Basis, OpClass, Term, time_constants
     from advisor.simulator import runnable as _runnable
     from advisor.simulator import simulate_depth
 

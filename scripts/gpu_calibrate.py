@@ -5,10 +5,10 @@
   python scripts/gpu_calibrate.py --device cpu   # this host: $ADVISOR_CACHE_DIR/calibration/cpu-<host>.json
   python scripts/gpu_calibrate.py --out some.json        # anywhere else
 
-What it measures (advisor/_physics/timing/calibrate.py, one row at a time, each written to the file as soon as it
+What it measures (advisor/physics/timing/calibrate.py, one row at a time, each written to the file as soon as it
 finishes, so a crash or a timeout keeps what was measured): GEMMs by shape and dtype (the achieved rate, and a tiny
 one's floor), the bandwidth of a large elementwise op, sdpa's forward and backward, the host's cost per op with the
-model on the device (the microbenchmark of advisor/_physics/timing/host.py: on CUDA the launch is in it), on CUDA a
+model on the device (the microbenchmark of advisor/physics/timing/host.py: on CUDA the launch is in it), on CUDA a
 launch's and a sync's host time, and one decode loop of transformers' generate. The file's "calibration" block holds
 the rows, the constants derived from them ("constants"), the date, the host and the versions; the step-time model
 reads it when present (`advisor simulate` then says "calibrated on <date>, <host>"). Other keys of the file (e.g.
@@ -52,7 +52,7 @@ def calibrate(device: str = "cuda", *, out: str | Path | None = None, gpu: str |
     import torch
     import transformers
 
-    from advisor.costs import calibration_path, calibration_rows, host_name, read_calibration, write_calibration_row
+    from advisor.physics import calibration_path, calibration_rows, host_name, read_calibration, write_calibration_row
 
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():

@@ -202,7 +202,7 @@ class Report:
             if step.kind is Kind.SFT and self.doc.get("backend") == "cuda":
                 self.doc["fitted_time_constants"] = {
                     **fit_time_constants(self.doc["rows"]),
-                    "applies_to": "advisor/_physics/timing time_constants() for this GPU profile (multipliers of "
+                    "applies_to": "advisor/physics/timing time_constants() for this GPU profile (multipliers of "
                                   "the profiles/measurements/time_constants.json values)"}
         self.write()
 

@@ -365,7 +365,7 @@ def simulate_worker(plan_path: Path, out_dir: Path) -> int:
 
 # ---- fitting the step-time model's constants to the measured step times ------------------------------------------
 
-# Each fitted multiplier scales one group of the model's terms (advisor/_physics/timing Term values) and is applied to
+# Each fitted multiplier scales one group of the model's terms (advisor/physics/timing Term values) and is applied to
 # the constants behind it: matmul -> gemm efficiency (the LM head's tile GEMMs included), attention -> attention
 # efficiencies, memory_bound -> achievable bandwidth (memory-bound ops, dequantisation, the optimizer's passes,
 # copies), launch_host -> host time per op.

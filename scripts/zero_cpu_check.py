@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-2 / ZeRO-3 run for real on 2 CPU ranks (gloo) through the accelerate config the advisor emits,
-against the per-rank simulation's closed form (advisor/_physics/ranks_closed.zero_bytes).
+against the per-rank simulation's closed form (advisor/physics/ranks_closed.zero_bytes).
 
     pip install deepspeed      (the optional extra; DS_BUILD_OPS=0 is enough: its CPU accelerator uses gloo)
     python scripts/zero_cpu_check.py [--stages 2 3] [--steps 2]

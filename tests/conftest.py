@@ -10,12 +10,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
-# the host's cost per op pinned (advisor/_physics/timing/host.py), so every prediction is the same on any machine and
+# the host's cost per op pinned (advisor/physics/timing/host.py), so every prediction is the same on any machine and
 # no test runs the microbenchmark unless it asks for it (tests/test_time_queues.py); this host's measured values,
 # rounded
 os.environ.setdefault("ADVISOR_HOST_COST", '{"nograd_us": 5, "grad_us": 5, "backward_us": 3, "loop_us": 3}')
 # and every prediction from the shipped constants, whatever calibration files this machine has
-# (advisor/_physics/timing/calibrate.py)
+# (advisor/physics/timing/calibrate.py)
 os.environ.setdefault("ADVISOR_CALIBRATION", "off")
 
 TINY_QWEN2 = {

@@ -26,7 +26,7 @@ def one_thread():
 def test_calibrating_the_cpu_writes_each_row_and_the_model_reads_them(tmp_path, monkeypatch, one_thread):
     import gpu_calibrate
 
-    from advisor.costs import calibration_path, time_constants
+    from advisor.physics import calibration_path, time_constants
     from advisor.profiles import resolve_gpu
 
     monkeypatch.setenv("ADVISOR_CACHE_DIR", str(tmp_path))
@@ -64,7 +64,7 @@ def test_calibrating_the_cpu_writes_each_row_and_the_model_reads_them(tmp_path, 
 def test_a_crash_keeps_the_rows_measured_before_it(tmp_path, monkeypatch, one_thread):
     import gpu_calibrate
 
-    import advisor.costs as costs
+    import advisor.physics as costs
 
     real = costs.calibration_rows
 

@@ -123,8 +123,7 @@ def test_fused_head_allocates_as_on_cuda(monkeypatch, weight_dtype, trainable):
     the tiles with the simulator's stand-in for TRL's Triton kernels (which allocate nothing)."""
     import trl.kernels.chunked_logprob as ck
 
-    from advisor._sim import real_path_patches
-    from advisor._sim.out_dtype import fake_out_dtype_matmuls
+    from advisor._sim import fake_out_dtype_matmuls, real_path_patches
 
     with real_path_patches(cuda=True):  # the Triton folds' stand-ins, as the simulator runs them
         fold_forward, fold_backward = ck._forward_tile, ck._backward_tile
@@ -146,7 +145,7 @@ def test_fused_head_allocates_as_on_cuda(monkeypatch, weight_dtype, trainable):
 def test_outside_allocator_per_cuda_major_and_gpu():
     """The memory outside the caching allocator is looked up per CUDA major and compute capability; the H200's
     measurement (CUDA 13, sm90) carries its source, other combinations take the unverified default."""
-    from advisor.costs import context_bytes, cuda_constants, local_cuda_major
+    from advisor.physics import context_bytes, cuda_constants, local_cuda_major
 
     ctx = cuda_constants()["cuda_context_bytes"]
     measured = ctx["measured"]["cuda13"]["sm90"]
@@ -164,7 +163,7 @@ def test_outside_allocator_per_cuda_major_and_gpu():
 def test_two_cublas_workspaces_on_hopper():
     """A training step issues GEMMs from two threads (the forward's, autograd's), each with its own cuBLAS handle
     and workspace: 2 x 32 MiB on Hopper (sm90), 2 x 8,519,680 B before."""
-    from advisor.costs import cublas_workspace_bytes
+    from advisor.physics import cublas_workspace_bytes
 
     assert cublas_workspace_bytes("9.0") == 2 * 32 * 2**20
     assert cublas_workspace_bytes("9.0", threads=1) == 32 * 2**20
@@ -193,7 +192,7 @@ print(json.dumps({"held": held, "cc": f"{cc[0]}.{cc[1]}"}))
 def test_cublas_workspaces_measured():
     """On a GPU, in a fresh process: after one GEMM forward and its backward the allocator holds, besides the tensors,
     exactly the workspaces `cublas_workspace_bytes` counts (one per thread that ran a GEMM)."""
-    from advisor.costs import cublas_workspace_bytes
+    from advisor.physics import cublas_workspace_bytes
 
     out = subprocess.run([sys.executable, "-c", _WORKSPACES], capture_output=True, text=True, check=True, timeout=120)
     got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -223,16 +222,14 @@ def test_lora_and_full_rows_of_the_h200_run():
 
 
 @pytest.mark.parametrize("forced", [False, True], ids=["this-torch", "workaround-forced"])
-def test_fake_addmm_out_dtype_on_every_declared_torch(monkeypatch, forced):
+def test_fake_addmm_out_dtype_on_every_declared_torch(forced):
     """TRL's CUDA accumulation `addmm(acc, a, b, out_dtype=float32, out=acc)` runs on fake tensors under
     `fake_out_dtype_matmuls`: on torch 2.11 its own fake kernel binds out_dtype to beta and fails (every CUDA
     candidate of the front door failed with the CUDA build of 2.11); the stand-in answers as torch 2.13+ does.
     `forced` runs the stand-in on this torch too (the CPU wheel answers the op itself)."""
-    import advisor._sim.out_dtype as od
+    from advisor._sim import fake_out_dtype_matmuls
 
-    if forced:
-        monkeypatch.setattr(od, "fake_addmm_out_dtype_works", lambda: False)
-    with od.fake_out_dtype_matmuls(), FakeTensorMode(), _Allocations() as seen:
+    with fake_out_dtype_matmuls(stand_in=True if forced else None), FakeTensorMode(), _Allocations() as seen:
         acc = torch.empty(300, 64)
         a, b = torch.empty(300, 1024, dtype=torch.bfloat16), torch.empty(1024, 64, dtype=torch.bfloat16)
         before = len(seen.made)

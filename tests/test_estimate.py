@@ -70,7 +70,7 @@ def test_cuda_adds_context_and_fragmentation(tiny_model, h100_target, tiny_data)
     m = estimate(Workload(model=tiny_model, gpu=h100_target, dataset=tiny_data), Candidate())
     assert m.reserved_bytes > m.peak_bytes
     # the CUDA context and cuBLAS workspaces come from the same calibration file as the simulator's
-    from advisor.costs import context_bytes, cublas_workspace_bytes
+    from advisor.physics import context_bytes, cublas_workspace_bytes
 
     assert m.device_bytes == m.reserved_bytes + context_bytes("9.0") + cublas_workspace_bytes("9.0")
 

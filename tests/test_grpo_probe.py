@@ -95,7 +95,7 @@ def test_two_rank_ddp_probe_matches_the_per_rank_simulation(tiny_model, cpu_targ
     probe reports (the ranks' maximum)."""
     import dataclasses
 
-    from advisor._physics import trainable_bytes
+    from advisor.physics import trainable_bytes
     from advisor.probing.runner import probe
     from advisor.simulator import simulate_per_rank
     from advisor.trainers.prompts import synthetic_prompts

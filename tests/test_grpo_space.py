@@ -114,7 +114,7 @@ def _vllm_rule(model, gpu, *, sequences: int, prompt: int, completion: int) -> f
     needs to start, gpu_worker's check), plus the null block; plus vLLM's weights (the checkpoint's parameters at
     bfloat16), its profile run's activations and non-torch memory (the physics' modelled constants); rounded up to
     0.01 of the card."""
-    from advisor._physics import architecture, online_vllm_side
+    from advisor.physics import architecture, online_vllm_side
 
     cfg = model.config
     heads = cfg["num_attention_heads"]

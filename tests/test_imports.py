@@ -1,5 +1,5 @@
 """advisor's import graph: every module imports, no import circle among its top-level modules and packages, and the
-two predicting backends share their physics through advisor/_physics/ without reaching each other.
+two predicting backends share their physics through advisor/physics/ without reaching each other.
 
 The graph is read with `ast` (nothing is imported to build it): one node per top-level module or package of advisor
 (`space`, `estimator`, `_sim`, `trainers`, ...; the package root `advisor/__init__.py`, the public API above
@@ -26,7 +26,7 @@ ADVISOR = ROOT / "advisor"
 # side, directly or through any module in between.
 ESTIMATE = frozenset({"estimator", "_estimate"})
 SIMULATOR = frozenset({"simulator", "_sim"})
-PHYSICS = "_physics"
+PHYSICS = "physics"
 
 # The edges that still close a circle, each with why; the test fails on a circle they do not explain and when one
 # of them goes away (remove it here), so that this list only shrinks.
@@ -176,7 +176,7 @@ def circle_problems(edges) -> list[str]:
 
 
 def backend_problems(edges) -> list[str]:
-    """The estimate and the simulator reaching each other (other than both importing _physics), or _physics
+    """The estimate and the simulator reaching each other (other than both importing physics), or physics
     reaching either."""
     out = []
     for sides, other in ((ESTIMATE, SIMULATOR), (SIMULATOR, ESTIMATE), ({PHYSICS}, ESTIMATE | SIMULATOR)):
@@ -248,15 +248,15 @@ def test_the_checks_see_every_kind_of_import():
         # the estimate importing the simulator's package by `import_module`
         "advisor/_estimate/_probe.py": "from importlib import import_module\nimport_module('.._sim', __package__)\n",
         # errors.py (imported by almost everything) importing the physics package back: a circle
-        "advisor/errors.py": (ADVISOR / "errors.py").read_text() + "\ndef _g():\n    from . import _physics\n",
+        "advisor/errors.py": (ADVISOR / "errors.py").read_text() + "\ndef _g():\n    from . import physics\n",
         # ignored: only for the type checker
-        "advisor/_physics/_probe.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..simulator "
+        "advisor/physics/_probe.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..simulator "
                                       "import simulate\n",
     }
     edges = import_graph(probe)
     assert ("_sim", "estimator") in edges and ("_sim", "estimator") not in base
     assert ("_estimate", "_sim") in edges and ("_estimate", "_sim") not in base
-    assert ("_physics", "simulator") not in edges
+    assert ("physics", "simulator") not in edges
     found = backend_problems(edges)
     assert any(p.startswith("_sim reaches estimator") for p in found), found
     assert any(p.startswith("_estimate reaches _sim") for p in found), found

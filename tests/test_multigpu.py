@@ -55,7 +55,7 @@ def _check(candidate: dict, parallelism: dict, config: dict | None = None) -> No
 
 
 def _largest_unit_bytes(candidate: dict, config: dict | None) -> int:
-    """The embedding unit plus one decoder layer, unsharded, in the dtype FSDP2 gathers (_physics/ranks_closed)."""
+    """The embedding unit plus one decoder layer, unsharded, in the dtype FSDP2 gathers (physics/ranks_closed)."""
     from advisor.estimator import architecture
 
     arch = architecture(_workload(config).model)
@@ -156,10 +156,10 @@ def test_llama8b_full_finetune_fits_per_rank_on_8_h100():
 def test_zero_replaces_the_model_states_with_the_closed_form(strategy, monkeypatch):
     """ZeRO (modelled, as if deepspeed were installed): the single-GPU run's activations, ZeRO's model states."""
     import advisor.parallelism as par_mod
-    from advisor.costs import zero_bytes
     from advisor.estimator import architecture
     from advisor.measurement import Category
     from advisor.parallelism import Parallelism
+    from advisor.physics import zero_bytes
     from advisor.simulator import simulate, simulate_per_rank
 
     monkeypatch.setattr(par_mod, "deepspeed_available", lambda: True)

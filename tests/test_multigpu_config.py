@@ -60,7 +60,7 @@ def test_effective_batch_split_over_ranks():
 def test_zero_closed_form_terms():
     """The ZeRO paper's Figure 1 example: 7.5B parameters, N=64, mixed-precision Adam (K=12): stage 2 holds
     2Ψ + (2+12)Ψ/N, stage 3 (2+2+12)Ψ/N (buffers apart)."""
-    from advisor.costs import zero_bytes
+    from advisor.physics import zero_bytes
 
     psi, n = 7_500_000_000, 64
     z2 = zero_bytes(2, psi, psi, n)
@@ -76,7 +76,7 @@ def test_zero_closed_form_terms():
 def test_communication_time_orders():
     """More ranks over a slower link take longer; resharding gathers twice; InfiniBand between machines is slower
     than NVLink inside one; one GPU communicates nothing."""
-    from advisor.costs import comm_time_s
+    from advisor.physics import comm_time_s
 
     kw = dict(param_bytes=16 * 10**9, grad_bytes=16 * 10**9, intra_gbs=450.0, inter_gbs=400.0, compute_s=0.0)
     one = comm_time_s(strategy=Strategy.FSDP2, num_gpus=1, num_machines=1, **kw)
@@ -93,7 +93,7 @@ def test_communication_time_orders():
 
 
 def test_every_cuda_profile_has_its_interconnect():
-    from advisor.costs import interconnect
+    from advisor.physics import interconnect
     from advisor.profiles import list_gpus, resolve_gpu
 
     for name in list_gpus():

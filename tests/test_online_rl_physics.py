@@ -1,4 +1,4 @@
-"""Online RL's closed form (advisor/_physics/online_costs.py) and the estimate's (advisor/_estimate/online_step.py)
+"""Online RL's closed form (advisor/physics/online_costs.py) and the estimate's (advisor/_estimate/online_step.py)
 against vLLM's own rules, a real transformers DynamicCache and TRL's real GRPOTrainer / RLOOTrainer.train() on the CPU.
 
 Expected numbers are worked out by hand in the comments from the rule each term names (vLLM's file and function,
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from advisor import costs, estimator
+from advisor import estimator
+from advisor import physics as costs
 from advisor.errors import ConfigError
 from advisor.measurement import Category, Status
 
@@ -141,7 +142,7 @@ def test_server_mode_counts_no_pool_on_the_training_gpus():
 
 
 def test_phase_keys_accept_the_trainers_phase_kinds():
-    from advisor.costs import online_PhaseKind as PhaseKind
+    from advisor.physics import online_PhaseKind as PhaseKind
 
     peak = costs.online_device_peak({PhaseKind.GENERATE: 3, PhaseKind.SCORE: 2, PhaseKind.TRAIN: 5})
     assert peak.allocator == {"generate": 3, "score": 2, "train": 5} and peak.peak_bytes == 5

@@ -1,6 +1,8 @@
-"""Private packages are private: nothing outside `advisor/_<name>/` imports its modules.
+"""Private packages are private: nothing outside `advisor/_<name>/` (or a layer's package, `advisor/physics/`) imports
+its modules.
 
-A private package (a directory `advisor/_<name>/` with an `__init__.py`: `_sim`, `_search`, ...) is used from outside
+A private package (a directory `advisor/_<name>/` with an `__init__.py`: `_sim`, `_search`, ...; or one of LAYERS)
+is used from outside
 only through the names its `__init__` declares in `__all__` (`from advisor._sim import X`, `from ._sim import X`).
 Every module under advisor/, tests/ and scripts/ is read with `ast` (nothing is imported) and every import is
 resolved, relative ones too; an import of a module inside a private package from outside it, or of a name its
@@ -22,9 +24,14 @@ KNOWN: dict[tuple[str, str], str] = {
 }
 
 
+# Packages whose insides are private though their name has no leading underscore: a layer of its own, named for it.
+LAYERS = ("physics",)
+
+
 def _private_packages() -> dict[str, Path]:
     return {f"advisor.{d.name}": d for d in sorted(ADVISOR.iterdir())
-            if d.is_dir() and d.name.startswith("_") and not d.name.startswith("__") and (d / "__init__.py").exists()}
+            if d.is_dir() and (d.name in LAYERS or d.name.startswith("_") and not d.name.startswith("__"))
+            and (d / "__init__.py").exists()}
 
 
 def _declared(init: Path) -> set[str] | None:
@@ -122,8 +129,8 @@ def test_nothing_outside_a_private_package_imports_its_insides():
 def test_the_private_packages_declare_their_surface():
     """Each private package says what the rest may use, and every declared name resolves to a module inside it."""
     packages = _private_packages()
-    assert {"advisor._sim", "advisor._search", "advisor._physics"} <= set(packages)
-    for pkg in ("advisor._sim", "advisor._search", "advisor._physics"):
+    assert {"advisor._sim", "advisor._search", "advisor.physics"} <= set(packages)
+    for pkg in ("advisor._sim", "advisor._search", "advisor.physics"):
         declared = _declared(packages[pkg] / "__init__.py")
         assert declared, f"{pkg}/__init__.py declares no __all__"
         module = __import__(pkg, fromlist=["__all__"])
@@ -135,16 +142,16 @@ def test_the_private_packages_declare_their_surface():
 
 def test_the_check_sees_every_kind_of_reach():
     """The walk resolves absolute, relative and package-level imports (a check that cannot fail proves nothing)."""
-    probe = ("from ._physics.timing import Term\nfrom ._search import naming\nfrom ._sim import not_declared\n"
-             "import advisor._search.pool\nfrom ._physics import replay\nfrom . import costs\n"
-             "from ._physics import ranks_closed\n")
+    probe = ("from .physics.timing import Term\nfrom ._search import naming\nfrom ._sim import not_declared\n"
+             "import advisor._search.pool\nfrom .physics import replay\nfrom . import physics\n"
+             "from .physics import ranks_closed\n")
     deeper = "from .._sim.layers import LayerStream\nfrom .._search import candidate_key\n"
     inside = "from .timing import Term\nfrom ..ledger import candidate_key\n"
     found = _offences({"advisor/_probe.py": probe, "advisor/cli/_probe.py": deeper,
                        "advisor/_search/x/_probe.py": inside})
     assert {(f[0], f[2]) for f in found if f[0].endswith("_probe.py")} == {
-        *(("advisor/_probe.py", m) for m in ("advisor._physics.timing", "advisor._search.naming",
+        *(("advisor/_probe.py", m) for m in ("advisor.physics.timing", "advisor._search.naming",
                                              "advisor._sim.not_declared", "advisor._search.pool",
-                                             "advisor._physics.ranks_closed")),
+                                             "advisor.physics.ranks_closed")),
         ("advisor/cli/_probe.py", "advisor._sim.layers"),
     }

@@ -31,7 +31,7 @@ def test_extrapolation_equals_full_depth(deep_workload):
 
 
 def test_cuda_path_rounds_and_adds_context(deep_workload, h100_target):
-    from advisor.costs import context_bytes
+    from advisor.physics import context_bytes
     from advisor.simulator import simulate
 
     m = simulate(deep_workload, Candidate(**{**BASE, "precision": "bf16"}), h100_target)
@@ -42,7 +42,7 @@ def test_cuda_path_rounds_and_adds_context(deep_workload, h100_target):
 
 
 def test_allocator_replay_segments():
-    from advisor.costs import replay, round_size
+    from advisor.physics import replay, round_size
 
     assert round_size(1) == 512 and round_size(513) == 1024
     small = replay([(1, 100), (2, 100), (1, -100)], expandable_segments=False)

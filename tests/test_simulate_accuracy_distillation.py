@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import distillation_cpu_peak as real  # noqa: E402
 
-from advisor.costs import online_PhaseKind as PhaseKind  # noqa: E402
+from advisor.physics import online_PhaseKind as PhaseKind  # noqa: E402
 from advisor.trainers import get_trainer  # noqa: E402
 
 TEACHER_NAME = "teacher-built-on-meta"

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import grpo_cpu_peak as real  # noqa: E402
 
-from advisor.costs import online_PhaseKind as PhaseKind  # noqa: E402
+from advisor.physics import online_PhaseKind as PhaseKind  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SIZE = "medium"

@@ -1,7 +1,7 @@
 """The simulate backend for online RL (advisor/_sim/online_simulate.py): `advisor.simulator.simulate` of a GRPO / RLOO
 workload runs TRL's own train() on fake tensors (advisor/_sim/online_rl.py run_online_fake, checked against real CPU
 train() peaks in tests/test_simulate_accuracy_grpo.py) built through the trainer seam, and combines its per-phase
-allocator peaks with colocated vLLM's side (advisor/_physics/online_costs.py).
+allocator peaks with colocated vLLM's side (advisor/physics/online_costs.py).
 
 Here: the glue's construction against a trainer built by hand with TRL's own GRPOConfig (the same peak to the byte on
 the CPU), vLLM's refusals as typed OOM outcomes naming the cause, sleep mode and server mode, and the CLI."""

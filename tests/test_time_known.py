@@ -26,7 +26,7 @@ def test_the_bare_lm_head_gemm_forward_and_backward_on_an_h100():
     """42 ms published. The model: three GEMMs (logits, grad of the hidden states, grad of the weight) at the
     datasheet's dense bf16 peak x the cuBLAS efficiency of time_constants.json (0.75, not fitted to this case):
     within 10% (the efficiency's own spread on large shapes, 70-80%)."""
-    from advisor.costs import gemm_s, time_constants
+    from advisor.physics import gemm_s, time_constants
     from advisor.profiles import resolve_gpu
 
     tc = time_constants(resolve_gpu("H100-80GB"))
@@ -42,7 +42,7 @@ def _chunked_cross_entropy_s(chunk: int = 256) -> float:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.checkpoint import checkpoint
 
-    from advisor.costs import run_queues
+    from advisor.physics import run_queues
     from advisor.profiles import resolve_gpu
     from advisor.simulator import BatchLayout, StorageTracker, TimingHook
 

@@ -1,4 +1,4 @@
-"""The step-time model (advisor/_physics/timing/): orderings that physics decides, on predicted times only.
+"""The step-time model (advisor/physics/timing/): orderings that physics decides, on predicted times only.
 
 No wall-clock assertion: every number here is a prediction of the model, checked against an independent count
 (the lengths report's padding, the FLOPs of a tile, the number of passes of a recomputed forward) or an ordering
@@ -43,8 +43,8 @@ def _terms_sum(m) -> float:
 def test_padding_in_the_ratio_the_lengths_report_gives(qwen_h100):
     """Same rows, same micro-batch: random order pads more than length-grouped, packing (bfd, padding-free) not at
     all. The parts of the step that scale with padded tokens scale exactly as the lengths report's padding says."""
-    from advisor.costs import batch_distribution
     from advisor.lengths import length_report
+    from advisor.physics import batch_distribution
     from advisor.simulator import simulate
 
     wl, b, ml = qwen_h100, 8, 1024
@@ -85,8 +85,8 @@ def test_the_worst_batch_is_no_longer_the_throughput(qwen_h100):
 
 
 def test_for_loop_slower_than_foreach_slower_than_fused():
-    from advisor.costs import OptimizerImpl, optimizer_cost, optimizer_impl, time_constants
     from advisor.estimator import architecture
+    from advisor.physics import OptimizerImpl, optimizer_cost, optimizer_impl, time_constants
     from advisor.profiles import resolve_gpu, resolve_model
 
     arch = architecture(resolve_model("HuggingFaceTB/SmolLM2-135M"))
@@ -150,7 +150,7 @@ def test_flash_varlen_costs_the_per_sequence_causal_terms(h100_target):
     each sequence's causal tiles; sdpa with the packed row's mask pays the whole row squared."""
     import torch
 
-    from advisor.costs import Basis, Term, attention_tile_s, time_constants
+    from advisor.physics import Basis, Term, attention_tile_s, time_constants
     from advisor.simulator import BatchLayout, TimingHook
 
     _TERMS = tuple(Term)  # the order of the model's terms
@@ -240,7 +240,7 @@ def test_qlora_slower_than_lora_with_bf16_weights(qwen_h100):
 
 
 def test_gemm_efficiency_depends_on_the_shape(h100_target):
-    from advisor.costs import gemm_s, time_constants
+    from advisor.physics import gemm_s, time_constants
 
     tc = time_constants(h100_target)
     peak = tc.peak["bf16"]
@@ -361,7 +361,7 @@ def test_fit_with_few_cases_is_one_ratio(gv):
 def test_fitted_multipliers_change_the_constants(tmp_path, monkeypatch, h100_target):
     """A measurement file with fitted multipliers for the GPU is what time_constants() then uses."""
     import advisor.profiles
-    from advisor import costs as timing
+    from advisor import physics as timing
 
     (tmp_path / "measurements").mkdir()
     (tmp_path / "measurements" / "h100-80gb-sxm.json").write_text(json.dumps(
@@ -390,8 +390,8 @@ def test_optimizer_term_is_its_kernels_passes_over_bandwidth():
     - clip_grad_norm_ (foreach on CUDA): the gradients read for the norm, read and written to scale: 3 x 4 B.
     With the H100's achievable bandwidth (70% of 3.35 TB/s) that is 4.8 ms vs 2.3 ms a step (the AdamW kernels alone
     4.1 vs 1.6 ms; at the peak 2.9 vs 1.1 ms, the issue's "about 3 ms vs 1 ms")."""
-    from advisor.costs import time_constants
     from advisor.estimator import architecture
+    from advisor.physics import time_constants
     from advisor.profiles import resolve_gpu, resolve_model
     from advisor.simulator import simulate
 
@@ -419,7 +419,7 @@ def test_optimizer_term_is_its_kernels_passes_over_bandwidth():
 def test_eight_bit_adamw_streams_a_quarter_of_the_moments():
     """bitsandbytes' 8-bit AdamW: one kernel per tensor; uint8 moments with a float32 absmax per 256 elements, float32
     moments for tensors under 4096 elements (bitsandbytes Optimizer2State.init_state)."""
-    from advisor.costs import OptimizerImpl, optimizer_cost, time_constants
+    from advisor.physics import OptimizerImpl, optimizer_cost, time_constants
     from advisor.profiles import resolve_gpu
 
     tc = time_constants(resolve_gpu("H100-80GB"))

@@ -1,4 +1,4 @@
-"""Host and device as two queues (advisor/_physics/timing/queues.py, host.py; advisor/_sim/timing_hook.py,
+"""Host and device as two queues (advisor/physics/timing/queues.py, host.py; advisor/_sim/timing_hook.py,
 phase_timing.py): each op of the fake run issued by the host at its measured cost per op, each kernel run by the
 device, the host waiting where the real step reads a value back.
 
@@ -27,7 +27,7 @@ HOST_US = 40.0  # a host slow enough that a tiny model on an H100 waits on it: t
 
 
 def _pin(monkeypatch, us: float) -> None:
-    from advisor.costs import time_constants
+    from advisor.physics import time_constants
 
     monkeypatch.setenv("ADVISOR_HOST_COST", json.dumps(
         {"nograd_us": us, "grad_us": us, "backward_us": us, "loop_us": us}))
@@ -39,7 +39,7 @@ def _pin(monkeypatch, us: float) -> None:
 
 def _trace(rows):
     """rows: (host s, device s, sync) per op; every op with device time launches a kernel."""
-    from advisor.costs import TraceBuilder
+    from advisor.physics import TraceBuilder
 
     b = TraceBuilder()
     for host, dev, sync in rows:
@@ -50,7 +50,7 @@ def _trace(rows):
 
 
 def test_two_queues_overlap_wait_on_the_host_and_drain_at_a_sync():
-    from advisor.costs import run_queues
+    from advisor.physics import run_queues
 
     one = np.ones((1, 4))
     # device-bound: the host issues three 1 s kernels in 0.3 s; the device ends at 0.1 + 3
@@ -71,7 +71,7 @@ def test_two_queues_overlap_wait_on_the_host_and_drain_at_a_sync():
 
 
 def test_a_kernel_never_runs_under_its_floor():
-    from advisor.costs import TraceBuilder, run_queues
+    from advisor.physics import TraceBuilder, run_queues
 
     b = TraceBuilder()
     b.op(0.0, device_s=1e-3, basis=0, kernel=True, floor_s=5e-6)
@@ -196,7 +196,7 @@ def test_the_step_waits_where_the_real_step_reads_a_value(real_counts, tiny_mode
     """The syncs of the prediction are the real step's reads (`.item()`: TRL's metrics after the forward, the
     Trainer's nan check), and a sync costs time: the same ops without them run shorter. Fails on a model without
     syncs."""
-    from advisor.costs import BatchDistribution, evaluate
+    from advisor.physics import BatchDistribution, evaluate
     from advisor.simulator import runnable, simulate, simulate_depth
 
     wl = Workload(model=tiny_model, gpu=h100_target, dataset=tiny_data, goals=Goals())
@@ -293,7 +293,7 @@ def test_generate_costs_each_decode_steps_ops_at_the_hosts_cost(tiny_model, h100
 def test_the_microbenchmark_measures_this_host_once_and_caches_it(tmp_path, monkeypatch):
     """Measured on first use, cached per host and versions under the advisor's cache, read back after (a value
     written into the cached file is what the next process gets)."""
-    from advisor.costs import host_cost, time_constants
+    from advisor.physics import host_cost, time_constants
 
     monkeypatch.delenv("ADVISOR_HOST_COST", raising=False)
     monkeypatch.setenv("ADVISOR_CACHE_DIR", str(tmp_path))
@@ -317,8 +317,8 @@ def test_the_microbenchmark_measures_this_host_once_and_caches_it(tmp_path, monk
 
 
 def test_a_malformed_pinned_host_cost_names_the_variable(monkeypatch):
-    from advisor.costs import host_cost
     from advisor.errors import ConfigError
+    from advisor.physics import host_cost
 
     monkeypatch.setenv("ADVISOR_HOST_COST", '{"nograd_us": 5}')
     with pytest.raises(ConfigError, match="ADVISOR_HOST_COST.*grad_us"):

@@ -29,7 +29,7 @@ def test_a_collective_adds_no_memory_bound_time():
     the communication model only; the same bytes through a device copy are memory-bound time (the check can fail)."""
     import torch
 
-    from advisor._physics import _TERMS, Term
+    from advisor.physics import _TERMS, Term
 
     mem = _TERMS.index(Term.MEMORY)
     out, inp = torch.empty(1 << 20, dtype=torch.bfloat16), torch.empty(1 << 19, dtype=torch.bfloat16)
@@ -128,8 +128,8 @@ def test_fsdp2_regather_costs_its_copies_not_its_buffers_nor_the_collective(rega
 def test_closed_form_of_fsdp2_copies_equals_the_fake_run(regather_runs, reshard):
     """The closed form both backends share for a layout's copies (ranks_closed.layout_traffic: every gather's copy-in
     and copy-out, the reduce-scatter's copy-in) equals what the fake run's FSDP2 copies move, byte for byte."""
-    from advisor._physics import layout_traffic
     from advisor.parallelism import Parallelism
+    from advisor.physics import layout_traffic
 
     sys.path.insert(0, HERE)
     from multigpu_worker import workload
@@ -151,10 +151,9 @@ def test_zero3_regather_priced_alike_by_both_backends(monkeypatch):
     the bandwidth, in the simulation and in the estimate alike (both add ranks_closed.layout_traffic), and the device
     optimizer steps this rank's half in both."""
     import advisor.parallelism as par
-    from advisor._physics import layout_traffic
-    from advisor.costs import time_constants
     from advisor.estimator import estimate
     from advisor.inputs import build_workload
+    from advisor.physics import layout_traffic, time_constants
     from advisor.simulator import simulate_per_rank
 
     monkeypatch.setattr(par, "deepspeed_available", lambda: True)

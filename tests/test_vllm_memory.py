@@ -1,6 +1,6 @@
 """vLLM's memory terms against vLLM's own rules, on hand-worked cases with real configs (profiles/models/) and real
 cards (profiles/gpus/). Every expected number below is worked out by hand in the comment above it, from the rule
-named in advisor/_physics/vllm.py's docstring (vLLM's file and function)."""
+named in advisor/physics/vllm.py's docstring (vLLM's file and function)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from advisor import costs
+from advisor import physics as costs
 from advisor.errors import ConfigError
 
-# vLLM's closed form, exported by the physics package with a vllm_ prefix (advisor/_physics/vllm.py)
+# vLLM's closed form, exported by the physics package with a vllm_ prefix (advisor/physics/vllm.py)
 BLOCK_SIZE = costs.vllm_BLOCK_SIZE
 Mode = costs.vllm_Mode
 Pool = costs.vllm_Pool
@@ -233,7 +233,7 @@ def test_bad_inputs_name_the_setting():
     assert BLOCK_SIZE == 16
 
 
-# ---- online RL's step (advisor/_physics/online_costs.py) over the same rules ---------------------------------------
+# ---- online RL's step (advisor/physics/online_costs.py) over the same rules ---------------------------------------
 def _online_step(**changes):
     layout = kv_layout(QWEN05)
     side = costs.online_VllmSide(weights_bytes=QWEN05_WEIGHTS, layout=layout, max_model_len=2_048,

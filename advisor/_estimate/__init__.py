@@ -1,7 +1,7 @@
 """The estimate's parts, private to `advisor/estimator.py`, which places them at the moments of a step: the
 micro-batches, the memory parts and the step-time terms counted in closed form. What the estimate shares with the
 simulator (the model's shapes, the modelled knobs, the step-time model, the allocator's rules, the multi-GPU closed
-forms) lives in `advisor/_physics/`, below both; nothing here imports the simulator. Import from here, never from
+forms) lives in `advisor/physics/`, below both; nothing here imports the simulator. Import from here, never from
 the modules inside."""
 
 from .memory import (

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._physics import (
+from ..physics import (
     DTYPE_BYTES,
     Architecture,
     architecture,
@@ -21,7 +21,7 @@ from .._physics import (
     lora_parameters,
     quantized_linear_bytes,
 )
-from .._physics import RESERVED_FACTOR as _RESERVED_FACTOR
+from ..physics import RESERVED_FACTOR as _RESERVED_FACTOR
 from ..space import Attention, Candidate, Optimizer, Precision, Quantization, WeightsDtype
 from .micro_batches import BatchShape, batches
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..workload import GPUSpec, Workload
 
 MiB = 2**20
-# Caching allocator: reserved over allocated at the peak (fragmentation): advisor/_physics/cuda_rules.py
+# Caching allocator: reserved over allocated at the peak (fragmentation): advisor/physics/cuda_rules.py
 RESERVED_FACTOR = _RESERVED_FACTOR
 
 # trl/kernels/chunked_logprob.py and trl/trainer/utils.py (TRL 1.16)
@@ -210,7 +210,7 @@ def _lm_head_bytes(
 def outside_allocator_bytes(gpu: GPUSpec, threads: int | None = None) -> int:
     """CUDA context + cuBLAS workspaces (one per thread issuing GEMMs, `threads`: default a training step's): the same
     calibrated constants the simulator uses (profiles/measurements/cuda_constants.json)."""
-    from .._physics import context_bytes, cublas_workspace_bytes
+    from ..physics import context_bytes, cublas_workspace_bytes
 
     return context_bytes(gpu.compute_capability) + cublas_workspace_bytes(gpu.compute_capability, threads)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._physics import DTYPE_BYTES, architecture
 from ..measurement import Category
+from ..physics import DTYPE_BYTES, architecture
 from ..space import Precision, WeightsDtype
 from .memory import MemoryParts, _layer_activation_bytes, _lm_head_bytes
 

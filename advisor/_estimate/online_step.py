@@ -3,7 +3,7 @@ trainer's `StepShape.generates`).
 
 The step's shape is built from the workload, the candidate and the trainer's knob view (TRL 1.16's names, the
 trainer's defaults resolved: advisor/trainers/online_knobs.py), its phases counted by the physics package
-(advisor/_physics/online_step.py, online_costs.py: the KV cache of transformers' generate, TRL's fused log-prob head,
+(advisor/physics/online_step.py, online_costs.py: the KV cache of transformers' generate, TRL's fused log-prob head,
 the scoring forwards, the reference, ZeRO-3's gathers, colocated vLLM's pool and refusals; distillation.py: the
 resident teacher (the model input the trainer's step distills from, `StepShape.distills_from`), its no-grad forward
 and the chunked divergence over the vocabulary), and the training
@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from .._physics import (
+from ..errors import ConfigError
+from ..measurement import Category, Measurement, Source, Status
+from ..physics import (
     DTYPE_BYTES,
     architecture,
     online_build_step,
@@ -35,9 +37,7 @@ from .._physics import (
     vllm_Sleep,
     vllm_TRL_SLEEP_LEVEL,
 )
-from .._physics import online_device_peak as device_peak
-from ..errors import ConfigError
-from ..measurement import Category, Measurement, Source, Status
+from ..physics import online_device_peak as device_peak
 from ..space import Optimizer, Precision
 from .memory import RESERVED_FACTOR, memory_parts, outside_allocator_bytes
 from .step_time import expected_step_time
@@ -106,7 +106,7 @@ def build_step(workload: Workload, candidate: Candidate, knobs: Any, trainer: Tr
     teacher_bytes = teacher_arch.total * teacher_element + teacher_arch.buffer_bytes if teacher_arch else 0
     zero3 = False
     if world > 1:  # one rank of N: the model states as the candidate's parallelism shards them
-        from .._physics import estimate_rank_moments
+        from ..physics import estimate_rank_moments
 
         P, G, OPT = Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER
         one = {P: params, G: grads, OPT: optim, Category.ACTIVATIONS: 0, Category.LM_HEAD: 0,
@@ -168,7 +168,7 @@ def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any, tra
     phases = online_phase_allocator_bytes(step)
     vllm = online_vllm_terms(step)
     notes = [
-        f"online RL (closed form, advisor/_physics/online_costs.py): generation batch {step.generation_batch} "
+        f"online RL (closed form, advisor/physics/online_costs.py): generation batch {step.generation_batch} "
         f"completions (per_device_train_batch_size {step.per_device_train_batch_size} x steps_per_generation "
         f"{step.steps_per_generation}), every completion at max_completion_length {step.max_completion_length} after "
         f"the longest prompt ({step.prompt_length} tokens): the bound",
@@ -207,7 +207,7 @@ def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any, tra
     step_s, trained = timed.step_s, timed.trained_tokens_per_step
     if workload.num_gpus > 1:  # global throughput, as the SFT estimate: every training rank's completions, plus
         # the collectives' time the training passes do not hide (generation and scoring hide none of it)
-        from .._physics import estimate_rank_time
+        from ..physics import estimate_rank_time
 
         with_comm, trained, exposed, comm_note = estimate_rank_time(workload, c, train.step_s, trained)
         step_s += with_comm - train.step_s
@@ -278,9 +278,9 @@ def _step_notes(step: Any, vllm: Any, cuda: bool) -> list[str]:
 
 def _teacher_s(step: Any, gpu: Any) -> float:
     """Seconds a distillation step adds to the SFT passes of its micro-batches: the teacher's no-grad forward and
-    the divergence's projections through both heads (advisor/_physics/distillation.py teacher_train_flops), at the
+    the divergence's projections through both heads (advisor/physics/distillation.py teacher_train_flops), at the
     step-time model's GEMM efficiency, in the teacher's weights' dtype (no autocast reaches the training pass)."""
-    from .._physics import peak_flops, teacher_train_flops, time_constants
+    from ..physics import peak_flops, teacher_train_flops, time_constants
 
     precision = "fp32" if step.teacher.weight_element_bytes == 4 else "bf16"
     flops = teacher_train_flops(step.teacher, rows=step.per_device_train_batch_size, sequence=step.sequence_length,
@@ -291,7 +291,7 @@ def _teacher_s(step: Any, gpu: Any) -> float:
 
 def _distillation_notes(step: Any) -> list[str]:
     """What the estimate of a distillation step says of the teacher and of the vocabulary's logits."""
-    from .._physics import online_constants, step_divergence, vocabulary_note
+    from ..physics import online_constants, step_divergence, vocabulary_note
 
     gib = 2**30
     teacher = step.teacher
@@ -304,5 +304,5 @@ def _distillation_notes(step: Any) -> list[str]:
         vocabulary_note(div, vocab=step.vocab, beta=step.divergence_beta),
         "train: the SFT estimate's parts of the student's micro-batch (advisor/_estimate/memory.py) in the weights' "
         "dtype (no autocast reaches DistillationTrainer's training pass), without its LM head's logits, the "
-        "teacher's forward and the divergence (advisor/_physics/distillation.py)",
+        "teacher's forward and the divergence (advisor/physics/distillation.py)",
     ]

@@ -1,4 +1,4 @@
-"""Step time in closed form: the shared step-time model (advisor/_physics/timing/) with its terms counted from
+"""Step time in closed form: the shared step-time model (advisor/physics/timing/) with its terms counted from
 the architecture and the candidate, expected over the same batch distribution, so the two backends rank alike."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .._physics import DTYPE_BYTES, Architecture, knob_time, lora_parameters
+from ..physics import DTYPE_BYTES, Architecture, knob_time, lora_parameters
 from ..space import Attention, Candidate, Precision, Quantization, WeightsDtype
 from .memory import TOKEN_CHUNK, VOCAB_CHUNK
 from .micro_batches import BatchShape
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, worst: BatchShape, activations: int):
-    """The expected step time from the same terms as the simulator's (advisor/_physics/timing/), in closed form.
+    """The expected step time from the same terms as the simulator's (advisor/physics/timing/), in closed form.
 
     The micro-step's kernels are the decoder's GEMMs (forward, grad-input, weight gradient when trained, the
     recomputed forward under checkpointing; LoRA's rank-r products), attention per tile, the memory-bound ops
@@ -27,7 +27,7 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
     folds, bitsandbytes' dequantisation; host ops per layer from the same counts; the optimizer as the target runs
     it. Evaluated over the same batch distribution as the simulator's, so the two backends rank alike.
     """
-    from .. import _physics as tm
+    from .. import physics as tm
 
     gpu = workload.gpu
     tc = tm.time_constants(gpu)
@@ -117,7 +117,7 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
     add(tm.Term.MEMORY, B_.TOKENS, tm.memory_s(L * per_token * T, tc, kernels=round(launches)) / T,
         min(1.0, fwd_bytes / per_token))
     # several GPUs: the layout's device copies (FSDP2's / ZeRO's gathers, the gradients' buckets), the closed form the
-    # simulator adds for the layouts it does not run (advisor/_physics/ranks_closed.layout_traffic)
+    # simulator adds for the layouts it does not run (advisor/physics/ranks_closed.layout_traffic)
     layout = None
     if workload.num_gpus > 1:
         layout = tm.layout_traffic(workload, c)
@@ -177,7 +177,7 @@ def _micro_segments(tc, layers: int, lo: dict, hi: dict, f: float, dev: np.ndarr
     grad on), the Trainer's nan check draining it again. Ops per layer and class from the fake run
     (time_constants.json "estimate"). `extra_host`: TRL's head's host time, bitsandbytes' dequantize launches' in the
     forward and in all. Returns (the segments, host seconds, ops without a kernel, syncs)."""
-    from .. import _physics as tm
+    from .. import physics as tm
 
     grad, back, nograd = tm.OpClass.GRAD, tm.OpClass.BACKWARD, tm.OpClass.NOGRAD
     head_host, dequant_fwd, dequant_all = extra_host

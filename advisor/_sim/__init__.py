@@ -1,7 +1,7 @@
 """The simulator's private package: fake-tensor training runs, the storage tracker, the fake run's ops observed for
 the step-time model, and one rank of a multi-GPU run on the fake process group. The physics it shares with the
 estimate (the model's shapes, the allocator's rules, the step-time model, the multi-GPU closed forms, the modelled
-knobs) lives in advisor._physics, below both; nothing here imports the estimate.
+knobs) lives in advisor.physics, below both; nothing here imports the estimate.
 
 Only the names in `__all__` may be used outside this package (`from advisor._sim import X`, or `from ._sim
 import X` inside advisor); its modules are its insides, free to change. The public ways in are
@@ -47,6 +47,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     # the branches the fake run patches to the target's real path (transformers' masking, TRL's fused LM head on CUDA)
     "real_path_patches": ("fake_step", "real_path_patches"),
     "materialise": ("fake_step", "_materialise"),  # a meta model's parameters as fake tensors, ties kept
+    "fake_out_dtype_matmuls": ("out_dtype", "fake_out_dtype_matmuls"),  # torch 2.11's fake addmm(out_dtype=)
     # ---- model.generate on fake tensors, every sequence at its maximum length (generation.py; online RL) -------
     **{name: ("generation", name) for name in ("simulate_generate", "GenerationRun", "full_length_generate",
                                                 "IncompleteGeneration", "filler_token")},
@@ -58,7 +59,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{name: ("decode_extrapolation", name) for name in ("GenerateExtrapolation", "NotAffine")},
     # the simulate backend's online RL: the fake train() built through the trainer seam, vLLM's side, the step time
     "simulate_online": ("online_simulate", "simulate_online"),
-    # ---- the fake run's ops costed by the step-time model (timing_hook.py; the model itself: advisor._physics) -----
+    # ---- the fake run's ops costed by the step-time model (timing_hook.py; the model itself: advisor.physics) -----
     **{name: ("timing_hook", name) for name in ("TimingHook", "BatchLayout")},
     "StorageTracker": ("tracker", "StorageTracker"),  # what hands the hook each op (`on_op`) of a fake run
     # ---- one rank of N GPUs (distributed.py: advisor.simulator.simulate_per_rank, the real multi-process probe) ---

@@ -3,8 +3,8 @@
 
 Decoder layers are identical, so `advisor.simulator.simulate` runs two shallow depths and builds the full depth's
 allocation stream from theirs layer by layer (advisor/_sim/layers.py); its peaks are taken on that stream, on
-CUDA through the caching allocator's rules (advisor/_physics/cuda_rules.py). The step time comes from the kernels
-the fake run's ops would launch (advisor/_sim/timing_hook.py, costed by advisor/_physics/timing/).
+CUDA through the caching allocator's rules (advisor/physics/cuda_rules.py). The step time comes from the kernels
+the fake run's ops would launch (advisor/_sim/timing_hook.py, costed by advisor/physics/timing/).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..space import Candidate
 from ..workload import GPUSpec, ModelSpec, Workload
 
 if TYPE_CHECKING:
-    from .._physics import StepCost
+    from ..physics import StepCost
     from ..trainers import Trainer
 
 __all__ = ["DepthRun", "simulate_depth", "with_depth", "plan_depths", "extrapolate", "worst_rows", "worst_batch"]
@@ -36,7 +36,7 @@ class DepthRun:
     breakdown: dict[str, int]
     allocated_bytes: int  # CUDA rules applied (== peak_bytes on the CPU)
     reserved_bytes: int
-    time_s: float  # predicted time of one optimizer step on the worst batch (advisor/_physics/timing/)
+    time_s: float  # predicted time of one optimizer step on the worst batch (advisor/physics/timing/)
     trained_tokens: int  # per micro-batch
     batch_shape: tuple[int, int]
     unpadded: bool
@@ -155,7 +155,7 @@ def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec, layers: int
     runs them, and the model FLOPs for the MFU."""
     import torch
 
-    from .._physics import model_flops, optimizer_cost, optimizer_impl
+    from ..physics import model_flops, optimizer_cost, optimizer_impl
 
     model = trainer.model
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -182,7 +182,7 @@ def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec, layers: int
 
 def _worst_step(cost):
     """The step-time model on the worst batch at every micro-step (a StepTime)."""
-    from .._physics import BatchDistribution, evaluate
+    from ..physics import BatchDistribution, evaluate
 
     return evaluate(cost, BatchDistribution.single(cost.worst))
 
@@ -199,7 +199,7 @@ def _stream_peaks(events: list, categories: list, *, cuda: bool, expandable_segm
     top = stream_peak(events, categories)
     allocated = reserved = top.peak_bytes
     if cuda:
-        from .._physics import replay
+        from ..physics import replay
 
         peaks = replay(events, expandable_segments=expandable_segments)
         allocated, reserved = peaks.allocated, peaks.reserved
@@ -271,7 +271,7 @@ def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expanda
     time linear in depth. Raises `layers.NotSeparable` where the runs do not split into identical layers."""
     if len(runs) == 1:
         return runs[0]
-    from .._physics import extrapolate_cost
+    from ..physics import extrapolate_cost
     from .layers import NotSeparable, synthesize_checked
 
     lo, hi = runs

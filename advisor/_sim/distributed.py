@@ -1,6 +1,6 @@
 """One rank of a multi-GPU run on fake tensors: the fake process group and FSDP2's sharding, which
 advisor/simulator.simulate_per_rank runs TRL's train() under (ZeRO, the collectives' time and the estimate's rank are
-closed forms: advisor/_physics/ranks_closed.py).
+closed forms: advisor/physics/ranks_closed.py).
 
 FSDP2 runs for real on fake tensors: `torch.distributed` with the `fake` backend (FakeStore, world size N) and
 accelerate's own `fsdp2_prepare_model` (each decoder layer, then the embedding and the tail [final norm, LM head]

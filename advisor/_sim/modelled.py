@@ -4,7 +4,7 @@
 (bitsandbytes, 8-bit optimizers, fp16, the knobs with a `stand_in` in advisor/knobs.py) for what they can and
 says so; `modelled_adjustments` puts back in closed form what the swap changed (bitsandbytes' weight bytes, the
 8-bit optimizer state, activation offloading, the modelled knobs: one model with the estimate,
-advisor/_physics/modelled.py); `expected_time` is the step time over the batches the sampler makes.
+advisor/physics/modelled.py); `expected_time` is the step time over the batches the sampler makes.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def expected_time(workload: Workload, candidate: Candidate, target: GPUSpec, cos
     """The expected step time over the batches the sampler makes (the worst batch stays the memory case)."""
     if cost is None:
         return None
-    from .._physics import batch_distribution, evaluate, offload_copy_s_per_token, peak_flops, time_constants
+    from ..physics import batch_distribution, evaluate, offload_copy_s_per_token, peak_flops, time_constants
 
     tc = time_constants(target)
     cost = cost.with_(peak_flops=peak_flops(target, candidate.precision.value))
@@ -49,9 +49,9 @@ def expected_time(workload: Workload, candidate: Candidate, target: GPUSpec, cos
 
 
 def _knob_time(cost, model: ModelSpec, candidate: Candidate, target: GPUSpec):
-    """The modelled knobs' step-time terms (use_kernels, checkpoint_offload): advisor/_physics/modelled.py's closed
+    """The modelled knobs' step-time terms (use_kernels, checkpoint_offload): advisor/physics/modelled.py's closed
     form."""
-    from .._physics import knob_time
+    from ..physics import knob_time
 
     return knob_time(cost, model, candidate, target)
 
@@ -127,7 +127,7 @@ def modelled_adjustments(
     _modelled_knobs(adj, candidate, model, breakdown, batch_shape[0] * batch_shape[1], cuda)
     params = Category.PARAMETERS.value
     if candidate.quantization is not Quantization.NONE:
-        from .._physics import architecture, quantized_linear_bytes
+        from ..physics import architecture, quantized_linear_bytes
 
         arch = architecture(model)
         n = arch.decoder_linear
@@ -161,11 +161,11 @@ def modelled_adjustments(
 _KNOB_NOTES = {
     "use_kernels": "use_kernels: Hub kernels cannot run on fake tensors (and need the `kernels` package and CUDA): "
                    "modelled, Liger's fused RMSNorm saving 4 bytes per normalised element of every layer whose "
-                   "activations stay saved (advisor/_physics/modelled.py _kernels_saved_bytes), and moving fewer bytes "
+                   "activations stay saved (advisor/physics/modelled.py _kernels_saved_bytes), and moving fewer bytes "
                    "than torch's elementwise chain (the step-time model's memory-bound term)",
     "checkpoint_offload": "activation_checkpointing_kwargs offload: transformers' save_on_cpu pins host memory, "
                           "which fake tensors cannot: modelled, the checkpointed layers' saved inputs in host "
-                          "memory but for the layer being recomputed (advisor/_physics/modelled.py "
+                          "memory but for the layer being recomputed (advisor/physics/modelled.py "
                           "_checkpoint_offload_saved_bytes), their copies on the compute stream (the step-time "
                           "model's offload term); the peak is lowered where it was simulated, and another moment "
                           "of the step (the optimizer step) is not seen by this model",
@@ -174,9 +174,9 @@ _KNOB_NOTES = {
 
 def _modelled_knobs(adj: Adjustment, candidate: Candidate, model: ModelSpec, breakdown: dict[str, int],
                     tokens: int, cuda: bool) -> None:
-    """The knobs fake tensors cannot run, from advisor/_physics/modelled.py's closed forms (one model for both
+    """The knobs fake tensors cannot run, from advisor/physics/modelled.py's closed forms (one model for both
     backends): what each frees of the activations held at the simulated peak, noted as modelled."""
-    from .._physics import knob_memory_savings
+    from ..physics import knob_memory_savings
 
     acts = Category.ACTIVATIONS.value
     for name in ("use_kernels", "checkpoint_offload"):

@@ -23,7 +23,7 @@ tests/test_simulate_accuracy_grpo.py checks the extrapolated peak against a full
 
 vLLM (`engine="vllm"`): no `model.generate` runs in the training process. TRL's `VLLMGeneration` is constructed for
 real with its `_init_vllm` replaced (no engine, no server: vLLM's own memory, its weights, KV pool and activations,
-lies outside PyTorch's allocator of the training process and is modelled in closed form by advisor/_physics), its
+lies outside PyTorch's allocator of the training process and is modelled in closed form by advisor/physics), its
 `generate` returns known full-length filler completions (and log-probs for the importance-sampling correction), and
 its `sync_weights` runs for real up to the hand-over: `_iter_named_params` walks the policy as TRL does (PEFT's
 `merge_adapter` / `unmerge_adapter` on fake tensors: the delta weights it allocates are counted), and the hand-over
@@ -36,7 +36,7 @@ trainer's `input_dtype`) is given to DistillationTrainer as a model, materialise
 4 B under the real CPU train()'s (which loads the teacher from a path with `teacher_model_init_kwargs`) in each of
 six cases (beta 1 / 0 / 0.5, LoRA, bf16 with a bf16 teacher, a wider teacher; 22.5-26.7 MB).
 
-Phases (advisor/_physics/online_step.py `PhaseKind`): GENERATE is TRL's `_generate` (weight sync, the generate call, the
+Phases (advisor/physics/online_step.py `PhaseKind`): GENERATE is TRL's `_generate` (weight sync, the generate call, the
 EOS mask and decoding); SCORE the rest of `_generate_and_score_completions` (the no-grad forwards for the old-policy
 and reference log-probs, the rewards, the advantages); TRAIN everything else (`compute_loss`, backward, optimizer).
 
@@ -91,9 +91,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .._physics import online_PhaseKind as PhaseKind
 from ..errors import UsageError
 from ..measurement import Category
+from ..physics import online_PhaseKind as PhaseKind
 from .decode_extrapolation import GenerateExtrapolation, generate_extrapolated
 from .fake_step import (
     BatchFacts,
@@ -478,7 +478,7 @@ def _vllm_handed_over(trainer: Any, notes: list[str]) -> int:
     notes.append(f"vLLM: no generate in the training process; completions are full-length filler ids; the "
                  f"weight sync ran up to the hand-over ({stand_in.handed_over} tensors handed to vLLM, which "
                  f"allocates them outside this allocator); vLLM's pool, weights, KV cache and sleep/wake are "
-                 f"modelled in closed form (advisor/_physics)")
+                 f"modelled in closed form (advisor/physics)")
     return stand_in.handed_over
 
 

@@ -1,6 +1,6 @@
 """The simulate backend for online RL (GRPO, RLOO): TRL's own `train()` on fake tensors (online_rl.py's
 `run_online_fake`), built through the trainer seam, its per-phase allocator peaks combined with what vLLM holds
-outside the allocator by the physics (advisor/_physics/online_costs.py), and the step time of the physics' online
+outside the allocator by the physics (advisor/physics/online_costs.py), and the step time of the physics' online
 terms around the training passes the fake run's own ops cost.
 
 `advisor.simulator.simulate` routes here by what the trainer declares (`StepShape.generates`: a step with
@@ -29,8 +29,8 @@ allocation stream to replay), the CUDA context and cuBLAS workspace.
 
 Time: the training passes from the fake run's own ops (advisor/_sim/timing_hook.py over the TRAIN-phase ops of the
 last optimizer step's micro-steps: generation and scoring run inside `training_step` and are filtered out by phase),
-costed by the step-time model (advisor/_physics/timing/); generation, the weight sync (with sleep, the wake-up) and
-the scoring forwards from advisor/_physics/online_costs.py `step_time`. The objective: trained completion tokens per
+costed by the step-time model (advisor/physics/timing/); generation, the weight sync (with sleep, the wake-up) and
+the scoring forwards from advisor/physics/online_costs.py `step_time`. The objective: trained completion tokens per
 second.
 
 Checked (tests/test_simulate_online.py): on the CPU the glue's peak equals a GRPOTrainer built by hand with TRL's
@@ -63,7 +63,7 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
     """Peak device bytes and step time of `steps` optimizer steps of the online trainer `kind` on `target`, from a
     fake `train()`. `candidate` is the user's (already `for_model`); `decode_lengths`: run_online_fake's short
     decode lengths (None: its default)."""
-    from .._physics import (
+    from ..physics import (
         architecture,
         context_bytes,
         cublas_workspace_bytes,
@@ -105,7 +105,7 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
                              context_bytes=ctx + (cublas_workspace_bytes(target.compute_capability, threads=1)
                                                   if cuda else 0))
     if step.teacher is not None:  # a divergence against a teacher: its vocabulary-sized parts, named
-        from .._physics import online_constants, step_divergence, vocabulary_note
+        from ..physics import online_constants, step_divergence, vocabulary_note
 
         div = step_divergence(step, b, cpu_fold_tiles=int(online_constants()["cpu_divergence_fold_tiles"]["value"]))
         notes.append(vocabulary_note(div, vocab=step.vocab, beta=step.divergence_beta) + " (sizes from TRL's code; "
@@ -143,7 +143,7 @@ def _timed(step: Any, target: GPUSpec, arch: Any, candidate: Candidate, built: A
            notes: list[str]) -> Any:
     """The step's time: the training passes costed from the fake run's own ops, generation and scoring from its
     GENERATE and SCORE phases' ops (transformers' generate), online RL's other terms from the physics."""
-    from .._physics import online_step_time_on
+    from ..physics import online_step_time_on
 
     phases = built.phases
     timed = online_step_time_on(
@@ -157,9 +157,9 @@ def _timed(step: Any, target: GPUSpec, arch: Any, candidate: Candidate, built: A
     notes.append(f"time: the training passes ({built.train_s:.4g} s a step) from the fake run's ops of the last "
                  f"optimizer step's micro-steps ({built.timed_ops:,d} ops in {built.timed_micro_steps}), TRAIN phase "
                  "only (advisor/_sim/timing_hook.py, the step-time model "
-                 "of advisor/_physics/timing/); generation and scoring from the GENERATE and SCORE phases' ops "
+                 "of advisor/physics/timing/); generation and scoring from the GENERATE and SCORE phases' ops "
                  "(advisor/_sim/phase_timing.py; vLLM's generation and the weight sync in closed form, "
-                 "advisor/_physics/online_costs.py step_time)")
+                 "advisor/physics/online_costs.py step_time)")
     return timed
 
 
@@ -185,7 +185,7 @@ def _device(candidate: Candidate, result: Any, phase_peaks: dict, adjust: dict[s
             ws: int, ctx: int, notes: list[str]) -> tuple[int, int, int, dict[str, int], int]:
     """(peak, reserved, device bytes, the breakdown, what is outside the allocator at the device's peak): the
     phases' allocator peaks combined with what vLLM holds outside the allocator in each (`online_device_peak`)."""
-    from .._physics import RESERVED_FACTOR, online_device_peak
+    from ..physics import RESERVED_FACTOR, online_device_peak
 
     dp = online_device_peak(phase_peaks, vllm)
     at, outside, peak = dp.peak_phase, dp.outside_at_peak, dp.allocator_peak_bytes
@@ -202,7 +202,7 @@ def _device(candidate: Candidate, result: Any, phase_peaks: dict, adjust: dict[s
         peak_bytes, reserved_bytes, device_bytes = peak + ws, int(peak * factor) + ws, per_phase[at] + ws + ctx
         breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
         notes.append(f"device_bytes = the peak phase's allocator bytes x {factor} (the caching allocator's reserved "
-                     "over allocated, advisor/_physics/cuda_rules.py RESERVED_FACTOR: the online fake run records no "
+                     "over allocated, advisor/physics/cuda_rules.py RESERVED_FACTOR: the online fake run records no "
                      "allocation stream to replay) + what vLLM holds outside the allocator then + CUDA context + "
                      "cuBLAS workspaces, one per thread issuing GEMMs (profiles/measurements/cuda_constants.json)")
     else:
@@ -223,7 +223,7 @@ def _vllm_notes(vllm: Any, step: Any, k: Any) -> list[str]:
     if vllm.split is None:
         return ["vLLM server mode: its weights and KV pool live on GPUs of its own; none on this one"]
     return [
-        f"vLLM colocated (modelled in closed form, advisor/_physics/vllm.py: vllm/v1/worker/gpu_worker.py "
+        f"vLLM colocated (modelled in closed form, advisor/physics/vllm.py: vllm/v1/worker/gpu_worker.py "
         "Worker.init_device, utilization x total; its weights, profile run and non-torch memory inside the "
         f"pool, profiles/measurements/online_rl_constants.json): its pool {vllm.split.pool_bytes:,} B = "
         f"vllm_gpu_memory_utilization {step.vllm_gpu_memory_utilization:g} x the card, outside PyTorch's "
@@ -236,7 +236,7 @@ def _vllm_notes(vllm: Any, step: Any, k: Any) -> list[str]:
 
 def _time_detail(built: Any, target: GPUSpec, generations: float) -> dict[str, Any]:
     """The training passes' two queues (per optimizer step), the ops of one decode step and its time."""
-    from .._physics import time_constants, time_detail
+    from ..physics import time_constants, time_detail
 
     out = time_detail(built.train_timed, time_constants(target))
     phases = built.phases
@@ -256,7 +256,7 @@ def _modelled(candidate: Candidate, workload: Workload, result: Any, rows: int, 
     optimizer's state, are held in every phase; what a knob frees of the saved activations (use_kernels,
     checkpoint_offload) only in the training phase. Returns the phases' allocator peaks and the breakdown's delta
     (at the allocator's peak phase)."""
-    from .._physics import online_PhaseKind as PhaseKind
+    from ..physics import online_PhaseKind as PhaseKind
     from .modelled import modelled_adjustments
 
     cats = {c.value if isinstance(c, Category) else str(c): int(v) for c, v in result.breakdown.items()}
@@ -286,7 +286,7 @@ def _teacher(workload: Workload, models: dict[str, tuple[Any, Any]], role: str |
     and its bytes and weight element as built; None without one."""
     if role is None or role not in models:
         return None
-    from .._physics import architecture, teacher_of
+    from ..physics import architecture, teacher_of
 
     model = models[role][0]
     return teacher_of(architecture(workload.model_of(role)), weights_bytes=_model_bytes(model),
@@ -330,7 +330,7 @@ def _phases_timed(hook: Any, timers: Any) -> Iterator[None]:
     tracker, so its class is extended for the run (generation and scoring run inside `training_step`, through
     `_prepare_inputs`); the short decode runs of the extrapolated generate (suspended for memory) are what is timed
     of generation."""
-    from .._physics import online_PhaseKind as PhaseKind
+    from ..physics import online_PhaseKind as PhaseKind
     from . import online_rl
 
     base = online_rl._PhaseTracker

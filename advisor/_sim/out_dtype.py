@@ -66,10 +66,11 @@ def _fake_addmm_out_dtype(fake_mode: Any, func: Any, self: torch.Tensor, mat1: t
 
 
 @contextlib.contextmanager
-def fake_out_dtype_matmuls() -> Iterator[None]:
+def fake_out_dtype_matmuls(stand_in: bool | None = None) -> Iterator[None]:
     """While open, fake tensors run `aten.addmm.dtype` / `.dtype_out` on a torch whose own fake kernel fails them
-    (see the module); on any other torch it changes nothing."""
-    if fake_addmm_out_dtype_works():
+    (see the module); on any other torch it changes nothing. `stand_in`: None decides by the probe; True installs
+    the stand-in on any torch (its test on a torch that answers the op itself)."""
+    if not stand_in and fake_addmm_out_dtype_works():
         yield
         return
     from torch._decomp import decomposition_table

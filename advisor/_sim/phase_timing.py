@@ -1,5 +1,5 @@
 """Online RL's generation and scoring timed as they run: the fake run's ops of the GENERATE and SCORE phases through
-the two queues (advisor/_physics/timing/queues.py), as the training passes are (advisor/_sim/timing_hook.py).
+the two queues (advisor/physics/timing/queues.py), as the training passes are (advisor/_sim/timing_hook.py).
 
 transformers' `generate` is a loop of forwards: a prefill over the prompts, then one decode step per new token (a
 forward of one position against the KV cache, the logits processors, sampling, the stopping criteria, whose
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._physics import OpTrace, run_queues
+from ..physics import OpTrace, run_queues
 from .timing_hook import BatchLayout, TimingHook
 
 __all__ = ["PhaseTimers", "GenerationTime"]

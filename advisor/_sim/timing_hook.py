@@ -2,7 +2,7 @@
 batch's layout (the package docstring: "Kernels").
 
 Only device traffic is priced: what a kernel reads and writes in device memory, never a buffer it only allocates
-and never what crosses the network (the communication model prices that, advisor/_physics/ranks_closed.comm_time_s).
+and never what crosses the network (the communication model prices that, advisor/physics/ranks_closed.comm_time_s).
 
 op family                                      how it is priced
 ---------------------------------------------  ----------------------------------------------------------------
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._physics import (
+from ..physics import (
     _NB,
     _TERMS,
     AttentionKind,
@@ -69,7 +69,7 @@ _NO_KERNEL = {"empty", "new_empty", "empty_like", "empty_strided", "lift_fresh",
 # ops that write their mutated argument without reading it
 _WRITE_ONLY = {"copy_", "_foreach_copy_", "fill_", "zero_", "_foreach_zero_", "_foreach_fill_", "normal_", "uniform_",
                "random_", "bernoulli_", "exponential_"}
-# the collectives' namespace: priced by the communication model only (advisor/_physics/ranks_closed.comm_time_s)
+# the collectives' namespace: priced by the communication model only (advisor/physics/ranks_closed.comm_time_s)
 _COLLECTIVES = "c10d"
 # ops whose result the host reads (or whose output size depends on the data): the host waits for the device to drain
 SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",

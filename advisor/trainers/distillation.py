@@ -11,7 +11,7 @@ On-policy knowledge distillation as TRL 1.16 runs it (trl/trainer/distillation_t
 - train, per micro-batch: the student's backbone with grad (not its LM head: `_get_last_hidden_state` calls
   `base_model`), the teacher's backbone under `no_grad`, then the generalized Jensen-Shannon divergence (`beta`: 0
   forward KL, 1 reverse KL, between them the JSD with a second pass) over the whole vocabulary at `temperature` by
-  trl/kernels/chunked_divergence.py `ChunkedDivergenceFunction` (advisor/_physics/distillation.py counts it: float32
+  trl/kernels/chunked_divergence.py `ChunkedDivergenceFunction` (advisor/physics/distillation.py counts it: float32
   tiles of [min(N, 4096), 32768], never the [N, V] logits; the head's float32 weight gradient).
 
 The teacher is a model input (`TEACHER`: `--teacher`, `suggest(teacher=)`, written as `teacher_model_name_or_path`,
@@ -315,7 +315,7 @@ class Distillation(OnlineRLTrainer):
 
     # ---- what the report and the notes say -----------------------------------------------------------------------
     def report_rows(self, candidate: Candidate) -> list[list[str]]:
-        from .._physics import divergence_tiles
+        from ..physics import divergence_tiles
 
         k = self.knobs(candidate)
         n = candidate.per_device_train_batch_size * int(k.max_completion_length)

@@ -137,7 +137,7 @@ KNOBS = (
          "the share of each card colocated vLLM claims (weights, activations and its KV pool) outside PyTorch's "
          "allocator. Not a search dimension: derived per candidate (online_space.derive) as the smallest pool, "
          "rounded up to 0.01, that holds the generation batch at full length (prompt + max_completion_length) by "
-         "vLLM's accounting (advisor/_physics/vllm.py min_utilization), never below one max_model_len sequence "
+         "vLLM's accounting (advisor/physics/vllm.py min_utilization), never below one max_model_len sequence "
          "(what vLLM needs to start); a --fix of it is kept as given", bounds=(0.0, 1.0), active=_colocated,
          carried=True, memory=Memory.GROWS),
     Knob("vllm_enable_sleep_mode", Kind.BOOL, False, Home.TRAINER_CONFIG, "vllm_enable_sleep_mode",

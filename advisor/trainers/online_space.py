@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from .._physics import architecture, online_vllm_side, vllm_min_utilization
 from ..errors import ConfigError
 from ..knobs import knob
+from ..physics import architecture, online_vllm_side, vllm_min_utilization
 from ..space import with_knobs
 from .online_knobs import KNOBS, VllmMode
 
@@ -107,7 +107,7 @@ def training_gpus(k: Any, num_gpus: int) -> int:
 
 
 def vllm_pool_need(workload: Workload, candidate: Candidate, k: Any) -> Any:
-    """vLLM's own accounting of the pool colocated vLLM needs for this candidate (advisor/_physics/vllm.py
+    """vLLM's own accounting of the pool colocated vLLM needs for this candidate (advisor/physics/vllm.py
     `min_utilization`, on `online_vllm_side`'s weights, profile activations, non-torch memory, CUDA graphs and KV
     layout, as the estimate builds them): the generation batch TRL hands it (max_num_seqs =
     per_device_train_batch_size x steps_per_generation, tensor-parallel 1) at full length (the longest prompt +
@@ -174,5 +174,5 @@ def derivation_notes(workload: Workload, candidate: Candidate, k: Any, values: M
             f"inside the pool since vLLM 0.21) and KV pages ({need.kv_bytes / gib:.2f} GiB) for the "
             f"{need.binding} (the generation batch: {gen} sequences x {length} tokens = the longest prompt "
             f"{prompt} + max_completion_length {k.max_completion_length}; one sequence: max_model_len "
-            f"{side.max_model_len}), by vLLM's accounting (advisor/_physics/vllm.py min_utilization); "
+            f"{side.max_model_len}), by vLLM's accounting (advisor/physics/vllm.py min_utilization); "
             "--fix vllm_gpu_memory_utilization=X keeps yours"]

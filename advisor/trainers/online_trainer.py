@@ -17,7 +17,7 @@ A step of TRL 1.16's online trainers is a cycle (trl/trainer/grpo_trainer.py `_p
 
 The trainer's parts live by role: its knobs and TRL's rules in online_knobs.py, its search space in
 online_space.py, its files in online_files.py; the backends build the step from its knob view
-(advisor/_physics/online_step.py). `num_generations` and `max_completion_length` are the user's (quality): never
+(advisor/physics/online_step.py). `num_generations` and `max_completion_length` are the user's (quality): never
 searched, never lowered. grpo.py / rloo.py declare what differs (TRL's classes, their views' defaults).
 """
 
@@ -211,7 +211,7 @@ class OnlineRLTrainer(TrlTrainer):
 
     # ---- the step ------------------------------------------------------------------------------------------------
     def step_shape(self, candidate: Candidate) -> StepShape:
-        """Generation inside the step: the backends build it from the knob view (advisor/_physics/online_step.py)."""
+        """Generation inside the step: the backends build it from the knob view (advisor/physics/online_step.py)."""
         return StepShape(generates=True)
 
     def shadows_integers(self) -> bool:

@@ -23,7 +23,7 @@ What a GRPO / RLOO step holds (TRL 1.16 as installed; file and function of each 
   `deepspeed.zero.GatheredParameters(model.parameters())`); without it each layer is gathered as it runs.
 - GENERATE, vLLM (`vllm_generation.py` VLLMGeneration.sync_weights / generate): the weights are pushed to vLLM once
   per optimizer step (`load_weights` one parameter at a time; PEFT + ZeRO-3 gathers the whole model to merge the
-  adapters first: `_iter_named_params`); colocated vLLM's pool (advisor/_physics/vllm.py) is outside PyTorch's
+  adapters first: `_iter_named_params`); colocated vLLM's pool (advisor/physics/vllm.py) is outside PyTorch's
   allocator.
 - SCORE (`_generate_and_score_completions`, no grad): the old policy's log-probs when `gradient_accumulation_steps %
   (steps_per_generation x num_iterations) != 0` or vLLM's importance-sampling correction is on; the reference's
@@ -40,7 +40,7 @@ generate) only in GENERATE, plus what sleep keeps (vllm.py `asleep`); server mod
 
 Step time: generation (prefill compute-bound, decode bandwidth-bound: the weights and the KV cache read per decode
 step; transformers' generate also host-bound per op), the weight sync, the extra no-grad forwards and the training
-passes (the backend's step-time model for those: advisor/_physics/timing/). Every constant is in
+passes (the backend's step-time model for those: advisor/physics/timing/). Every constant is in
 profiles/measurements/online_rl_constants.json with its source.
 """
 
@@ -111,7 +111,7 @@ class Reference(str, Enum):
 
 @dataclass(frozen=True)
 class VllmSide:
-    """What vLLM loads and reserves, as plain numbers (advisor/_physics/vllm.py derives them from the config)."""
+    """What vLLM loads and reserves, as plain numbers (advisor/physics/vllm.py derives them from the config)."""
 
     weights_bytes: int  # the checkpoint at vLLM's dtype="auto" (vllm.py vllm_dtype)
     layout: KVLayout  # vLLM's KV pages per token (vllm.py kv_layout)

@@ -387,7 +387,7 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
               interconnect_bytes_s: float | None = None, vllm_weights_bytes: int | None = None,
               vllm_waves: int = 1, generation_s: float | None = None, scoring_s: float | None = None) -> OnlineTime:
     """One optimizer step: `train_s` (the training passes of gradient_accumulation_steps micro-batches, from the
-    step-time model, advisor/_physics/timing/) plus, per generation call (`generations_per_step` of them):
+    step-time model, advisor/physics/timing/) plus, per generation call (`generations_per_step` of them):
     - generation: prefill (2 x dense params FLOPs per prompt token, compute-bound at the GEMM efficiency) and
       max_completion_length decode steps, each reading the weights once and the KV cache of the batch at its mean
       length (bandwidth-bound); transformers' eager generate also pays its host ops per decode step (max of host and
@@ -400,7 +400,7 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
       against the host's ops of each no-grad forward.
     `generation_s` / `scoring_s`: one generation call's generate / scoring timed from the simulator's fake run as two
     queues (advisor/_sim/phase_timing.py), in place of the closed forms (generate: transformers' engine only).
-    `tc`: advisor/_physics/timing TimeConstants of the target."""
+    `tc`: advisor/physics/timing TimeConstants of the target."""
     gens = step.generations_per_step
     g, p, c = step.generation_batch, step.prompt_length, step.max_completion_length
     eff_peak = peak_flops * tc.gemm_eff

@@ -13,7 +13,7 @@ measurement, never a constant fitted to a case:
   on a CPU also `cache_bandwidth` over a working set of `cache_bytes` (what a small model's ops move);
 - `attention_<fwd|bwd>_eff`: scaled-dot-product attention's causal FLOPs over its time, relative to the GEMM rate;
   `attention_<fwd|bwd>_floor_s` a tiny call's time past an op's dispatch (the CPU kernel's fixed cost);
-- `host_<class>_s`: the host's cost per op on this device (advisor/_physics/timing/host.py's microbenchmark with
+- `host_<class>_s`: the host's cost per op on this device (advisor/physics/timing/host.py's microbenchmark with
   the model on it: on CUDA the launch included), `launch_s` / `sync_s`: an empty kernel's host time back to back, a
   sync's round trip;
 - `decode_token_s`: one decode step of transformers' generate (a 2-layer Llama at batch 1), for the record.

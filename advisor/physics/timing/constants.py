@@ -1,6 +1,6 @@
 """The step-time model's terms and bases, and its constants resolved for one target (with fitted multipliers).
 
-See the package docstring (advisor/_physics/timing/__init__.py)."""
+See the package docstring (advisor/physics/timing/__init__.py)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class Teacher:
 
 
 def teacher_of(arch: Any, *, weights_bytes: int, weight_element_bytes: int) -> Teacher:
-    """A Teacher from its architecture (advisor/_physics/shapes.py `Architecture`) and its bytes as the backend
+    """A Teacher from its architecture (advisor/physics/shapes.py `Architecture`) and its bytes as the backend
     counts them."""
     return Teacher(weights_bytes=int(weights_bytes), hidden=arch.hidden, layers=arch.layers,
                    intermediate=arch.intermediate, weight_element_bytes=int(weight_element_bytes),

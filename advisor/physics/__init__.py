@@ -25,8 +25,8 @@ the simulator (advisor/simulator.py with _sim/) depend on this package and never
   vLLM's typed refusals, `device_peak` (the simulator's measured phase peaks combined with vLLM's bytes), the
   step-time terms of generation, weight sync and scoring.
 
-Only the names in `__all__` may be used outside this package (`from ._physics import X` inside advisor);
-`advisor.costs` is the public way in for scripts and tests. tests/test_privacy.py fails on an import of a module of
+Only the names in `__all__` may be used outside this package (`from .physics import X` inside advisor);
+`advisor.physics` is the public way in for scripts and tests. tests/test_privacy.py fails on an import of a module of
 this package from outside it; tests/test_imports.py on the estimate and the simulator reaching each other.
 
 Each name is imported from its module on first use (PEP 562), so importing the package costs nothing.
