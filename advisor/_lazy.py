@@ -1,4 +1,4 @@
-"""The private packages' lazy surface (advisor/_sim, advisor/_search): each declares `_EXPORTS` (public name ->
+"""The private packages' lazy surface (advisor/simulator, advisor/physics, advisor/_search): each declares `_EXPORTS` (public name ->
 (module inside the package, attribute)) and gets its module `__getattr__` / `__dir__` from here, so importing the
 package costs nothing and a name is loaded from its module on first use (PEP 562)."""
 

@@ -1,7 +1,7 @@
 """The accelerate config (`accelerate launch --config_file`) of a multi-GPU run, beside the TRL config, and the launch
 command. The keys are those `accelerate config` writes (accelerate/commands/config/cluster.py) and TRL's shipped
 configs use (trl/accelerate_configs/fsdp2.yaml, zero2.yaml, zero3.yaml); every memory-relevant one is set
-explicitly, so the run is the one that was simulated (advisor/_sim/distributed.py)."""
+explicitly, so the run is the one that was simulated (advisor/simulator/distributed.py)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ label and its quality cost. The rest derives from the registry, the way TrlParse
 derives flags and YAML keys from dataclass fields: Candidate's validation and `canonical()` (advisor/space.py), the
 default space and `--fix` (advisor/_search/space.py), both directions of emit (advisor/_emit/), the report's labels
 (advisor/report.py), the ledger's memory order (advisor/_search/ledger.py) and the stand-ins of what fake tensors
-cannot run (advisor/_sim/modelled.py). `Candidate`'s field block is checked against `KNOBS` when advisor/space.py
+cannot run (advisor/simulator/modelled.py). `Candidate`'s field block is checked against `KNOBS` when advisor/space.py
 defines it: a field without a declaration, or a declaration without a field, fails loudly with the fix.
 
 Two kinds of knob: the shared ones in `KNOBS` below are `Candidate` fields; a trainer's own knob (DPO's
@@ -20,7 +20,7 @@ in order: the shared knobs, then each trainer's.
 Adding a knob: a shared one is one `Knob(...)` in `KNOBS` below and one field on `Candidate` (advisor/space.py); a
 trainer's own is one `Knob(..., carried=True)` in its module under advisor/trainers/, in its view.
 Then its memory and time in the estimate (advisor/estimator.py, advisor/_estimate/) and, where fake tensors cannot
-run it, the simulator's stand-in (`stand_in` here, the modelled difference in advisor/_sim/modelled.py); see
+run it, the simulator's stand-in (`stand_in` here, the modelled difference in advisor/simulator/modelled.py); see
 docs/architecture.md, "Where to add things".
 """
 
@@ -221,7 +221,7 @@ KNOBS: tuple[Knob, ...] = (
          summary=_shown_if_on("checkpoint_offload"), short=_on("ckpt-offload", "checkpoint_offload"),
          keyed_at_default=False, absent=False, stand_in=False),
     # no `search`: offered through --fix only; its copies run on the compute stream (always slower) and its saving
-    # is modelled at the simulated peak (advisor/_sim/modelled.py), so the search does not pick it unasked
+    # is modelled at the simulated peak (advisor/simulator/modelled.py), so the search does not pick it unasked
     Knob("optim", Kind.ENUM, Optimizer.ADAMW_TORCH_FUSED, Home.TRAINING_ARGUMENTS, "optim", "the optimizer",
          enum=Optimizer, label="optim", summary=lambda c: c.optim.value, short=lambda c: c.optim.value,
          absent="adamw_torch_fused"),

@@ -37,7 +37,7 @@ def build_model(spec: ModelSpec, candidate: Candidate | None = None, device: str
     if flash and device == "meta":
         # Built with eager (transformers would load the FlashAttention kernel from the Hub, and it cannot run here);
         # then named FlashAttention, so every branch of the fake run takes the flash path and its attention calls
-        # reach advisor/_sim/flash.py (the simulator's stand-in for the kernel).
+        # reach advisor/simulator/flash.py (the simulator's stand-in for the kernel).
         config._attn_implementation = "eager"
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(candidate))

@@ -41,14 +41,16 @@ def _rank(rank: int, world: int, spec: dict, store_path: str, out_path: str) -> 
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTTrainer
 
-    from advisor._sim import prepare_fsdp2  # the real multi-process probe's (advisor/probing) way in
     from advisor.emit import build_config, peft_config
     from advisor.modeling import BatchFeed as _BatchFeed
     from advisor.modeling import build_model, placeholder_tokenizer
     from advisor.parallelism import Parallelism
     from advisor.probing.meters import cpu_peak, memory_profiler
     from advisor.probing.worker import _free_gloo_work_on_this_thread
-    from advisor.simulator import worst_batch
+    from advisor.simulator import (
+        prepare_fsdp2,  # the real multi-process probe's (advisor/probing) way in
+        worst_batch,
+    )
     from advisor.simulator import worst_rows as _worst_rows
     from advisor.space import Candidate
 

@@ -102,7 +102,7 @@ def test_fused_head_backward_holds_no_fp32_tile(weight_dtype, trainable):
     """The simulator's fake run for a CUDA target accumulates the head's gradients as CUDA does: one
     addmm(out_dtype=float32) per tile, no fp32 copy of a [300 x 1024] logits tile or a [1024 x 64] weight chunk
     (the CPU branch's `acc.addmm_(a.float(), b.float())`), and so peaks at the CUDA path's bytes."""
-    from advisor._sim import real_path_patches
+    from advisor.simulator import real_path_patches
 
     with real_path_patches(cuda=True):
         simulated = _head_backward("cpu", weight_dtype, trainable)
@@ -123,14 +123,14 @@ def test_fused_head_allocates_as_on_cuda(monkeypatch, weight_dtype, trainable):
     the tiles with the simulator's stand-in for TRL's Triton kernels (which allocate nothing)."""
     import trl.kernels.chunked_logprob as ck
 
-    from advisor._sim import fake_out_dtype_matmuls, real_path_patches
+    from advisor.simulator import fake_out_dtype_matmuls, real_path_patches
 
     with real_path_patches(cuda=True):  # the Triton folds' stand-ins, as the simulator runs them
         fold_forward, fold_backward = ck._forward_tile, ck._backward_tile
     monkeypatch.setattr(ck, "_use_triton", lambda device: False)  # the tile path, with the folds' stand-ins
     monkeypatch.setattr(ck, "_forward_tile", fold_forward)
     monkeypatch.setattr(ck, "_backward_tile", fold_backward)
-    with fake_out_dtype_matmuls():  # torch 2.11's fake addmm(out_dtype=) fails (advisor/_sim/out_dtype.py)
+    with fake_out_dtype_matmuls():  # torch 2.11's fake addmm(out_dtype=) fails (advisor/simulator/out_dtype.py)
         on_cuda = _head_backward("cuda", weight_dtype, trainable)  # TRL's code as a GPU runs it
     monkeypatch.undo()
     with real_path_patches(cuda=True):
@@ -227,7 +227,7 @@ def test_fake_addmm_out_dtype_on_every_declared_torch(forced):
     `fake_out_dtype_matmuls`: on torch 2.11 its own fake kernel binds out_dtype to beta and fails (every CUDA
     candidate of the front door failed with the CUDA build of 2.11); the stand-in answers as torch 2.13+ does.
     `forced` runs the stand-in on this torch too (the CPU wheel answers the op itself)."""
-    from advisor._sim import fake_out_dtype_matmuls
+    from advisor.simulator import fake_out_dtype_matmuls
 
     with fake_out_dtype_matmuls(stand_in=True if forced else None), FakeTensorMode(), _Allocations() as seen:
         acc = torch.empty(300, 64)

@@ -1,5 +1,5 @@
-"""`model.generate` on fake tensors (advisor._sim.simulate_generate, the piece online RL's simulated `train()` runs):
-every sequence runs to `max_new_tokens`, and the tracked peak is the real CPU generate's, measured from the
+"""`model.generate` on fake tensors (advisor.simulator.simulate_generate, the piece online RL's simulated `train()`
+runs): every sequence runs to `max_new_tokens`, and the tracked peak is the real CPU generate's, measured from the
 allocator's own events (torch.profiler replayed by advisor.probing.meters.cpu_peak, as scripts/grpo_cpu_peak.py).
 
 The real run forces the same length with `min_new_tokens == max_new_tokens` (transformers suppresses EOS until
@@ -63,7 +63,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fake_generate_runs_to_full_length_at_the_real_peak(case):
-    from advisor._sim import simulate_generate
+    from advisor.simulator import simulate_generate
 
     batch, length, padded, sample = CASES[case]
     ids, mask = _prompts(batch, length, padded)
@@ -86,7 +86,7 @@ def test_fake_generate_runs_to_full_length_at_the_real_peak(case):
 def test_generate_is_restored_and_ids_must_be_known():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from advisor._sim import DataShadow, IncompleteGeneration, filler_token, full_length_generate
+    from advisor.simulator import DataShadow, IncompleteGeneration, filler_token, full_length_generate
 
     model = _model("meta")
     assert filler_token(model) == 3  # 0 pad, 1 BOS, 2 EOS are special
@@ -106,7 +106,7 @@ def test_data_shadow_knows_data_never_weights_and_forgets_stale_values():
     forgotten, so a later `.item()` is not answered from stale values."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from advisor._sim import DataShadow
+    from advisor.simulator import DataShadow
 
     shadow = DataShadow()
     with FakeTensorMode(allow_non_fake_inputs=True), shadow:

@@ -2,7 +2,7 @@
 two predicting backends share their physics through advisor/physics/ without reaching each other.
 
 The graph is read with `ast` (nothing is imported to build it): one node per top-level module or package of advisor
-(`space`, `estimator`, `_sim`, `trainers`, ...; the package root `advisor/__init__.py`, the public API above
+(`space`, `estimator`, `simulator`, `trainers`, ...; the package root `advisor/__init__.py`, the public API above
 everything, is not a node), an edge where any file of one imports anything of another: at the top of a file or
 inside a function (a function-local import runs the first time the function does, so it closes the circle all the
 same), `importlib.import_module` with a literal name included; imports under `if TYPE_CHECKING:` are left out
@@ -25,7 +25,7 @@ ADVISOR = ROOT / "advisor"
 # The estimate and the simulator: each side may import the physics package and what lies below it, never the other
 # side, directly or through any module in between.
 ESTIMATE = frozenset({"estimator", "_estimate"})
-SIMULATOR = frozenset({"simulator", "_sim"})
+SIMULATOR = frozenset({"simulator"})
 PHYSICS = "physics"
 
 # The edges that still close a circle, each with why; the test fails on a circle they do not explain and when one
@@ -234,7 +234,7 @@ def test_estimate_and_simulator_meet_only_in_physics():
     edges = import_graph()
     assert not backend_problems(edges), "\n".join(backend_problems(edges))
     # both really stand on the physics package (the check above is not vacuous)
-    for side in ("estimator", "_estimate", "_sim", "simulator"):
+    for side in ("estimator", "_estimate", "simulator"):
         assert PHYSICS in reach(edges, side), side
 
 
@@ -243,10 +243,10 @@ def test_the_checks_see_every_kind_of_import():
     (which is left out) each change the graph as they should (a check that cannot fail proves nothing)."""
     base = import_graph()
     probe = {
-        # _sim's fake run asking the estimate for a number inside a function: a backend reaching the other
-        "advisor/_sim/_probe.py": "def f():\n    from ..estimator import architecture\n",
+        # the simulator's fake run asking the estimate for a number inside a function: a backend reaching the other
+        "advisor/simulator/_probe.py": "def f():\n    from ..estimator import architecture\n",
         # the estimate importing the simulator's package by `import_module`
-        "advisor/_estimate/_probe.py": "from importlib import import_module\nimport_module('.._sim', __package__)\n",
+        "advisor/_estimate/_probe.py": "from importlib import import_module\nimport_module('..simulator', __package__)\n",
         # errors.py (imported by almost everything) importing the physics package back: a circle
         "advisor/errors.py": (ADVISOR / "errors.py").read_text() + "\ndef _g():\n    from . import physics\n",
         # ignored: only for the type checker
@@ -254,12 +254,12 @@ def test_the_checks_see_every_kind_of_import():
                                       "import simulate\n",
     }
     edges = import_graph(probe)
-    assert ("_sim", "estimator") in edges and ("_sim", "estimator") not in base
-    assert ("_estimate", "_sim") in edges and ("_estimate", "_sim") not in base
+    assert ("simulator", "estimator") in edges and ("simulator", "estimator") not in base
+    assert ("_estimate", "simulator") in edges and ("_estimate", "simulator") not in base
     assert ("physics", "simulator") not in edges
     found = backend_problems(edges)
-    assert any(p.startswith("_sim reaches estimator") for p in found), found
-    assert any(p.startswith("_estimate reaches _sim") for p in found), found
+    assert any(p.startswith("simulator reaches estimator") for p in found), found
+    assert any(p.startswith("_estimate reaches simulator") for p in found), found
     cycle = find_cycle({e: w for e, w in edges.items() if e not in KNOWN})
     assert cycle is not None and "errors" in cycle and PHYSICS in cycle, cycle
     assert circle_problems(edges)

@@ -1,8 +1,8 @@
 """Activation offloading in the simulator: what the copies move, and the peak at every moment of the step.
 
 Fake tensors cannot run TRL's offloader (CUDA streams, pinned host memory), so the simulator counts what autograd
-saves through the same saved-tensor hooks (advisor/_sim/fake_step._SavedCounter) and replays the offload on the
-whole allocation stream (advisor/_sim/layers.offload_peak). The independent measurement here is TRL's own
+saves through the same saved-tensor hooks (advisor/simulator/fake_step._SavedCounter) and replays the offload on the
+whole allocation stream (advisor/simulator/layers.offload_peak). The independent measurement here is TRL's own
 OffloadActivations (get_act_offloading_ctx_manager) in a real CPU run of the same step: the bytes it decides to move.
 """
 
@@ -92,8 +92,8 @@ def test_the_offloaded_peak_is_replayed_at_every_moment():
     """Without offloading the peak is the forward's end (activations); with it, the optimizer step. Subtracting the
     offloaded activations at the unoffloaded peak (the model before this one) gave 300 bytes, below the 600 the
     optimizer step holds."""
-    from advisor._sim import offload_peak
     from advisor.measurement import Category as C
+    from advisor.simulator import offload_peak
 
     events = [(1, 100), (2, 1000), (2, -1000), (3, 500)]
     cats = [C.PARAMETERS, C.ACTIVATIONS, None, C.OPTIMIZER]

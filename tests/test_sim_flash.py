@@ -1,4 +1,4 @@
-"""FlashAttention on the fake run: transformers' flash path with aten's flash meta kernels (advisor/_sim/flash.py).
+"""FlashAttention on the fake run: transformers' flash path with aten's flash meta kernels (advisor/simulator/flash.py).
 
 What the real kernel path does is read from transformers 5 (integrations/flash_attention.py,
 modeling_flash_attention_utils.py) and flash-attn 2 (flash_attn_interface.py, csrc/flash_attn/flash_api.cpp); these
@@ -240,9 +240,9 @@ def test_every_flash_name_routes_to_the_stand_in_and_is_restored():
         assert name in names
     assert "sdpa" not in names and "eager" not in names
     with fake_flash_attention(lambda: None):
-        # one stand-in, the simulator's own (advisor/_sim/flash.py), for every name
+        # one stand-in, the simulator's own (advisor/simulator/flash.py), for every name
         stand_in = ALL_ATTENTION_FUNCTIONS.get_interface(names[0], None)
-        assert stand_in is not flash_attention_forward and stand_in.__module__ == "advisor._sim.flash"
+        assert stand_in is not flash_attention_forward and stand_in.__module__ == "advisor.simulator.flash"
         for name in names:
             assert ALL_ATTENTION_FUNCTIONS.get_interface(name, None) is stand_in
             assert name in ALL_MASK_ATTENTION_FUNCTIONS

@@ -106,8 +106,7 @@ def test_simulated_cpu_peak_matches_real_train(name, small_workload):
 
 def test_unpadded_batch_takes_the_real_path(small_workload):
     """A batch of one row has no padding: the real run skips the attention mask; the fake run must too."""
-    from advisor._sim import fake_step
-    from advisor.simulator import simulate
+    from advisor.simulator import fake_step, simulate
 
     cand = Candidate(**{**BASE, "per_device_train_batch_size": 1, "activation_checkpointing": False})
     patched = simulate(small_workload, cand, "cpu", layers=None)

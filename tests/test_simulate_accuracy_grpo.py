@@ -14,8 +14,8 @@ test_decode_extrapolation_equals_the_full_decode_loop checks that extrapolation 
 case where the decode, not the prefill, sets generate's peak and where a steeper moment of a decode step overtakes
 the others after the short runs' steps.
 
-Measured (advisor/_sim/online_rl.py's docstring has the table): the tiny model's six cases are exact to the byte; at
-this size four are exact and the two with gradient checkpointing 4 B under the real peak (of 205.7 MB); the
+Measured (advisor/simulator/online_rl.py's docstring has the table): the tiny model's six cases are exact to the byte;
+at this size four are exact and the two with gradient checkpointing 4 B under the real peak (of 205.7 MB); the
 reward-model and vLLM cases (beside the six, against this file's _real_peak) are exact.
 """
 

@@ -1,7 +1,7 @@
 """The full depth built layer by layer from two shallow fake runs is the full-depth fake run.
 
 `simulate()` runs 2 and 3 decoder layers (2 and 2 + p where the layers repeat with period p), builds the full
-depth's allocation stream from theirs (advisor/_sim/layers.py) and takes the peaks on it. These tests compare that
+depth's allocation stream from theirs (advisor/simulator/layers.py) and takes the peaks on it. These tests compare that
 stream, event for event, and its peaks with a fake run of every layer, on cases where a straight line through the
 two shallow peaks is wrong.
 """

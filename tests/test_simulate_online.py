@@ -1,7 +1,7 @@
-"""The simulate backend for online RL (advisor/_sim/online_simulate.py): `advisor.simulator.simulate` of a GRPO / RLOO
-workload runs TRL's own train() on fake tensors (advisor/_sim/online_rl.py run_online_fake, checked against real CPU
-train() peaks in tests/test_simulate_accuracy_grpo.py) built through the trainer seam, and combines its per-phase
-allocator peaks with colocated vLLM's side (advisor/physics/online_costs.py).
+"""The simulate backend for online RL (advisor/simulator/online_simulate.py): `advisor.simulator.simulate` of a GRPO /
+RLOO workload runs TRL's own train() on fake tensors (advisor/simulator/online_rl.py run_online_fake, checked against
+real CPU train() peaks in tests/test_simulate_accuracy_grpo.py) built through the trainer seam, and combines its
+per-phase allocator peaks with colocated vLLM's side (advisor/physics/online_costs.py).
 
 Here: the glue's construction against a trainer built by hand with TRL's own GRPOConfig (the same peak to the byte on
 the CPU), vLLM's refusals as typed OOM outcomes naming the cause, sleep mode and server mode, and the CLI."""
@@ -138,7 +138,7 @@ def test_vllm_sleep_and_server_modes(tiny_model, h100_target):
 
 
 def test_use_vllm_on_a_cpu_target_is_an_error_naming_the_key(tiny_model, cpu_target):
-    from advisor._sim import simulate_online
+    from advisor.simulator import simulate_online
     from advisor.trainers import get_trainer
 
     wl = _workload(tiny_model, cpu_target)
@@ -228,7 +228,7 @@ def test_a_reward_model_given_as_a_model_is_resident(tiny_model, cpu_target):
 
 def test_what_fake_tensors_cannot_run_is_modelled_in_every_phase(tiny_model, h100_target):
     """QLoRA's 4-bit weights (run as 16-bit on fake tensors) and an 8-bit optimizer's state: the closed forms simulate()
-    applies to SFT (advisor/_sim/modelled.py), held in every phase of the online step."""
+    applies to SFT (advisor/simulator/modelled.py), held in every phase of the online step."""
     from advisor.simulator import simulate
     from advisor.space import Quantization
 

@@ -23,7 +23,7 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
         "writes the state a failure report reads",
     ("advisor/_estimate/step_time.py", "expected_step_time"):
         "the closed-form step: one sum of terms over the same moments as the memory model, read top to bottom",
-    ("advisor/_sim/layers.py", "synthesize"):
+    ("advisor/simulator/layers.py", "synthesize"):
         "one pass over the allocation stream that rebuilds a deeper run layer by layer; its state is the stream's",
 }
 

@@ -1,4 +1,4 @@
-"""Host and device as two queues (advisor/physics/timing/queues.py, host.py; advisor/_sim/timing_hook.py,
+"""Host and device as two queues (advisor/physics/timing/queues.py, host.py; advisor/simulator/timing_hook.py,
 phase_timing.py): each op of the fake run issued by the host at its measured cost per op, each kernel run by the
 device, the host waiting where the real step reads a value back.
 

@@ -35,8 +35,8 @@ class Quantization(str, Enum):
 
 
 class Optimizer(str, Enum):
-    """Values of TrainingArguments.optim the advisor measures: torch's own optimizers run on fake tensors as they
-    are; the bitsandbytes ones are modelled (advisor/_sim/modelled.py `modelled_adjustments`). The search considers a
+    """Values of TrainingArguments.optim the advisor measures: torch's own optimizers run on fake tensors as they are;
+    the bitsandbytes ones are modelled (advisor/simulator/modelled.py `modelled_adjustments`). The search considers a
     subset (_search/space.py). Every other `optim` TrainingArguments accepts is refused by name
     (`UNSUPPORTED_OPTIMIZERS`).
     """
@@ -78,7 +78,7 @@ UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
 class Attention(str, Enum):
     """`attn_implementation` as transformers 5 accepts it (PreTrainedModel._check_and_adjust_attn_implementation).
 
-    The FlashAttention names are every one transformers knows for CUDA (advisor/_sim/flash.py
+    The FlashAttention names are every one transformers knows for CUDA (advisor/simulator/flash.py
     `flash_attention_names()`, which tests/test_attention_names.py keeps equal to these): `flash_attention_N` is
     the flash-attn package of that version (transformers falls back to the Hub kernel FLASH_ATTN_KERNEL_FALLBACK
     names when the package is missing and `kernels` is installed); `kernels-community/...` is a Hub kernel loaded

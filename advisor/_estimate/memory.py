@@ -104,7 +104,7 @@ def memory_parts(workload: Workload, candidate: Candidate) -> MemoryParts:
         # the copies move what autograd saves through the offloader's hooks: inside a checkpointed layer torch's
         # own hooks take precedence (only its input is seen), so the autocast weight copies those layers' matmuls
         # save are not moved; the final norm's input and output are (the simulator counts them the same way:
-        # advisor/_sim/fake_step._SavedCounter)
+        # advisor/simulator/fake_step._SavedCounter)
         plain = (arch.layers - math.ceil(arch.layers / c.checkpoint_every_n_layers)
                  if c.activation_checkpointing else arch.layers)
         cast = base_linear * 2 * plain // arch.layers if autocast and (not c.use_lora or not quant) else 0

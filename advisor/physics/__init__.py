@@ -1,18 +1,18 @@
 """The physics both predicting backends share, below them: the estimate (advisor/estimator.py with _estimate/) and
-the simulator (advisor/simulator.py with _sim/) depend on this package and never on each other.
+the simulator (advisor/simulator/) depend on this package and never on each other.
 
 - `shapes.py`: the model's shapes and parameter counts read from its transformers config, the adapters' and the
   quantized weights' sizes.
 - `modelled.py`: the knobs fake tensors cannot run (Hub kernels' RMSNorm, offloaded checkpoints) in closed form:
   the device bytes each frees and its step-time terms; the estimate counts them, the simulator adds them to its
-  fake run (advisor/_sim/modelled.py) with a note saying they are modelled.
+  fake run (advisor/simulator/modelled.py) with a note saying they are modelled.
 - `cuda_rules.py`: the CUDA caching allocator's rules (rounding, the replay of allocation events into reserved
   bytes) and the memory outside it (CUDA context, cuBLAS workspace; profiles/measurements/cuda_constants.json).
 - `timing/`: the step-time model: its terms, bases and constants (profiles/measurements/time_constants.json),
   the kernels' cost (GEMMs by tile and wave, attention per tile, memory-bound ops, dequantisation, offload
   copies), the optimizer as the target runs it, a step's cost and its expectation over the batches the sampler
   really makes (`batch_distribution`). Each backend fills a `StepCost` its own way: the estimate counts the terms
-  from the shapes (_estimate/step_time.py), the simulator observes the fake run's ops (_sim/timing_hook.py).
+  from the shapes (_estimate/step_time.py), the simulator observes the fake run's ops (simulator/timing_hook.py).
 - `ranks_closed.py`: several GPUs in closed form: ZeRO-2/3's model states per rank, the collectives' time over the
   interconnect, CPU offload's host step, and the estimate's moments and step time of one rank.
 - `vllm.py`: vLLM's pool (its CUDA graphs inside it), KV pages, refusals and sleep levels from vLLM's own
@@ -59,14 +59,14 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         "host_cost", "op_class", "run_queues", "uniform_trace", "time_detail", "calibration_rows",
         "calibration_path", "read_calibration", "write_calibration_row", "host_name", "Segment", "segment_times",
     )},
-    # the cost matrix's sizes (terms x bases), which the fake run's timing hook (advisor/_sim/timing_hook.py) fills
+    # the cost matrix's sizes (terms x bases), which the fake run's timing hook (advisor/simulator/timing_hook.py) fills
     **{name: ("timing.constants", name) for name in ("_NB", "_NT")},
     # ---- several GPUs in closed form (ranks_closed.py) ------------------------------------------------------------
     **{name: ("ranks_closed", name) for name in (
         "estimate_rank_moments", "estimate_rank_time", "zero_bytes", "ZeroTerms", "comm_time_s", "CommTime",
         "interconnect", "Interconnect", "offload_time_s", "LayoutTraffic", "layout_traffic", "apply_layout_traffic",
     )},
-    # what one rank of the fake run (advisor/_sim/distributed.py) shares with the estimate's rank
+    # what one rank of the fake run (advisor/simulator/distributed.py) shares with the estimate's rank
     "model_counts": ("ranks_closed", "_model_counts"),  # (parameters, trainable) as the candidate trains the model
     "trainable_bytes": ("ranks_closed", "_trainable_bytes"),
     "rank_comm": ("ranks_closed", "_comm"),  # one step's collectives on the workload's target

@@ -1,5 +1,5 @@
 """Knobs modelled in closed form: what fake tensors cannot run (Hub kernels' RMSNorm, the offloaded checkpoints),
-their device bytes saved and their time; the simulator takes the same numbers (advisor/_sim/modelled.py
+their device bytes saved and their time; the simulator takes the same numbers (advisor/simulator/modelled.py
 `_modelled_knobs`)."""
 
 from __future__ import annotations

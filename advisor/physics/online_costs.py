@@ -399,7 +399,7 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
     - the scoring forwards (old policy, reference): 2 x dense params FLOPs per token over the generation batch,
       against the host's ops of each no-grad forward.
     `generation_s` / `scoring_s`: one generation call's generate / scoring timed from the simulator's fake run as two
-    queues (advisor/_sim/phase_timing.py), in place of the closed forms (generate: transformers' engine only).
+    queues (advisor/simulator/phase_timing.py), in place of the closed forms (generate: transformers' engine only).
     `tc`: advisor/physics/timing TimeConstants of the target."""
     gens = step.generations_per_step
     g, p, c = step.generation_batch, step.prompt_length, step.max_completion_length
@@ -418,7 +418,7 @@ def step_time(step: OnlineStep, tc: Any, *, train_s: float, dense_params: int, p
         prefill, decode = 0.0, generation_s
         notes.append("generation: transformers' generate timed from the fake run's own ops, per window of the "
                      "decode loop (the prefill, each decode step) as host and device queues with the host's read of "
-                     "the stopping criteria each token (advisor/_sim/phase_timing.py)")
+                     "the stopping criteria each token (advisor/simulator/phase_timing.py)")
         sync = 0.0
     elif step.engine is Mode.GENERATE:
         decode = c * _hf_decode_token_s(step, tc, decode_dev / max(c, 1))

@@ -1,9 +1,9 @@
-"""Online RL's step (GRPO, RLOO; TRL 1.16): its shape as plain numbers (`OnlineStep`), built by both backends from
-the trainer's knob view and the training state's bytes as each counts them (`build_step`), and the phases it runs
-(`PhaseKind`: generate, score, train). What each phase holds, vLLM's refusals and the time are online_costs.py's.
-Shared by the estimate (advisor/_estimate/online_step.py) and the simulator's glue (advisor/_sim/online_simulate.py,
-which measures the phases' allocator peaks itself). Part of the physics package: it imports the package's own
-modules (vllm.py, shapes.py), the value types and advisor.errors, nothing above them.
+"""Online RL's step (GRPO, RLOO; TRL 1.16): its shape as plain numbers (`OnlineStep`), built by both backends from the
+trainer's knob view and the training state's bytes as each counts them (`build_step`), and the phases it runs
+(`PhaseKind`: generate, score, train). What each phase holds, vLLM's refusals and the time are online_costs.py's. Shared
+by the estimate (advisor/_estimate/online_step.py) and the simulator's glue (advisor/simulator/online_simulate.py, which
+measures the phases' allocator peaks itself). Part of the physics package: it imports the package's own modules
+(vllm.py, shapes.py), the value types and advisor.errors, nothing above them.
 
 What a GRPO / RLOO step holds (TRL 1.16 as installed; file and function of each term):
 - The training state stays resident through every phase: the policy's weights, its optimizer state (created in the

@@ -324,7 +324,7 @@ def estimate_rank_moments(workload: Any, candidate: Any, moments: dict, parts: A
             out[when] = {**m, P: params + (gathered if mid else 0), G: grads, OPT: optim,
                          A: max(0, m[A] - autocast_cache) if m[A] else 0,
                          T: m[T] + (reduce_buffer if when == "start of the backward" else 0)}
-        return out, [f"FSDP2 on {n} ranks (estimate, closed form: advisor/_sim/ranks_closed.estimate_rank_moments): "
+        return out, [f"FSDP2 on {n} ranks (estimate, closed form: advisor/physics/ranks_closed.estimate_rank_moments): "
                      f"model states / {n}" + (" on the host (CPU offload)" if off else "") + ", gathered units "
                      + ("resharded after forward" if p.reshard_after_forward else "kept from forward to backward")]
     stage = 2 if p.strategy is Strategy.ZERO2 else 3

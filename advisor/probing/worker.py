@@ -10,7 +10,7 @@ CPU; advisor/probing/ranks.py), each rank reads RANK / WORLD_SIZE / LOCAL_RANK, 
 JOBDIR/result.RANK.json last, dies with its launcher (PR_SET_PDEATHSIG), and exits non-zero after a failure so the
 launcher tears the others down. CUDA: accelerate's own FSDP2 / DDP from the config file. CPU: accelerate's FSDP
 path refuses a CPU process group, so FSDP2 is applied by accelerate's own `fsdp2_prepare_model` on gloo (as the
-simulation applies it, advisor/_sim/distributed.py) and each rank trains on the micro-batches accelerate's
+simulation applies it, advisor/simulator/distributed.py) and each rank trains on the micro-batches accelerate's
 BatchSamplerShard would give it; DDP is accelerate's MULTI_CPU path as it is.
 
 Test hook: the environment variable ADVISOR_PROBE_FAULT (see runner.FAULT_ENV) makes the child kill itself,

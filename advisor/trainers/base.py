@@ -6,7 +6,7 @@ A trainer is one module (`sft.py`, `dpo.py`, ...), the way TRL pairs `<name>_con
 data, what the fake step changes on the trainer class, what the estimate counts of its step, the models it takes
 beside the policy. Its config object, YAML and Python snippet are written by the one writer (advisor/_emit) from the
 knobs its TRL config class has; a trainer adds only the keys no knob owns (`config_extras`, `script_kwargs`,
-`model_extras`). The private packages (`_sim`, `_search`) import this package; it never imports them.
+`model_extras`). The backends' packages (`simulator`, `_search`) import this package; it never imports them.
 """
 
 from __future__ import annotations

@@ -243,7 +243,8 @@ class Trainer(Protocol):
 
     def labels(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
-    # ---- the step: what the estimate counts, the fake step's hooks (advisor/_sim/fake_step.py) -------------------
+    # ---- the step: what the estimate counts, the fake step's hooks (advisor/simulator/fake_step.py)
+    # -------------------
     def step_shape(self, candidate: Candidate) -> StepShape: ...
 
     def real_overrides(self) -> dict[str, Callable]: ...

@@ -23,7 +23,7 @@ class SFT(TrlTrainer):
     name = "sft"
     command = "sft"
     config_name, trainer_name = "SFTConfig", "SFTTrainer"
-    timed_over_batches = True  # the step-time model over the sampler's batches (advisor/_sim/timing)
+    timed_over_batches = True  # the step-time model over the sampler's batches (advisor/simulator/timing)
     space_holds = frozenset({"pad_to_multiple_of"})  # SFT pads rows to the batch's longest (or none: padding-free)
 
     # ---- config ---------------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ scripts/gpu_validate.sh fits it on a GPU.
 The package: constants.py (terms, bases, TimeConstants), kernels.py (GEMM, memory, attention, dequantisation),
 host.py (the host's cost per op), queues.py (OpTrace, the two queues), calibrate.py (measured constants),
 optimizer.py, step.py (StepCost, evaluate), sampler.py (batch_distribution). The fake run's ops are observed by
-advisor/_sim/timing_hook.py (TimingHook), the estimate counts the same terms in closed form
+advisor/simulator/timing_hook.py (TimingHook), the estimate counts the same terms in closed form
 (advisor/_estimate/step_time.py). Outside advisor/physics everything is imported from `advisor.physics`.
 """
 

@@ -2,14 +2,14 @@
 
 TRL's fused heads accumulate their gradients on CUDA with `torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`
 (trl/kernels/chunked_logprob.py and chunked_divergence.py, `_addmm_fp32`), and the simulator's fake run for a CUDA
-target takes that branch (advisor/_sim/fake_step.py `real_path_patches`). In torch 2.11 the fake (and meta) kernel of
-`aten.addmm.dtype` / `aten.addmm.dtype_out` is the Python decomposition of plain `addmm(self, mat1, mat2, beta=1,
+target takes that branch (advisor/simulator/fake_step.py `real_path_patches`). In torch 2.11 the fake (and meta) kernel
+of `aten.addmm.dtype` / `aten.addmm.dtype_out` is the Python decomposition of plain `addmm(self, mat1, mat2, beta=1,
 alpha=1)`, which binds the positional `out_dtype` to `beta` and fails with "unsupported operand type(s) for *:
 'torch.dtype' and 'FakeTensor'": with the CUDA build of torch 2.11 every candidate of the front door failed (CI,
 2026-12-04); torch 2.13 and 2.14 answer it. On a torch that fails it, `fake_out_dtype_matmuls()` answers the two
-overloads in the fake mode from their schema: `dtype_out` returns `out` (written in place, nothing allocated),
-`dtype` a new [m, n] tensor of `out_dtype`. The op is still dispatched by name, so every mode above the fake mode
-(the tracker, the timing hook) sees `aten.addmm.dtype_out` as on any other torch.
+overloads in the fake mode from their schema: `dtype_out` returns `out` (written in place, nothing allocated), `dtype` a
+new [m, n] tensor of `out_dtype`. The op is still dispatched by name, so every mode above the fake mode (the tracker,
+the timing hook) sees `aten.addmm.dtype_out` as on any other torch.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ class FakeRunResult:
     facts: BatchFacts
     allocations: int
     events: list[tuple[int, int]] | None
-    event_layers: list[int | None] | None = None  # per event, the decoder layer it belongs to (advisor/_sim/layers)
+    # per event, the decoder layer it belongs to (advisor/simulator/layers)
+    event_layers: list[int | None] | None = None
     event_categories: dict[int, Category] | None = None  # per allocation event, its last category
     saved_bytes: int = 0  # count_saved: the most bytes one micro-batch's autograd saved, as TRL's offloader takes them
 
@@ -139,7 +140,7 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
       completion tokens, each tile by `torch.mm(..., out_dtype=torch.float32, out=tile)` straight from 16-bit inputs
       and accumulates the gradients by the same `_addmm_fp32` (no float32 copies of the hidden states or of the
       head's slice), and folds the tiles in Triton kernels that allocate nothing. Those `out_dtype` matmuls run on
-      fake tensors under every torch the project declares (advisor/_sim/out_dtype.py: torch 2.11's fake kernel
+      fake tensors under every torch the project declares (advisor/simulator/out_dtype.py: torch 2.11's fake kernel
       fails them).
     """
     import transformers.masking_utils as mu
@@ -259,7 +260,7 @@ class CompactIndexing(torch.utils._python_dispatch.TorchDispatchMode):
 
 class SyncWatch(torch.utils._python_dispatch.TorchDispatchMode):
     """Entered above every other mode of the fake run: tells `tracker.on_sync` of each op the host waits at
-    (advisor/_sim/timing_hook.is_sync), after the op ran. Above the shadows, which answer `.item()` on known values
+    (advisor/simulator/timing_hook.is_sync), after the op ran. Above the shadows, which answer `.item()` on known values
     without handing it down, it sees every one."""
 
     def __init__(self, tracker: StorageTracker) -> None:
@@ -335,7 +336,7 @@ def run_fake_training(
     ga = trainer.args.gradient_accumulation_steps
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = StorageTracker(answer_scalar=ScalarOracle(facts))
-    tracker.events = []  # always: the stream is what deeper runs are built from (advisor/_sim/layers.py)
+    tracker.events = []  # always: the stream is what deeper runs are built from (advisor/simulator/layers.py)
     shadow = IntegerShadow() if spec.shadows_integers() else None
     model = trainer.model
     models = [model, *spec.extra_models(trainer)]

@@ -148,7 +148,7 @@ def modelled_adjustments(
         adj.bytes_delta -= saved
         adj.breakdown_delta[Category.OPTIMIZER.value] = -saved
         adj.notes.append(f"{candidate.optim.value}: 8-bit optimizer state modelled as 1/4 of AdamW's fp32 state")
-    if candidate.activation_offloading:  # its bytes: advisor/_sim/layers.offload_peak, on the simulated stream
+    if candidate.activation_offloading:  # its bytes: advisor/simulator/layers.offload_peak, on the simulated stream
         adj.notes.append(
             "activation offloading's CUDA streams cannot run on fake tensors: saved activations modelled as moved "
             "to host except two layers in flight, at every moment of the simulated step (the peak may move to "

@@ -1,5 +1,5 @@
 """Online RL's generation and scoring timed as they run: the fake run's ops of the GENERATE and SCORE phases through
-the two queues (advisor/physics/timing/queues.py), as the training passes are (advisor/_sim/timing_hook.py).
+the two queues (advisor/physics/timing/queues.py), as the training passes are (advisor/simulator/timing_hook.py).
 
 transformers' `generate` is a loop of forwards: a prefill over the prompts, then one decode step per new token (a
 forward of one position against the KV cache, the logits processors, sampling, the stopping criteria, whose
@@ -7,7 +7,7 @@ forward of one position against the KV cache, the logits processors, sampling, t
 pre-hook on the transformers model); the ops of the window are costed by a TimingHook (host time per op of its
 class, each kernel's device time: GEMMs of `rows` rows reading every weight, the cached attention reading the whole
 KV cache) and the window timed by the two queues. The online fake run decodes to two short lengths
-(advisor/_sim/online_rl.py): decode step j's time is fitted as a line in j over the middle steps and summed over
+(advisor/simulator/online_rl.py): decode step j's time is fitted as a line in j over the middle steps and summed over
 the full length's steps. Scoring (`_generate_and_score_completions` outside generate: the old policy's and the
 reference's no-grad forwards, the rewards, the advantages and TRL's metrics) is one trace per generation call.
 

@@ -241,7 +241,7 @@ class TimingHook:
 
     # -- phases --
     def bind(self, tracker: Any) -> None:
-        """The tracker whose `layer` (the decoder layer running, advisor/_sim/layers.py) tags each op."""
+        """The tracker whose `layer` (the decoder layer running, advisor/simulator/layers.py) tags each op."""
         self.tracker = tracker
 
     def begin_micro(self, record: bool) -> None:
@@ -382,9 +382,9 @@ class TimingHook:
         self._add(Term.ATTENTION if basis is Basis.ATTENTION else Term.MEMORY, basis, t)
 
     def _lm_head(self, name: str, args: tuple, ins: list, outs: list, cls: OpClass) -> None:
-        """TRL's chunked log-prob head. On CUDA it runs 16-bit GEMMs with fp32 accumulation
-        (`torch.addmm(..., out_dtype=float32)`, which the fake run takes: advisor/_sim/fake_step.real_path_patches) and
-        Triton folds (stood in for by no-ops, costed here after each logits tile's GEMM)."""
+        """TRL's chunked log-prob head. On CUDA it runs 16-bit GEMMs with fp32 accumulation (`torch.addmm(...,
+        out_dtype=float32)`, which the fake run takes: advisor/simulator/fake_step.real_path_patches) and Triton folds
+        (stood in for by no-ops, costed here after each logits tile's GEMM)."""
         tc = self.tc
         tensors = ins + outs
         per_token = any(d in self._head_dims for x in tensors for d in _shape(x))
@@ -452,7 +452,7 @@ class TimingHook:
         layout = self.layout
         if _is_flash(name):
             # aten._flash_attention_forward/backward, or the simulator's FlashAttention stand-ins
-            # (advisor/_sim/flash.py: advisor::_flash_attn[_varlen]_forward/backward, same argument order):
+            # (advisor/simulator/flash.py: advisor::_flash_attn[_varlen]_forward/backward, same argument order):
             # (T, H, D) varlen with cu_seqlens, or (B, S, H, D)
             heads, head_dim = int(q.shape[-2]), int(q.shape[-1])
             kind = AttentionKind.CAUSAL

@@ -2,9 +2,9 @@
 (`plan_depths`), and the full depth built from their runs (`extrapolate`).
 
 Decoder layers are identical, so `advisor.simulator.simulate` runs two shallow depths and builds the full depth's
-allocation stream from theirs layer by layer (advisor/_sim/layers.py); its peaks are taken on that stream, on
+allocation stream from theirs layer by layer (advisor/simulator/layers.py); its peaks are taken on that stream, on
 CUDA through the caching allocator's rules (advisor/physics/cuda_rules.py). The step time comes from the kernels
-the fake run's ops would launch (advisor/_sim/timing_hook.py, costed by advisor/physics/timing/).
+the fake run's ops would launch (advisor/simulator/timing_hook.py, costed by advisor/physics/timing/).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class DepthRun:
     batch_shape: tuple[int, int]
     unpadded: bool
     cost: StepCost | None = None  # the step-time model's terms at this depth (extrapolated by extrapolate_cost)
-    # the run's allocation events by decoder layer (advisor/_sim/layers.py): what a deeper run is built from
+    # the run's allocation events by decoder layer (advisor/simulator/layers.py): what a deeper run is built from
     stream: Any = field(default=None, compare=False, repr=False)
     padding_free_sequences: int = 0  # the sequences of a padding-free batch (no attention mask); 0: padded rows
     saved_bytes: int = 0  # what one micro-batch's forward saves for backward (counted when offloading)
@@ -267,7 +267,7 @@ def plan_depths(model: ModelSpec, layers: tuple[int, int] | None, candidate: Can
 
 def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expandable_segments: bool = True,
                 offloading: bool = False) -> DepthRun:
-    """The full depth from the two shallow runs: peaks exact on the built stream (advisor/_sim/layers.py); the step
+    """The full depth from the two shallow runs: peaks exact on the built stream (advisor/simulator/layers.py); the step
     time linear in depth. Raises `layers.NotSeparable` where the runs do not split into identical layers."""
     if len(runs) == 1:
         return runs[0]

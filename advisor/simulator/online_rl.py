@@ -6,12 +6,12 @@ built on the `meta` device, inside `online_construction(...)`, so that the refer
 real weight is ever allocated. `run_online_fake(trainer, steps=..., ...)` materialises the policy and the reference
 as fake tensors and runs the trainer's real `train()` loop: its dataloader, `_tokenize_prompts`, generation, the
 reward functions on the decoded text, the old-policy and reference log-probs, the loss, the backward and the optimizer
-step, with every storage tracked (advisor/_sim/tracker.py).
+step, with every storage tracked (advisor/simulator/tracker.py).
 
 Generation (`engine="generate"`): transformers' `generate` runs on fake tensors with every completion at
-`max_completion_length` (the bound; `full_length_generate`'s rules, advisor/_sim/generation.py). A decode step costs
-a forward through every layer on fake tensors, so the decode loop is not run to its full length: `generate` runs to
-two short lengths, the allocator's peak in each decode step (from one forward of the model to the next) is recorded,
+`max_completion_length` (the bound; `full_length_generate`'s rules, advisor/simulator/generation.py). A decode step
+costs a forward through every layer on fake tensors, so the decode loop is not run to its full length: `generate` runs
+to two short lengths, the allocator's peak in each decode step (from one forward of the model to the next) is recorded,
 and the full length's peak is extrapolated affinely in the decode step (the DynamicCache, the ids and the attention
 mask grow by one position a step; every other allocation of a step is the same). The extrapolation is checked on the
 runs themselves (the steps both short runs share are equal, the steps between are affine, the last step of each run
@@ -76,7 +76,7 @@ step's peak instead of each moment missed by 131,072 B); Qwen2.5-0.5B's shapes w
 Speed: Qwen2.5-0.5B's config (24 layers, vocabulary 151,936), 8 completions x 512 tokens of 64-token prompts, one
 optimizer step at full depth, CUDA path: 14-33 s for `run_online_fake` on 2 shared cores, plus 2-5 s to build the
 trainer (the decode loop to 512 would be 512 forwards of 24 layers). The full depth runs, so the layer-by-layer
-extrapolation of advisor/_sim/depth.py is not needed here.
+extrapolation of advisor/simulator/depth.py is not needed here.
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
                     decode_lengths: tuple[int, int] | None = SHORT_DECODES, beside: tuple = ()) -> OnlineRunResult:
     """Run `trainer.train()` for `steps` optimizer steps on fake tensors (see the module's docstring). `trainer`:
     built from `make_online_trainer_class(...)` inside `online_construction(...)` on a `meta` policy. `cuda`: the
-    fused LM head's CUDA path (advisor/_sim/fake_step.py `real_path_patches`). `decode_lengths`: the two short
+    fused LM head's CUDA path (advisor/simulator/fake_step.py `real_path_patches`). `decode_lengths`: the two short
     generations the generate phase is extrapolated from (None: the full decode loop). `beside`: the other models
     the trainer runs (its `extra_models`: a teacher), materialised and tracked as the policy is."""
     _check_run(trainer, steps, engine, decode_lengths)

@@ -6,7 +6,7 @@ FSDP2 runs for real on fake tensors: `torch.distributed` with the `fake` backend
 accelerate's own `fsdp2_prepare_model` (each decoder layer, then the embedding and the tail [final norm, LM head]
 as units, then the root; `reshard_after_forward`, the mixed-precision policy and the CPU offload policy from
 accelerate's `FullyShardedDataParallelPlugin`), then TRL's `SFTTrainer.train()` as the single-GPU simulation runs it
-(advisor/_sim/fake_step.py). accelerate's own FSDP path (`Accelerator(fsdp_plugin=...)`) refuses a CPU process
+(advisor/simulator/fake_step.py). accelerate's own FSDP path (`Accelerator(fsdp_plugin=...)`) refuses a CPU process
 group (accelerate/state.py sets DistributedType.FSDP for GPU-like devices only), so the model is sharded by
 accelerate's function on a stand-in accelerator and the trainer's accelerator stays single-process.
 
@@ -94,8 +94,9 @@ def prepare_fsdp2(model: torch.nn.Module, mesh: Any, parallelism: Parallelism, p
 
 @contextlib.contextmanager
 def fsdp2_sharding(mesh: Any, parallelism: Parallelism, precision: str) -> Iterator[None]:
-    """Inside: every fake run (advisor/_sim/fake_step.run_fake_training) shards its model, once materialised as fake
-    tensors and before `train()`, exactly as accelerate's `prepare` would; FSDP2's storage resizes reach the tracker."""
+    """Inside: every fake run (advisor/simulator/fake_step.run_fake_training) shards its model, once materialised as
+    fake tensors and before `train()`, exactly as accelerate's `prepare` would; FSDP2's storage resizes reach the
+    tracker."""
     from . import fake_step
 
     materialise = fake_step._materialise

@@ -8,7 +8,7 @@ boolean index, `nonzero` or `.item()` of such a tensor gets the real run's answe
 shadowed (they come from the model's fake weights).
 
 `DataShadow` widens it for a run that generates (online RL: `model.generate` inside `train()`,
-advisor/_sim/generation.py):
+advisor/simulator/generation.py):
 real CPU tensors handed to an op are known as themselves (the tokenized prompts), factory ops other than `empty*` and
 the seeded random ones are computed for real (`torch.full`, `arange`, `zeros`: the decode loop's
 `unfinished_sequences`, TRL's reward table), floating tensors derived only from such data are carried too (the

@@ -27,7 +27,7 @@ refusal to start (its pool over the free memory at start-up, or no room for one 
 Measurement with vLLM's rule and the fix. On a CUDA target: the estimate's reserved-over-allocated factor (no
 allocation stream to replay), the CUDA context and cuBLAS workspace.
 
-Time: the training passes from the fake run's own ops (advisor/_sim/timing_hook.py over the TRAIN-phase ops of the
+Time: the training passes from the fake run's own ops (advisor/simulator/timing_hook.py over the TRAIN-phase ops of the
 last optimizer step's micro-steps: generation and scoring run inside `training_step` and are filtered out by phase),
 costed by the step-time model (advisor/physics/timing/); generation, the weight sync (with sleep, the wake-up) and
 the scoring forwards from advisor/physics/online_costs.py `step_time`. The objective: trained completion tokens per
@@ -156,16 +156,16 @@ def _timed(step: Any, target: GPUSpec, arch: Any, candidate: Candidate, built: A
                      f"{phases.scoring_s * 1e3:.3g} ms a generation ({phases.scoring_ops:,d} ops)")
     notes.append(f"time: the training passes ({built.train_s:.4g} s a step) from the fake run's ops of the last "
                  f"optimizer step's micro-steps ({built.timed_ops:,d} ops in {built.timed_micro_steps}), TRAIN phase "
-                 "only (advisor/_sim/timing_hook.py, the step-time model "
+                 "only (advisor/simulator/timing_hook.py, the step-time model "
                  "of advisor/physics/timing/); generation and scoring from the GENERATE and SCORE phases' ops "
-                 "(advisor/_sim/phase_timing.py; vLLM's generation and the weight sync in closed form, "
+                 "(advisor/simulator/phase_timing.py; vLLM's generation and the weight sync in closed form, "
                  "advisor/physics/online_costs.py step_time)")
     return timed
 
 
 def _not_run(candidate: Candidate, k: Any, target: GPUSpec) -> Measurement | None:
     """A typed ERROR for what the online fake run does not run (the search skips it), never a KeyError or a guess:
-    vLLM on a CPU target; FlashAttention (the stand-in, _sim/flash.py, answers the varlen kernel's data-dependent
+    vLLM on a CPU target; FlashAttention (the stand-in, simulator/flash.py, answers the varlen kernel's data-dependent
     shapes from one batch's facts, and an online step runs several: prefill, each decode step, the scoring and
     training batches)."""
     if k.use_vllm and not target.is_cuda:
@@ -251,7 +251,7 @@ _RESIDENT = (Category.PARAMETERS.value, Category.OPTIMIZER.value, Category.TEMPO
 
 def _modelled(candidate: Candidate, workload: Workload, result: Any, rows: int, seq: int, cuda: bool,
               notes: list[str]) -> tuple[dict, dict[str, int]]:
-    """The closed forms for what fake tensors cannot run (advisor/_sim/modelled.py `modelled_adjustments`, as
+    """The closed forms for what fake tensors cannot run (advisor/simulator/modelled.py `modelled_adjustments`, as
     simulate() applies them to SFT), per phase: bitsandbytes' stored weights and one dequantized weight, and an 8-bit
     optimizer's state, are held in every phase; what a knob frees of the saved activations (use_kernels,
     checkpoint_offload) only in the training phase. Returns the phases' allocator peaks and the breakdown's delta
@@ -326,7 +326,7 @@ def _model_inputs(workload: Workload, kind: Trainer, candidate: Candidate, dtype
 @contextlib.contextmanager
 def _phases_timed(hook: Any, timers: Any) -> Iterator[None]:
     """The fake run's ops and syncs by phase: the TRAIN phase's to the timing hook (the training passes), the
-    GENERATE and SCORE phases' to `timers` (advisor/_sim/phase_timing.py). run_online_fake builds its own phase
+    GENERATE and SCORE phases' to `timers` (advisor/simulator/phase_timing.py). run_online_fake builds its own phase
     tracker, so its class is extended for the run (generation and scoring run inside `training_step`, through
     `_prepare_inputs`); the short decode runs of the extrapolated generate (suspended for memory) are what is timed
     of generation."""
@@ -429,7 +429,7 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
         if not hook.micro_steps or not hook.ops:  # the tracker's ops never reached the hook: a defect, not a time
             from ..errors import AdvisorError
 
-            raise AdvisorError("simulate: no op of the training passes reached the timing hook (advisor/_sim/"
+            raise AdvisorError("simulate: no op of the training passes reached the timing hook (advisor/simulator/"
                                "online_simulate.py _phases_timed no longer matches online_rl.py's tracker)")
         cost = _step_cost(trainer, hook, original, target, spec.num_layers)
         train_timed = _worst_step(cost)

@@ -38,7 +38,8 @@ def _key(storage: torch.UntypedStorage) -> int:
 
 
 # Tensor subclasses whose ops the tracker lets through to their own __torch_dispatch__ (returning NotImplemented),
-# so it sees the ops on their local tensors instead: DTensor while a rank is simulated (advisor/_sim/distributed.py).
+# so it sees the ops on their local tensors instead: DTensor while a rank is simulated
+# (advisor/simulator/distributed.py).
 PASS_THROUGH: tuple[type, ...] = ()
 
 
@@ -61,12 +62,12 @@ class StorageTracker(TorchDispatchMode):
         self.answer_scalar = answer_scalar
         self.allocations = 0
         self.on_op: Callable[[object, tuple, dict, object], None] | None = None
-        # told of every op the host waits at (advisor/_sim/fake_step.SyncWatch, above every other mode)
+        # told of every op the host waits at (advisor/simulator/fake_step.SyncWatch, above every other mode)
         self.on_sync: Callable[[object], None] | None = None
         # (+bytes | -bytes) in time order, for replaying the CUDA caching allocator; None when not recording
         self.events: list[tuple[int, int]] | None = None
         # per event: the decoder layer it belongs to (None: unknown), and per allocation its last category; kept
-        # while recording so a deeper run's stream can be built layer by layer (advisor/_sim/layers.py)
+        # while recording so a deeper run's stream can be built layer by layer (advisor/simulator/layers.py)
         self.event_layers: list[int | None] = []
         self.event_categories: dict[int, Category] = {}
         self.layer: int | None = None  # the decoder layer running now (set by layer hooks), None outside one

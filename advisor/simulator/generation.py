@@ -1,7 +1,7 @@
 """`model.generate` on fake tensors, every sequence run to its maximum length (online RL's bound).
 
 Three things stop transformers' decode loop and TRL's handling of its output from running on fake tensors, and
-`DataShadow` (advisor/_sim/shadow.py) answers each with the real run's own computation, not a guess:
+`DataShadow` (advisor/simulator/shadow.py) answers each with the real run's own computation, not a guess:
 
 1. The loop's stop decision: `StopCheck.__call__` returns `bool(unfinished_sequences.max() == 0)`, a `.item()` that the
    tracker's ScalarOracle would answer True (stop after one token). Under `full_length_generate` the prompt ids are

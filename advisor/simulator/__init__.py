@@ -7,7 +7,7 @@ tests/test_simulate_depth.py). For a CUDA target it follows the CUDA path and re
 rules; what fake tensors cannot run is modelled and noted.
 
 Online RL (GRPO, RLOO: a trainer whose step generates, `StepShape.generates`) runs TRL's own `train()` at full depth
-instead, generation, scoring and training (advisor/_sim/online_simulate.py over advisor/_sim/online_rl.py), with
+instead, generation, scoring and training (online_simulate.py over online_rl.py), with
 colocated vLLM's share of the card modelled by the physics (advisor/physics/online_costs.py); on several GPUs one
 rank under DDP (`_online_rank`; what it does not run raises NotSimulated, which the simulate backend answers with the
 estimate).
@@ -15,45 +15,89 @@ estimate).
 `simulate_per_rank()` is one rank of N GPUs: FSDP2 on the fake process group, DDP and ZeRO as the single-GPU
 run with their model states in closed form, the collectives' time over the interconnect.
 
-This module is the simulator's public face; its parts live in the private package `advisor/_sim/` (one fake run
-at one depth and the extrapolation: `depth.py`; what is modelled instead of run: `modelled.py`; the fake step,
-the storage tracker, the layer streams, the FlashAttention stand-in, the fake run's timing hook, the fake process
-group), and the physics it shares with the estimate (the allocator's rules, the step-time model, the multi-GPU
-closed forms, the modelled knobs) in `advisor/physics/`; it never imports the estimate. The parts a caller or a
-test may use are re-exported here: one run at one depth (`simulate_depth`, `DepthRun`, `plan_depths`,
-`with_depth`), the batch a simulated step runs (`worst_rows`, `worst_batch`), the layer-by-layer build
-(`LayerStream`, `synthesize`, `synthesize_checked`, `NotSeparable`), the candidate as fake tensors run it
-(`runnable`), the FlashAttention stand-in (`fake_flash_attention`, `flash_attention_names`, `attention_flops`,
-`batch_facts`, `materialise`) and the timing hook (`TimingHook`, `BatchLayout`, and the `StorageTracker` that hands
-it the ops). Each is imported on first use.
+The package's modules are its insides: one fake run at one depth and the extrapolation (`depth.py`), what is
+modelled instead of run (`modelled.py`), the fake step (`fake_step.py`), the storage tracker, the layer streams
+(`layers.py`), the FlashAttention stand-in (`flash.py`), the fake run's timing hook, generation on fake tensors,
+online RL's fake `train()`, the fake process group (`distributed.py`). The rest of advisor, scripts and tests use
+only the names in `__all__` (`from advisor.simulator import X`; tests/test_privacy.py fails on an import of a
+module inside), each imported from its module on first use (PEP 562), so importing the package loads no torch.
+The physics it shares with the estimate (the allocator's rules, the step-time model, the multi-GPU closed forms,
+the modelled knobs) is `advisor/physics/`, below both; nothing here imports the estimate.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError
-from .measurement import Category, Measurement, Source, Status
-from .parallelism import Parallelism, Strategy
-from .space import Candidate
+from .._lazy import lazy_exports
+from ..errors import ConfigError
+from ..measurement import Category, Measurement, Source, Status
+from ..parallelism import Parallelism, Strategy
+from ..space import Candidate
 
 if TYPE_CHECKING:
-    from .trainers import Trainer
-    from .workload import GPUSpec, Workload
+    from ..trainers import Trainer
+    from ..workload import GPUSpec, Workload
 
-# the simulator's parts, re-exported from advisor._sim on first use (PEP 562: importing this module loads none)
-_PARTS = ("simulate_depth", "DepthRun", "plan_depths", "with_depth", "worst_rows", "worst_batch", "runnable",
-          "LayerStream", "NotSeparable", "synthesize", "synthesize_checked", "fake_flash_attention",
-          "flash_attention_names", "attention_flops", "batch_facts", "materialise", "TimingHook", "BatchLayout",
-          "StorageTracker",
-          # online RL: TRL's GRPOTrainer/RLOOTrainer.train() on fake tensors
-          "make_online_trainer_class", "online_construction", "run_online_fake", "OnlineRunResult",
-          "GenerateExtrapolation", "NotAffine")
+# name -> (module of this package, the name there)
+_EXPORTS: dict[str, tuple[str, str]] = {
+    # ---- one simulated run (the simulate backend: advisor.simulator) ----------------------------------------------
+    "DepthRun": ("depth", "DepthRun"),  # one fake run at one depth: the numbers that are extrapolated
+    "simulate_depth": ("depth", "simulate_depth"),
+    "with_depth": ("depth", "with_depth"),  # the architecture with N decoder layers
+    "plan_depths": ("depth", "plan_depths"),  # the two shallow depths a full depth is built from
+    "extrapolate": ("depth", "extrapolate"),  # the full depth from the two shallow runs
+    "worst_rows": ("depth", "worst_rows"),  # the rows of the longest micro-batch (what a simulated step runs)
+    "worst_batch": ("depth", "worst_batch"),  # that micro-batch through the trainer's collator
+    "check_simulable": ("modelled", "check_simulable"),  # what fake tensors cannot run, refused by name
+    "runnable": ("modelled", "runnable"),  # the candidate fake tensors run, and what is modelled instead
+    "modelled_adjustments": ("modelled", "modelled_adjustments"),  # closed forms for what is not run
+    "expected_time": ("modelled", "expected_time"),  # the step time over the batches the sampler makes
+    "resolve_target": ("modelled", "resolve_target"),
+    "batch_label": ("modelled", "batch_label"),  # Measurement.peak_batch
+    # ---- the layer-by-layer build of a deeper run's allocation stream (layers.py) ---------------------------------
+    "LayerStream": ("layers", "LayerStream"),
+    "offload_peak": ("layers", "offload_peak"),  # activation offloading replayed on a whole stream
+    "OffloadPeak": ("layers", "OffloadPeak"),
+    "NotSeparable": ("layers", "NotSeparable"),
+    "synthesize": ("layers", "synthesize"),
+    "synthesize_checked": ("layers", "synthesize_checked"),
+    # ---- the fake step's FlashAttention stand-in (flash.py) and the facts of a batch (fake_step.py) --------------
+    "fake_flash_attention": ("flash", "fake_flash_attention"),
+    "flash_attention_names": ("flash", "flash_attention_names"),
+    "attention_flops": ("flash", "attention_flops"),
+    "batch_facts": ("fake_step", "batch_facts"),
+    # the branches the fake run patches to the target's real path (transformers' masking, TRL's fused LM head on CUDA)
+    "real_path_patches": ("fake_step", "real_path_patches"),
+    "materialise": ("fake_step", "_materialise"),  # a meta model's parameters as fake tensors, ties kept
+    "fake_out_dtype_matmuls": ("out_dtype", "fake_out_dtype_matmuls"),  # torch 2.11's fake addmm(out_dtype=)
+    # ---- model.generate on fake tensors, every sequence at its maximum length (generation.py; online RL) -------
+    **{name: ("generation", name) for name in ("simulate_generate", "GenerationRun", "full_length_generate",
+                                                "IncompleteGeneration", "filler_token")},
+    "DataShadow": ("shadow", "DataShadow"),  # the shadow a generating run enters above the tracker
+    # ---- GRPOTrainer/RLOOTrainer.train() on fake tensors (online_rl.py), its generate extrapolated from short decode
+    # loops (decode_extrapolation.py) ------------------------------------------------------------------------------
+    **{name: ("online_rl", name) for name in ("make_online_trainer_class", "online_construction", "run_online_fake",
+                                               "OnlineRunResult")},
+    **{name: ("decode_extrapolation", name) for name in ("GenerateExtrapolation", "NotAffine")},
+    # the simulate backend's online RL: the fake train() built through the trainer seam, vLLM's side, the step time
+    "simulate_online": ("online_simulate", "simulate_online"),
+    # ---- the fake run's ops costed by the step-time model (timing_hook.py; the model itself: advisor.physics) -----
+    **{name: ("timing_hook", name) for name in ("TimingHook", "BatchLayout")},
+    "StorageTracker": ("tracker", "StorageTracker"),  # what hands the hook each op (`on_op`) of a fake run
+    # ---- one rank of N GPUs (distributed.py: advisor.simulator.simulate_per_rank, the real multi-process probe) ---
+    **{name: ("distributed", name) for name in ("fake_process_group", "fsdp2_sharding", "prepare_fsdp2")},
+}
 
-__all__ = ["simulate", "simulate_per_rank", "shard_fsdp2", *_PARTS]
+__all__ = ["simulate", "simulate_per_rank", "shard_fsdp2", *sorted(_EXPORTS)]
+
+__getattr__, _dir_parts = lazy_exports(__name__, _EXPORTS, globals())
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
 def simulate(
@@ -69,7 +113,7 @@ def simulate(
 
     `trainer`: the TRL trainer that runs (a registered name or a Trainer, advisor.trainers.get_trainer); default:
     the workload's (`Workload.trainer`, its models checked: advisor.trainers.trainer_of). A trainer whose step
-    generates (`StepShape.generates`) is simulated by advisor/_sim/online_simulate.py (`layers` unused: the full
+    generates (`StepShape.generates`) is simulated by advisor/simulator/online_simulate.py (`layers` unused: the full
     depth runs).
 
     The candidate's base (the user's other keys) is part of the run; `max_steps` below `steps` is simulated as
@@ -77,8 +121,8 @@ def simulate(
     allocates the optimizer state lazily in its optimizer step, and from the second on each step frees and
     reallocates the same tensors (tests/test_simulate_accuracy.py checks max_steps 1 and 3 against real runs).
     """
-    from ._sim import check_simulable, resolve_target
-    from .trainers import get_trainer, trainer_of
+    from ..trainers import get_trainer, trainer_of
+    from .modelled import check_simulable, resolve_target
 
     started = time.perf_counter()
     spec = get_trainer(trainer) if trainer is not None else trainer_of(workload)
@@ -93,7 +137,7 @@ def simulate(
         steps = max_steps
     check_simulable(candidate, workload.model)
     if spec.step_shape(candidate).generates:  # generation inside the step
-        from ._sim import simulate_online
+        from .online_simulate import simulate_online
 
         m = simulate_online(workload, candidate, target, spec, steps=steps)
     else:
@@ -105,7 +149,9 @@ def _fake_runs(workload: Workload, candidate: Candidate, target: GPUSpec, spec: 
                layers: tuple[int, int] | None, steps: int) -> tuple[Any, list, list[str]]:
     """The fake runs of two shallow depths, the full depth built layer by layer from them (or the full depth run
     where they do not split into identical layers): (the combined run, the depth runs, the notes)."""
-    from ._sim import NotSeparable, extrapolate, plan_depths, runnable, simulate_depth
+    from .depth import extrapolate, plan_depths, simulate_depth
+    from .layers import NotSeparable
+    from .modelled import runnable
 
     run_cand, notes = runnable(candidate, target)
     depth = workload.model.num_layers
@@ -129,7 +175,7 @@ def _device_bytes(workload: Workload, candidate: Candidate, target: GPUSpec, com
     """(peak, reserved, device bytes, the breakdown, the activations the forward saves) of the combined run, with
     activation offloading at every moment of the stream, what is modelled instead of run, the models beside the
     policy, and on CUDA the cuBLAS workspace and the context."""
-    from ._sim import modelled_adjustments
+    from .modelled import modelled_adjustments
 
     peak, allocated, reserved = combined.peak_bytes, combined.allocated_bytes, combined.reserved_bytes
     breakdown = dict(combined.breakdown)
@@ -148,7 +194,7 @@ def _device_bytes(workload: Workload, candidate: Candidate, target: GPUSpec, com
     for cat, delta in adjust.breakdown_delta.items():
         breakdown[cat] = breakdown.get(cat, 0) + delta
     if workload.models:  # the models beside the policy: resident, their weights in closed form (not run here)
-        from .physics import DTYPE_BYTES, resident_bytes
+        from ..physics import DTYPE_BYTES, resident_bytes
 
         extra = resident_bytes((m for _, m in workload.models), DTYPE_BYTES[candidate.weights_dtype])
         peak, allocated, reserved = peak + extra, allocated + extra, reserved + extra
@@ -157,7 +203,7 @@ def _device_bytes(workload: Workload, candidate: Candidate, target: GPUSpec, com
                      f"weights ({extra:,} B) counted in closed form, not run by the fake step")
     if not target.is_cuda:
         return peak, peak, peak, breakdown, activations_saved
-    from .physics import context_bytes, cublas_workspace_bytes
+    from ..physics import context_bytes, cublas_workspace_bytes
 
     ws = cublas_workspace_bytes(target.compute_capability)
     breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
@@ -174,7 +220,7 @@ def _simulate_offline(workload: Workload, candidate: Candidate, target: GPUSpec,
     """A step that does not generate: the trainer's own step on fake tensors at two shallow depths (`_fake_runs`),
     its bytes (`_device_bytes`) and its time (the step-time model over the sampler's batches where the trainer
     declares it, else the worst batch's step)."""
-    from ._sim import batch_label, expected_time
+    from .modelled import batch_label, expected_time
 
     combined, runs, notes = _fake_runs(workload, candidate, target, spec, layers, steps)
     notes.extend(spec.notes(candidate, workload))
@@ -219,7 +265,7 @@ def _worst(cost: Any) -> Any:
     """The step-time model on the worst batch at every micro-step (a trainer not timed over the sampler's batches)."""
     if cost is None:
         return None
-    from .physics import BatchDistribution, evaluate
+    from ..physics import BatchDistribution, evaluate
 
     return evaluate(cost, BatchDistribution.single(cost.worst))
 
@@ -227,7 +273,7 @@ def _worst(cost: Any) -> Any:
 def _time_detail(timed: Any, target: Any) -> dict[str, Any]:
     if timed is None:
         return {}
-    from .physics import time_constants, time_detail
+    from ..physics import time_constants, time_detail
 
     return time_detail(timed, time_constants(target))
 
@@ -244,10 +290,10 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     (`simulate`). Throughput is global: every rank's trained tokens over the step time including the
     collectives' exposed time (`comm_time_s`)."""
 
-    from ._sim import resolve_target as _resolve_target
-    from .physics import apply_layout_traffic, offload_time_s
-    from .physics import rank_comm as _comm
-    from .workload import check_world
+    from ..physics import apply_layout_traffic, offload_time_s
+    from ..physics import rank_comm as _comm
+    from ..workload import check_world
+    from .modelled import resolve_target as _resolve_target
 
     parallelism = parallelism or Parallelism()
     num_gpus = workload.num_gpus if num_gpus is None else num_gpus
@@ -258,7 +304,7 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     notes: list[str] = []
     if num_gpus == 1:
         return simulate(workload, candidate, target, layers=layers, steps=steps)
-    from .trainers import trainer_of
+    from ..trainers import trainer_of
 
     kind = trainer_of(workload)
     online = kind.step_shape(candidate).generates  # generation inside the step
@@ -304,10 +350,10 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
 def _fsdp2_rank(workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int, target: Any, steps: int,
                 notes: list[str]) -> Any:
     """One rank of FSDP2 on fake tensors: the fake process group and accelerate's sharding, at full depth."""
-    from ._sim import fake_process_group, fsdp2_sharding
+    from .distributed import fake_process_group, fsdp2_sharding
 
     # at full depth: FSDP2's prefetch pairs each layer's gathered parameters with the next layer's work, which
-    # the layer-by-layer extrapolation (advisor/_sim/layers.py) does not split (NotSeparable)
+    # the layer-by-layer extrapolation (advisor/simulator/layers.py) does not split (NotSeparable)
     with fake_process_group(num_gpus) as mesh, fsdp2_sharding(mesh, parallelism, candidate.precision.value):
         m = simulate(workload, candidate, target, layers=None, steps=steps)
     notes.append(
@@ -342,7 +388,7 @@ def _online_rank(workload: Any, candidate: Any, parallelism: Parallelism, num_gp
     with the estimate's closed form, saying so): a sharded layout (ZeRO-3's ds3_gather_for_generation, FSDP2's
     per-layer gathers while generating, which phase holds which shards), or a group of num_generations spanning
     ranks (TRL checks its rule on one process)."""
-    from .errors import NotSimulated
+    from ..errors import NotSimulated
 
     k = kind.knobs(candidate)
     local = candidate.per_device_train_batch_size * k.steps(candidate)
@@ -363,9 +409,9 @@ def _online_rank(workload: Any, candidate: Any, parallelism: Parallelism, num_gp
 
 def _modelled_rank(m: Any, workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int):
     """DDP and ZeRO from the single-GPU simulation: the model states at its peak replaced by theirs."""
-    from .physics import model_counts as _model_counts
-    from .physics import trainable_bytes as _trainable_bytes
-    from .physics import zero_bytes
+    from ..physics import model_counts as _model_counts
+    from ..physics import trainable_bytes as _trainable_bytes
+    from ..physics import zero_bytes
 
     br = dict(m.breakdown)
     grads = br.get(Category.GRADIENTS.value, 0)
@@ -400,14 +446,6 @@ def shard_fsdp2(model: Any, mesh: Any, parallelism: Parallelism, precision: str)
     """Shard a real model over a real process group's `mesh` exactly as the simulation shards its fake one
     (accelerate's own `fsdp2_prepare_model`; the CPU probe of several ranks uses it, since accelerate's FSDP path
     refuses a CPU process group)."""
-    from ._sim import prepare_fsdp2
+    from .distributed import prepare_fsdp2
 
     return prepare_fsdp2(model, mesh, parallelism, precision)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _PARTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module("._sim", __package__), name)
-    globals()[name] = value
-    return value
