@@ -246,7 +246,8 @@ def test_the_checks_see_every_kind_of_import():
         # the simulator's fake run asking the estimate for a number inside a function: a backend reaching the other
         "advisor/simulator/_probe.py": "def f():\n    from ..estimator import architecture\n",
         # the estimate importing the simulator's package by `import_module`
-        "advisor/_estimate/_probe.py": "from importlib import import_module\nimport_module('..simulator', __package__)\n",
+        "advisor/_estimate/_probe.py": "from importlib import import_module\n"
+                                       "import_module('..simulator', __package__)\n",
         # errors.py (imported by almost everything) importing the physics package back: a circle
         "advisor/errors.py": (ADVISOR / "errors.py").read_text() + "\ndef _g():\n    from . import physics\n",
         # ignored: only for the type checker
