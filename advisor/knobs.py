@@ -19,7 +19,7 @@ in order: the shared knobs, then each trainer's.
 
 Adding a knob: a shared one is one `Knob(...)` in `KNOBS` below and one field on `Candidate` (advisor/space.py); a
 trainer's own is one `Knob(..., carried=True)` in its module under advisor/trainers/, in its view.
-Then its memory and time in the estimate (advisor/estimator.py, advisor/_estimate/) and, where fake tensors cannot
+Then its memory and time in the estimate (advisor/estimator.py, advisor/estimator/) and, where fake tensors cannot
 run it, the simulator's stand-in (`stand_in` here, the modelled difference in advisor/simulator/modelled.py); see
 docs/architecture.md, "Where to add things".
 """

@@ -24,7 +24,7 @@ ADVISOR = ROOT / "advisor"
 
 # The estimate and the simulator: each side may import the physics package and what lies below it, never the other
 # side, directly or through any module in between.
-ESTIMATE = frozenset({"estimator", "_estimate"})
+ESTIMATE = frozenset({"estimator"})
 SIMULATOR = frozenset({"simulator"})
 PHYSICS = "physics"
 
@@ -234,7 +234,7 @@ def test_estimate_and_simulator_meet_only_in_physics():
     edges = import_graph()
     assert not backend_problems(edges), "\n".join(backend_problems(edges))
     # both really stand on the physics package (the check above is not vacuous)
-    for side in ("estimator", "_estimate", "simulator"):
+    for side in ("estimator", "simulator"):
         assert PHYSICS in reach(edges, side), side
 
 
@@ -246,7 +246,7 @@ def test_the_checks_see_every_kind_of_import():
         # the simulator's fake run asking the estimate for a number inside a function: a backend reaching the other
         "advisor/simulator/_probe.py": "def f():\n    from ..estimator import architecture\n",
         # the estimate importing the simulator's package by `import_module`
-        "advisor/_estimate/_probe.py": "from importlib import import_module\n"
+        "advisor/estimator/_probe.py": "from importlib import import_module\n"
                                        "import_module('..simulator', __package__)\n",
         # errors.py (imported by almost everything) importing the physics package back: a circle
         "advisor/errors.py": (ADVISOR / "errors.py").read_text() + "\ndef _g():\n    from . import physics\n",
@@ -256,11 +256,11 @@ def test_the_checks_see_every_kind_of_import():
     }
     edges = import_graph(probe)
     assert ("simulator", "estimator") in edges and ("simulator", "estimator") not in base
-    assert ("_estimate", "simulator") in edges and ("_estimate", "simulator") not in base
+    assert ("estimator", "simulator") in edges and ("estimator", "simulator") not in base
     assert ("physics", "simulator") not in edges
     found = backend_problems(edges)
     assert any(p.startswith("simulator reaches estimator") for p in found), found
-    assert any(p.startswith("_estimate reaches simulator") for p in found), found
+    assert any(p.startswith("estimator reaches simulator") for p in found), found
     cycle = find_cycle({e: w for e, w in edges.items() if e not in KNOWN})
     assert cycle is not None and "errors" in cycle and PHYSICS in cycle, cycle
     assert circle_problems(edges)

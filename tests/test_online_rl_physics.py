@@ -1,4 +1,4 @@
-"""Online RL's closed form (advisor/physics/online_costs.py) and the estimate's (advisor/_estimate/online_step.py)
+"""Online RL's closed form (advisor/physics/online_costs.py) and the estimate's (advisor/estimator/online_step.py)
 against vLLM's own rules, a real transformers DynamicCache and TRL's real GRPOTrainer / RLOOTrainer.train() on the CPU.
 
 Expected numbers are worked out by hand in the comments from the rule each term names (vLLM's file and function,

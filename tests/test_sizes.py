@@ -21,7 +21,7 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("advisor/probing/worker.py", "run_job"):
         "the probe child's one training run in the order it happens (build, train, meter, result); each phase "
         "writes the state a failure report reads",
-    ("advisor/_estimate/step_time.py", "expected_step_time"):
+    ("advisor/estimator/step_time.py", "expected_step_time"):
         "the closed-form step: one sum of terms over the same moments as the memory model, read top to bottom",
     ("advisor/simulator/layers.py", "synthesize"):
         "one pass over the allocation stream that rebuilds a deeper run layer by layer; its state is the stream's",

@@ -1,4 +1,4 @@
-"""The physics both predicting backends share, below them: the estimate (advisor/estimator.py with _estimate/) and
+"""The physics both predicting backends share, below them: the estimate (advisor/estimator.py with estimator/) and
 the simulator (advisor/simulator/) depend on this package and never on each other.
 
 - `shapes.py`: the model's shapes and parameter counts read from its transformers config, the adapters' and the
@@ -12,7 +12,7 @@ the simulator (advisor/simulator/) depend on this package and never on each othe
   the kernels' cost (GEMMs by tile and wave, attention per tile, memory-bound ops, dequantisation, offload
   copies), the optimizer as the target runs it, a step's cost and its expectation over the batches the sampler
   really makes (`batch_distribution`). Each backend fills a `StepCost` its own way: the estimate counts the terms
-  from the shapes (_estimate/step_time.py), the simulator observes the fake run's ops (simulator/timing_hook.py).
+  from the shapes (estimator/step_time.py), the simulator observes the fake run's ops (simulator/timing_hook.py).
 - `ranks_closed.py`: several GPUs in closed form: ZeRO-2/3's model states per rank, the collectives' time over the
   interconnect, CPU offload's host step, and the estimate's moments and step time of one rank.
 - `vllm.py`: vLLM's pool (its CUDA graphs inside it), KV pages, refusals and sleep levels from vLLM's own

@@ -163,7 +163,7 @@ def replay(events: list[tuple[int, int]], *, expandable_segments: bool, base_byt
 
 # The caching allocator's reserved over allocated at the peak (fragmentation), with and without expandable segments:
 # the closed form where no allocation stream is replayed (the estimate; the simulator's online RL run, which records
-# none). Moved here from advisor/_estimate/memory.py, which re-exports it.
+# none). Moved here from advisor/estimator/memory.py, which re-exports it.
 RESERVED_FACTOR = {True: 1.02, False: 1.10}
 
 

@@ -1,7 +1,7 @@
 """Online RL's step (GRPO, RLOO; TRL 1.16): its shape as plain numbers (`OnlineStep`), built by both backends from the
 trainer's knob view and the training state's bytes as each counts them (`build_step`), and the phases it runs
 (`PhaseKind`: generate, score, train). What each phase holds, vLLM's refusals and the time are online_costs.py's. Shared
-by the estimate (advisor/_estimate/online_step.py) and the simulator's glue (advisor/simulator/online_simulate.py, which
+by the estimate (advisor/estimator/online_step.py) and the simulator's glue (advisor/simulator/online_simulate.py, which
 measures the phases' allocator peaks itself). Part of the physics package: it imports the package's own modules
 (vllm.py, shapes.py), the value types and advisor.errors, nothing above them.
 

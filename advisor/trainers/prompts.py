@@ -110,7 +110,7 @@ class PromptDataset(SourcedRows):
 
     def sequences(self) -> Any:
         """Prompts make sequences only with their completions, which the online step generates (its closed form
-        counts them: advisor/_estimate/online_step.py); refused by name."""
+        counts them: advisor/estimator/online_step.py); refused by name."""
         raise DatasetError(f"dataset {self.name}: prompts have no sequences of their own (each completes at "
                            "max_completion_length in the online step)")
 

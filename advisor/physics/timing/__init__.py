@@ -62,7 +62,7 @@ The package: constants.py (terms, bases, TimeConstants), kernels.py (GEMM, memor
 host.py (the host's cost per op), queues.py (OpTrace, the two queues), calibrate.py (measured constants),
 optimizer.py, step.py (StepCost, evaluate), sampler.py (batch_distribution). The fake run's ops are observed by
 advisor/simulator/timing_hook.py (TimingHook), the estimate counts the same terms in closed form
-(advisor/_estimate/step_time.py). Outside advisor/physics everything is imported from `advisor.physics`.
+(advisor/estimator/step_time.py). Outside advisor/physics everything is imported from `advisor.physics`.
 """
 
 from .calibrate import measurements as calibration_rows

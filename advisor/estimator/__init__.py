@@ -1,7 +1,7 @@
 """The analytic estimate: peak memory by category and step time of one candidate, in microseconds.
 
 It follows the path TRL 1.16's SFTTrainer really takes (the fused, tiled LM head of `trl/kernels/chunked_logprob.py`;
-the parts are counted in `advisor/_estimate/`: the micro-batches, the memory parts and the step-time terms; the
+the parts are counted in this package's modules: the micro-batches, the memory parts and the step-time terms; the
 architecture, the knobs modelled in closed form and the step-time model itself come from the physics package
 `advisor/physics/`, which the simulator shares). Here they are placed at the moments of a training step; the peak is
 the largest:
@@ -12,12 +12,15 @@ the largest:
 Backward lies between them: activations are freed layer by layer as gradients appear.
 
 Step time: the step-time model both backends share (advisor/physics/timing/) with its terms in closed form
-(`_estimate/step_time.py`), expected over the same batch distribution, so the two backends rank alike.
+(`step_time.py`), expected over the same batch distribution, so the two backends rank alike.
 
 Each trainer is estimated as its step declares itself (`Trainer.step_shape`, advisor/trainers/protocol.py
 `StepShape`): the step over the data's sequences (`Dataset.sequences`: a preference pair is two, so a micro-batch of
 B pairs runs 2B), its LM head's logits or a one-label score, a resident reference copy and the reference's no-grad
-forward; a step that generates is online RL's closed form (`_estimate/online_step.py`).
+forward; a step that generates is online RL's closed form (`online_step.py`).
+
+The package's modules (`micro_batches`, `memory`, `no_grad`, `step_time`, `online_step`) are private to it: the rest of
+advisor, scripts and tests use the names in `__all__` (tests/test_privacy.py). Nothing here imports the simulator.
 """
 
 from __future__ import annotations
@@ -25,23 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ._estimate import (
-    LM_HEAD_FP32_VECTORS,
-    RESERVED_FACTOR,
-    TOKEN_CHUNK,
-    VOCAB_CHUNK,
-    BatchShape,
-    MemoryParts,
-    MiB,
-    estimate_online_rl,
-    expected_step_time,
-    memory_parts,
-    no_grad_adjustment,
-    no_grad_forwards,
-    outside_allocator_bytes,
-)
-from .measurement import Category, Measurement, Source, Status
-from .physics import (
+from ..measurement import Category, Measurement, Source, Status
+from ..physics import (
     DTYPE_BYTES,
     Architecture,
     architecture,
@@ -53,18 +41,34 @@ from .physics import (
     time_constants,
     time_detail,
 )
-from .space import Precision, WeightsDtype
-from .trainers import trainer_of
+from ..space import Precision, WeightsDtype
+from ..trainers import trainer_of
+from .memory import (
+    LM_HEAD_FP32_VECTORS,
+    RESERVED_FACTOR,
+    TOKEN_CHUNK,
+    VOCAB_CHUNK,
+    MemoryParts,
+    MiB,
+    memory_parts,
+    outside_allocator_bytes,
+)
+from .micro_batches import BatchShape, batches
+from .no_grad import no_grad_adjustment, no_grad_forwards
+from .online_step import estimate_online_rl
+from .step_time import expected_step_time
 
 if TYPE_CHECKING:
-    from .space import Candidate
-    from .trainers import StepShape
-    from .workload import Workload
+    from ..space import Candidate
+    from ..trainers import StepShape
+    from ..workload import Workload
 
 __all__ = [  # noqa: RUF022
     "estimate", "memory_parts", "MemoryParts", "architecture", "Architecture", "lora_parameters",
     "quantized_linear_bytes", "BatchShape", "knob_memory_savings", "knob_time", "MiB", "RESERVED_FACTOR",
     "TOKEN_CHUNK", "VOCAB_CHUNK", "LM_HEAD_FP32_VECTORS", "estimate_online_rl",
+    # the estimate's parts (micro_batches, memory, no_grad, step_time), for the search, the simulator's tests, scripts
+    "batches", "outside_allocator_bytes", "expected_step_time", "no_grad_adjustment", "no_grad_forwards",
 ]
 
 
@@ -122,7 +126,7 @@ def _moments(workload: Workload, c: Candidate, p: MemoryParts) -> dict[str, dict
 def _rows_closed_form(workload: Workload, candidate: Candidate, adjust: Any = None) -> Measurement:
     """The step over the dataset's rows as they are: the policy, its gradients and optimizer state, the
     activations and TRL's fused LM head, at the moments of a step; `adjust(moments, parts)`: what a step adds
-    around the policy's (its no-grad forwards: `_estimate/no_grad.py`), before the moments are sharded over ranks."""
+    around the policy's (its no-grad forwards: `estimator/no_grad.py`), before the moments are sharded over ranks."""
     c = candidate
     gpu = workload.gpu
     cuda = gpu.is_cuda
@@ -134,7 +138,7 @@ def _rows_closed_form(workload: Workload, candidate: Candidate, adjust: Any = No
         moments = adjust(moments, p)
     rank_notes: list[str] = []
     if workload.num_gpus > 1:  # one rank of N: the model states sharded as the candidate's parallelism shards them
-        from .physics import estimate_rank_moments
+        from ..physics import estimate_rank_moments
 
         moments, rank_notes = estimate_rank_moments(workload, c, moments, p)
     when, moment = max(moments.items(), key=lambda kv: sum(kv[1].values()))
@@ -147,7 +151,7 @@ def _rows_closed_form(workload: Workload, candidate: Candidate, adjust: Any = No
     step_time, trained_per_step = timed.step_s, int(round(timed.trained_per_step))
     terms = dict(timed.terms)
     if workload.num_gpus > 1:  # global throughput: every rank's tokens over the step with the collectives' time
-        from .physics import estimate_rank_time
+        from ..physics import estimate_rank_time
 
         step_time, trained_per_step, exposed, comm_note = estimate_rank_time(workload, c, step_time,
                                                                               trained_per_step)
@@ -201,7 +205,7 @@ def _sequences_closed_form(workload: Workload, candidate: Candidate, shape: Step
     reference copy of the weights (`reference_copy`), the LM head's logits left out for a one-label score head
     (`lm_head` False), and a reference's no-grad forward taken as a third of the step's compute
     (`reference_forward`); the further batches' no-grad forwards and the reference's held ones where the shape
-    declares them (`no_grad_batches`, `reference_held`: advisor/_estimate/no_grad.py), each a third of the step's
+    declares them (`no_grad_batches`, `reference_held`: advisor/estimator/no_grad.py), each a third of the step's
     compute."""
     c = candidate
     per_row = shape.sequences_per_row

@@ -268,7 +268,7 @@ def _step_notes(step: Any, vllm: Any, cuda: bool) -> list[str]:
             f"scoring: {step.scoring_forwards} no-grad forward(s) of the generation batch (old policy: "
             f"{step.old_logps_forward}, reference {step.reference.value}) through TRL's fused log-prob head "
             "(trl/kernels/chunked_logprob.py; no [B, T, V] logits)",
-            "train: the SFT estimate's parts of the micro-batch (advisor/_estimate/memory.py) with TRL's fused head "
+            "train: the SFT estimate's parts of the micro-batch (advisor/estimator/memory.py) with TRL's fused head "
             "on " + ("the completion tokens (CUDA)" if cuda else "every position (no Triton)")]),
         *(["ZeRO-3: the whole model gathered to generate (ds3_gather_for_generation)"
            if step.ds3_gather_for_generation else "ZeRO-3: a layer at a time gathered to generate"]
@@ -302,7 +302,7 @@ def _distillation_notes(step: Any) -> list[str]:
         f"{teacher.hidden}, {teacher.weight_element_bytes}-byte weights); its backbone runs under no_grad on every "
         "training micro-batch (DistillationTrainer._compute_loss); no reference, nothing scored",
         vocabulary_note(div, vocab=step.vocab, beta=step.divergence_beta),
-        "train: the SFT estimate's parts of the student's micro-batch (advisor/_estimate/memory.py) in the weights' "
+        "train: the SFT estimate's parts of the student's micro-batch (advisor/estimator/memory.py) in the weights' "
         "dtype (no autocast reaches DistillationTrainer's training pass), without its LM head's logits, the "
         "teacher's forward and the divergence (advisor/physics/distillation.py)",
     ]
