@@ -24,7 +24,7 @@ KNOWN: dict[tuple[str, str], str] = {
 
 
 # Packages whose insides are private though their name has no leading underscore: a layer of its own, named for it.
-LAYERS = ("physics", "simulator", "estimator")
+LAYERS = ("physics", "simulator", "estimator", "data")
 
 
 def _private_packages() -> dict[str, Path]:

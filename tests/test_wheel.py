@@ -52,8 +52,8 @@ def test_the_wheel_holds_every_module_and_every_profile(wheel):
     expected |= {f"advisor/_profiles/{p}" for p in _tree(ROOT / "profiles")}
     assert names - dist_info == expected
     packages = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "advisor").rglob("__init__.py")}
-    assert {"advisor/_candidate", "advisor/_data", "advisor/_emit", "advisor/estimator", "advisor/physics/timing",
-            "advisor/simulator", "advisor/trainers"} <= packages
+    assert {"advisor/_candidate", "advisor/_emit", "advisor/estimator", "advisor/physics/timing",
+            "advisor/simulator", "advisor/data", "advisor/trainers"} <= packages
     assert all(f"{p}/__init__.py" in names for p in packages)
 
 

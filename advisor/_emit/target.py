@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..workload import GPUSpec, Workload
 
-# datasets' packaged builders for the files the advisor reads (advisor/_data/readers.py LOCAL_SUFFIXES)
+# datasets' packaged builders for the files the advisor reads (advisor/data/readers.py LOCAL_SUFFIXES)
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 SAVED_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")  # what `save_to_disk` writes
 # the keys this module writes; reader.py keeps them out of the base

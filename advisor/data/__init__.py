@@ -4,10 +4,10 @@ Every number the advisor derives from the data (tokens lost to truncation, train
 longest batch) comes from a `TokenizedDataset`: pre-tokenized rows in the columns SFTTrainer consumes
 (`input_ids`, and `completion_mask` when only completions are trained).
 
-The parts live in the private `advisor/_data/` (imported through its `__init__` only): the `TokenizedDataset` type
-and its length statistics (`dataset.py`), the synthetic set (`synthetic_set.py`), the raw readers (`readers.py`), the
-row formats and checks (`rows.py`) and TRL's tokenization (`tokenize.py`). This module loads a user's dataset
-(`load_dataset`) and is the public way to all of them.
+The package's modules are private to it (tests/test_privacy.py): the `TokenizedDataset` type and its length
+statistics (`dataset.py`), the synthetic set (`synthetic_set.py`), the raw readers (`readers.py`), the row formats and
+checks (`rows.py`) and TRL's tokenization (`tokenize.py`). This `__init__` loads a user's dataset (`load_dataset`) and
+is the one way to all of them (`__all__`).
 """
 
 from __future__ import annotations
@@ -16,40 +16,32 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._data import (
-    LOCAL_SUFFIXES,
+from ..errors import DatasetError
+from .dataset import BadRow, DataFormat, Dataset, SourcedRows, TokenizedDataset, replace_dataset
+from .readers import LOCAL_SUFFIXES, RawRows, first_line, list_problems, read_raw
+from .rows import check_row, columns, detect_format
+from .synthetic_set import (
     SYNTHETIC_MAX,
     SYNTHETIC_MEDIAN,
     SYNTHETIC_MIN,
     SYNTHETIC_ROWS,
     SYNTHETIC_SEED,
     SYNTHETIC_SIGMA,
+    synthetic,
+    synthetic_lengths,
+)
+from .tokenize import (
     TOKENIZER_FILES,
-    BadRow,
-    DataFormat,
-    Dataset,
-    RawRows,
-    SourcedRows,
-    TokenizedDataset,
-    check_row,
-    columns,
-    detect_format,
-    list_problems,
     load_processing_class,
     load_tokenizer,
     prepare_with_trl,
     progress_bars,
-    read_raw,
-    replace_dataset,
-    synthetic,
-    synthetic_lengths,
     tokenizer_note,
 )
-from .errors import DatasetError
 
 if TYPE_CHECKING:
-    from .trainers import Trainer
-    from .workload import ModelSpec
+    from ..trainers import Trainer
+    from ..workload import ModelSpec
 
 __all__ = [  # noqa: RUF022
     "Dataset", "TokenizedDataset", "SourcedRows", "BadRow", "DataFormat", "load_dataset", "load_tokenizer",
@@ -58,6 +50,8 @@ __all__ = [  # noqa: RUF022
     "synthetic_lengths",
     "progress_bars", "tokenizer_note", "read_raw", "RawRows", "LOCAL_SUFFIXES", "TOKENIZER_FILES", "SYNTHETIC_ROWS",
     "SYNTHETIC_SEED", "SYNTHETIC_MEDIAN", "SYNTHETIC_SIGMA", "SYNTHETIC_MIN", "SYNTHETIC_MAX",
+    # the parts' names the rest of advisor uses (rows, readers, the dataset type)
+    "replace_dataset", "list_problems", "first_line", "detect_format", "check_row", "columns", "prepare_with_trl",
 ]
 
 
