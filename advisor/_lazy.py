@@ -1,6 +1,6 @@
-"""The private packages' lazy surface (advisor/simulator, advisor/physics, advisor/_search): each declares `_EXPORTS`
-(public name -> (module inside the package, attribute)) and gets its module `__getattr__` / `__dir__` from here, so
-importing the package costs nothing and a name is loaded from its module on first use (PEP 562)."""
+"""The private packages' lazy surface (advisor/simulator, advisor/physics): each declares `_EXPORTS` (public name ->
+(module inside the package, attribute)) and gets its module `__getattr__` / `__dir__` from here, so importing the
+package costs nothing and a name is loaded from its module on first use (PEP 562)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class FunctionBackend:
     labelled with (a runtime backend that declares none is `Source.EXTERNAL`, never an estimate); `needs_gpu`:
     it runs only where a CUDA device is visible; `deterministic`: the same inputs give the same peak, so a
     baseline recorded with it can be checked later; `parallel`: a measurement takes seconds (it runs the training
-    step), so the search measures several at once in warm worker processes (advisor/_search/pool.py); a cheap
+    step), so the search measures several at once in warm worker processes (advisor/search/pool.py); a cheap
     backend runs in the caller, where a worker's start-up would cost more than it saves. `runs_here`: it runs the
     candidate's training on this machine (the real probes), so a candidate needing a package missing here is never
     given to it (advisor/packages.py).

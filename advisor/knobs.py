@@ -6,8 +6,8 @@ a trainer accepts it when its TRL config class has that field, advisor/trainers/
 space holds at their default), when it has an effect (`active`), how memory moves along it (`memory`), its report
 label and its quality cost. The rest derives from the registry, the way TrlParser
 derives flags and YAML keys from dataclass fields: Candidate's validation and `canonical()` (advisor/space.py), the
-default space and `--fix` (advisor/_search/space.py), both directions of emit (advisor/_emit/), the report's labels
-(advisor/report.py), the ledger's memory order (advisor/_search/ledger.py) and the stand-ins of what fake tensors
+default space and `--fix` (advisor/search/space.py), both directions of emit (advisor/_emit/), the report's labels
+(advisor/report.py), the ledger's memory order (advisor/search/ledger.py) and the stand-ins of what fake tensors
 cannot run (advisor/simulator/modelled.py). `Candidate`'s field block is checked against `KNOBS` when advisor/space.py
 defines it: a field without a declaration, or a declaration without a field, fails loudly with the fix.
 

@@ -4,7 +4,7 @@ on this machine can import them.
 
 Where the target is this machine (the local GPU, the host CPU, or a backend that runs the candidate here: the cuda
 and cpu probes), the search leaves out every candidate that needs a package missing here, and says what
-installing it would unlock (advisor/_search/space.py `installed_space`); for another machine it keeps them, and
+installing it would unlock (advisor/search/space.py `installed_space`); for another machine it keeps them, and
 the answer says what that machine must have installed.
 """
 

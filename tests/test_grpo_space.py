@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from advisor._search import RowTokens, StudySpace, apply_pins, default_space, default_tokens_per_step, parse_fix
 from advisor.profiles import resolve_gpu, resolve_model
+from advisor.search import RowTokens, StudySpace, apply_pins, default_space, default_tokens_per_step, parse_fix
 from advisor.space import Candidate, knob_value
 from advisor.trainers import get_trainer
 from advisor.trainers.prompts import synthetic_prompts

@@ -1,4 +1,4 @@
-"""The pool of warm simulate workers (advisor/_search/pool.py): the same Measurements and library messages as
+"""The pool of warm simulate workers (advisor/search/pool.py): the same Measurements and library messages as
 in-process, a crash is one failed candidate, nothing is left running after close(), and --jobs is checked."""
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Private packages are private: nothing outside `advisor/_<name>/` (or a layer's package, `advisor/physics/`) imports
-its modules.
+"""Private packages are private: nothing outside a package of advisor's layers (`physics`, `simulator`, `estimator`,
+`data`, `search`: LAYERS) or a private package (`advisor/_<name>/`: `_emit`, `_candidate`) imports its modules.
 
-A private package (a directory `advisor/_<name>/` with an `__init__.py`: `_search`, `_emit`, ...; or one of LAYERS:
-`physics`, `simulator`) is used from outside only through the names its `__init__` declares in `__all__` (`from
+Such a package is used from outside only through the names its `__init__` declares in `__all__` (`from
 advisor.simulator import X`, `from .simulator import X`). Every module under advisor/, tests/ and scripts/ is read with
-`ast` (nothing is imported) and every import is resolved, relative ones too; an import of a module inside a private
+`ast` (nothing is imported) and every import is resolved, relative ones too; an import of a module inside such a
 package from outside it, or of a name its `__all__` does not declare, is an offender.
 """
 
@@ -24,7 +23,7 @@ KNOWN: dict[tuple[str, str], str] = {
 
 
 # Packages whose insides are private though their name has no leading underscore: a layer of its own, named for it.
-LAYERS = ("physics", "simulator", "estimator", "data")
+LAYERS = ("physics", "simulator", "estimator", "data", "search")
 
 
 def _private_packages() -> dict[str, Path]:
@@ -139,8 +138,8 @@ def test_nothing_outside_a_private_package_imports_its_insides():
 def test_the_private_packages_declare_their_surface():
     """Each private package says what the rest may use, and every declared name resolves to a module inside it."""
     packages = _private_packages()
-    assert {"advisor.simulator", "advisor._search", "advisor.physics"} <= set(packages)
-    for pkg in ("advisor.simulator", "advisor._search", "advisor.physics"):
+    assert {"advisor.simulator", "advisor.search", "advisor.physics"} <= set(packages)
+    for pkg in ("advisor.simulator", "advisor.search", "advisor.physics"):
         declared = _declared(packages[pkg] / "__init__.py")
         assert declared, f"{pkg}/__init__.py declares no __all__"
         module = __import__(pkg, fromlist=["__all__"])
@@ -152,16 +151,16 @@ def test_the_private_packages_declare_their_surface():
 
 def test_the_check_sees_every_kind_of_reach():
     """The walk resolves absolute, relative and package-level imports (a check that cannot fail proves nothing)."""
-    probe = ("from .physics.timing import Term\nfrom ._search import naming\nfrom .simulator import not_declared\n"
-             "import advisor._search.pool\nfrom .physics import replay\nfrom . import physics\n"
+    probe = ("from .physics.timing import Term\nfrom .search import naming\nfrom .simulator import not_declared\n"
+             "import advisor.search.pool\nfrom .physics import replay\nfrom . import physics\n"
              "from .physics import ranks_closed\n")
-    deeper = "from ..simulator.layers import LayerStream\nfrom .._search import candidate_key\n"
+    deeper = "from ..simulator.layers import LayerStream\nfrom ..search import candidate_key\n"
     inside = "from .timing import Term\nfrom ..ledger import candidate_key\n"
     found = _offences({"advisor/_probe.py": probe, "advisor/cli/_probe.py": deeper,
-                       "advisor/_search/x/_probe.py": inside})
+                       "advisor/search/x/_probe.py": inside})
     assert {(f[0], f[2]) for f in found if f[0].endswith("_probe.py")} == {
-        *(("advisor/_probe.py", m) for m in ("advisor.physics.timing", "advisor._search.naming",
-                                             "advisor.simulator.not_declared", "advisor._search.pool",
+        *(("advisor/_probe.py", m) for m in ("advisor.physics.timing", "advisor.search.naming",
+                                             "advisor.simulator.not_declared", "advisor.search.pool",
                                              "advisor.physics.ranks_closed")),
         ("advisor/cli/_probe.py", "advisor.simulator.layers"),
     }

@@ -1,4 +1,4 @@
-"""Multi-fidelity correction (advisor/_search/fidelity.py): fitted per memory category and per time term."""
+"""Multi-fidelity correction (advisor/search/fidelity.py): fitted per memory category and per time term."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ class Knob:
     absent: Any = None  # its value when a run config does not set its key (TRL_DEFAULT: TRL's own default)
     stand_in: Any = NO_STAND_IN  # the value fake tensors run instead (simulate models the difference)
     requires: str | None = None  # a pip package the run needs when the knob is on
-    search: tuple[Any, ...] | None = None  # its default-space values where no workload decides them (_search/space)
+    search: tuple[Any, ...] | None = None  # its default-space values where no workload decides them (search/space)
     carried: bool = False  # a trainer's own knob: in the Candidate's base under `key` (== name), not a field
     emit_none: bool = True  # False: left out of the emitted config at None (TRL's own None then applies)
 

@@ -37,7 +37,7 @@ class Quantization(str, Enum):
 class Optimizer(str, Enum):
     """Values of TrainingArguments.optim the advisor measures: torch's own optimizers run on fake tensors as they are;
     the bitsandbytes ones are modelled (advisor/simulator/modelled.py `modelled_adjustments`). The search considers a
-    subset (_search/space.py). Every other `optim` TrainingArguments accepts is refused by name
+    subset (search/space.py). Every other `optim` TrainingArguments accepts is refused by name
     (`UNSUPPORTED_OPTIMIZERS`).
     """
 

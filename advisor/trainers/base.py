@@ -2,11 +2,11 @@
 trainer module declares only what differs; `PairTrainer` for preference pairs (prompt / chosen / rejected).
 
 A trainer is one module (`sft.py`, `dpo.py`, ...), the way TRL pairs `<name>_config.py` / `<name>_trainer.py` with
-`trl/scripts/<name>.py`: TRL's classes by name, its own knobs (a typed view, registered with it), its rules, its
-data, what the fake step changes on the trainer class, what the estimate counts of its step, the models it takes
-beside the policy. Its config object, YAML and Python snippet are written by the one writer (advisor/_emit) from the
-knobs its TRL config class has; a trainer adds only the keys no knob owns (`config_extras`, `script_kwargs`,
-`model_extras`). The backends' packages (`simulator`, `_search`) import this package; it never imports them.
+`trl/scripts/<name>.py`: TRL's classes by name, its own knobs (a typed view, registered with it), its rules, its data,
+what the fake step changes on the trainer class, what the estimate counts of its step, the models it takes beside the
+policy. Its config object, YAML and Python snippet are written by the one writer (advisor/_emit) from the knobs its TRL
+config class has; a trainer adds only the keys no knob owns (`config_extras`, `script_kwargs`, `model_extras`). The
+backends' and the search's packages (`simulator`, `search`) import this package; it never imports them.
 """
 
 from __future__ import annotations

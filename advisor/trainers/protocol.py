@@ -142,7 +142,7 @@ class Trainer(Protocol):
 
     def canonical(self, candidate: Candidate) -> Candidate: ...  # its own knobs without effect at their defaults
 
-    # ---- the search space (advisor/_search) ------------------------------------------------------------------
+    # ---- the search space (advisor/search) -------------------------------------------------------------------
     def search_values(self, workload: Workload, values: Mapping[str, tuple[Any, ...]]
                       ) -> dict[str, tuple[Any, ...]]: ...  # its knobs' values the target decides
 

@@ -143,7 +143,7 @@ def training_workload(workload: Workload, candidate: Candidate) -> Workload:
     """The workload a backend measures `candidate` on: the training side of the run. Where its trainer sets GPUs of
     --num-gpus aside (`training_gpus`: online RL's `trl vllm-serve` GPUs in server mode), the rest train, and the
     per-rank peak, the sharding and the trained tokens per second count those ranks only. The search
-    (advisor/_search/evaluator.py) and `advisor simulate|probe|baseline --config` measure through this one rule."""
+    (advisor/search/evaluator.py) and `advisor simulate|probe|baseline --config` measure through this one rule."""
     import dataclasses
 
     n = get_trainer(workload.trainer).training_gpus(candidate, workload.num_gpus)

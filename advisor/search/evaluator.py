@@ -276,7 +276,7 @@ class SerialPool:
 
 
 def _open_pool(backend: str | FunctionBackend, jobs: int | None) -> Any:
-    """The pool the search measures through: advisor/_search/pool.py's `open_pool` (warm worker processes for
+    """The pool the search measures through: advisor/search/pool.py's `open_pool` (warm worker processes for
     simulate, one per usable core unless `jobs` says otherwise; in this process for the estimate, the probes and
     backends registered in this process), or a SerialPool for a backend object that is not registered by name.
     `pool.jobs` sets how many candidates one batch of the loop proposes and tells, in proposal order."""

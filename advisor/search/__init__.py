@@ -13,13 +13,13 @@ failure bounds its larger neighbours, and the estimate prunes candidates far ove
 backend sees them. Measurements run through a pool (`jobs` at a time: in-process, or warm worker processes);
 `run_worker` joins a shared study from another process.
 
-This module is the public API; the parts live in `advisor/_search/`: `loop` (one method's ask / evaluate / tell),
-`proposers` (stored results, estimate seeds, the frontier, the neighbour walk, TPE, the fit check), `evaluator`
-(dedup, bounds, pruning, the pool), `pool` / `pool_child` / `forkserver` (the warm worker processes), `fidelity`
-(the estimate corrected by measured points), `ledger` (what was measured, the bounds of failures), `liveness`
-(heartbeats, owners, stale trials), `worker` (a worker's side of a shared study), `naming` (study names, specs,
-opening the store), `storage` (SQLite, RDB URLs, journal files), `space` (the default space, `--fix` pins, the
-accumulation that keeps the effective batch), `params` (the space as Optuna sees it) and `answer` (the confirmed
+This `__init__` is the public API (`__all__`); the package's modules are private to it (tests/test_privacy.py): `loop`
+(one method's ask / evaluate / tell), `proposers` (stored results, estimate seeds, the frontier, the neighbour walk,
+TPE, the fit check), `evaluator` (dedup, bounds, pruning, the pool), `pool` / `pool_child` / `forkserver` (the warm
+worker processes), `fidelity` (the estimate corrected by measured points), `ledger` (what was measured, the bounds of
+failures), `liveness` (heartbeats, owners, stale trials), `worker` (a worker's side of a shared study), `naming` (study
+names, specs, opening the store), `storage` (SQLite, RDB URLs, journal files), `space` (the default space, `--fix` pins,
+the accumulation that keeps the effective batch), `params` (the space as Optuna sees it) and `answer` (the confirmed
 pick, the Suggestion, the no-fit message). What the search says about its run are typed events (`advisor.events`).
 """
 
@@ -31,76 +31,15 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._search import (
-    FIDELITY_FLOOR,
-    FIDELITY_MIN_POINTS,
-    FIDELITY_SHRINK,
-    HEARTBEAT_S,
-    NO_ACCUMULATION,
-    PRUNE_FACTOR,
-    STALE_S,
-    Correction,
-    InProcessPool,
-    ProcessPool,
-    RowTokens,
-    SerialPool,
-    StoredStudy,
-    StudyRun,
-    StudySpace,
-    accumulation_for,
-    after_failure,
-    apply_pins,
-    build_suggestion,
-    cache_dir,
-    candidate_key,
-    cannot_win,
-    check_jobs,
-    confirmation_note,
-    confirmed_best,
-    create_study,
-    default_jobs,
-    default_space,
-    default_tokens_per_step,
-    device_bytes,
-    drop_failed_study,
-    empty_message,
-    feasible,
-    fit_check,
-    fit_correction,
-    installed_space,
-    is_storage_failure,
-    messages_of,
-    method_order,
-    needs_at_least,
-    next_knob,
-    no_fit_message,
-    not_installed,
-    open_pool,
-    open_search_pool,
-    open_storage,
-    open_store,
-    parse_fix,
-    prestarted,
-    raise_if_backend_failed,
-    run_worker,
-    stored_studies,
-    stored_suggestion,
-    study_spec,
-    value_requirements,
-    walk_parameters,
-    with_accumulation,
-)
-from ._search import smallest as smallest_run
-from ._search import study_name as name_study
-from .backends import (
+from ..backends import (
     backend_names,
     default_backend_name,
     get_backend,
     register_backend,
     unregister_backend,
 )
-from .errors import ConfigError, NoFitError, UsageError
-from .events import (
+from ..errors import ConfigError, NoFitError, UsageError
+from ..events import (
     AnsweredFromStored,
     EffectiveBatch,
     EmptyStudy,
@@ -115,18 +54,69 @@ from .events import (
     TrialsIgnored,
     render,
 )
-from .inputs import build_workload
-from .space import Candidate, PackingStrategy, SearchSpace
-from .suggestion import Suggestion
-from .trainers import DEFAULT, choices, get_trainer, model_inputs, trainer_of
-from .workload import Goals, Method, Workload, parse_fraction, parse_size
+from ..inputs import build_workload
+from ..space import Candidate, PackingStrategy, SearchSpace
+from ..suggestion import Suggestion
+from ..trainers import DEFAULT, choices, get_trainer, model_inputs, trainer_of
+from ..workload import Goals, Method, Workload, parse_fraction, parse_size
+from .answer import (
+    build_suggestion,
+    confirmation_note,
+    confirmed_best,
+    empty_message,
+    next_knob,
+    no_fit_message,
+    not_installed,
+    raise_if_backend_failed,
+    smallest,
+)
+from .answer import smallest as smallest_run
+from .evaluator import PRUNE_FACTOR, SerialPool, failure_reason
+from .evaluator import _open_pool as open_search_pool
+from .fidelity import FLOOR as FIDELITY_FLOOR
+from .fidelity import MIN_POINTS as FIDELITY_MIN_POINTS
+from .fidelity import SHRINK as FIDELITY_SHRINK
+from .fidelity import Correction, cannot_win
+from .fidelity import fit as fit_correction
+from .ledger import candidate_key, device_bytes, feasible, needs_at_least
+from .liveness import HEARTBEAT_S, STALE_S
+from .loop import StudyRun
+from .naming import SPEC_KEY, create_study, drop_failed_study, open_store, study_name, study_names
+from .naming import spec as study_spec
+from .naming import study_name as name_study
+from .params import NO_ACCUMULATION, StudySpace, space_from_json
+from .pool import InProcessPool, ProcessPool, check_jobs, default_jobs, messages_of, open_pool, prestarted
+from .proposers import fit_check, walk_parameters
+from .space import (
+    RowTokens,
+    accumulation_for,
+    apply_pins,
+    default_space,
+    default_tokens_per_step,
+    installed_space,
+    method_order,
+    parse_fix,
+    value_requirements,
+    with_accumulation,
+)
+from .storage import (
+    after_failure,
+    cache_dir,
+    is_storage_failure,
+    open_cache,
+    open_for_reading,
+    open_given,
+    open_storage,
+)
+from .stored import StoredStudy, run_worker, stored_studies, stored_suggestion
+from .worker import work
 
 __all__ = [
     "suggest", "run_worker", "build_space", "Progress", "check_backend", "stored_studies", "stored_suggestion",
     "StoredStudy", "register_backend", "unregister_backend", "backend_names",
     "default_backend_name", "prestarted", "walk_parameters", "cache_dir", "parse_fix", "DEFAULT_TRIALS",
     "confirmation_note",
-    # the search's parts (advisor/_search), public for tools, benchmarks and their tests:
+    # the search's parts (this package's modules), public for tools, benchmarks and their tests:
     # the ledger's keys and the budget's bytes
     "candidate_key", "device_bytes", "feasible", "needs_at_least", "PRUNE_FACTOR",
     # the space and the effective batch
@@ -139,6 +129,12 @@ __all__ = [
     "Correction", "fit_correction", "cannot_win", "FIDELITY_SHRINK", "FIDELITY_FLOOR", "FIDELITY_MIN_POINTS",
     # studies: names, the stored spec, storages, heartbeats
     "name_study", "study_spec", "open_storage", "HEARTBEAT_S", "STALE_S",
+    # the parts the rest of advisor uses (the CLI, the probes, the report), beside those above
+    "NO_ACCUMULATION", "SPEC_KEY", "StudyRun", "after_failure", "apply_pins", "build_suggestion", "confirmed_best",
+    "create_study", "drop_failed_study", "empty_message", "failure_reason", "fit_check", "installed_space",
+    "is_storage_failure", "method_order", "next_knob", "no_fit_message", "not_installed", "open_cache",
+    "open_for_reading", "open_given", "open_store", "raise_if_backend_failed", "smallest", "space_from_json",
+    "study_name", "study_names", "work",
 ]
 
 DEFAULT_TRIALS = 40
@@ -519,6 +515,6 @@ _derive_keyword_parameters()
 
 def check_backend(name: str) -> None:
     """UsageError (exit 2) for an unknown backend, or one that cannot run here (cuda without a CUDA device)."""
-    from .backends import check_usable
+    from ..backends import check_usable
 
     check_usable(name)

@@ -79,7 +79,7 @@ def seeds(space: StudySpace, ev: Evaluator, n: int) -> list[Candidate]:
 def frontier(space: StudySpace, ledger: Ledger, ev: Evaluator, in_flight: frozenset[str] = frozenset()
              ) -> Candidate | None:
     """Multi-fidelity's next move: the unmeasured candidate the corrected estimate ranks fastest among those that
-    can still win (advisor/_search/fidelity.py's rule) and are not tied with one measured or being measured;
+    can still win (advisor/search/fidelity.py's rule) and are not tied with one measured or being measured;
     None when there is none left, which ends the search (the `Converged` event)."""
     if not ev.has_estimate:
         return None

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from ..space import Candidate
     from ..workload import Workload
 
-PRELOAD = _PRELOAD  # what the forkserver imports (advisor/_search/forkserver.py)
+PRELOAD = _PRELOAD  # what the forkserver imports (advisor/search/forkserver.py)
 # Backends never run in worker processes (see the module's docstring for why).
 SERIAL_BACKENDS = frozenset({"estimate", "cpu", "cuda"})
 # Consecutive workers that die before they are ready, after which the pool stops replacing them.

@@ -195,7 +195,7 @@ class StudyRun:
 
     @property
     def _multi_fidelity(self) -> bool:
-        """The corrected estimate proposes (advisor/_search/proposers.py's frontier) and says when to stop; without
+        """The corrected estimate proposes (advisor/search/proposers.py's frontier) and says when to stop; without
         an estimate, or when the estimate is itself the backend, the neighbour walk and TPE do."""
         ev = self.evaluator
         return ev.has_estimate and ev.prunes and ev.skip_losers

@@ -18,7 +18,7 @@ from .pool_child import _WARM_ENV, HIDE_GPUS
 # (pool_child.py, with _WARM_ENV set in the forkserver's environment only) also simulates two tiny candidates
 # there: a first simulation imports and initialises about 2,000 more modules (TRL's trainer, accelerate,
 # datasets, sympy for the fake tensors' shapes, peft; ~6 s here), which every fork then starts with.
-PRELOAD = ("torch", "transformers", "trl", "advisor.simulator", "advisor._search.pool_child")
+PRELOAD = ("torch", "transformers", "trl", "advisor.simulator", "advisor.search.pool_child")
 
 
 class Server:

@@ -1,4 +1,4 @@
-"""What runs in the pool's forkserver and its workers (advisor/_search/pool.py is the caller's side): the
+"""What runs in the pool's forkserver and its workers (advisor/search/pool.py is the caller's side): the
 forkserver's warm-up, imported with its preload, and a worker's loop (a log file for every output, the workloads
 it keeps, each candidate measured with what its libraries said collected, a crash left to the caller to see)."""
 
