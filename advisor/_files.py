@@ -4,6 +4,7 @@ half-written or empty one for `trl sft --config` to read."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -40,8 +41,6 @@ def write_atomic(path: str | Path, text: str) -> Path:
 def check_names(names: dict[str, object]) -> None:
     """Each flag's value (a path or a hub id) that the file system refuses to even look up (a name longer than it
     allows: OSError ENAMETOOLONG from every stat) is a UsageError naming the flag, before anything looks it up."""
-    import errno
-
     from .errors import ConfigError
 
     problems = []

@@ -5,8 +5,11 @@ explicitly, so the run is the one that was simulated (advisor/simulator/distribu
 
 from __future__ import annotations
 
+import os
 import shlex
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -107,9 +110,6 @@ def accelerate_config(candidate: Any, parallelism: Parallelism, num_gpus: int, n
 
 def check_loads(text: str) -> None:
     """ConfigError unless accelerate's own loader (`accelerate launch --config_file`) accepts `text`."""
-    import os
-    import tempfile
-
     from accelerate.commands.config.config_args import load_config_from_file
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -169,8 +169,6 @@ def read_accelerate_config(path: Any) -> LaunchRead:
     """The accelerate config `accelerate_config` writes (`advisor suggest --accelerate-output FILE`), read back: its
     layout (distributed_type with fsdp_config / deepspeed_config), num_processes and num_machines. ConfigError
     naming the file and the key for what the advisor does not simulate (FSDP1, ZeRO-1, another distributed type)."""
-    from pathlib import Path
-
     source = f"--accelerate-config {path}"
     try:
         data = yaml.safe_load(Path(path).read_text())

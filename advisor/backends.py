@@ -10,6 +10,7 @@ baseline.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -88,8 +89,6 @@ def _simulate(workload: Workload, candidate: Candidate) -> Measurement:
 def _estimated_instead(workload: Workload, candidate: Candidate, reason: str) -> Measurement:
     """The estimate of `candidate` (its source `estimate`: modelled, not run), with the simulate backend's verdict
     against the per-rank budget and a note naming what was not simulated."""
-    import dataclasses
-
     from .estimator import estimate
     from .measurement import Status
 

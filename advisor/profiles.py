@@ -6,14 +6,18 @@ well-known checkpoints (profiles/models/<org>/<name>/config.json), so the adviso
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
 import re
+import socket
+import sys
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 
@@ -216,8 +220,6 @@ def detect_gpu(root: Path | None = None) -> GPUSpec | None:
 
 def match_gpu(nvml_name: str, memory_bytes: int, compute_capability: str | None, root: Path | None = None) -> GPUSpec:
     """The profile for an NVML device name, else the closest profile of the same architecture (stated)."""
-    import dataclasses
-
     keys, specs = _gpu_index(Path(root or PROFILES_DIR))
     path = keys.get(normalize_gpu_name(nvml_name))
     if path is not None:
@@ -350,8 +352,6 @@ def decide_offline(*names: str | None) -> str | None:
 
 def set_offline() -> None:
     """HF_HUB_OFFLINE=1 for this process, including libraries that read it at import time."""
-    import sys
-
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     constants = sys.modules.get("huggingface_hub.constants")
@@ -366,9 +366,6 @@ def set_offline() -> None:
 @lru_cache(maxsize=1)
 def _hub_reachable(timeout_s: float = 2.0) -> bool:
     """A TCP connection to the hub endpoint within `timeout_s`; avoids huggingface_hub's ~25 s of retries."""
-    import socket
-    from urllib.parse import urlparse
-
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     port = url.port or (443 if url.scheme == "https" else 80)
     try:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import textwrap
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,8 +78,6 @@ class Suggestion:
         `use_cpu=True`; it is then set, with a UserWarning that says so (pass `use_cpu` to decide yourself).
         """
         if "use_cpu" not in overrides and self.candidate.precision.value != "fp32" and not _has_accelerator():
-            import warnings
-
             overrides["use_cpu"] = True
             warnings.warn(
                 f"no GPU (or other accelerator) here: trl_config() sets use_cpu=True, so this "
@@ -153,7 +154,6 @@ class Suggestion:
             lines.append(f"first, on the server's GPUs: {server}")
         if self.candidate.requirements():  # what the target must have installed for the file to run as written
             lines.append(f"needs: pip install {' '.join(self.candidate.requirements())}")
-        import textwrap
 
         return "\n".join(part for line in lines for part in textwrap.wrap(line, 110, subsequent_indent="  "))
 
@@ -162,8 +162,6 @@ class Suggestion:
         """The accelerate config of this pick (its `parallelism` on the workload's num_gpus / num_machines) and the
         commands that launch it (`accelerate launch --config_file ... -m trl.scripts.<command>`, `trl <command>
         --accelerate_config ...`), for this suggestion's trainer."""
-        import dataclasses
-
         from .accelerate_config import accelerate_config
 
         wl = self.workload

@@ -3,6 +3,7 @@ what a candidate gives up against full fine-tuning."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +26,6 @@ class RunBase:
 
     @classmethod
     def of(cls, mapping: Mapping[str, Any] | RunBase | None) -> RunBase:
-        import json
-
         if isinstance(mapping, RunBase):
             return mapping
         problems, items = [], []
@@ -40,13 +39,9 @@ class RunBase:
         return cls(tuple(items))
 
     def as_dict(self) -> dict[str, Any]:
-        import json
-
         return {k: json.loads(v) for k, v in self.items}
 
     def get(self, key: str, default: Any = None) -> Any:
-        import json
-
         for k, v in self.items:
             if k == key:
                 return json.loads(v)

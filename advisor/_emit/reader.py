@@ -5,8 +5,10 @@ simulated, a misspelt key or a value the advisor cannot measure is a ConfigError
 from __future__ import annotations
 
 import argparse
+import difflib
 import enum
 import functools
+import importlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -135,8 +137,6 @@ def _trl_parser(trainer: Trainer | None) -> Any:
     """The TrlParser `trl <command>` builds (trl/scripts/<command>.py), only to read values as it reads them; without
     a trainer, the parser of the shared vocabulary's script (keys.SHARED_SCRIPT)."""
     if trainer is None:
-        import importlib
-
         return importlib.import_module(SHARED_SCRIPT).make_parser()
     return trainer.make_parser()
 
@@ -352,8 +352,6 @@ def _check_keys(data: dict[str, Any], path: Path, extra: set[str] | frozenset[st
     known = {"env", *trl_fields(), *extra}
     unknown = sorted(set(data) - known)
     if unknown:
-        import difflib
-
         problems = []
         for key in unknown:
             near = difflib.get_close_matches(key, sorted(known), n=1)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -134,13 +136,11 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
 def reattribute(exc: UsageError, names: dict[str, str]) -> UsageError:
     """The same error, naming where the value was written (a baseline's key, a --config key) instead of the flag
     the library names (`--model`, `--gpu`, ...) when the user gave no such flag. Same class, same exit code."""
-    import re as _re
-
     def reword(text: str) -> str:
         for flag, where in names.items():  # the first mention in full, later ones (a fix) by the key alone
-            pattern = _re.escape(flag) + r"(?![\w-])"
-            text = _re.sub(pattern, where, text, count=1)
-            text = _re.sub(pattern, where.rpartition(": ")[2], text)
+            pattern = re.escape(flag) + r"(?![\w-])"
+            text = re.sub(pattern, where, text, count=1)
+            text = re.sub(pattern, where.rpartition(": ")[2], text)
         return text
 
     if isinstance(exc, ConfigError):
@@ -236,8 +236,6 @@ def in_config_file(problem: str, path: str) -> str:
     """A rule's problem as a command reading `--config FILE` says it: each `--fix NAME=VALUE` (the search's way to
     pin a knob, which such a command has not) becomes what to write in the file: the knob's key in the TRL file,
     both allocator variables of its `env:` block, or the accelerate config."""
-    import re
-
     from ..emit import ALLOC_ENV
     from ..knobs import Home, fix_names, yaml_keys
     from ..trainers import names as trainer_names
@@ -265,8 +263,6 @@ def emit_json(obj: Any) -> str:
 
 
 def _json_default(o: Any) -> Any:
-    import enum
-
     if isinstance(o, enum.Enum):
         return o.value
     if isinstance(o, Path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,8 +19,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    import sys
-
     from ..search import stored_suggestion
     from ._common import check_writable, emit_json
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -14,8 +15,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    import dataclasses
-
     from ..search import stored_studies
     from ._common import emit_json
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,8 +64,6 @@ def add_jobs_flag(p: argparse.ArgumentParser) -> None:
 def _likely_default_backend() -> str:
     """The default backend's likely name without importing torch (seconds the head start is for): simulate when
     no NVIDIA device node exists. Only the head start hangs on it; `suggest` decides the backend itself."""
-    import glob
-
     return "cuda" if glob.glob("/dev/nvidia[0-9]*") else "simulate"
 
 
@@ -143,8 +144,6 @@ def run(ns: argparse.Namespace) -> int:
     if ns.study and not ns.storage:
         raise UsageError("--study needs --storage (the shared study's URL or journal file)")
     if ns.plot:
-        import importlib.util
-
         if importlib.util.find_spec("matplotlib") is None:
             raise UsageError("--plot needs matplotlib: pip install 'advisor[plot]'")
     check_writable(ns.output, "--output")
@@ -231,8 +230,6 @@ def _print_table(ns: argparse.Namespace, s: Any) -> None:
 
 def next_step(ns: argparse.Namespace, s) -> str:
     """How to get the YAML and train with it: what a TRL user does after reading the table."""
-    import shlex
-
     ds = s.workload.dataset
     if ds.dataset_name or "datasets" in s.run_config():
         data = ""  # the YAML names it (a hub id, or the local file as a `datasets:` entry)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
+import types
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,10 +116,6 @@ def prepare_with_trl(
     """Run SFTTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`: the input ids, the
     labels, and a note of what the libraries said meanwhile (collected: TRL's per-row "shown once" warning quotes
     each row, so it is said once per row; each distinct message once with its count), or None."""
-    import tempfile
-    import types
-    import warnings
-
     import datasets
     from trl import SFTConfig, SFTTrainer
 

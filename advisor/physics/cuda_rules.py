@@ -9,7 +9,10 @@ Constants live in profiles/measurements/cuda_constants.json with where they came
 from __future__ import annotations
 
 import bisect
+import importlib.util
 import json
+import re
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -199,15 +202,10 @@ def cublas_workspace_bytes(compute_capability: str | None, threads: int | None =
 def local_cuda_major() -> int | None:
     """The CUDA major version the installed torch was built for (torch.version.cuda), None for a build without CUDA.
     Read from torch/version.py when torch is not imported yet (the estimate does not import it)."""
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is not None:
         version = torch.version.cuda
     else:
-        import importlib.util
-        import re
-
         spec = importlib.util.find_spec("torch")
         if spec is None or not spec.submodule_search_locations:
             return None

@@ -4,6 +4,8 @@ their device bytes saved and their time; the simulator takes the same numbers (a
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -74,9 +76,6 @@ def _checkpoint_offload_s_per_token(model: ModelSpec, c: Candidate, cuda: bool, 
 def _rmsnorm_is_hub_kernel(model_type: str) -> bool:
     """Whether transformers marks this architecture's RMSNorm for Hub kernels (`@use_kernel_forward_from_hub
     ("RMSNorm")` in its modeling file): what `kernelize` swaps for Liger's RMSNorm when training on CUDA."""
-    import importlib
-    import inspect
-
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     try:

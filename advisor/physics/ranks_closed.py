@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace as NS
 from typing import Any
 
 from ..errors import ConfigError
@@ -342,8 +343,6 @@ def estimate_rank_moments(workload: Any, candidate: Any, moments: dict, parts: A
 def estimate_rank_time(workload: Any, candidate: Any, step_s: float, trained_per_step: int
                        ) -> tuple[float, int, float, str]:
     """The estimate's step time with the collectives' exposed time (`comm_time_s`) and the global trained tokens."""
-    from types import SimpleNamespace as NS
-
     n = workload.num_gpus
     p = candidate.parallelism.parallelism
     comm = _comm(workload, candidate, p, workload.gpu, n, workload.num_machines, NS(step_time_s=step_s))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import resource
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -168,8 +170,6 @@ def address_space_bytes() -> int:
 
 def cap_address_space(budget_bytes: int) -> int:
     """Let the process map at most `budget_bytes` more than now: a larger allocation really fails. Returns the cap."""
-    import resource
-
     cap = address_space_bytes() + int(budget_bytes)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
@@ -369,8 +369,6 @@ class StepMeter:
 
 def steady(times: list[float], window: int, tolerance: float) -> bool:
     """The median of the last `window` times within `tolerance` of the median of the `window` before them."""
-    import statistics
-
     now, before = statistics.median(times[-window:]), statistics.median(times[-2 * window:-window])
     return abs(now - before) <= tolerance * now
 

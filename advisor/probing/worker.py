@@ -19,9 +19,11 @@ hang or raise, deterministically; `@R` limits it to rank R, and `oom` raises tor
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 import traceback
@@ -124,8 +126,6 @@ def result_name(rank: int, world: int) -> str:
 
 def _die_with_parent() -> None:
     """A rank is killed when its launcher dies (Linux PR_SET_PDEATHSIG), whoever kills the launcher."""
-    import ctypes
-
     parent = os.getppid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
@@ -393,8 +393,6 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     tps = tokens / time_s if time_s > 0 else None
     per_step = int(tokens / len(measured)) if measured else None
     if timing and timed:
-        import statistics
-
         w = int(timing["window"])
         last = timed[-w:]
         step_time = statistics.median(last)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -494,8 +495,6 @@ class _StorageGuard:
 def _derive_keyword_parameters() -> None:
     """suggest()'s signature and docstring list the models beside the policy as the trainers declare them
     (advisor.trainers ModelInput) and the goals as `Goals` declares them (keyword-only, None: not given)."""
-    import inspect
-
     sig = inspect.signature(suggest)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     keywords = [m.param for m in model_inputs()] + [g.param for g in _GOALS.values()]

@@ -44,6 +44,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -383,8 +384,6 @@ class ProcessPool:
         self.started += 1
 
     def _dispatch(self) -> None:
-        from multiprocessing.connection import wait
-
         try:
             for _ in range(self.jobs):
                 if self._closing:

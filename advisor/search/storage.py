@@ -14,7 +14,11 @@ The one module that knows how Optuna's storages behave under several processes:
 
 from __future__ import annotations
 
+import errno
+import importlib.util
+import json
 import os
+import sqlite3
 import tempfile
 import time
 from dataclasses import dataclass
@@ -159,8 +163,6 @@ def _rdb(url: str, *, read_only: bool = False) -> BaseStorage:
 def _with_driver(url: str) -> str:
     """postgresql:// (or postgres://) with the driver that is installed: SQLAlchemy's default is psycopg2, the
     `postgres` extra installs psycopg 3."""
-    import importlib.util
-
     scheme, sep, rest = url.partition("://")
     if scheme in ("postgresql", "postgres") and importlib.util.find_spec("psycopg2") is None \
             and importlib.util.find_spec("psycopg") is not None:
@@ -207,9 +209,6 @@ def is_storage_failure(exc: BaseException) -> bool:
     """A storage that stopped taking writes in the middle of a run (a full disk, a database gone read-only, an
     I/O error), not a bug of the search: Optuna's StorageInternalError, SQLAlchemy's or sqlite3's OperationalError,
     a journal file's OSError."""
-    import errno
-    import sqlite3
-
     from optuna.exceptions import StorageInternalError
     from sqlalchemy.exc import OperationalError
 
@@ -324,8 +323,6 @@ def _check_journal(url: str, path: Path) -> None:
     if not first:
         return  # empty: a new journal
     try:
-        import json
-
         json.loads(first.decode("utf-8"))
     except ValueError:  # UnicodeDecodeError included
         raise UsageError(f"--storage {url}: is not an Optuna journal file (its first line is not a journal "

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import sys
+import types
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -204,9 +206,6 @@ def _divergence_cuda_path() -> list[tuple[Any, str, Any]]:
     """Install the CUDA path of trl/kernels/chunked_divergence.py (see `real_path_patches`); returns what to restore.
     `_project` and `_addmm_fp32` take their `device.type == "cuda"` branch (torch >= 2.8's out_dtype matmuls, which
     fake tensors run); the Triton kernels allocate nothing; `triton.cdiv` sizes their grid."""
-    import math
-    import types
-
     import trl.kernels.chunked_divergence as cd
     import trl.trainer.distillation_trainer as dt
 

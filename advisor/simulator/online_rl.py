@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,7 +153,6 @@ def online_construction(config: Any = None, *, engine: str = "generate", trainer
     module's docstring); a trainer module that asks `is_vllm_available` before building it (DistillationTrainer)
     is told yes."""
     _check_engine(engine)
-    import sys
 
     import trl.generation.vllm_generation as vg
     import trl.trainer.grpo_trainer as grpo

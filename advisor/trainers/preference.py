@@ -9,6 +9,7 @@ completion, text) is refused naming the missing columns.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
 import types
@@ -225,8 +226,6 @@ def load_preferences(spec: str | None, model: ModelSpec, tokenizer: str | None =
     if spec is None:
         data = synthetic_preferences(model.vocab_size)
         if sample is not None:
-            import dataclasses
-
             note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} pairs)"
             data = dataclasses.replace(data, notes=data.notes + (note,))
         return data

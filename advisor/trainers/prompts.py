@@ -15,6 +15,7 @@ uniform in [0.2, 0.6)), so its prompts have a median of ~120 tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -236,8 +237,6 @@ def load_prompts(spec: str | None, model: ModelSpec, tokenizer: str | None = Non
     if spec is None:
         data = synthetic_prompts(model.vocab_size)
         if sample is not None:
-            import dataclasses
-
             note = f"--sample {sample} ignored: the synthetic set is generated whole ({len(data.rows)} prompts)"
             data = dataclasses.replace(data, notes=data.notes + (note,))
         return data

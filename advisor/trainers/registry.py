@@ -4,6 +4,7 @@ package); a trainer of one's own is a `register(MyTrainer())` away, with no list
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
@@ -144,8 +145,6 @@ def training_workload(workload: Workload, candidate: Candidate) -> Workload:
     --num-gpus aside (`training_gpus`: online RL's `trl vllm-serve` GPUs in server mode), the rest train, and the
     per-rank peak, the sharding and the trained tokens per second count those ranks only. The search
     (advisor/search/evaluator.py) and `advisor simulate|probe|baseline --config` measure through this one rule."""
-    import dataclasses
-
     n = get_trainer(workload.trainer).training_gpus(candidate, workload.num_gpus)
     if n == workload.num_gpus:
         return workload

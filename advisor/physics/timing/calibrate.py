@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -218,8 +219,6 @@ def _slug(text: str) -> str:
 
 
 def cpu_path() -> Path:
-    import socket
-
     from ..._files import cache_dir
 
     return cache_dir() / "calibration" / f"cpu-{_slug(socket.gethostname())}.json"

@@ -5,6 +5,8 @@ See the package docstring (advisor/physics/timing/__init__.py)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from functools import lru_cache
@@ -131,8 +133,6 @@ def _by_arch(block: Any, gpu: GPUSpec) -> Any:
 def time_constants(gpu: GPUSpec) -> TimeConstants:
     """The constants for `gpu`: its calibration where one was measured (calibrate.py), with the host's cost per op
     (pinned by ADVISOR_HOST_COST, else the calibration's own, else this host's microbenchmark: host.py)."""
-    import os
-
     from .calibrate import read
     from .host import ENV, HostCost
 
@@ -241,8 +241,6 @@ def _label(block: dict | None) -> str:
 
 def fitted_multipliers(gpu_name: str) -> dict[str, float]:
     """Multipliers per term fitted by scripts/gpu_validate.py on this GPU (measured / predicted), if it ran."""
-    import re
-
     from ...profiles import PROFILES_DIR
 
     path = PROFILES_DIR / "measurements" / (re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") + ".json")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import time
@@ -108,8 +109,6 @@ def _versions() -> str:
 
 
 def _cache_path() -> Path:
-    import re
-
     from ..._files import cache_dir
 
     key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{socket.gethostname()}-{_versions()}").strip("-")
