@@ -26,6 +26,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..errors import ConfigError
 from ..measurement import Category
@@ -40,8 +44,6 @@ __all__ = ["fake_process_group", "fsdp2_sharding", "prepare_fsdp2"]
 def fake_process_group(world_size: int) -> Iterator[Any]:
     """The default process group as the `fake` backend with `world_size` ranks (this process is rank 0), and its
     1-D device mesh (built outside any fake mode: the mesh computes its coordinates with real tensors)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -159,8 +161,6 @@ def _restart_stream(tracker: Any) -> None:
 def _optimizer_on_host() -> Iterator[None]:
     """With CPU offload the optimizer steps on the host: nothing it allocates (its state, its temporaries) is device
     memory, so the tracker records nothing while it runs."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
     def pre(optimizer: Any, *_: Any) -> None:
         tracker = _active_tracker()
         if tracker is not None:
@@ -248,8 +248,6 @@ def _untracked_sharding_propagation() -> Iterator[None]:
 
 
 def _active_tracker():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     from .tracker import StorageTracker
 
     return next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, StorageTracker)), None)

@@ -21,6 +21,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._decomp import decomposition_table
+from torch._subclasses import fake_impls
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 def _overloads() -> tuple[Any, ...]:
@@ -31,8 +34,6 @@ def _overloads() -> tuple[Any, ...]:
 @functools.cache
 def fake_addmm_out_dtype_works() -> bool:
     """Whether this torch's fake mode runs `addmm(..., out_dtype=float32, out=acc)` (probed once, on tiny tensors)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if not _overloads():
         return True  # no out_dtype overloads: nothing calls them
     log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -73,8 +74,6 @@ def fake_out_dtype_matmuls(stand_in: bool | None = None) -> Iterator[None]:
     if not stand_in and fake_addmm_out_dtype_works():
         yield
         return
-    from torch._decomp import decomposition_table
-    from torch._subclasses import fake_impls
 
     ops = _overloads()
     dropped = {op: decomposition_table.pop(op) for op in ops if op in decomposition_table}
