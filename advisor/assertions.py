@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .emit import load_run_config
+from .inputs import build_workload
 from .measurement import Measurement
 from .regress import DEFAULT_BACKEND, compare_rows, measure
 from .render import format_bytes, render_table
@@ -28,13 +30,9 @@ def assert_peak_memory(
     device peak, else reserved, else allocated) are compared; on the CPU all three are the allocator's peak.
     Returns the measurement for further assertions.
     """
-    from .inputs import build_workload
-
     if isinstance(config, Candidate):
         candidate = config
     else:
-        from .emit import load_run_config
-
         candidate = load_run_config(config).candidate
     workload = build_workload(model, gpu=gpu, dataset=dataset)
     m = measure(workload, candidate, backend)

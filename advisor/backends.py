@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from .errors import UsageError
-from .measurement import Source
-from .probing import PROBE_BACKENDS, PROBE_SOURCES  # noqa: F401  (PROBE_BACKENDS: the CLI's)
+from .errors import NotSimulated, UsageError
+from .measurement import Source, Status
+from .probing import PROBE_BACKENDS, PROBE_SOURCES, probe  # noqa: F401  (PROBE_BACKENDS: the CLI's)
+from .simulator import simulate, simulate_per_rank
 
 if TYPE_CHECKING:
     from .measurement import Measurement
@@ -74,14 +75,11 @@ def _estimate(workload: Workload, candidate: Candidate) -> Measurement:
 
 def _simulate(workload: Workload, candidate: Candidate) -> Measurement:
     if workload.num_gpus > 1:  # one rank of N, the candidate's parallelism
-        from .errors import NotSimulated
-        from .simulator import simulate_per_rank
 
         try:
             return simulate_per_rank(workload, candidate, parallelism=candidate.parallelism.parallelism)
         except NotSimulated as why:  # what the fake run does not do yet: the estimate's closed form, saying so
             return _estimated_instead(workload, candidate, why.reason)
-    from .simulator import simulate
 
     return simulate(workload, candidate)
 
@@ -90,7 +88,6 @@ def _estimated_instead(workload: Workload, candidate: Candidate, reason: str) ->
     """The estimate of `candidate` (its source `estimate`: modelled, not run), with the simulate backend's verdict
     against the per-rank budget and a note naming what was not simulated."""
     from .estimator import estimate
-    from .measurement import Status
 
     m = estimate(workload, candidate)
     device = m.device_bytes or m.peak_bytes
@@ -103,8 +100,6 @@ def _estimated_instead(workload: Workload, candidate: Candidate, reason: str) ->
 
 def _probe(kind: str) -> Measure:
     def run(workload: Workload, candidate: Candidate) -> Measurement:
-        from .probing import probe
-
         # A real probe enforces the limit as a hard cap, so an over-budget candidate really OOMs.
         return probe(workload, candidate, backend=kind, memory_budget_bytes=workload.limit_bytes)
 

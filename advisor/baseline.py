@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._files import write_atomic
+from .backends import backend_names
 from .errors import BaselineError, ConfigError
 from .inputs import WorkloadRef
 from .space import Candidate
@@ -58,7 +60,6 @@ class Baseline:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        from ._files import write_atomic
 
         return write_atomic(path, json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
 
@@ -68,8 +69,6 @@ _REQUIRED = ("peak_bytes", "breakdown", "backend", "source", "workload", "candid
 
 def load_baseline(path: str | Path) -> Baseline:
     """Read a baseline file; every problem is reported at once, naming the file and the fix (exit 2)."""
-    from .backends import backend_names
-
     path = Path(path)
     record = f"record it with `advisor baseline --model M --config RUN.yaml --out {path}`"
     if not path.is_file():

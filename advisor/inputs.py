@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from ._files import check_names
 from .data import Dataset
 from .errors import ConfigError, UsageError
 from .profiles import decide_offline, detect_gpu, resolve_gpu, resolve_model
@@ -40,8 +41,6 @@ def build_workload(
     """Resolve names to a Workload. With no `gpu`, the local GPU through NVML, else DEFAULT_GPU (noted). `models`:
     the models the trainer takes beside the policy, each by its declared parameter (advisor.trainers ModelInput,
     e.g. online RL's `reward_model`), a hub id or a local directory; one the trainer takes none of is refused."""
-    from ._files import check_names
-
     declared = {m.param: m for m in model_inputs()}
     unknown = sorted(set(models) - set(declared))
     if unknown:

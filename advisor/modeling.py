@@ -6,6 +6,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .errors import ConfigError
 from .space import default_attention
 
 if TYPE_CHECKING:
@@ -42,8 +43,6 @@ def build_model(spec: ModelSpec, candidate: Candidate | None = None, device: str
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(candidate))
         if not getattr(model, "_supports_flash_attn", False):
-            from .errors import ConfigError
-
             raise ConfigError(
                 f"attn_implementation={attn}: {type(model).__name__} does not support FlashAttention (transformers "
                 "raises \"does not support Flash Attention yet\"); use attn_implementation=sdpa or eager"

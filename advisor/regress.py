@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._versions import library_versions
+from .backends import check_baselinable, check_usable, source_of
 from .baseline import SCHEMA_VERSION, TOTALS, Baseline, load_baseline
 from .errors import ConfigError, UsageError
 from .inputs import WorkloadRef
 from .measurement import Category, Measurement
 from .space import Candidate
+from .trainers import training_workload
 
 if TYPE_CHECKING:
     from .workload import Workload
@@ -146,9 +148,6 @@ def measure(workload: Workload, candidate: Candidate, backend: str = DEFAULT_BAC
     """Measure with the named backend of the registry (advisor.backends); the candidate is checked against TRL's
     rules first (exit 2 if broken), and an unknown backend name is a UsageError naming --backend. Measured as the
     search measures it: on the ranks that train (vLLM server mode's GPUs left out: trainers.training_workload)."""
-    from .backends import check_usable
-    from .trainers import training_workload
-
     be = check_usable(backend)
     candidate = candidate.for_model(workload.model)  # the run's own defaults for attention and LoRA targets
     candidate.check(workload.gpu, workload.model)
@@ -178,8 +177,6 @@ def record_baseline(
     ref: WorkloadRef | None = None,
 ) -> Baseline:
     """Measure once and keep everything `check` needs. `ref` names the workload as the user gave it."""
-    from .backends import check_baselinable
-
     backend = check_baselinable(backend).name
     m = measure(workload, candidate, backend)
     if not m.ok or m.peak_bytes is None:
@@ -239,8 +236,6 @@ def version_changes(was: dict[str, str], now: dict[str, str], backend: str) -> t
 
     A backend whose source is a prediction (simulate, estimate) never runs a device kernel, so a build label
     (+cpu, +cu128) is ignored for it."""
-    from .backends import source_of
-
     predicted = not source_of(backend).is_run
 
     def same(a: str | None, b: str | None) -> bool:

@@ -8,10 +8,15 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import emit
+from . import __version__, emit
+from .accelerate_config import accelerate_config
+from .errors import UsageError
 from .events import Event, render
 from .measurement import Measurement
+from .packages import missing
+from .report import render_report
 from .space import Candidate
+from .trainers import trainer_of
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -65,8 +70,6 @@ class Suggestion:
     @property
     def trainer(self) -> Trainer:
         """The TRL trainer this suggestion is for (advisor.trainers; the workload's)."""
-        from .trainers import trainer_of
-
         return trainer_of(self.workload)
 
     def trl_config(self, **overrides: Any) -> Any:
@@ -93,8 +96,6 @@ class Suggestion:
 
     def _config_named(self, config_name: str, method: str, overrides: dict[str, Any]) -> Any:
         if self.trainer.config_class().__name__ != config_name:
-            from .errors import UsageError
-
             raise UsageError(f"{method}(): this suggestion is for trainer={self.trainer.name!r}; use trl_config() "
                              f"(a {self.trainer.config_class().__name__})")
         return self.trl_config(**overrides)
@@ -129,8 +130,6 @@ class Suggestion:
         return self.trainer.to_yaml(self.candidate, header=self.yaml_header(), **self._emit_args())
 
     def yaml_header(self) -> str:
-        from . import __version__
-
         m, wl = self.measurement, self.workload
         how = _SOURCE_WORDS.get(m.source.value, m.source.value)
         if m.source.value == "simulate" and wl.gpu.is_cuda:
@@ -162,8 +161,6 @@ class Suggestion:
         """The accelerate config of this pick (its `parallelism` on the workload's num_gpus / num_machines) and the
         commands that launch it (`accelerate launch --config_file ... -m trl.scripts.<command>`, `trl <command>
         --accelerate_config ...`), for this suggestion's trainer."""
-        from .accelerate_config import accelerate_config
-
         wl = self.workload
         # a trainer that sets GPUs aside (online RL's vLLM server) says how --num-gpus split; the rest train
         sp = self.trainer.gpu_split(self.candidate, self.model_name_or_path, wl.num_gpus)
@@ -233,8 +230,6 @@ class Suggestion:
     def requirements_note(self) -> str:
         """What the target must have installed; for a target that is not this machine, which of it this one lacks
         (a run here left such candidates out: advisor/packages.py)."""
-        from .packages import missing
-
         pkgs = self.candidate.requirements()
         if not pkgs:
             return ""
@@ -248,8 +243,6 @@ class Suggestion:
         return self.workload.dataset.truncated_share(c.max_length, c.packing, c.packing_strategy.value)
 
     def report(self) -> str:
-        from .report import render_report
-
         return render_report(self)
 
 

@@ -16,6 +16,7 @@ import traceback
 import warnings
 from typing import Any
 
+from .. import __version__
 from .. import _interrupt as interrupt
 from ..errors import AdvisorError
 
@@ -44,7 +45,6 @@ class _Version(argparse.Action):
 
 def _version() -> str:
     """advisor's version and the libraries whose behaviour it models."""
-    from .. import __version__
     from .._versions import library_versions
 
     libs = {k: v for k, v in library_versions().items() if k != "advisor"}

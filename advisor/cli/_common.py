@@ -12,11 +12,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._files import check_names, write_atomic
+from ..accelerate_config import read_accelerate_config
+from ..emit import ALLOC_ENV, load_run_config
 from ..errors import ConfigError, UsageError
 from ..inputs import build_workload
+from ..knobs import Home, fix_names, yaml_keys
 from ..measurement import Measurement
+from ..parallelism import Layout, layout_problems
+from ..profiles import decide_offline
 from ..space import Candidate
-from ..trainers import DEFAULT, choices, get_trainer, launched_candidate, model_inputs, trainer_of, training_workload
+from ..trainers import (
+    DEFAULT,
+    choices,
+    get_trainer,
+    launched_candidate,
+    model_inputs,
+    names,
+    trainer_of,
+    training_workload,
+)
+from ..trainers import names as trainer_names
 from ..workload import Goals, Workload, parse_fraction, parse_size  # noqa: F401 (the CLI's)
 
 
@@ -36,7 +52,6 @@ def add_workload_args(parser: argparse.ArgumentParser, *, model_required: bool =
                         "the effective batch counts every rank (default 1)")
     g.add_argument("--num-machines", type=int, default=1, metavar="M",
                    help="the N GPUs are spread over M machines, N/M each (default 1)")
-    from ..parallelism import Layout
 
     g.add_argument("--parallelism", default=None, choices=[v.value for v in Layout],
                    help="with --num-gpus N > 1 and --config: how accelerate shards the model (the accelerate config "
@@ -67,9 +82,6 @@ def read_run_config(ns: argparse.Namespace) -> Any:
     """--config read as --trainer's `trl <command>` reads it (a RunConfig). A file another trainer's command reads
     and this one refuses (a GRPO file read as the default sft's: every GRPO key unknown) says which --trainer reads
     it."""
-    from ..emit import load_run_config
-    from ..trainers import names
-
     trainer = getattr(ns, "trainer", DEFAULT)
     try:
         return load_run_config(ns.config, trainer=trainer)
@@ -95,7 +107,6 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
     model = ns.model
     dataset = getattr(ns, "dataset", None)
     config_path = getattr(ns, "config", None)
-    from .._files import check_names
     models = {m.param: getattr(ns, m.param, None) for m in model_inputs()}
     flags = {m.param: m.flag for m in model_inputs()}
     trainer = getattr(ns, "trainer", DEFAULT)
@@ -115,7 +126,6 @@ def workload_from_args(ns: argparse.Namespace, goals: Goals | None = None) -> Wo
                 from_config[flags[param]] = f"--config {config_path}: {keys[param]}"
     if model is None:
         raise UsageError("--model is required (or model_name_or_path in --config)")
-    from ..profiles import decide_offline
 
     offline = decide_offline(model, dataset, getattr(ns, "tokenizer", None))  # once, before anything waits on it
     if offline:
@@ -178,8 +188,6 @@ def check_writable(path: str | Path | None, flag: str) -> None:
 def write_output(path: str | Path, text: str, flag: str) -> None:
     """An output file written atomically (advisor._files); a failure is a UsageError naming the flag, with
     nothing half-written left behind."""
-    from .._files import write_atomic
-
     try:
         write_atomic(path, text)
     except OSError as exc:
@@ -194,8 +202,6 @@ def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None
     layout = getattr(ns, "parallelism", None)
     launch = None
     if getattr(ns, "accelerate_config", None):
-        from ..accelerate_config import read_accelerate_config
-
         launch = read_accelerate_config(ns.accelerate_config)
         if layout is not None and layout != launch.layout.value:
             raise UsageError(f"--parallelism {layout} with --accelerate-config {ns.accelerate_config}, whose layout "
@@ -223,7 +229,6 @@ def candidate_from_args(ns: argparse.Namespace, workload: Workload | None = None
                 raise UsageError(f"--num-machines {workload.num_machines} with --accelerate-config "
                                  f"{ns.accelerate_config}, whose num_machines is {launch.num_machines}: give "
                                  f"--num-machines {launch.num_machines}")
-        from ..parallelism import layout_problems
 
         world = [p.replace("parallelism=", "--parallelism ") for p in layout_problems(cand.parallelism,
                                                                                     train.num_gpus)]
@@ -236,10 +241,6 @@ def in_config_file(problem: str, path: str) -> str:
     """A rule's problem as a command reading `--config FILE` says it: each `--fix NAME=VALUE` (the search's way to
     pin a knob, which such a command has not) becomes what to write in the file: the knob's key in the TRL file,
     both allocator variables of its `env:` block, or the accelerate config."""
-    from ..emit import ALLOC_ENV
-    from ..knobs import Home, fix_names, yaml_keys
-    from ..trainers import names as trainer_names
-
     trainer_names()  # every built-in trainer's own knobs registered
     names = fix_names()
 

@@ -6,10 +6,11 @@ import argparse
 import os
 
 from ..baseline import load_baseline
+from ..emit import load_run_config
 from ..errors import UsageError
 from ..regress import DEFAULT_TOLERANCE, check, parse_tolerance
 from ..render import check_markdown, check_text, check_verdict
-from ._common import add_config_arg, emit_json
+from ._common import add_config_arg, emit_json, reattribute
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,13 +34,10 @@ def run(ns: argparse.Namespace) -> int:
     baseline = load_baseline(ns.baseline)
     candidate = None
     if ns.config:
-        from ..emit import load_run_config
-
         candidate = load_run_config(ns.config, trainer=baseline.workload.trainer).candidate  # the baseline's
     try:
         result = check(baseline, candidate=candidate, tolerance=tolerance)
     except UsageError as exc:  # the workload rebuilt from the baseline's names: check has no --model / --gpu
-        from ._common import reattribute
 
         raise reattribute(exc, {f"--{k}": f"--baseline {ns.baseline}: workload.{k}"
                                 for k in ("model", "gpu", "dataset", "tokenizer", "sample")}) from None

@@ -6,6 +6,9 @@ import argparse
 import sys
 
 from ..errors import UsageError
+from ..lengths import MICRO_BATCHES, LengthRequest
+from ..profiles import resolve_model
+from ..trainers import generating, get_trainer
 from ._common import add_workload_args, check_writable, emit_json, parse_fraction
 
 
@@ -38,10 +41,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..lengths import MICRO_BATCHES, LengthRequest
-    from ..profiles import resolve_model
-    from ..trainers import generating, get_trainer
-
     max_truncation = parse_fraction(ns.max_truncation, "--max-truncation")
     check_writable(ns.plot, "--plot")
     bad = [v for v in (ns.max_length or []) if v < 1] + [v for v in (ns.micro_batch or []) if v < 1]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 
 from ..backends import PROBE_BACKENDS
+from ..probing import probe
 from ..render import probe_text
+from ..trainers import training_workload
 from ._common import (
     add_config_arg,
     add_workload_args,
@@ -41,10 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..probing import probe
-
     budget = parse_size(ns.memory_budget) if ns.memory_budget is not None else None
-    from ..trainers import training_workload
 
     shown = workload_from_args(ns)
     candidate = candidate_from_args(ns, shown)

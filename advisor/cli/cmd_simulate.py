@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from ..render import simulate_text
+from ..simulator import simulate, simulate_per_rank
+from ..trainers import training_workload
 from ._common import (
     add_config_arg,
     add_workload_args,
@@ -25,15 +27,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..simulator import simulate
-    from ..trainers import training_workload
-
     shown = workload_from_args(ns)
     candidate = candidate_from_args(ns, shown)
     workload = training_workload(shown, candidate)  # the ranks that train (vLLM server mode's GPUs left out)
     layers = None if ns.full_depth else (2, 3)
     if workload.num_gpus > 1:  # one rank of N, sharded as --parallelism says
-        from ..simulator import simulate_per_rank
 
         m = simulate_per_rank(workload, candidate, parallelism=candidate.parallelism.parallelism, layers=layers)
     else:

@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from ..backends import backend_names
+from ..emit import load_run_config
 from ..errors import BackendError, NoFitError, UsageError
+from ..events import StorageNote
+from ..report import plot, render_report, render_summary
+from ..search import check_backend, check_jobs, prestarted, suggest
+from ..trainers import DEFAULT as DEFAULT_TRAINER
+from ..workload import Goals
 from ._common import (
     add_workload_args,
     check_writable,
@@ -71,15 +77,12 @@ def jobs_kwargs(ns: argparse.Namespace) -> dict[str, int]:
     """--jobs checked before any work (ConfigError naming --jobs, exit 2); {} when not given (the default)."""
     if ns.jobs is None:
         return {}
-    from ..search import check_jobs
 
     return {"jobs": check_jobs(ns.jobs)}
 
 
 # ---- the goal flags: one per `Goals` field, as it declares them ----------------------------------------------
 def add_goal_args(p: argparse.ArgumentParser) -> None:
-    from ..workload import Goals
-
     for g in Goals.declared():
         dest = g.flag.removeprefix("--").replace("-", "_")
         if g.kind == "switch":
@@ -94,8 +97,6 @@ def add_goal_args(p: argparse.ArgumentParser) -> None:
 
 def goals_from_args(ns: argparse.Namespace) -> dict[str, Any]:
     """The Goals field values the goal flags give (a flag left out keeps the field's default)."""
-    from ..workload import Goals
-
     out: dict[str, Any] = {}
     for g in Goals.declared():
         value = getattr(ns, g.flag.removeprefix("--").replace("-", "_"))
@@ -133,9 +134,6 @@ def parse_fixes(items: list[str]) -> dict[str, str]:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..search import suggest
-    from ..workload import Goals
-
     fmt = "json" if ns.json else ns.format
     goals = Goals(**goals_from_args(ns))
     fixes = parse_fixes(ns.fix)
@@ -151,10 +149,7 @@ def run(ns: argparse.Namespace) -> int:
     check_writable(ns.accelerate_output, "--accelerate-output")
     jobs = jobs_kwargs(ns)
     if ns.backend is not None:
-        from ..search import check_backend
-
         check_backend(ns.backend)  # an unknown name, or cuda without a GPU, exits 2 naming --backend before any work
-    from ..search import prestarted
 
     bar = _Stderr(bar=sys.stderr.isatty())
     # the simulator's worker server imports torch, transformers and TRL while this process resolves the workload
@@ -190,8 +185,6 @@ def _answer(ns: argparse.Namespace, s: Any, fmt: str) -> None:
             print(config_text if text else s.to_yaml(), end="")  # the search's answer is not lost with the file
             raise
     if ns.plot:
-        from ..report import plot
-
         plot(s, ns.plot)
     if ns.accelerate_output:
         write_output(ns.accelerate_output, s.accelerate_yaml(ns.accelerate_output, ns.output or "run.yaml"),
@@ -210,8 +203,6 @@ def _answer(ns: argparse.Namespace, s: Any, fmt: str) -> None:
 
 def _print_table(ns: argparse.Namespace, s: Any) -> None:
     """The table answer: the summary (or --report), the files written, the launch on several GPUs, the next step."""
-    from ..report import render_report, render_summary
-
     print(render_report(s) if ns.report else render_summary(s))
     if ns.output:
         print(f"\nwrote {ns.output}")
@@ -244,8 +235,6 @@ def next_step(ns: argparse.Namespace, s) -> str:
                f"trl {s.trainer.command} --config {shlex.quote(ns.output)}")
         lines.append(f"  {run}{data}")
     else:
-        from ..events import StorageNote
-
         unstored = ns.no_cache or any(isinstance(e, StorageNote) for e in s.events)  # memory, or read-only
         cache = "" if unstored else "    # the same search: answered from the stored study"
         more = " --accelerate-output accelerate.yaml" if world and not ns.accelerate_output else ""
@@ -259,8 +248,6 @@ def next_step(ns: argparse.Namespace, s) -> str:
                      f"{s.workload.num_gpus} x {s.workload.gpu.name}; a real probe of several GPUs is not supported "
                      "yet)")
     elif not s.measured_on_target:
-        from ..trainers import DEFAULT as DEFAULT_TRAINER
-
         wl = s.workload
         probe = shlex.join(["advisor", "probe", "--model", _absolute(ns.model) or s.model_name_or_path,
                             "--config", "run.yaml", "--gpu", wl.gpu.name, *(["--dataset", ns.dataset] if ns.dataset
@@ -299,8 +286,6 @@ def _workload_names(ns: argparse.Namespace, workload) -> dict[str, object]:
     """The names the workload was built from, stored in the study so `advisor worker` can rebuild it."""
     model, dataset = ns.model, ns.dataset
     if ns.config and (model is None or dataset is None):
-        from ..emit import load_run_config
-
         rc = load_run_config(ns.config, trainer=ns.trainer)
         model, dataset = model or rc.model_name_or_path, dataset or rc.dataset
     # the resolved GPU, so that a worker on another machine measures for the same target; local paths made

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._messages import capture, said_note
 from ..errors import DatasetError
 from .dataset import DataFormat
 from .readers import first_line
@@ -119,7 +120,6 @@ def prepare_with_trl(
     import datasets
     from trl import SFTConfig, SFTTrainer
 
-    from .._messages import capture, said_note
     columns = sorted({k for r in rows for k in r})
     try:
         hf = datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in columns})

@@ -33,6 +33,8 @@ from ..physics import (
     DTYPE_BYTES,
     Architecture,
     architecture,
+    estimate_rank_moments,
+    estimate_rank_time,
     knob_memory_savings,
     knob_time,
     lora_parameters,
@@ -138,7 +140,6 @@ def _rows_closed_form(workload: Workload, candidate: Candidate, adjust: Any = No
         moments = adjust(moments, p)
     rank_notes: list[str] = []
     if workload.num_gpus > 1:  # one rank of N: the model states sharded as the candidate's parallelism shards them
-        from ..physics import estimate_rank_moments
 
         moments, rank_notes = estimate_rank_moments(workload, c, moments, p)
     when, moment = max(moments.items(), key=lambda kv: sum(kv[1].values()))
@@ -151,7 +152,6 @@ def _rows_closed_form(workload: Workload, candidate: Candidate, adjust: Any = No
     step_time, trained_per_step = timed.step_s, int(round(timed.trained_per_step))
     terms = dict(timed.terms)
     if workload.num_gpus > 1:  # global throughput: every rank's tokens over the step with the collectives' time
-        from ..physics import estimate_rank_time
 
         step_time, trained_per_step, exposed, comm_note = estimate_rank_time(workload, c, step_time,
                                                                               trained_per_step)

@@ -17,6 +17,8 @@ from ..physics import (
     DTYPE_BYTES,
     Architecture,
     architecture,
+    context_bytes,
+    cublas_workspace_bytes,
     knob_memory_savings,
     lora_parameters,
     quantized_linear_bytes,
@@ -210,7 +212,5 @@ def _lm_head_bytes(
 def outside_allocator_bytes(gpu: GPUSpec, threads: int | None = None) -> int:
     """CUDA context + cuBLAS workspaces (one per thread issuing GEMMs, `threads`: default a training step's): the same
     calibrated constants the simulator uses (profiles/measurements/cuda_constants.json)."""
-    from ..physics import context_bytes, cublas_workspace_bytes
-
     return context_bytes(gpu.compute_capability) + cublas_workspace_bytes(gpu.compute_capability, threads)
 

@@ -19,23 +19,32 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from ..data import TokenizedDataset
 from ..errors import ConfigError
 from ..measurement import Category, Measurement, Source, Status
 from ..physics import (
     DTYPE_BYTES,
     architecture,
+    estimate_rank_moments,
+    estimate_rank_time,
     online_build_step,
+    online_constants,
     online_Loss,
     online_phase_allocator_bytes,
     online_step_time_on,
     online_TrainingState,
     online_vllm_terms,
     online_VllmRefusal,
+    peak_flops,
     resident_bytes,
+    step_divergence,
     teacher_of,
+    teacher_train_flops,
+    time_constants,
     vllm_Mode,
     vllm_Sleep,
     vllm_TRL_SLEEP_LEVEL,
+    vocabulary_note,
 )
 from ..physics import online_device_peak as device_peak
 from ..space import Optimizer, Precision
@@ -61,8 +70,6 @@ _CATEGORY = {
 def _completions(workload: Workload, rows: int, prompt: int, completion: int) -> Any:
     """The training micro-batch as the rows the estimate's parts count: `rows` sequences of prompt + completion,
     the completion trained."""
-    from ..data import TokenizedDataset
-
     row = {"input_ids": [0] * (prompt + completion), "completion_mask": [0] * prompt + [1] * completion}
     data = TokenizedDataset(name=f"{workload.dataset.name} (completions as rows)", source="synthetic",
                             rows=(row,) * rows, completion_only_loss=True)
@@ -106,7 +113,6 @@ def build_step(workload: Workload, candidate: Candidate, knobs: Any, trainer: Tr
     teacher_bytes = teacher_arch.total * teacher_element + teacher_arch.buffer_bytes if teacher_arch else 0
     zero3 = False
     if world > 1:  # one rank of N: the model states as the candidate's parallelism shards them
-        from ..physics import estimate_rank_moments
 
         P, G, OPT = Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER
         one = {P: params, G: grads, OPT: optim, Category.ACTIVATIONS: 0, Category.LM_HEAD: 0,
@@ -207,7 +213,6 @@ def estimate_online_rl(workload: Workload, candidate: Candidate, knobs: Any, tra
     step_s, trained = timed.step_s, timed.trained_tokens_per_step
     if workload.num_gpus > 1:  # global throughput, as the SFT estimate: every training rank's completions, plus
         # the collectives' time the training passes do not hide (generation and scoring hide none of it)
-        from ..physics import estimate_rank_time
 
         with_comm, trained, exposed, comm_note = estimate_rank_time(workload, c, train.step_s, trained)
         step_s += with_comm - train.step_s
@@ -280,8 +285,6 @@ def _teacher_s(step: Any, gpu: Any) -> float:
     """Seconds a distillation step adds to the SFT passes of its micro-batches: the teacher's no-grad forward and
     the divergence's projections through both heads (advisor/physics/distillation.py teacher_train_flops), at the
     step-time model's GEMM efficiency, in the teacher's weights' dtype (no autocast reaches the training pass)."""
-    from ..physics import peak_flops, teacher_train_flops, time_constants
-
     precision = "fp32" if step.teacher.weight_element_bytes == 4 else "bf16"
     flops = teacher_train_flops(step.teacher, rows=step.per_device_train_batch_size, sequence=step.sequence_length,
                                 completion=step.max_completion_length, vocab=step.vocab, student_hidden=step.hidden,
@@ -291,8 +294,6 @@ def _teacher_s(step: Any, gpu: Any) -> float:
 
 def _distillation_notes(step: Any) -> list[str]:
     """What the estimate of a distillation step says of the teacher and of the vocabulary's logits."""
-    from ..physics import online_constants, step_divergence, vocabulary_note
-
     gib = 2**30
     teacher = step.teacher
     div = step_divergence(step, step.per_device_train_batch_size,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import physics as tm
 from ..physics import DTYPE_BYTES, Architecture, knob_time, lora_parameters
 from ..space import Attention, Candidate, Precision, Quantization, WeightsDtype
 from .memory import TOKEN_CHUNK, VOCAB_CHUNK
@@ -27,8 +28,6 @@ def expected_step_time(workload: Workload, arch: Architecture, c: Candidate, wor
     folds, bitsandbytes' dequantisation; host ops per layer from the same counts; the optimizer as the target runs
     it. Evaluated over the same batch distribution as the simulator's, so the two backends rank alike.
     """
-    from .. import physics as tm
-
     gpu = workload.gpu
     tc = tm.time_constants(gpu)
     cuda = gpu.is_cuda
@@ -177,8 +176,6 @@ def _micro_segments(tc, layers: int, lo: dict, hi: dict, f: float, dev: np.ndarr
     grad on), the Trainer's nan check draining it again. Ops per layer and class from the fake run
     (time_constants.json "estimate"). `extra_host`: TRL's head's host time, bitsandbytes' dequantize launches' in the
     forward and in all. Returns (the segments, host seconds, ops without a kernel, syncs)."""
-    from .. import physics as tm
-
     grad, back, nograd = tm.OpClass.GRAD, tm.OpClass.BACKWARD, tm.OpClass.NOGRAD
     head_host, dequant_fwd, dequant_all = extra_host
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from . import interconnect, peak_flops, time_constants
 from .distillation import train_moments
 from .online_step import GENERATE, PHASES, SCORE, TRAIN, Loss, OnlineStep, VllmSide, _c, _constants_block
 from .timing import OpClass
@@ -476,8 +477,6 @@ def step_time_on(step: OnlineStep, gpu: Any, arch: Any, *, precision: str, train
     """`step_time` on the target `gpu` (a GPUSpec): its time constants, peak FLOPs at `precision`, its interconnect
     (a served vLLM's weight sync; None on a CPU target), the dense parameters of `arch` (decoder linears + the head),
     vLLM's weights and KV-cache rounds from `step` and `vllm`. What the estimate and the simulator both call."""
-    from . import interconnect, peak_flops, time_constants
-
     return step_time(step, time_constants(gpu), train_s=train_s,
                      dense_params=arch.decoder_linear + arch.vocab * arch.hidden,
                      interconnect_bytes_s=interconnect(gpu).intra_gbs * 1e9 if gpu.is_cuda else None,

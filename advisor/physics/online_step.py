@@ -56,7 +56,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError
 from .distillation import Teacher
 from .shapes import DTYPE_BYTES
-from .vllm import TRL_SLEEP_LEVEL, KVLayout, Mode, Sleep, cudagraph_graphs
+from .vllm import DTYPE_BYTES as _VLLM_BYTES
+from .vllm import TRL_SLEEP_LEVEL, KVLayout, Mode, Sleep, cudagraph_graphs, derived_max_model_len, kv_layout, vllm_dtype
 
 if TYPE_CHECKING:
     from ..space import Candidate
@@ -384,9 +385,6 @@ def vllm_side(config: Mapping[str, Any], *, parameters: int, generation_batch: i
     `derived_max_model_len`): the checkpoint's `parameters` at vLLM's dtype, its KV layout, its max_model_len, and
     the profile run's activations, non-torch memory and CUDA graphs (measured values win over the modelled ones).
     `generation_batch`: TRL's max_num_seqs (the local generation batch, tensor-parallel 1)."""
-    from .vllm import DTYPE_BYTES as _VLLM_BYTES
-    from .vllm import derived_max_model_len, kv_layout, vllm_dtype
-
     name = vllm_dtype(config, supports_bf16=supports_bf16)
     nbytes = _VLLM_BYTES[name]
     c = config.get("text_config") or config

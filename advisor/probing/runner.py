@@ -25,8 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import UsageError
+from ..errors import ConfigError, UsageError
 from ..measurement import Measurement, Source, Status
+from ..packages import install_hint, missing
+from ..parallelism import Layout, layout_problems
+from . import ranks
+from .ranks import MARK_ENV, launch_argv, merge
 
 # The real probes, each by its backend name (`advisor probe --backend`, `advisor.probe(backend=)`, the search's
 # backends of the same names) and the Source its measurements carry.
@@ -221,8 +225,6 @@ def probe(
     if not problems:
         problems.extend(_device_problems(workload, candidate, backend, weights))
     if problems:
-        from ..errors import ConfigError
-
         raise ConfigError(problems, context="probe")
     source = PROBE_SOURCES[backend]
     job = job_dict(workload, candidate, backend, steps=steps, warmup=warmup,
@@ -234,8 +236,6 @@ def probe(
         (jobdir / JOB_FILE).write_text(json.dumps(job))
         argv = None
         if world > 1:
-            from .ranks import launch_argv
-
             argv = launch_argv(jobdir, backend, world, candidate)
         return run_child(jobdir, source, timeout_s=timeout_s, env=env_vars(candidate), argv=argv, world=world)
     finally:
@@ -267,8 +267,6 @@ def run_child(
     left into a Measurement."""
     exit_ = _spawn_and_wait(jobdir, timeout_s=timeout_s, env=env or {}, on_start=on_start, argv=argv, world=world)
     if world > 1:
-        from .ranks import merge
-
         return merge(jobdir, world, source, timed_out=exit_.timed_out, timeout_s=timeout_s,
                      wall_s=round(exit_.wall_time_s, 3), exit_message=_exit_message(exit_.returncode)
                      + _log_hint(jobdir))
@@ -276,8 +274,6 @@ def run_child(
 
 
 def _child_env(extra: dict[str, str], jobdir: Path | None = None) -> dict[str, str]:
-    from .ranks import MARK_ENV
-
     env = dict(os.environ)
     env.update(extra)
     if jobdir is not None:
@@ -293,8 +289,6 @@ def _spawn_and_wait(
     jobdir: Path, *, timeout_s: float, env: dict[str, str], on_start: Callable[[int], None] | None,
     argv: list[str] | None = None, world: int = 1,
 ) -> ChildExit:
-    from . import ranks
-
     heartbeat = jobdir / HEARTBEAT_FILE
     start = time.monotonic()
     with open(jobdir / LOG_FILE, "wb") as log:
@@ -403,8 +397,6 @@ def _log_hint(jobdir: Path, lines: int = 8) -> str:
 
 def _world_problems(workload: Workload, candidate: Candidate, backend: str) -> list[str]:
     """What a probe of `workload.num_gpus` ranks on this machine cannot run, each naming the flag and the fix."""
-    from ..parallelism import Layout, layout_problems
-
     n, layout = workload.num_gpus, candidate.parallelism
     out = [p.replace("--fix parallelism", "--parallelism") for p in layout_problems(layout, n)]
     if workload.num_machines > 1:
@@ -439,7 +431,6 @@ def _device_problems(workload: Workload, candidate: Candidate, backend: str, wei
         out.extend(f"--backend cpu: {p}" for p in candidate.problems(resolve_gpu("cpu")))
     if weights is not None and not Path(weights).is_dir() and os.environ.get("HF_HUB_OFFLINE"):
         out.append(f"--weights {weights}: not a directory, and the hub is offline; give a local model directory")
-    from ..packages import install_hint, missing
 
     absent = missing(candidate.requirements())
     if absent:  # the run is here: it would stop at once with transformers' or TRL's ImportError

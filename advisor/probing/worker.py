@@ -32,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from .._files import write_atomic
-from .meters import StepMeter, steady, step_callback
+from ..errors import UsageError
+from ..measurement import Category
+from ..modeling import placeholder_tokenizer, save_random_input_model, save_random_model
+from ..parallelism import Layout
+from ..simulator import shard_fsdp2
+from ..space import Candidate
+from ..workload import Goals, GPUSpec, ModelSpec, Workload
+from . import meters
+from .meters import StepMeter, is_oom, oom_request_bytes, steady, step_callback
 from .runner import FAULT_ENV, HEARTBEAT_FILE, JOB_FILE, RESULT_FILE
 
 # what torchrun / accelerate launch tell each rank
@@ -89,8 +97,6 @@ def _free_gloo_work_on_this_thread(hold_s: float = 0.02) -> None:
 
 def _random_model(spec, jobdir: Path, candidate, rank: int, heartbeat: Heartbeat) -> str:
     """Rank 0 saves the random model once; the other ranks wait for it (rank 0's heartbeat keeps the timeout)."""
-    from ..modeling import save_random_model
-
     return _saved_once(jobdir / "model", rank, lambda path: save_random_model(spec, path, candidate))
 
 
@@ -98,8 +104,6 @@ def _random_input_models(workload, kind, jobdir: Path, rank: int) -> dict[str, t
     """The models given beside the policy (the trainer's ModelInputs): one of each architecture with random weights,
     saved once, which the trainer loads by path as `trl <command>` loads its YAML key (resident beside the policy),
     with its placeholder tokenizer."""
-    from ..modeling import placeholder_tokenizer, save_random_input_model
-
     out = {}
     for inp in kind.model_inputs:
         spec = workload.model_of(inp.role)
@@ -169,9 +173,7 @@ def _fault(fault: str, where: str) -> None:
 
 
 def _rebuild(job: dict[str, Any]):
-    from ..space import Candidate
     from ..trainers import DEFAULT, get_trainer
-    from ..workload import Goals, GPUSpec, ModelSpec, Workload
 
     def model_spec(m: dict[str, Any]) -> ModelSpec:
         return ModelSpec(name=m["name"], config=m["config"], source=m["source"],
@@ -240,8 +242,6 @@ def _tensor_bytes(tensors) -> int:
 
 def _breakdown(trainer, peak: int) -> dict[str, int]:
     """Parameters and optimizer state (exact, live at every step's peak after the first); the rest unattributed."""
-    from ..measurement import Category
-
     params = _tensor_bytes(trainer.model.parameters())
     optim = 0
     if trainer.optimizer is not None:
@@ -270,9 +270,7 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     import torch
 
     from ..emit import quantization_config
-    from ..modeling import placeholder_tokenizer
     from ..trainers import get_trainer
-    from . import meters
 
     heartbeat.beat()
     backend = job["backend"]
@@ -290,8 +288,6 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
     sampler = ctx = None
     if cuda:
         if not torch.cuda.is_available():
-            from ..errors import UsageError
-
             raise UsageError("--backend cuda: no CUDA device is visible to the probe; use --backend cpu")
         try:
             sampler = meters.NvmlSampler(local_index=local)
@@ -331,8 +327,6 @@ def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str,
         callbacks=[step_callback(meter)], **own,
     )
     if cpu_fsdp2:  # accelerate's own fsdp2_prepare_model on the gloo mesh, before train() builds the optimizer
-        from ..parallelism import Layout
-        from ..simulator import shard_fsdp2
 
         shard_fsdp2(trainer.model, mesh, Layout(layout).parallelism, candidate.precision.value)
         notes.append(f"FSDP2 on {world} CPU ranks (gloo): accelerate's fsdp2_prepare_model applied to the loaded "
@@ -448,8 +442,6 @@ def _time_steady_state(trainer: Any, meter: StepMeter, timing: dict[str, Any], r
 
 def failure(exc: BaseException, job: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     """An exception in the child as a result: an allocation failure is `oom` (with its size), the rest `error`."""
-    from .meters import is_oom, oom_request_bytes
-
     meter = state.get("meter")
     where = f" in step {len(meter.steps) + 1}" if meter is not None and meter.train_begin_ns else " before training"
     if is_oom(exc):

@@ -34,6 +34,7 @@ from typing import Any
 
 from ..backends import (
     backend_names,
+    check_usable,
     default_backend_name,
     get_backend,
     register_backend,
@@ -514,6 +515,4 @@ _derive_keyword_parameters()
 
 def check_backend(name: str) -> None:
     """UsageError (exit 2) for an unknown backend, or one that cannot run here (cuda without a CUDA device)."""
-    from ..backends import check_usable
-
     check_usable(name)

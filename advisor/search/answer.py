@@ -21,6 +21,7 @@ from ..events import (
     render,
 )
 from ..measurement import Measurement, Status
+from ..packages import missing
 from ..space import Candidate
 from ..suggestion import Suggestion, Trial
 from ..workload import Method, Workload
@@ -162,8 +163,6 @@ def not_installed(run: StudyRun, full: StudySpace, left: LeftOut, pick: Candidat
     """For each package a run here lacks, what installing it alone would unlock: the knob values `installed_space`
     left out, and the best candidate of the whole space needing it (and nothing else missing) that the corrected
     estimate puts under the limit, against the same estimate of the pick."""
-    from ..packages import missing
-
     ev = run.evaluator
     base = ev.predicted(pick)
     base_tps = base[0] if base else 0.0

@@ -10,14 +10,18 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from .._messages import capture
+from ..backends import source_of as declared
 from ..errors import NoFitError, UsageError
 from ..measurement import Measurement, Source, Status
 from ..space import Candidate
+from ..trainers import trainer_of, training_workload
 from ..workload import Workload
 from . import fidelity
 from .backends import FunctionBackend, get_backend
 from .fidelity import Correction
 from .ledger import Entry, Ledger, candidate_key, device_bytes
+from .pool import check_jobs, messages_of, open_pool
 
 PRUNE_FACTOR = 1.3  # the estimate prunes a candidate over limit x this: "far over budget", allowing its error
 _GiB = 2**30
@@ -25,8 +29,6 @@ _GiB = 2**30
 
 def source_of(backend: str) -> Source:
     """The Source the registry declares for `backend` (an unregistered name is EXTERNAL, never an estimate)."""
-    from ..backends import source_of as declared
-
     try:
         return declared(backend)
     except UsageError:
@@ -61,7 +63,6 @@ class Evaluator:
 
     def __init__(self, workload: Workload, backend: FunctionBackend, ledger: Ledger, pool: Any = None):
         self.workload, self.backend, self.ledger = workload, backend, ledger
-        from ..trainers import trainer_of
 
         self.trainer = trainer_of(workload)
         self.pool = pool if pool is not None else SerialPool(backend)
@@ -193,8 +194,6 @@ class Evaluator:
     def workload_for(self, cand: Candidate) -> Workload:
         """The workload a backend measures `cand` on: the training side of the run (advisor/trainers/registry.py
         `training_workload`: vLLM server mode's `trl vllm-serve` GPUs left out)."""
-        from ..trainers import training_workload
-
         return training_workload(self.workload, cand)
 
     def evaluate(self, cand: Candidate, number: int | None) -> tuple[Entry, bool]:
@@ -207,8 +206,6 @@ class Evaluator:
     def submit(self, cand: Candidate) -> Pending:
         """Start measuring `cand` in the pool; what libraries warn while an in-process pool runs it is collected
         for the report."""
-        from .._messages import capture
-
         start = time.perf_counter()
         said = None
         try:
@@ -224,7 +221,6 @@ class Evaluator:
         try:
             m = pending.future.result()
             if getattr(self.pool, "remote", False):  # measured in a worker: its messages travel with the future
-                from .pool import messages_of
 
                 self.messages.update(messages_of(pending.future))
         except (KeyboardInterrupt, NoFitError):
@@ -280,8 +276,6 @@ def _open_pool(backend: str | FunctionBackend, jobs: int | None) -> Any:
     simulate, one per usable core unless `jobs` says otherwise; in this process for the estimate, the probes and
     backends registered in this process), or a SerialPool for a backend object that is not registered by name.
     `pool.jobs` sets how many candidates one batch of the loop proposes and tells, in proposal order."""
-    from .pool import check_jobs, open_pool
-
     if not isinstance(backend, str):
         check_jobs(jobs)
         return SerialPool(backend, 1)

@@ -10,6 +10,7 @@ from enum import Enum
 from typing import Any
 
 from ..errors import ConfigError
+from ..parallelism import layout_problems
 from ..space import Candidate, SearchSpace, carried_knobs, knob_value, with_knobs
 from ..trainers import trainer_of
 from ..workload import Workload
@@ -87,7 +88,6 @@ class StudySpace:
         lost = self.rows.truncation(cand)
         if lost > wl.goals.max_truncation:
             return f"loses {lost:.2%} of trained tokens to truncation (--max-truncation {wl.goals.max_truncation:.2%})"
-        from ..parallelism import layout_problems
 
         world = layout_problems(cand.parallelism, self._world(cand))  # the layout of the ranks that train
         if world:

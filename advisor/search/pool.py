@@ -48,8 +48,11 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._messages import capture
+from ..backends import source_of as declared
 from ..errors import ConfigError, UsageError
 from ..measurement import Measurement, Source, Status
+from .backends import get_backend
 from .forkserver import PRELOAD as _PRELOAD
 from .forkserver import Server as _Server
 from .pool_child import _worker_main
@@ -118,8 +121,6 @@ class Pool(Protocol):
 
 def open_pool(backend: str, jobs: int | None = None) -> Pool:
     """A pool measuring with the backend named `backend`: worker processes where that pays, else in-process."""
-    from .backends import get_backend
-
     n = check_jobs(jobs)
     get_backend(backend)  # an unknown name is a UsageError naming --backend, here as anywhere
     ref = child_reference(backend)
@@ -156,8 +157,6 @@ def child_reference(backend: str) -> str | None:
     """"module:qualname" of the backend's function when a child process can import it by that name and gets the
     same function (so a test that replaces `simulate` in-process is not silently measured by the real one);
     None for a backend not declared `parallel`, a serial one, a lambda, a closure, or a function of `__main__`."""
-    from .backends import get_backend
-
     if backend in SERIAL_BACKENDS or not get_backend(backend).parallel:
         return None  # declared cheap (or a probe): workers' start-up would cost more than they save
     fn = get_backend(backend).fn
@@ -175,8 +174,6 @@ def child_reference(backend: str) -> str | None:
 
 def source_of(backend: str) -> Source:
     """The Source the registry declares for `backend` (an unregistered name is EXTERNAL, never an estimate)."""
-    from ..backends import source_of as declared
-
     try:
         return declared(backend)
     except UsageError:
@@ -188,15 +185,11 @@ class InProcessPool:
     """One candidate at a time in the caller's thread: `submit` measures and returns a finished future."""
 
     def __init__(self, backend: str):
-        from .backends import get_backend
-
         self.backend, self.jobs = backend, 1
         self._measure = get_backend(backend).measure
         self._closed = False
 
     def submit(self, workload: Workload, candidate: Candidate) -> MeasureFuture:
-        from .._messages import capture
-
         if self._closed:
             raise RuntimeError("submit() on a closed pool")
         fut = MeasureFuture()

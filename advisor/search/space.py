@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .. import knobs as _knobs
 from ..errors import ConfigError, UsageError
 from ..knobs import fix_names, knob, parse_fix_value, registry
+from ..packages import install_hint, missing
 from ..parallelism import search_layouts
 from ..space import (
     Attention,
@@ -185,8 +186,6 @@ class LeftOut:
 
     def why_empty(self) -> str | None:
         """Why no candidate is left, when a knob lost every value; else None."""
-        from ..packages import install_hint
-
         if not self.emptied:
             return None
         needs = tuple(dict.fromkeys(p for ps in self.emptied.values() for p in ps))
@@ -198,8 +197,6 @@ def installed_space(space: SearchSpace, pins: Pins) -> tuple[SearchSpace, LeftOu
     """For a run on this machine: `space` without the knob values that need a package missing here, and what was
     left out (where a knob would lose every value, the space has no admissible candidate: LeftOut.why_empty). A
     --fix that leaves a knob only such values is refused (UsageError) naming it and the install."""
-    from ..packages import install_hint, missing
-
     values: dict[str, tuple[Any, ...]] = {}
     left: dict[str, list[tuple[str, Any]]] = {}
     emptied: dict[str, tuple[str, ...]] = {}

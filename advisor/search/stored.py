@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import NoFitError, UsageError
 from ..events import ConfirmationFailed, Event, NoConfirmationStored, Progress, ShownFromStored, render
+from ..inputs import WorkloadRef
 from ..measurement import Measurement, Source, Status
 from ..suggestion import Suggestion
 from ..workload import Goals, Method, Workload, fingerprint
@@ -85,8 +86,6 @@ def stored_suggestion(study_name: str, storage: str | None = None, *, workload: 
     if spec is None:
         raise UsageError(f"--study {study_name!r}: not an advisor study (no spec attribute)")
     if workload is None:
-        from ..inputs import WorkloadRef
-
         if not spec.get("model"):
             raise UsageError(f"--study {study_name!r}: made from a Workload object; call "
                              "advisor.search.stored_suggestion(name, workload=...)")

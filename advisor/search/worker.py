@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
 from ..events import Progress
+from ..inputs import WorkloadRef
 from ..workload import Goals, Method, Workload
 from . import naming
 from .backends import get_backend
@@ -40,8 +41,6 @@ def _worker_run(store: optuna.storages.BaseStorage, name: str, storage: str, wor
         raise UsageError(f"--backend {backend}: the study {name!r} measures with {spec['backend']}; a worker must "
                          f"use the study's backend: drop --backend or pass --backend {spec['backend']}")
     if workload is None:
-        from ..inputs import WorkloadRef
-
         if not spec.get("model"):
             raise UsageError(f"--study {name!r}: started from a Workload object; run workers through "
                              "advisor.search.run_worker(workload=...)")

@@ -32,10 +32,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .._lazy import lazy_exports
-from ..errors import ConfigError
+from ..errors import ConfigError, NotSimulated
 from ..measurement import Category, Measurement, Source, Status
 from ..parallelism import Parallelism, Strategy
 from ..space import Candidate
+from ..workload import check_world
 
 if TYPE_CHECKING:
     from ..trainers import Trainer
@@ -292,7 +293,6 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
 
     from ..physics import apply_layout_traffic, offload_time_s
     from ..physics import rank_comm as _comm
-    from ..workload import check_world
     from .modelled import resolve_target as _resolve_target
 
     parallelism = parallelism or Parallelism()
@@ -388,8 +388,6 @@ def _online_rank(workload: Any, candidate: Any, parallelism: Parallelism, num_gp
     with the estimate's closed form, saying so): a sharded layout (ZeRO-3's ds3_gather_for_generation, FSDP2's
     per-layer gathers while generating, which phase holds which shards), or a group of num_generations spanning
     ranks (TRL checks its rule on one process)."""
-    from ..errors import NotSimulated
-
     k = kind.knobs(candidate)
     local = candidate.per_device_train_batch_size * k.steps(candidate)
     if parallelism.strategy is not Strategy.DDP:

@@ -34,6 +34,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from ..errors import ConfigError
 from ..measurement import Category
 from ..parallelism import Parallelism
+from . import fake_step
+from . import tracker as tracker_module
+from .tracker import PeakSnapshot, StorageTracker, _key
 
 __all__ = ["fake_process_group", "fsdp2_sharding", "prepare_fsdp2"]
 
@@ -99,14 +102,10 @@ def fsdp2_sharding(mesh: Any, parallelism: Parallelism, precision: str) -> Itera
     """Inside: every fake run (advisor/simulator/fake_step.run_fake_training) shards its model, once materialised as
     fake tensors and before `train()`, exactly as accelerate's `prepare` would; FSDP2's storage resizes reach the
     tracker."""
-    from . import fake_step
-
     materialise = fake_step._materialise
 
     from torch.distributed.tensor import DTensor
 
-    from . import tracker as tracker_module
-    from .tracker import _key
 
     offload = parallelism.offload_params
 
@@ -140,8 +139,6 @@ def _restart_stream(tracker: Any) -> None:
     """The run's allocation stream starts with the sharded model: the full model materialised before sharding is
     the loading step (accelerate shards on the meta device when `cpu_ram_efficient_loading`), not the training
     step; what is live now is re-recorded as allocated at the start, in allocation order."""
-    from .tracker import PeakSnapshot
-
     if tracker.events is None:
         return
     order = sorted(tracker._alloc_event.items(), key=lambda kv: kv[1])
@@ -187,7 +184,6 @@ def _communication_categories(offload: bool = False) -> Iterator[None]:
     them to the host and the device's reduce-scatter output dies with the post-backward."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    from .tracker import _key
 
     unshard, post_backward = FSDPParamGroup.unshard, FSDPParamGroup.post_backward
 
@@ -248,8 +244,6 @@ def _untracked_sharding_propagation() -> Iterator[None]:
 
 
 def _active_tracker():
-    from .tracker import StorageTracker
-
     return next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, StorageTracker)), None)
 
 
@@ -260,7 +254,6 @@ def _tracked_storage_resizes() -> Iterator[None]:
     to the running tracker as the allocation or free it is on the real allocator."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
-    from .tracker import _key
 
     def alloc_storage(tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.itemsize

@@ -31,6 +31,7 @@ from .flash import fake_flash_attention
 from .layers import install_layer_hooks
 from .out_dtype import fake_out_dtype_matmuls
 from .shadow import IntegerShadow
+from .timing_hook import is_sync
 from .tracker import PeakSnapshot, StorageTracker, _key, _storage
 
 
@@ -267,8 +268,6 @@ class SyncWatch(torch.utils._python_dispatch.TorchDispatchMode):
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from .timing_hook import is_sync
-
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.tracker.on_sync is not None and is_sync(func, args, kwargs):

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..knobs import stand_ins
 from ..measurement import Category
 from ..space import Candidate, Optimizer, Precision, Quantization, WeightsDtype
 from ..workload import GPUSpec, ModelSpec, Workload
@@ -86,7 +87,6 @@ def runnable(candidate: Candidate, target: GPUSpec) -> tuple[Candidate, list[str
     if candidate.attn_implementation.is_flash and candidate.attn_implementation.flash_version != 2:
         notes.append(f"{candidate.attn_implementation.value}: modelled as FlashAttention 2 (same flash path and "
                      "tensors); its own kernel's workspace and speed are not simulated")
-    from ..knobs import stand_ins
 
     changes.update(stand_ins(candidate))  # activation_offloading, checkpoint_offload (advisor/knobs.py)
     if candidate.precision is Precision.FP16:

@@ -48,6 +48,7 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..errors import AdvisorError
 from ..measurement import Category, Measurement, Source, Status
 
 if TYPE_CHECKING:
@@ -427,7 +428,6 @@ def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate,
                                      beside=tuple(kind.extra_models(trainer)))
         forward.remove()
         if not hook.micro_steps or not hook.ops:  # the tracker's ops never reached the hook: a defect, not a time
-            from ..errors import AdvisorError
 
             raise AdvisorError("simulate: no op of the training passes reached the timing hook (advisor/simulator/"
                                "online_simulate.py _phases_timed no longer matches online_rl.py's tracker)")

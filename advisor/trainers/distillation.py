@@ -30,9 +30,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._candidate import WeightsDtype
+from .._emit import model_input_keys
 from ..errors import ConfigError
 from ..knobs import Home, Kind, Knob, Memory, knob_view
-from .base import own_keys, register, sft_only_keys
+from ..physics import divergence_tiles
+from ..space import Precision, with_knobs
+from . import online_files
+from .base import field_names, own_keys, register, sft_only_keys
 from .online_knobs import KNOBS as _ONLINE_KNOBS
 from .online_knobs import LIGER_LOSS_GONE, _OnlineKnobsMethods, engine_problems
 from .online_trainer import OnlineRLTrainer
@@ -155,8 +159,6 @@ class Distillation(OnlineRLTrainer):
         out = super().canonical(candidate)
         chosen = out.base.get("teacher_dtype")
         if chosen is not None and WeightsDtype(chosen) is out.weights_dtype:
-            from ..space import with_knobs
-
             out = with_knobs(out, teacher_dtype=None)
         return out
 
@@ -194,8 +196,6 @@ class Distillation(OnlineRLTrainer):
         """vLLM's tensor parallelism, auto_find_batch_size off and (measured) every completion at its bound, as
         online RL writes them; `teacher_model_init_kwargs` when the teacher's dtype is pinned, or resolved as
         `trl distillation` builds it from ModelConfig for a measured run."""
-        from . import online_files
-
         out = online_files.config_extras(candidate, self.knobs(candidate), measured=measured)
         init = self._teacher_init_kwargs(candidate, resolved=measured)
         if init:
@@ -220,8 +220,6 @@ class Distillation(OnlineRLTrainer):
         """The config kwargs with the teacher's init kwargs as `trl distillation` resolves them from ModelConfig (a
         DistillationTrainer built in Python would load the teacher in float32 without them; the YAML says what the
         command does anyway)."""
-        from .._emit import model_input_keys
-
         out = self.config_kwargs(candidate, workload)
         out.update(model_input_keys(self, candidate, workload))  # teacher_model_name_or_path: a config field
         out[TEACHER_INIT_KEY] = self._teacher_init_kwargs(candidate, resolved=True)
@@ -237,8 +235,6 @@ class Distillation(OnlineRLTrainer):
                           ) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """`DistillationTrainer(teacher_model=...)`: the trainer does not read teacher_model_name_or_path (`trl
         distillation` passes it so)."""
-        from .._emit import model_input_keys
-
         teacher = model_input_keys(self, candidate, workload).get(TEACHER.yaml_key) or "TEACHER_MODEL_ID"
         return (f"teacher_model={teacher!r}",), ()
 
@@ -247,7 +243,6 @@ class Distillation(OnlineRLTrainer):
         ConfigErrors naming the key and the fix (`trl distillation` would pass some on silently)."""
         from trl import GRPOConfig
 
-        from .base import field_names
 
         problems = [f"{key}={data[key]!r}: an SFT-only key (DistillationConfig has no {key!r}); remove it from the "
                     "Distillation config" for key in sorted(k for k in data if k in sft_only_keys(self))]
@@ -315,8 +310,6 @@ class Distillation(OnlineRLTrainer):
 
     # ---- what the report and the notes say -----------------------------------------------------------------------
     def report_rows(self, candidate: Candidate) -> list[list[str]]:
-        from ..physics import divergence_tiles
-
         k = self.knobs(candidate)
         n = candidate.per_device_train_batch_size * int(k.max_completion_length)
         rows, tiles = divergence_tiles(n)
@@ -329,8 +322,6 @@ class Distillation(OnlineRLTrainer):
                                f"32,768 ({tiles / 2**30:.2f} GiB), never [N, V]"]]
 
     def notes(self, candidate: Candidate, workload: Workload | None = None) -> list[str]:
-        from ..space import Precision
-
         k = self.knobs(candidate)
         out = [f"{self.name}: {self.trainer_name}'s step as generate / train; one completion per prompt, every "
                f"completion at max_completion_length={k.max_completion_length} (the bound: real completions that "

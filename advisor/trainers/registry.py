@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..knobs import register_knobs, unregister_knobs
+from ..space import Candidate
 from ..workload import DEFAULT_TRAINER
 from .protocol import ModelInput, Trainer
 
@@ -69,8 +70,6 @@ def names() -> tuple[str, ...]:
 
 def generating() -> tuple[str, ...]:
     """The registered trainers whose step generates completions (their StepShape at their defaults)."""
-    from ..space import Candidate
-
     return tuple(n for n, t in _REGISTRY.items() if t.step_shape(Candidate()).generates)
 
 

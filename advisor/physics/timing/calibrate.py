@@ -33,6 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..._files import cache_dir, write_atomic
+from .host import measure
+
 OFF_ENV = "ADVISOR_CALIBRATION"
 CACHE_BYTES = 1 << 20  # the working set of the in-cache bandwidth (a small model's tensors on a CPU)
 GEMM_SHAPES = ((16, 64, 64), (256, 256, 256), (1024, 1024, 1024), (4096, 4096, 4096))
@@ -143,7 +146,6 @@ def measurements(device: str, quick: bool = False) -> list[tuple[str, Callable[[
     sizes only, seconds on a CPU; what a test runs)."""
     import torch
 
-    from .host import measure
 
     rows: list[tuple[str, Callable[[], Any]]] = []
     dtypes = [("fp32", torch.float32), ("bf16", torch.bfloat16)]
@@ -219,8 +221,6 @@ def _slug(text: str) -> str:
 
 
 def cpu_path() -> Path:
-    from ..._files import cache_dir
-
     return cache_dir() / "calibration" / f"cpu-{_slug(socket.gethostname())}.json"
 
 
@@ -257,8 +257,6 @@ def read_path(path: Path) -> dict[str, Any] | None:
 def write_row(path: Path, device_info: dict[str, Any], name: str, value: Any) -> None:
     """Add one measured row to the calibration block of `path` (the file's other keys kept), with the constants
     derived so far: a later crash loses only what was not measured yet."""
-    from ..._files import write_atomic
-
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -13,7 +13,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .host import HostCost, OpClass, host_cost
+from .calibrate import label, read
+from .host import ENV, HostCost, OpClass, host_cost
 
 if TYPE_CHECKING:
     from ...workload import GPUSpec
@@ -133,9 +134,6 @@ def _by_arch(block: Any, gpu: GPUSpec) -> Any:
 def time_constants(gpu: GPUSpec) -> TimeConstants:
     """The constants for `gpu`: its calibration where one was measured (calibrate.py), with the host's cost per op
     (pinned by ADVISOR_HOST_COST, else the calibration's own, else this host's microbenchmark: host.py)."""
-    from .calibrate import read
-    from .host import ENV, HostCost
-
     block = read(gpu)
     host = None
     if block and not os.environ.get(ENV) and isinstance(block.get("rows", {}).get("host"), dict):
@@ -234,8 +232,6 @@ def _time_constants(gpu: GPUSpec, host: HostCost, calibration: str) -> TimeConst
 
 
 def _label(block: dict | None) -> str:
-    from .calibrate import label
-
     return label(block)
 
 

@@ -40,6 +40,9 @@ from enum import IntEnum
 from functools import lru_cache
 from pathlib import Path
 
+from ..._files import cache_dir, write_atomic
+from ...errors import ConfigError
+
 ENV = "ADVISOR_HOST_COST"
 
 
@@ -109,8 +112,6 @@ def _versions() -> str:
 
 
 def _cache_path() -> Path:
-    from ..._files import cache_dir
-
     key = re.sub(r"[^A-Za-z0-9.]+", "-", f"{socket.gethostname()}-{_versions()}").strip("-")
     return cache_dir() / "host_cost" / f"{key}.json"
 
@@ -215,8 +216,6 @@ def measure(repeats: int = 60, device: str = "cpu") -> HostCost:
 # ---- the cost this process uses ------------------------------------------------------------------------------------
 
 def _pinned(text: str) -> HostCost:
-    from ...errors import ConfigError
-
     fix = (f"{ENV}={text!r}: expected JSON with the host's seconds per op in microseconds, e.g. "
            f'{{"nograd_us": 8, "grad_us": 10, "backward_us": 3, "loop_us": 1.5}}; or unset it to measure this host')
     try:
@@ -239,8 +238,6 @@ def _read(path: Path) -> HostCost | None:
 
 
 def _write(path: Path, cost: HostCost) -> None:
-    from ..._files import write_atomic
-
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(asdict(cost), indent=1) + "\n")

@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...data import progress_bars
+from ...lengths import GROUPED_SEED, _labelled
+from ...lengths import _log_comb as log_comb
 from .constants import AttentionKind
 from .kernels import attention_kind, attention_units, causal_tiles
 from .step import BatchDistribution, BatchPoint
@@ -120,7 +123,6 @@ def _epoch(n: int, b: int, grouped: bool, lengths: np.ndarray) -> np.ndarray:
         import torch
         from transformers.trainer_pt_utils import get_length_grouped_indices
 
-        from ...lengths import GROUPED_SEED
 
         return np.asarray(get_length_grouped_indices(lengths.tolist(), b,
                                                      generator=torch.Generator().manual_seed(GROUPED_SEED)))
@@ -180,8 +182,6 @@ def _packed_rows(dataset: TokenizedDataset, max_length: int, strategy: str) -> t
     import pyarrow.compute as pc
     from trl.data_utils import pack_dataset
 
-    from ...data import progress_bars
-    from ...lengths import _labelled
 
     hf = _labelled(dataset)
     with progress_bars(False):
@@ -198,6 +198,4 @@ def _packed_rows(dataset: TokenizedDataset, max_length: int, strategy: str) -> t
 
 
 def _log_comb(n: np.ndarray | float, k: int) -> np.ndarray:
-    from ...lengths import _log_comb as log_comb
-
     return log_comb(np.asarray(n, dtype=np.float64), k)
