@@ -9,6 +9,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .errors import ConfigError
+
 
 def write_atomic(path: str | Path, text: str) -> Path:
     """Write `text` to `path` through a temporary file in the same directory and os.replace; the file gets the
@@ -41,8 +43,6 @@ def write_atomic(path: str | Path, text: str) -> Path:
 def check_names(names: dict[str, object]) -> None:
     """Each flag's value (a path or a hub id) that the file system refuses to even look up (a name longer than it
     allows: OSError ENAMETOOLONG from every stat) is a UsageError naming the flag, before anything looks it up."""
-    from .errors import ConfigError
-
     problems = []
     for flag, value in names.items():
         if not isinstance(value, (str, os.PathLike)):

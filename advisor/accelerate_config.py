@@ -110,7 +110,7 @@ def accelerate_config(candidate: Any, parallelism: Parallelism, num_gpus: int, n
 
 def check_loads(text: str) -> None:
     """ConfigError unless accelerate's own loader (`accelerate launch --config_file`) accepts `text`."""
-    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.config.config_args import load_config_from_file  # lazy: loads accelerate
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "accelerate.yaml")
@@ -178,7 +178,7 @@ def read_accelerate_config(path: Any) -> LaunchRead:
     except yaml.YAMLError as exc:
         raise ConfigError(f"not YAML ({exc})", context=source) from None
     if isinstance(data, dict):
-        from .emit import answer_part
+        from .emit import answer_part  # lazy: loads numpy
 
         data = answer_part(data, "accelerate_config")  # `advisor suggest --json`'s answer: its accelerate config
         if data is None:

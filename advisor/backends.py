@@ -68,7 +68,7 @@ class FunctionBackend:
 
 
 def _estimate(workload: Workload, candidate: Candidate) -> Measurement:
-    from .estimator import estimate
+    from .estimator import estimate  # lazy: loads yaml
 
     return estimate(workload, candidate)
 
@@ -87,7 +87,7 @@ def _simulate(workload: Workload, candidate: Candidate) -> Measurement:
 def _estimated_instead(workload: Workload, candidate: Candidate, reason: str) -> Measurement:
     """The estimate of `candidate` (its source `estimate`: modelled, not run), with the simulate backend's verdict
     against the per-rank budget and a note naming what was not simulated."""
-    from .estimator import estimate
+    from .estimator import estimate  # lazy: loads yaml
 
     m = estimate(workload, candidate)
     device = m.device_bytes or m.peak_bytes
@@ -152,7 +152,7 @@ def check_usable(name: str) -> FunctionBackend:
     """The backend, or a UsageError (exit 2) when the name is unknown or it cannot run here (no CUDA device)."""
     backend = get_backend(name)
     if backend.needs_gpu:
-        import torch
+        import torch  # lazy: loads torch
 
         if not torch.cuda.is_available():
             build = " (this torch is a CPU build)" if torch.version.cuda is None else ""
@@ -173,6 +173,6 @@ def check_baselinable(name: str) -> FunctionBackend:
 
 def default_backend_name() -> str:
     """cuda when a GPU is present, else simulate."""
-    import torch
+    import torch  # lazy: loads torch
 
     return "cuda" if torch.cuda.is_available() else "simulate"

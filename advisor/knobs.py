@@ -164,7 +164,7 @@ def _shown_if_on(field: str) -> Callable[[Candidate], str | None]:
 
 def kernels_available() -> bool:
     """transformers' own check that a compatible `kernels` package is importable (what `use_kernels=True` needs)."""
-    from .packages import installed
+    from .packages import installed  # lazy: read on call (tests patch installed)
 
     return installed("kernels")
 

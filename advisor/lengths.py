@@ -248,10 +248,10 @@ def histogram_text(report: LengthReport, width: int = 40, max_length: int | None
 def plot_lengths(report: LengthReport, path: str | Path, max_length: int | None = None) -> Path:
     """A PNG of the length histogram with `max_length` marked (needs matplotlib, an optional extra)."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: loads matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: loads matplotlib
     except ImportError as exc:
         raise UsageError(
             f"--plot {path}: needs matplotlib; install it (pip install matplotlib) or drop --plot"
@@ -331,8 +331,8 @@ def _log_comb(n: np.ndarray | np.float64, k: int) -> np.ndarray:
 
 def _grouped_padding(lengths: np.ndarray, batch: int, seed: int = GROUPED_SEED) -> float:
     """Padding share in the order transformers' LengthGroupedSampler yields (its own index function)."""
-    import torch
-    from transformers.trainer_pt_utils import get_length_grouped_indices
+    import torch  # lazy: loads torch
+    from transformers.trainer_pt_utils import get_length_grouped_indices  # lazy: loads transformers
 
     if len(lengths) == 0:
         return 0.0
@@ -346,8 +346,8 @@ def _grouped_padding(lengths: np.ndarray, batch: int, seed: int = GROUPED_SEED) 
 
 def _packing(dataset: TokenizedDataset, max_length: int, strategy: PackingStrategy) -> Packing:
     """Pack with TRL's own `pack_dataset`, as SFTTrainer does (input_ids and labels, no prior truncation)."""
-    import pyarrow.compute as pc
-    from trl.data_utils import pack_dataset
+    import pyarrow.compute as pc  # lazy: loads pyarrow
+    from trl.data_utils import pack_dataset  # lazy: loads trl
 
     hf = _labelled(dataset)
     with progress_bars(False):
@@ -370,7 +370,7 @@ def _labelled(dataset: TokenizedDataset):
     cached = _LABELLED.get(id(dataset))
     if cached is not None and cached[0] is dataset:
         return cached[1]
-    import datasets
+    import datasets  # lazy: loads datasets
 
     labels = []
     for row, positions in zip(dataset.rows, dataset.trained_positions, strict=True):
@@ -451,7 +451,7 @@ class RowsLength:
         return out
 
     def text(self) -> str:
-        from tabulate import tabulate  # start-up: loaded on first use
+        from tabulate import tabulate  # lazy: loads tabulate
 
         report = self.report
         kind = "synthetic data (no --dataset given)" if report.synthetic else "dataset"

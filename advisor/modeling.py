@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def _torch_dtype(candidate: Candidate | None):
-    import torch
+    import torch  # lazy: loads torch
 
     return getattr(torch, candidate.weights_dtype.value) if candidate is not None else torch.float32
 
@@ -27,9 +27,9 @@ def build_model(spec: ModelSpec, candidate: Candidate | None = None, device: str
 
     `device="meta"` allocates nothing (for counting and for the simulator).
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils.generic import is_flash_attention_requested
+    import torch  # lazy: loads torch
+    from transformers import AutoModelForCausalLM  # lazy: loads transformers
+    from transformers.utils.generic import is_flash_attention_requested  # lazy: loads transformers
 
     config = spec.hf_config()
     chosen = candidate.attn_implementation if candidate is not None else None
@@ -70,7 +70,7 @@ def reward_model_config(spec: ModelSpec, pad_token_id: int):
     """The config of a reward model given as a model (`--reward-model`): `trl grpo` / `trl rloo` load
     `reward_model_name_or_path` with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1) (GRPOTrainer
     / RLOOTrainer.__init__); the pad token is the reward tokenizer's where the config has none."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: loads transformers
 
     cfg = dict(spec.config)
     cfg.pop("architectures", None)
@@ -85,7 +85,7 @@ def save_random_reward_model(spec: ModelSpec, directory: str | Path) -> Path:
     `trl grpo` loads `reward_model_name_or_path` (its dtype and attention from model_init_kwargs). Its tokenizer is
     placeholder_tokenizer(spec), given as the reward processing class (AutoTokenizer would read a saved one beside a
     config.json by the model type's class, e.g. Qwen2Tokenizer, which drops a word-level vocabulary)."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification  # lazy: loads transformers
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -98,8 +98,8 @@ def input_model(spec: ModelSpec, head: str, *, dtype: Any, pad_token_id: int, de
     """A model given beside the policy (a trainer's ModelInput), of `spec`'s architecture with random weights on
     `device`, built as its `head` says: "score", a one-label sequence classifier as `trl grpo` loads
     reward_model_name_or_path (`reward_model_config`); "lm", a causal LM."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    import torch  # lazy: loads torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # lazy: loads transformers
 
     if head == "score":
         config, cls = reward_model_config(spec, pad_token_id), AutoModelForSequenceClassification
@@ -122,8 +122,8 @@ def placeholder_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
 
     SFTTrainer needs a processing class (for the pad token) even when the dataset is already token ids.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers  # lazy: loads tokenizers
+    from transformers import PreTrainedTokenizerFast  # lazy: loads transformers
 
     vocab_size = spec.vocab_size
     pad_id = _first_int(spec.text_value("pad_token_id"), 0)

@@ -34,7 +34,7 @@ def _spec(module: str) -> Callable[[], bool]:
 def _kernels() -> bool:
     """transformers' check that a `kernels` package of a version it supports is importable (use_kernels=True and
     the kernels-community/* attention load through it)."""
-    from transformers.utils.import_utils import is_kernels_available
+    from transformers.utils.import_utils import is_kernels_available  # lazy: loads transformers
 
     return bool(is_kernels_available())
 
@@ -45,7 +45,9 @@ def _flash_attn(version: int) -> Callable[[], bool]:
     through `kernels`, so either one lets the run start."""
 
     def check() -> bool:
-        from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX
+        from transformers.modeling_flash_attention_utils import (  # lazy: loads transformers
+            FLASH_ATTENTION_COMPATIBILITY_MATRIX,
+        )
 
         return bool(FLASH_ATTENTION_COMPATIBILITY_MATRIX[version]["pkg_availability_check"]()) or _kernels()
 

@@ -142,7 +142,7 @@ def search_layouts(num_gpus: int) -> tuple[Layout, ...]:
 
 def deepspeed_available() -> bool:
     """DeepSpeed is an optional extra (`pip install advisor[deepspeed]`)."""
-    from .packages import installed
+    from .packages import installed  # lazy: read on call (tests patch installed)
 
     return installed("deepspeed")
 

@@ -189,7 +189,7 @@ def detect_gpu(root: Path | None = None) -> GPUSpec | None:
     Returns None when NVML, the driver or a GPU is missing; never raises for that.
     """
     try:
-        import pynvml
+        import pynvml  # lazy: loads pynvml
     except Exception:
         return None
     try:
@@ -256,7 +256,7 @@ def model_config_problems(data: Any) -> list[str]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             out.append(f"{key}={v!r}: must be a positive integer")
     if not out:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # lazy: loads transformers
 
         try:
             cfg = dict(data)
@@ -274,8 +274,12 @@ def causal_lm_problem(data: Mapping[str, Any]) -> str | None:
     saved as) must name a causal-LM class: BERT's model_type has one (BertLMHeadModel), but a BertForMaskedLM
     checkpoint is a masked LM.
     """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as masked
+    from transformers.models.auto.modeling_auto import (  # lazy: loads transformers
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal,
+    )
+    from transformers.models.auto.modeling_auto import (  # lazy: loads transformers
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES as masked,
+    )
 
     model_type = data.get("model_type")
     fix = ("TRL's SFTTrainer trains decoder-only causal LMs (AutoModelForCausalLM), e.g. Qwen/Qwen2.5-0.5B; "
@@ -300,7 +304,7 @@ def causal_lm_problem(data: Mapping[str, Any]) -> str | None:
 
 
 def _transformers_version() -> str:
-    import transformers
+    import transformers  # lazy: loads transformers
 
     return transformers.__version__
 
@@ -378,13 +382,13 @@ def _hub_reachable(timeout_s: float = 2.0) -> bool:
 def _from_hub(name: str, local_only: bool) -> ModelSpec | None:
     """The config of a hub id (downloaded, or from the local HF cache); None when unreachable or absent."""
     try:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download  # lazy: loads huggingface_hub
 
         path = Path(hf_hub_download(repo_id=name, filename="config.json", local_files_only=local_only))
     except Exception:  # offline, unknown repo, gated repo, bad id: fall back to the shipped profiles
         return None
     if not local_only:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # lazy: loads transformers
 
         try:
             AutoConfig.from_pretrained(path.parent)

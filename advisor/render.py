@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .report import time_lines
+
 if TYPE_CHECKING:
     from .baseline import Baseline
     from .measurement import Measurement
@@ -39,9 +41,9 @@ def _gib(n: int | None, digits: int = 3) -> str:
 def render_table(rows: Sequence[Row], tolerance: float, *, tablefmt: str = "simple",
                  reference: str = "baseline") -> str:
     """The per-metric table shared by `advisor check`, its Markdown summary and `assert_peak_memory`."""
-    from tabulate import tabulate
+    from tabulate import tabulate  # lazy: loads tabulate
 
-    from .baseline import TOTALS
+    from .baseline import TOTALS  # lazy: loads numpy
 
     body = []
     for r in rows:
@@ -60,7 +62,7 @@ def render_table(rows: Sequence[Row], tolerance: float, *, tablefmt: str = "simp
 
 def check_verdict(result: CheckResult) -> str:
     """One line: the outcome of the check in words."""
-    from .regress import Verdict
+    from .regress import Verdict  # lazy: loads numpy
 
     outcome, tol = result.outcome, result.tolerance
     if outcome is Verdict.FAILED:
@@ -143,8 +145,6 @@ def probe_text(m: Measurement) -> str:
 
 def simulate_text(m: Measurement, budget_bytes: int) -> str:
     """What `advisor simulate` prints: the peaks, the breakdown largest first, the time terms, the notes."""
-    from .report import time_lines
-
     lines = [f"status        {m.status.value}  (source: {m.source.value})"]
     if m.message and not m.ok:
         lines.append(f"message       {m.message}")

@@ -112,7 +112,7 @@ def _kind(s: Suggestion) -> str:
 
 def render_summary(s: Suggestion) -> str:
     """The short table the CLI prints by default: what was chosen, its numbers, and why."""
-    from tabulate import tabulate
+    from tabulate import tabulate  # lazy: loads tabulate
 
     c, m, wl = s.candidate, s.measurement, s.workload
     rows = [
@@ -139,7 +139,7 @@ def render_summary(s: Suggestion) -> str:
 
 def render_report(s: Suggestion) -> str:
     """The summary, then every trial with its peak, tokens/s, status and the reason it lost."""
-    from tabulate import tabulate
+    from tabulate import tabulate  # lazy: loads tabulate
 
     kind = _kind(s)
     table = tabulate(trial_rows(s), headers=["#", "candidate", f"device GiB ({kind})", f"tokens/s ({kind})",
@@ -152,10 +152,10 @@ def render_report(s: Suggestion) -> str:
 def plot(s: Suggestion, path: str | Path) -> Path:
     """Device peak against throughput: every measured trial, the feasible front and the budget line."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: loads matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: loads matplotlib
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'advisor[plot]'") from None
     limit = s.workload.limit_bytes

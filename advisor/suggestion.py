@@ -258,7 +258,7 @@ _SOURCE_WORDS = {
 
 def _has_accelerator() -> bool:
     """A device transformers can train on besides the CPU (CUDA, MPS, XPU...)."""
-    import torch
+    import torch  # lazy: loads torch
 
     acc = getattr(torch, "accelerator", None)
     if acc is not None and hasattr(acc, "is_available"):

@@ -43,7 +43,7 @@ class ModelSpec:
     local_dir: Path | None = None
 
     def hf_config(self) -> PretrainedConfig:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # lazy: loads transformers
 
         data = dict(self.config)
         model_type = data.pop("model_type")

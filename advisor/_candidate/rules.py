@@ -152,7 +152,7 @@ def model_linear_names(model: ModelSpec) -> tuple[str, ...]:
 def peft_default_targets(model: ModelSpec) -> tuple[str, ...] | None:
     """What PEFT targets when LoraConfig.target_modules is None (LoraModel._prepare_adapter_config), or None when
     PEFT has no default for this model type (it then raises)."""
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping  # lazy: loads peft
 
     targets = mapping.get(str(model.config.get("model_type", "")))
     if targets is None:
@@ -163,7 +163,7 @@ def peft_default_targets(model: ModelSpec) -> tuple[str, ...] | None:
 def default_attention(spec: ModelSpec) -> Attention:
     """The attention transformers 5 picks when none is asked for (`PreTrainedModel.get_correct_attn_implementation`
     with None): sdpa where the model class supports it, else eager (Gemma2: softcapping, no sdpa)."""
-    from transformers import AutoModelForCausalLM  # start-up: loaded on first use
+    from transformers import AutoModelForCausalLM  # lazy: loads transformers
 
     config = spec.hf_config()
     cls = AutoModelForCausalLM._model_mapping[type(config)]

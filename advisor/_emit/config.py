@@ -102,7 +102,7 @@ def quantization_config(candidate: Candidate) -> BitsAndBytesConfig | None:
     """The BitsAndBytesConfig of trl.get_quantization_config for this candidate, or None."""
     if candidate.quantization is Quantization.NONE:
         return None
-    from transformers import BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig  # lazy: loads transformers
 
     if candidate.quantization is Quantization.NF4:
         b = candidate.base
@@ -133,7 +133,7 @@ def peft_config(candidate: Candidate, model: ModelSpec | None = None) -> LoraCon
     """The LoraConfig of trl.get_peft_config for this candidate (with the base's LoRA keys)."""
     if not candidate.use_lora:
         return None
-    from peft import LoraConfig
+    from peft import LoraConfig  # lazy: loads peft
 
     b = candidate.base
     return LoraConfig(

@@ -123,7 +123,7 @@ CHECKPOINT_KWARGS = ("use_reentrant", "preserve_rng_state", "determinism_check",
 
 def trl_fields() -> dict[str, tuple[type, dataclasses.Field]]:
     """Every key `trl sft --config` reads, from TRL's own dataclasses: name -> (class, field)."""
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig  # lazy: loads trl
 
     out: dict[str, tuple[type, dataclasses.Field]] = {}
     for cls in (DatasetMixtureConfig, ScriptArguments, ModelConfig, SFTConfig):
@@ -140,7 +140,7 @@ def trl_default(name: str) -> Any:
 
 def owner_of(name: str) -> str:
     """'config' for the shared config's fields (SFTConfig), 'model' for ModelConfig's, 'script' for the others."""
-    from trl import ModelConfig, SFTConfig
+    from trl import ModelConfig, SFTConfig  # lazy: loads trl
 
     cls = trl_fields()[name][0]
     return "config" if cls is SFTConfig else "model" if cls is ModelConfig else "script"

@@ -45,7 +45,7 @@ class _Version(argparse.Action):
 
 def _version() -> str:
     """advisor's version and the libraries whose behaviour it models."""
-    from .._versions import library_versions
+    from .._versions import library_versions  # lazy: keeps start-up light
 
     libs = {k: v for k, v in library_versions().items() if k != "advisor"}
     return f"advisor {__version__} (" + ", ".join(f"{k} {v}" for k, v in libs.items()) + ")"

@@ -13,8 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..profiles import PROFILES_DIR, list_gpus, resolve_gpu
-    from ._common import emit_json
+    from ..profiles import PROFILES_DIR, list_gpus, resolve_gpu  # lazy: read on call (tests patch PROFILES_DIR)
+    from ._common import emit_json  # lazy: loads numpy
 
     specs = [resolve_gpu(name) for name in list_gpus()]
     if ns.json:
@@ -24,7 +24,7 @@ def run(ns: argparse.Namespace) -> int:
              "supports_bf16": g.supports_bf16, "supports_flash_attention": g.supports_flash_attention,
              "compute_capability": g.compute_capability, "description": g.description} for g in specs]}))
         return 0
-    from tabulate import tabulate
+    from tabulate import tabulate  # lazy: loads tabulate
 
     rows = [[g.name, ", ".join(g.aliases),
              f"{g.memory_bytes / 2**30:.1f}" + (" (this host)" if g.kind == "cpu" else ""),

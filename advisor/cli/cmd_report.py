@@ -19,18 +19,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..search import stored_suggestion
-    from ._common import check_writable, emit_json
+    from ..search import stored_suggestion  # lazy: loads numpy
+    from ._common import check_writable, emit_json  # lazy: loads numpy
 
     check_writable(ns.plot, "--plot")
     s = stored_suggestion(ns.study, ns.storage)
     fmt = "json" if ns.json else ns.format
     if ns.plot:
-        from ..report import plot
+        from ..report import plot  # lazy: keeps start-up light
 
         plot(s, ns.plot)
     if fmt == "table":
-        from ..report import render_report
+        from ..report import render_report  # lazy: keeps start-up light
 
         print(render_report(s))
         if ns.plot:

@@ -15,8 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..search import stored_studies
-    from ._common import emit_json
+    from ..search import stored_studies  # lazy: loads numpy
+    from ._common import emit_json  # lazy: loads numpy
 
     studies = stored_studies(ns.storage)
     if ns.json:
@@ -26,7 +26,7 @@ def run(ns: argparse.Namespace) -> int:
     if not studies:
         print(f"no stored search in {where}; `advisor suggest` stores one")
         return 0
-    from tabulate import tabulate
+    from tabulate import tabulate  # lazy: loads tabulate
 
     rows = [[s.name, s.model or "-", s.gpu or "-", s.dataset or "synthetic", s.backend, s.method, s.trials,
              "yes" if s.answered else "no", s.started or "-"] for s in studies]

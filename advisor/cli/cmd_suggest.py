@@ -306,7 +306,7 @@ class _Stderr:
     def __init__(self, bar: bool) -> None:
         self._bar = None
         if bar:
-            from tqdm import tqdm
+            from tqdm import tqdm  # lazy: loads tqdm
 
             self._bar = tqdm(total=None, unit="cand", file=sys.stderr, leave=False, dynamic_ncols=True)
         self._n = 0

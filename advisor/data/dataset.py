@@ -217,7 +217,7 @@ class TokenizedDataset:
 
     def to_hf(self, rows: list[dict[str, Any]] | None = None) -> datasets.Dataset:
         """A pre-tokenized `datasets.Dataset` that SFTTrainer takes as is (no tokenizer needed)."""
-        import datasets
+        import datasets  # lazy: loads datasets
 
         rows = list(self.rows if rows is None else rows)
         columns: dict[str, list] = {"input_ids": [r["input_ids"] for r in rows]}

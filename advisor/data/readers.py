@@ -133,11 +133,11 @@ def _read_json(path: Path) -> RawRows:
 def _read_arrow(path: Path, suffix: str) -> list[dict[str, Any]]:
     try:
         if suffix == ".parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # lazy: loads pyarrow
 
             table = pq.read_table(path)
         else:
-            import pyarrow.csv as pcsv
+            import pyarrow.csv as pcsv  # lazy: loads pyarrow
 
             table = pcsv.read_csv(path)
     except Exception as exc:  # pyarrow.ArrowInvalid and friends
@@ -153,7 +153,7 @@ _SAVED_FILES = ("state.json", "dataset_dict.json")
 
 def _load_from_disk(path: Path, spec: str) -> Sequence[dict[str, Any]]:
     """A directory written by `save_to_disk`: the Dataset, or the `train` split of a DatasetDict."""
-    import datasets
+    import datasets  # lazy: loads datasets
 
     try:
         ds = datasets.load_from_disk(str(path))
@@ -171,12 +171,12 @@ def _load_from_disk(path: Path, spec: str) -> Sequence[dict[str, Any]]:
 
 
 def _load_hf(target: str, spec: str) -> Sequence[dict[str, Any]]:
-    import datasets
+    import datasets  # lazy: loads datasets
 
     try:
         ds = datasets.load_dataset(target, split="train")
     except Exception as exc:  # offline, unknown id, no "train" split...
-        from ..profiles import hub_offline
+        from ..profiles import hub_offline  # lazy: loads yaml
 
         if hub_offline() and not Path(target).exists():
             raise DatasetError(

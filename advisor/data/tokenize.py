@@ -35,7 +35,7 @@ def load_processing_class(loader: str, path: str) -> Any:
     for qwen2, rebuilt from the saved vocabulary), whatever class the tokenizer was saved as, and TRL trains on what
     that class gives. A processor's text side is its `tokenizer`, as the trainers take it
     (`self._tokenizer = processing_class.tokenizer`)."""
-    import transformers
+    import transformers  # lazy: loads transformers
 
     loaded = getattr(transformers, loader).from_pretrained(path, trust_remote_code=False)
     return loaded.tokenizer if isinstance(loaded, transformers.ProcessorMixin) else loaded
@@ -117,8 +117,8 @@ def prepare_with_trl(
     """Run SFTTrainer's own `_prepare_dataset` (no model, no trainer) with `max_length=None`: the input ids, the
     labels, and a note of what the libraries said meanwhile (collected: TRL's per-row "shown once" warning quotes
     each row, so it is said once per row; each distinct message once with its count), or None."""
-    import datasets
-    from trl import SFTConfig, SFTTrainer
+    import datasets  # lazy: loads datasets
+    from trl import SFTConfig, SFTTrainer  # lazy: loads trl
 
     columns = sorted({k for r in rows for k in r})
     try:
@@ -148,7 +148,7 @@ def prepare_with_trl(
 
 @contextlib.contextmanager
 def progress_bars(enabled: bool) -> Iterator[None]:
-    from datasets.utils import logging as dlogging
+    from datasets.utils import logging as dlogging  # lazy: loads datasets
 
     was = dlogging.is_progress_bar_enabled()
     (dlogging.enable_progress_bar if enabled else dlogging.disable_progress_bar)()

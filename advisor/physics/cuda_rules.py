@@ -20,7 +20,7 @@ from typing import Any
 
 
 def _constants_path() -> Path:
-    from ..profiles import PROFILES_DIR
+    from ..profiles import PROFILES_DIR  # lazy: read on call (tests patch PROFILES_DIR)
 
     return PROFILES_DIR / "measurements" / "cuda_constants.json"
 

@@ -27,7 +27,7 @@ def knob_memory_savings(model: ModelSpec, c: Candidate, tokens: int, cuda: bool)
 def knob_time(cost, model: ModelSpec, c: Candidate, gpu: GPUSpec):
     """The step-time model's cost with the modelled knobs' terms: the offloaded checkpoints' copies on the compute
     stream, Liger's fused RMSNorm in place of torch's elementwise ops."""
-    from . import timing as tm
+    from . import timing as tm  # lazy: loads numpy
 
     tc = tm.time_constants(gpu)
     dev = cost.device.copy()
@@ -76,7 +76,7 @@ def _checkpoint_offload_s_per_token(model: ModelSpec, c: Candidate, cuda: bool, 
 def _rmsnorm_is_hub_kernel(model_type: str) -> bool:
     """Whether transformers marks this architecture's RMSNorm for Hub kernels (`@use_kernel_forward_from_hub
     ("RMSNorm")` in its modeling file): what `kernelize` swaps for Liger's RMSNorm when training on CUDA."""
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.configuration_auto import model_type_to_module_name  # lazy: loads transformers
 
     try:
         module = importlib.import_module(f"transformers.models.{model_type_to_module_name(model_type)}."

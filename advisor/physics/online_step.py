@@ -76,7 +76,7 @@ GENERATE, SCORE, TRAIN = PhaseKind.GENERATE, PhaseKind.SCORE, PhaseKind.TRAIN
 PHASES = (GENERATE, SCORE, TRAIN)
 
 def _constants_path():
-    from ..profiles import PROFILES_DIR
+    from ..profiles import PROFILES_DIR  # lazy: read on call (tests patch PROFILES_DIR)
 
     return PROFILES_DIR / "measurements" / "online_rl_constants.json"
 

@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..measurement import Category
 from ..parallelism import Parallelism, Strategy
+from .shapes import architecture, lora_parameters
 
 __all__ = ["zero_bytes", "ZeroTerms", "comm_time_s", "interconnect", "Interconnect", "estimate_rank_moments",
            "estimate_rank_time", "offload_time_s", "LayoutTraffic", "layout_traffic", "apply_layout_traffic"]
@@ -156,9 +157,9 @@ def interconnect(gpu: Any) -> Interconnect:
 
 @functools.lru_cache(maxsize=32)
 def _interconnect(name: str) -> Interconnect:
-    import yaml
+    import yaml  # lazy: loads yaml
 
-    from ..profiles import PROFILES_DIR, _gpu_index, normalize_gpu_name
+    from ..profiles import PROFILES_DIR, _gpu_index, normalize_gpu_name  # lazy: read on call (tests patch PROFILES_DIR)
 
     keys, _ = _gpu_index(PROFILES_DIR)
     path = keys.get(normalize_gpu_name(name))
@@ -212,8 +213,6 @@ def layout_traffic(workload: Any, candidate: Any, parallelism: Parallelism | Non
       and the reduced buckets back (4 g T).
     c: the compute dtype's bytes (2 under bf16/fp16), g: the gradients' (the weights' dtype).
     """
-    from .shapes import architecture
-
     n = workload.num_gpus if num_gpus is None else num_gpus
     p = parallelism or candidate.parallelism.parallelism
     if n <= 1:
@@ -254,7 +253,7 @@ def apply_layout_traffic(m: Any, workload: Any, candidate: Any, parallelism: Par
     (a CPU target's time is not the GPUs')."""
     if not target.is_cuda or num_gpus <= 1:
         return m
-    from .timing import time_constants
+    from .timing import time_constants  # lazy: loads numpy
 
     tc = time_constants(target)
     lt = layout_traffic(workload, candidate, parallelism, num_gpus)
@@ -293,8 +292,6 @@ def estimate_rank_moments(workload: Any, candidate: Any, moments: dict, parts: A
     - ZeRO-2 / ZeRO-3: `zero_bytes` (its sources in its docstring); DeepSpeed runs the module in bf16/fp16, so
       autocast's cache is not held either.
     The activations are the single-GPU micro-batch's (data parallel: each rank runs its own micro-batch)."""
-    from .shapes import architecture
-
     n = workload.num_gpus
     p = candidate.parallelism.parallelism
     arch = architecture(workload.model)
@@ -363,7 +360,7 @@ _HOST_ADAM_BYTES = 28
 @functools.lru_cache(maxsize=1)
 def _host_bandwidth_gbs() -> float:
     """The host's memory bandwidth (profiles/gpus/cpu.yaml memory_bandwidth_gbs)."""
-    from ..profiles import resolve_gpu
+    from ..profiles import resolve_gpu  # lazy: loads yaml
 
     return float(resolve_gpu("cpu").memory_bandwidth_gbs)
 
@@ -394,8 +391,6 @@ def offload_time_s(workload: Any, candidate: Any, parallelism: Parallelism, num_
 
 def _model_counts(workload: Any, candidate: Any) -> tuple[int, int]:
     """(parameters, trainable parameters) of the model as the candidate trains it (advisor/estimate.py's shapes)."""
-    from .shapes import architecture, lora_parameters
-
     arch = architecture(workload.model)
     if candidate.use_lora:
         adapters = lora_parameters(arch, candidate)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from .._bnb import weight_bytes
 from ..space import Candidate, WeightsDtype
 
 if TYPE_CHECKING:
@@ -54,8 +55,6 @@ class Architecture:
 
 def quantized_linear_bytes(arch: Architecture, c: Candidate) -> float:
     """The decoder's linear weights as bitsandbytes stores them (advisor/_bnb.py)."""
-    from .._bnb import weight_bytes
-
     double = bool(c.base.get("use_bnb_nested_quant", False))
     return arch.layers * sum(weight_bytes(i, o, c.quantization.value, double_quant=double) for _, i, o in arch.linears)
 

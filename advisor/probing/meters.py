@@ -35,7 +35,7 @@ def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError):
         return True
     try:
-        import torch
+        import torch  # lazy: loads torch
 
         if isinstance(exc, torch.OutOfMemoryError):
             return True
@@ -75,9 +75,9 @@ def memory_profiler(*, user_scopes: bool = True) -> Any:
     now and then a rank, more often under load, still reads one FSDP reduce-scatter input (a unit's bytes) high:
     its last reference also dropped on a gloo thread, by a path not found.
     """
-    import torch
-    import torch.autograd.profiler as autograd_profiler
-    from torch._C._profiler import RecordScope
+    import torch  # lazy: loads torch
+    import torch.autograd.profiler as autograd_profiler  # lazy: loads torch
+    from torch._C._profiler import RecordScope  # lazy: loads torch
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     if user_scopes:
@@ -108,7 +108,7 @@ def cpu_peak(prof: Any, since_ns: int | None = None, *, backend_frees: bool = Fa
     (memory_profiler): it is replayed as freed when that op returned (FSDP2's reduce-scatter is synchronous); any
     other block whose address is allocated again without a free between is replayed as freed just before that.
     """
-    from torch._C._profiler import _EventType
+    from torch._C._profiler import _EventType  # lazy: loads torch
 
     allocations: list[tuple[int, int, int, int, int | None]] = []
     stack = [(node, None) for node in prof.profiler.kineto_results.experimental_event_tree()]
@@ -187,7 +187,7 @@ class NvmlSampler:
     """
 
     def __init__(self, interval_s: float = 0.005, local_index: int = 0):
-        import pynvml
+        import pynvml  # lazy: loads pynvml
 
         self._nvml = pynvml
         pynvml.nvmlInit()
@@ -258,7 +258,7 @@ class CudaContext:
 def init_cuda(sampler: NvmlSampler | None, local_index: int = 0) -> CudaContext:
     """Create the CUDA context on cuda:`local_index` (a rank's LOCAL_RANK, else 0), make it the current device and
     measure the context (NVML reading minus what torch reserved)."""
-    import torch
+    import torch  # lazy: loads torch
 
     torch.cuda.init()
     torch.cuda.set_device(local_index)
@@ -273,7 +273,7 @@ def init_cuda(sampler: NvmlSampler | None, local_index: int = 0) -> CudaContext:
 
 def cap_cuda(budget_bytes: int, ctx: CudaContext) -> float:
     """Cap the caching allocator so that reserved + context stays within `budget_bytes`; returns the fraction."""
-    import torch
+    import torch  # lazy: loads torch
 
     usable = budget_bytes - ctx.context_bytes
     if usable <= 0:  # the candidate cannot run at all under this cap: that is an OOM, not a usage error
@@ -313,7 +313,7 @@ class StepMeter:
 
     def train_begin(self) -> None:
         if self.cuda:
-            import torch
+            import torch  # lazy: loads torch
 
             torch.cuda.synchronize()
             self.setup_peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
@@ -329,7 +329,7 @@ class StepMeter:
     def step_end(self) -> None:
         record: dict[str, Any] = {"shapes": self._shapes, "trained_tokens": self._trained}
         if self.cuda:
-            import torch
+            import torch  # lazy: loads torch
 
             torch.cuda.synchronize()
             record["peak_bytes"] = torch.cuda.max_memory_allocated()
@@ -375,7 +375,7 @@ def steady(times: list[float], window: int, tolerance: float) -> bool:
 
 def step_callback(meter: StepMeter):
     """The Trainer callback that drives `meter` and stops training once the steady state is timed."""
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback  # lazy: loads transformers
 
     class _Callback(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):

@@ -36,7 +36,7 @@ def launch_argv(jobdir: Path, backend: str, world: int, candidate: Candidate) ->
     """The launcher's command line for `world` ranks of the worker on `jobdir` (CUDA: writes the accelerate config)."""
     worker = [*WORKER, str(jobdir)]
     if backend == "cuda":
-        from ..accelerate_config import accelerate_config
+        from ..accelerate_config import accelerate_config  # lazy: loads yaml
 
         launch = accelerate_config(candidate, candidate.parallelism.parallelism, world,
                                    config_file=ACCELERATE_FILE)

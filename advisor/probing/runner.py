@@ -94,7 +94,7 @@ def plan_batches(workload: Workload, candidate: Candidate, steps: int, warmup: i
     as accelerate deals them), so rank 0 gets the longest micro-batch.
     """
     total_steps = warmup + steps
-    from ..trainers import trainer_of
+    from ..trainers import trainer_of  # lazy: loads yaml
 
     kind = trainer_of(workload)
     # micro-batch rows per dataset row: online RL samples num_generations completions of each prompt
@@ -143,7 +143,7 @@ def job_dict(
         timing = None
     plan = plan_batches(workload, candidate, steps, warmup)
     ds = workload.dataset
-    from ..inputs import WorkloadRef, goals_to_dict
+    from ..inputs import WorkloadRef, goals_to_dict  # lazy: loads yaml
 
     return {
         "backend": backend,
@@ -229,7 +229,7 @@ def probe(
     source = PROBE_SOURCES[backend]
     job = job_dict(workload, candidate, backend, steps=steps, warmup=warmup,
                    memory_budget_bytes=memory_budget_bytes, weights=weights, timing=timing)
-    from ..emit import env_vars
+    from ..emit import env_vars  # lazy: loads yaml
 
     jobdir = Path(tempfile.mkdtemp(prefix="advisor-probe-"))
     try:
@@ -404,7 +404,7 @@ def _world_problems(workload: Workload, candidate: Candidate, backend: str) -> l
                    f"--num-gpus {n // workload.num_machines} --num-machines 1 (one machine's share), or predict the "
                    "whole run with `advisor simulate`")
     if backend == "cuda":
-        import torch
+        import torch  # lazy: loads torch
 
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if found < n:
@@ -421,12 +421,12 @@ def _device_problems(workload: Workload, candidate: Candidate, backend: str, wei
     real weights that are not there."""
     out = []
     if backend == "cuda":
-        import torch
+        import torch  # lazy: loads torch
 
         if not torch.cuda.is_available():
             out.append("--backend cuda: no CUDA device is visible here; use --backend cpu, or run on a GPU machine")
     elif backend == "cpu":
-        from ..profiles import resolve_gpu
+        from ..profiles import resolve_gpu  # lazy: loads yaml
 
         out.extend(f"--backend cpu: {p}" for p in candidate.problems(resolve_gpu("cpu")))
     if weights is not None and not Path(weights).is_dir() and os.environ.get("HF_HUB_OFFLINE"):

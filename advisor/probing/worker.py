@@ -64,8 +64,8 @@ def rank_info() -> tuple[int, int, int]:
 def _gloo_mesh(world: int):
     """The gloo process group of the launcher's ranks (env://) and its 1-D mesh; then the launcher's variables are
     hidden, so the trainer's accelerator is single-process (accelerate's MULTI_CPU path would wrap DDP)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch.distributed as dist  # lazy: loads torch
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: loads torch
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
@@ -79,7 +79,7 @@ def _free_gloo_work_on_this_thread(hold_s: float = 0.02) -> None:
     """FSDP2's reduce-scatter (synchronous) keeps its gloo Work a moment after it completes, so the Work, and what
     only it holds (gloo's clone of the input), is freed on this thread, where the profiler sees the free, rather than
     on gloo's worker thread, which drops its own reference just after completing it (meters.memory_profiler)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: loads torch
 
     single = dist.reduce_scatter_single
 
@@ -167,13 +167,13 @@ def _fault(fault: str, where: str) -> None:
     elif action == "raise":
         raise RuntimeError(f"{FAULT_ENV}={fault}: injected failure in the probe's child")
     elif action == "oom":  # what the CUDA caching allocator raises, on this rank only
-        import torch
+        import torch  # lazy: loads torch
 
         raise torch.OutOfMemoryError(f"{FAULT_ENV}={fault}: injected out of memory. Tried to allocate 20.00 MiB")
 
 
 def _rebuild(job: dict[str, Any]):
-    from ..trainers import DEFAULT, get_trainer
+    from ..trainers import DEFAULT, get_trainer  # lazy: loads yaml
 
     def model_spec(m: dict[str, Any]) -> ModelSpec:
         return ModelSpec(name=m["name"], config=m["config"], source=m["source"],
@@ -197,7 +197,7 @@ def _trainer_class(meter: StepMeter, kind=None, shard: tuple[int, int] | None = 
     micro-batch (shape and trained tokens) before training on it. `shard` (rank, world): the trainer's accelerator
     is single-process, so its sampler yields this rank's micro-batches as accelerate's BatchSamplerShard deals
     them (micro-batch k of the sequential order to rank k mod N)."""
-    from ..trainers import DEFAULT, get_trainer
+    from ..trainers import DEFAULT, get_trainer  # lazy: loads yaml
 
     kind = get_trainer(kind or DEFAULT)
 
@@ -215,8 +215,8 @@ def _trainer_class(meter: StepMeter, kind=None, shard: tuple[int, int] | None = 
         return prepared
 
     def _get_train_sampler(self, train_dataset=None):
-        from accelerate.data_loader import BatchSamplerShard
-        from torch.utils.data import BatchSampler
+        from accelerate.data_loader import BatchSamplerShard  # lazy: loads accelerate
+        from torch.utils.data import BatchSampler  # lazy: loads torch
 
         order = super(cls, self)._get_train_sampler(train_dataset)
         batches = BatchSampler(order, self.args.per_device_train_batch_size, self.args.dataloader_drop_last)
@@ -234,7 +234,7 @@ def _trainer_class(meter: StepMeter, kind=None, shard: tuple[int, int] | None = 
 
 def _tensor_bytes(tensors) -> int:
     """Bytes this process holds of `tensors` (a DTensor's local shard)."""
-    import torch
+    import torch  # lazy: loads torch
 
     local = (getattr(t, "_local_tensor", t) for t in tensors if isinstance(t, torch.Tensor))
     return sum(t.numel() * t.element_size() for t in local)
@@ -267,10 +267,10 @@ def _describe(index: int, kinds: list[str], warmup: int, record: dict[str, Any],
 
 
 def run_job(job: dict[str, Any], jobdir: Path, heartbeat: Heartbeat, fault: str, state: dict[str, Any]) -> dict:
-    import torch
+    import torch  # lazy: loads torch
 
-    from ..emit import quantization_config
-    from ..trainers import get_trainer
+    from ..emit import quantization_config  # lazy: loads yaml
+    from ..trainers import get_trainer  # lazy: loads yaml
 
     heartbeat.beat()
     backend = job["backend"]
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.flush()
     ok = result.get("status") == "ok"
     if world > 1 and ok:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: loads torch
 
         if dist.is_initialized():  # no rank leaves while another still needs it in a collective
             dist.barrier()

@@ -52,7 +52,7 @@ def _load_estimate(backend: FunctionBackend) -> Callable[[Workload, Candidate], 
     if backend.name == "estimate":
         return backend.measure  # the backend itself: its numbers seed and order the queue
     try:
-        from ..estimator import estimate
+        from ..estimator import estimate  # lazy: an ImportError answers None
     except ImportError:
         return None
     return estimate

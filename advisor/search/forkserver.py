@@ -32,8 +32,8 @@ class Server:
 
     @classmethod
     def acquire(cls, log: Path) -> Any:
-        import multiprocessing as mp
-        from multiprocessing import forkserver, resource_tracker
+        import multiprocessing as mp  # lazy: only when a pool starts
+        from multiprocessing import forkserver, resource_tracker  # lazy: only when a pool starts
 
         ctx = mp.get_context("forkserver")
         with cls.lock:
@@ -55,7 +55,7 @@ class Server:
 
     @classmethod
     def release(cls) -> None:
-        from multiprocessing import forkserver, resource_tracker
+        from multiprocessing import forkserver, resource_tracker  # lazy: only when a pool starts
 
         with cls.lock:
             cls.users -= 1

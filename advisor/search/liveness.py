@@ -75,7 +75,7 @@ def fixed_params(t: FrozenTrial) -> dict[str, Any]:
 def live_running(study: optuna.Study, on_stale: Callable[[FrozenTrial], None]) -> list[FrozenTrial]:
     """RUNNING trials whose owner is alive; `on_stale` is called for each stale one (a killed run or worker): a
     dead owner process on this host at once, any other when its heartbeat is older than STALE_S."""
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # lazy: loads optuna
 
     now, live = time.time(), []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -91,7 +91,7 @@ def live_running(study: optuna.Study, on_stale: Callable[[FrozenTrial], None]) -
 
 def fail_stale(study: optuna.Study, t: FrozenTrial) -> bool:
     """Fail a dead process's trial; True when this process's FAIL landed (so it, and only it, queues again)."""
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # lazy: loads optuna
 
     try:
         study._storage.set_trial_user_attr(t._trial_id, "stale", True)
@@ -102,7 +102,7 @@ def fail_stale(study: optuna.Study, t: FrozenTrial) -> bool:
 
 
 def fail(study: optuna.Study, trial: optuna.Trial | int) -> None:
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # lazy: loads optuna
 
     study.tell(trial, state=TrialState.FAIL)
 
@@ -155,7 +155,7 @@ def heartbeat(trial: optuna.Trial) -> Iterator[None]:
 def finish(study: optuna.Study, trial: optuna.Trial, value: float) -> None:
     """Tell the study; if another process judged this trial stale and failed it meanwhile (its heartbeat
     could not be written for STALE_S), the result is stored as a new finished trial, not lost."""
-    import optuna
+    import optuna  # lazy: loads optuna
 
     try:
         study.tell(trial, value)
@@ -174,8 +174,8 @@ def ask(study: optuna.Study) -> optuna.Trial:
     """`study.ask()`, except that a candidate queued again after its process died ("retry") is popped before the
     other waiting trials (Optuna pops by number, which would put it behind the seeds still waiting, so that a
     resumed run with few trials measured other candidates than a fresh one)."""
-    from optuna.exceptions import UpdateFinishedTrialError
-    from optuna.trial import TrialState
+    from optuna.exceptions import UpdateFinishedTrialError  # lazy: loads optuna
+    from optuna.trial import TrialState  # lazy: loads optuna
 
     storage = study._storage
 

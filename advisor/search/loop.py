@@ -69,7 +69,7 @@ class StudyRun:
 
     # -- the ledger, rebuilt from the study (other runs and workers write there too) ---------------------------
     def refresh(self) -> None:
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # lazy: loads optuna
 
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             attrs = t.user_attrs
@@ -181,7 +181,7 @@ class StudyRun:
     def enqueue(self, cands: list[Candidate], tag: str) -> None:
         """Queue candidates not measured and not already waiting or being measured. Unlike Optuna's
         skip_if_exists, a failed trial (an interrupted or killed measurement) does not keep its candidate out."""
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # lazy: loads optuna
 
         running = self._live_running()  # first: failing a stale trial queues its candidate again
         pending = [liveness.fixed_params(t)
@@ -201,7 +201,7 @@ class StudyRun:
         return ev.has_estimate and ev.prunes and ev.skip_losers
 
     def waiting(self) -> int:
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # lazy: loads optuna
 
         return len(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
@@ -331,7 +331,7 @@ class StudyRun:
         """Workers, or other runs sharing the study, may still be measuring; their results belong in the answer.
         A RUNNING trial whose owner died is failed instead of waited for, and its candidate, queued again, is
         measured here (with whatever else is still queued then)."""
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # lazy: loads optuna
 
         end = time.perf_counter() + timeout_s
         while time.perf_counter() < end:

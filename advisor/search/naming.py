@@ -83,9 +83,9 @@ def open_store(storage: str | None, cache: bool, events: list[Event],
 
 def create_study(storage: optuna.storages.BaseStorage, name: str, new: dict[str, Any],
                  given_name: str | None = None) -> optuna.Study:
-    import optuna
+    import optuna  # lazy: loads optuna
 
-    from .proposers import make_sampler
+    from .proposers import make_sampler  # lazy: circle via proposers
 
     prepare_study(storage, name)
     study = optuna.create_study(study_name=name, storage=storage, direction="maximize", sampler=make_sampler(),
@@ -101,7 +101,7 @@ def create_study(storage: optuna.storages.BaseStorage, name: str, new: dict[str,
 
 
 def study_names(store: optuna.storages.BaseStorage) -> list[str]:
-    import optuna
+    import optuna  # lazy: loads optuna
 
     return [su.study_name for su in optuna.get_all_study_summaries(store, include_best_trial=False)]
 
@@ -116,8 +116,8 @@ def worker_names(names: list[str], name: str) -> list[str]:
 def drop_failed_study(store: optuna.storages.BaseStorage, name: str) -> bool:
     """Delete a cached study whose every measurement is an error (the run raised BackendError): it says nothing
     about memory, and keeping it would answer the rerun, after the cause is fixed, with the same errors."""
-    import optuna
-    from optuna.trial import TrialState
+    import optuna  # lazy: loads optuna
+    from optuna.trial import TrialState  # lazy: loads optuna
 
     if name not in study_names(store):
         return False

@@ -39,7 +39,7 @@ def _autograd_without_threads() -> None:
     first entered (`torch._C._ensureCUDADeviceGuardSet`). Either way every simulation in the workers failed. The
     engine counts only once: initialised here with no device, it starts no thread in the server or its forks,
     whatever a simulation installs later (the CPU build's engine never counts a device, so nothing changes there)."""
-    import torch
+    import torch  # lazy: torch loads in the forkserver, GPUs hidden first
 
     x = torch.zeros((), requires_grad=True)
     x.backward()
@@ -50,18 +50,18 @@ def _warm_up() -> None:
     (no OpenMP pool exists before the fork), so that every worker forks with the simulator's lazy imports and
     first-call initialisation done. Best effort: a failure only costs the workers that time."""
     os.environ.pop(_WARM_ENV, None)
-    import torch
+    import torch  # lazy: torch loads in the forkserver, GPUs hidden first
 
     _autograd_without_threads()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        from .._messages import capture
-        from ..data import synthetic
-        from ..profiles import resolve_gpu
-        from ..simulator import simulate
-        from ..space import Candidate
-        from ..workload import Goals, ModelSpec, Workload
+        from .._messages import capture  # lazy: the forkserver's warm-up only
+        from ..data import synthetic  # lazy: the forkserver's warm-up only
+        from ..profiles import resolve_gpu  # lazy: the forkserver's warm-up only
+        from ..simulator import simulate  # lazy: the forkserver's warm-up only
+        from ..space import Candidate  # lazy: the forkserver's warm-up only
+        from ..workload import Goals, ModelSpec, Workload  # lazy: the forkserver's warm-up only
 
         config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
                   "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -88,13 +88,13 @@ def _worker_main(conn: Any, log: str, ref: str, threads: int) -> None:
     os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the caller's; close() stops the workers
     _die_with_parent()
-    import faulthandler
+    import faulthandler  # lazy: the worker's start-up, in its order
 
     faulthandler.enable(file=sys.stderr)  # a segfault's traceback lands in the log, whose tail names the crash
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
+    import torch  # lazy: the worker's start-up, in its order
 
-    from .._messages import capture
+    from .._messages import capture  # lazy: the worker's start-up, in its order
 
     torch.set_num_threads(threads)
     fn = _resolve(ref)
@@ -140,7 +140,7 @@ def _portable(exc: BaseException) -> Any:
 def _die_with_parent() -> None:
     """Linux: SIGKILL this worker when the process that forked it (the forkserver) dies."""
     with contextlib.suppress(Exception):
-        import ctypes
+        import ctypes  # lazy: the worker only
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 

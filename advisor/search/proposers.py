@@ -47,7 +47,7 @@ def walk_parameters(*, parents: int | None = None, seeds: int | None = None) -> 
 
 def make_sampler() -> optuna.samplers.BaseSampler:
     """TPE over the categoricals, constrained by the device bytes; the proposer of last resort."""
-    import optuna
+    import optuna  # lazy: loads optuna
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -111,8 +111,8 @@ def reused(study: optuna.Study, space: StudySpace, ledger: Ledger, backend: Func
     """The fastest feasible candidates of stored studies of this workload, method and effective batch that a
     cheaper measuring backend (simulate for a cuda or cpu search) answered, and those backends: they seed the
     queue first."""
-    import optuna
-    from optuna.trial import TrialState
+    import optuna  # lazy: loads optuna
+    from optuna.trial import TrialState  # lazy: loads optuna
 
     limit = ledger.limit_bytes
     store = storage_of(study)

@@ -69,8 +69,8 @@ def default_storage_url() -> str:
 
 def open_cache() -> Cache:
     """The default cache (SQLite in cache_dir()); never an error: an unusable one is replaced by memory."""
-    import optuna
-    from optuna.storages import InMemoryStorage
+    import optuna  # lazy: loads optuna
+    from optuna.storages import InMemoryStorage  # lazy: loads optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # "A new study created in RDB..." is not for the user
     d = cache_dir()
@@ -139,8 +139,8 @@ def _is_schema_race(exc: BaseException) -> bool:
 
 def _rdb(url: str, *, read_only: bool = False) -> BaseStorage:
     """An RDBStorage that several processes can share; retries while another process creates the schema."""
-    from optuna.storages import RDBStorage
-    from sqlalchemy import exc as sa_exc
+    from optuna.storages import RDBStorage  # lazy: loads optuna
+    from sqlalchemy import exc as sa_exc  # lazy: loads sqlalchemy
 
     url = _with_driver(url)
     sqlite = url.startswith("sqlite")
@@ -172,7 +172,7 @@ def _with_driver(url: str) -> str:
 
 def _immediate_transactions(storage: BaseStorage) -> None:
     """SQLAlchemy's recipe for SQLite transactions that lock at BEGIN (the driver's own BEGIN is turned off)."""
-    from sqlalchemy import event
+    from sqlalchemy import event  # lazy: loads sqlalchemy
 
     engine = storage.engine  # type: ignore[attr-defined]
 
@@ -193,7 +193,7 @@ _COPY_CLASS: list[type] = []
 def _read_only_copy(source: BaseStorage) -> BaseStorage:
     """Memory, plus the studies of the read-only `source`, copied in when a run first names them."""
     if not _COPY_CLASS:  # made on first use: optuna is imported lazily
-        from optuna.storages import InMemoryStorage
+        from optuna.storages import InMemoryStorage  # lazy: loads optuna
 
         class ReadOnlyCopy(InMemoryStorage):
             def __init__(self, source: BaseStorage):
@@ -209,8 +209,8 @@ def is_storage_failure(exc: BaseException) -> bool:
     """A storage that stopped taking writes in the middle of a run (a full disk, a database gone read-only, an
     I/O error), not a bug of the search: Optuna's StorageInternalError, SQLAlchemy's or sqlite3's OperationalError,
     a journal file's OSError."""
-    from optuna.exceptions import StorageInternalError
-    from sqlalchemy.exc import OperationalError
+    from optuna.exceptions import StorageInternalError  # lazy: loads optuna
+    from sqlalchemy.exc import OperationalError  # lazy: loads sqlalchemy
 
     if isinstance(exc, OSError):
         return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
@@ -235,7 +235,7 @@ def prepare_study(storage: BaseStorage, name: str) -> None:
     if source is None or copied is None or name in copied:
         return
     copied.add(name)
-    import optuna
+    import optuna  # lazy: loads optuna
 
     try:
         optuna.copy_study(from_study_name=name, from_storage=source, to_storage=storage)
@@ -247,7 +247,7 @@ def _sqlite_file(url: str) -> Path | None:
     """The database file of a sqlite:/// URL (None for memory, URI-mode names or other schemes)."""
     if not url.startswith("sqlite"):
         return None
-    from sqlalchemy.engine import make_url
+    from sqlalchemy.engine import make_url  # lazy: loads sqlalchemy
 
     try:
         db = make_url(url).database
@@ -272,9 +272,9 @@ def open_given(url: str) -> Cache:
 
 def open_storage(url: str | None) -> BaseStorage:
     """None -> in memory; 'scheme://...' -> RDB storage; anything else is a journal file path (--storage)."""
-    import optuna
-    from optuna.storages import InMemoryStorage, JournalStorage
-    from optuna.storages.journal import JournalFileBackend
+    import optuna  # lazy: loads optuna
+    from optuna.storages import InMemoryStorage, JournalStorage  # lazy: loads optuna
+    from optuna.storages.journal import JournalFileBackend  # lazy: loads optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if url is None:
@@ -334,9 +334,9 @@ def open_for_reading(url: str | None) -> BaseStorage:
     """The store of a read-only command (`advisor studies`, `advisor report`): never creates a database or a
     journal (a typo is an error naming it, not a new empty file), reads a SQLite file read-only, and says so when
     the file cannot be read instead of calling it empty. None: the study cache (nothing stored yet: empty)."""
-    import optuna
-    from optuna.storages import InMemoryStorage, JournalStorage
-    from optuna.storages.journal import JournalFileBackend
+    import optuna  # lazy: loads optuna
+    from optuna.storages import InMemoryStorage, JournalStorage  # lazy: loads optuna
+    from optuna.storages.journal import JournalFileBackend  # lazy: loads optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if url is None:
@@ -369,7 +369,7 @@ def open_for_reading(url: str | None) -> BaseStorage:
 
 def _read_sqlite(db: Path, label: str, fix: str) -> BaseStorage:
     """A SQLite file opened read-only, checked by reading it (a corrupt or foreign file is an error, not empty)."""
-    import optuna
+    import optuna  # lazy: loads optuna
 
     try:
         with open(db, "rb") as fh:

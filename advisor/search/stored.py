@@ -45,8 +45,8 @@ class StoredStudy:
 
 def stored_studies(storage: str | None = None) -> list[StoredStudy]:
     """The advisor studies in `storage` (default: the study cache that `suggest` uses), oldest first."""
-    import optuna
-    from optuna.trial import TrialState
+    import optuna  # lazy: loads optuna
+    from optuna.trial import TrialState  # lazy: loads optuna
 
     store = open_for_reading(storage)  # never creates a database
     out = []
@@ -71,7 +71,7 @@ def stored_suggestion(study_name: str, storage: str | None = None, *, workload: 
 
     The workload is rebuilt from the names the study keeps (model, GPU, dataset), unless given.
     """
-    import optuna
+    import optuna  # lazy: loads optuna
 
     label = storage or "the study cache"
     store = open_for_reading(storage)  # never creates a database

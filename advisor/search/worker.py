@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 def _worker_run(store: optuna.storages.BaseStorage, name: str, storage: str, workload: Workload | None,
                 backend: str | None, progress: Callable[[Progress], None] | None, pools: dict[str, Any],
                 jobs: int | None) -> StudyRun:
-    import optuna
+    import optuna  # lazy: loads optuna
 
     study = optuna.load_study(study_name=name, storage=store)
     spec = study.user_attrs.get(naming.SPEC_KEY)

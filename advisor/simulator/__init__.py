@@ -122,8 +122,8 @@ def simulate(
     allocates the optimizer state lazily in its optimizer step, and from the second on each step frees and
     reallocates the same tensors (tests/test_simulate_accuracy.py checks max_steps 1 and 3 against real runs).
     """
-    from ..trainers import get_trainer, trainer_of
-    from .modelled import check_simulable, resolve_target
+    from ..trainers import get_trainer, trainer_of  # lazy: loads numpy
+    from .modelled import check_simulable, resolve_target  # lazy: keeps start-up light
 
     started = time.perf_counter()
     spec = get_trainer(trainer) if trainer is not None else trainer_of(workload)
@@ -138,7 +138,7 @@ def simulate(
         steps = max_steps
     check_simulable(candidate, workload.model)
     if spec.step_shape(candidate).generates:  # generation inside the step
-        from .online_simulate import simulate_online
+        from .online_simulate import simulate_online  # lazy: keeps start-up light
 
         m = simulate_online(workload, candidate, target, spec, steps=steps)
     else:
@@ -150,9 +150,9 @@ def _fake_runs(workload: Workload, candidate: Candidate, target: GPUSpec, spec: 
                layers: tuple[int, int] | None, steps: int) -> tuple[Any, list, list[str]]:
     """The fake runs of two shallow depths, the full depth built layer by layer from them (or the full depth run
     where they do not split into identical layers): (the combined run, the depth runs, the notes)."""
-    from .depth import extrapolate, plan_depths, simulate_depth
-    from .layers import NotSeparable
-    from .modelled import runnable
+    from .depth import extrapolate, plan_depths, simulate_depth  # lazy: keeps start-up light
+    from .layers import NotSeparable  # lazy: keeps start-up light
+    from .modelled import runnable  # lazy: keeps start-up light
 
     run_cand, notes = runnable(candidate, target)
     depth = workload.model.num_layers
@@ -176,7 +176,7 @@ def _device_bytes(workload: Workload, candidate: Candidate, target: GPUSpec, com
     """(peak, reserved, device bytes, the breakdown, the activations the forward saves) of the combined run, with
     activation offloading at every moment of the stream, what is modelled instead of run, the models beside the
     policy, and on CUDA the cuBLAS workspace and the context."""
-    from .modelled import modelled_adjustments
+    from .modelled import modelled_adjustments  # lazy: keeps start-up light
 
     peak, allocated, reserved = combined.peak_bytes, combined.allocated_bytes, combined.reserved_bytes
     breakdown = dict(combined.breakdown)
@@ -195,7 +195,7 @@ def _device_bytes(workload: Workload, candidate: Candidate, target: GPUSpec, com
     for cat, delta in adjust.breakdown_delta.items():
         breakdown[cat] = breakdown.get(cat, 0) + delta
     if workload.models:  # the models beside the policy: resident, their weights in closed form (not run here)
-        from ..physics import DTYPE_BYTES, resident_bytes
+        from ..physics import DTYPE_BYTES, resident_bytes  # lazy: keeps start-up light
 
         extra = resident_bytes((m for _, m in workload.models), DTYPE_BYTES[candidate.weights_dtype])
         peak, allocated, reserved = peak + extra, allocated + extra, reserved + extra
@@ -204,7 +204,7 @@ def _device_bytes(workload: Workload, candidate: Candidate, target: GPUSpec, com
                      f"weights ({extra:,} B) counted in closed form, not run by the fake step")
     if not target.is_cuda:
         return peak, peak, peak, breakdown, activations_saved
-    from ..physics import context_bytes, cublas_workspace_bytes
+    from ..physics import context_bytes, cublas_workspace_bytes  # lazy: loads yaml
 
     ws = cublas_workspace_bytes(target.compute_capability)
     breakdown[Category.OTHER.value] = breakdown.get(Category.OTHER.value, 0) + ws
@@ -221,7 +221,7 @@ def _simulate_offline(workload: Workload, candidate: Candidate, target: GPUSpec,
     """A step that does not generate: the trainer's own step on fake tensors at two shallow depths (`_fake_runs`),
     its bytes (`_device_bytes`) and its time (the step-time model over the sampler's batches where the trainer
     declares it, else the worst batch's step)."""
-    from .modelled import batch_label, expected_time
+    from .modelled import batch_label, expected_time  # lazy: keeps start-up light
 
     combined, runs, notes = _fake_runs(workload, candidate, target, spec, layers, steps)
     notes.extend(spec.notes(candidate, workload))
@@ -266,7 +266,7 @@ def _worst(cost: Any) -> Any:
     """The step-time model on the worst batch at every micro-step (a trainer not timed over the sampler's batches)."""
     if cost is None:
         return None
-    from ..physics import BatchDistribution, evaluate
+    from ..physics import BatchDistribution, evaluate  # lazy: loads numpy
 
     return evaluate(cost, BatchDistribution.single(cost.worst))
 
@@ -274,7 +274,7 @@ def _worst(cost: Any) -> Any:
 def _time_detail(timed: Any, target: Any) -> dict[str, Any]:
     if timed is None:
         return {}
-    from ..physics import time_constants, time_detail
+    from ..physics import time_constants, time_detail  # lazy: loads numpy
 
     return time_detail(timed, time_constants(target))
 
@@ -291,9 +291,9 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     (`simulate`). Throughput is global: every rank's trained tokens over the step time including the
     collectives' exposed time (`comm_time_s`)."""
 
-    from ..physics import apply_layout_traffic, offload_time_s
-    from ..physics import rank_comm as _comm
-    from .modelled import resolve_target as _resolve_target
+    from ..physics import apply_layout_traffic, offload_time_s  # lazy: keeps start-up light
+    from ..physics import rank_comm as _comm  # lazy: keeps start-up light
+    from .modelled import resolve_target as _resolve_target  # lazy: keeps start-up light
 
     parallelism = parallelism or Parallelism()
     num_gpus = workload.num_gpus if num_gpus is None else num_gpus
@@ -304,7 +304,7 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
     notes: list[str] = []
     if num_gpus == 1:
         return simulate(workload, candidate, target, layers=layers, steps=steps)
-    from ..trainers import trainer_of
+    from ..trainers import trainer_of  # lazy: loads numpy
 
     kind = trainer_of(workload)
     online = kind.step_shape(candidate).generates  # generation inside the step
@@ -350,7 +350,7 @@ def simulate_per_rank(workload: Any, candidate: Any, num_gpus: int | None = None
 def _fsdp2_rank(workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int, target: Any, steps: int,
                 notes: list[str]) -> Any:
     """One rank of FSDP2 on fake tensors: the fake process group and accelerate's sharding, at full depth."""
-    from .distributed import fake_process_group, fsdp2_sharding
+    from .distributed import fake_process_group, fsdp2_sharding  # lazy: loads torch
 
     # at full depth: FSDP2's prefetch pairs each layer's gathered parameters with the next layer's work, which
     # the layer-by-layer extrapolation (advisor/simulator/layers.py) does not split (NotSeparable)
@@ -407,9 +407,9 @@ def _online_rank(workload: Any, candidate: Any, parallelism: Parallelism, num_gp
 
 def _modelled_rank(m: Any, workload: Any, candidate: Any, parallelism: Parallelism, num_gpus: int):
     """DDP and ZeRO from the single-GPU simulation: the model states at its peak replaced by theirs."""
-    from ..physics import model_counts as _model_counts
-    from ..physics import trainable_bytes as _trainable_bytes
-    from ..physics import zero_bytes
+    from ..physics import model_counts as _model_counts  # lazy: keeps start-up light
+    from ..physics import trainable_bytes as _trainable_bytes  # lazy: keeps start-up light
+    from ..physics import zero_bytes  # lazy: keeps start-up light
 
     br = dict(m.breakdown)
     grads = br.get(Category.GRADIENTS.value, 0)
@@ -444,6 +444,6 @@ def shard_fsdp2(model: Any, mesh: Any, parallelism: Parallelism, precision: str)
     """Shard a real model over a real process group's `mesh` exactly as the simulation shards its fake one
     (accelerate's own `fsdp2_prepare_model`; the CPU probe of several ranks uses it, since accelerate's FSDP path
     refuses a CPU process group)."""
-    from .distributed import prepare_fsdp2
+    from .distributed import prepare_fsdp2  # lazy: loads torch
 
     return prepare_fsdp2(model, mesh, parallelism, precision)

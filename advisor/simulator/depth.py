@@ -17,8 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._messages import capture
+from ..modeling import placeholder_tokenizer
 from ..space import Candidate
 from ..workload import GPUSpec, ModelSpec, Workload
+from .layers import LayerStream, NotSeparable, offload_peak, stream_peak, synthesize_checked
 
 if TYPE_CHECKING:
     from ..physics import StepCost
@@ -57,11 +60,11 @@ def simulate_depth(
     `original` is the candidate as the user runs it (its attention, quantization and optimizer are what the
     step-time model costs, where the runnable one stands in for kernels fake tensors cannot run). `trainer`: the
     workload's unless given."""
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback  # lazy: loads transformers
 
-    from ..trainers import get_trainer, trainer_of
-    from .fake_step import make_trainer_class, run_fake_training
-    from .timing_hook import TimingHook, layout_of
+    from ..trainers import get_trainer, trainer_of  # lazy: loads numpy
+    from .fake_step import make_trainer_class, run_fake_training  # lazy: loads torch
+    from .timing_hook import TimingHook, layout_of  # lazy: loads numpy
 
     kind = get_trainer(trainer) if trainer is not None else trainer_of(workload)
     spec = with_depth(workload.model, layers)
@@ -92,7 +95,6 @@ def simulate_depth(
             count_saved=(original or candidate).activation_offloading,
         )
         cost = _step_cost(trainer, hook, timed, target, layers)
-    from .layers import LayerStream
 
     stream = LayerStream.from_run(layers, result.events, result.event_layers, result.event_categories)
     peak, allocated, reserved, breakdown = _stream_peaks(
@@ -122,7 +124,6 @@ def _offload(events, categories, layers: int, offloading: bool, saved_bytes: int
     """Activation offloading over the whole stream (fake tensors run without it: its CUDA streams cannot run)."""
     if not offloading:
         return None
-    from .layers import offload_peak
 
     return offload_peak(events, categories, layers, saved_bytes)
 
@@ -153,9 +154,9 @@ def _record_last_step(trainer, hook, steps: int, ga: int) -> None:
 def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec, layers: int = 0):
     """The micro-step's costs from the fake run, the optimizer step's from the trainable tensors as the target
     runs them, and the model FLOPs for the MFU."""
-    import torch
+    import torch  # lazy: loads torch
 
-    from ..physics import model_flops, optimizer_cost, optimizer_impl
+    from ..physics import model_flops, optimizer_cost, optimizer_impl  # lazy: loads numpy
 
     model = trainer.model
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -182,7 +183,7 @@ def _step_cost(trainer, hook, candidate: Candidate, target: GPUSpec, layers: int
 
 def _worst_step(cost):
     """The step-time model on the worst batch at every micro-step (a StepTime)."""
-    from ..physics import BatchDistribution, evaluate
+    from ..physics import BatchDistribution, evaluate  # lazy: loads numpy
 
     return evaluate(cost, BatchDistribution.single(cost.worst))
 
@@ -194,12 +195,10 @@ def _worst_step_s(cost) -> float:
 def _stream_peaks(events: list, categories: list, *, cuda: bool, expandable_segments: bool):
     """(peak, allocated, reserved, breakdown at the peak) of one allocation stream; on CUDA the caching allocator's
     rules replayed on it, on the CPU all three the highest sum of live bytes."""
-    from .layers import stream_peak
-
     top = stream_peak(events, categories)
     allocated = reserved = top.peak_bytes
     if cuda:
-        from ..physics import replay
+        from ..physics import replay  # lazy: loads yaml
 
         peaks = replay(events, expandable_segments=expandable_segments)
         allocated, reserved = peaks.allocated, peaks.reserved
@@ -212,8 +211,6 @@ _TOKENIZERS: dict[tuple, object] = {}
 def _tokenizer(spec: ModelSpec):
     """The placeholder tokenizer, built once per vocabulary: with a 150k vocabulary building it and SFTTrainer's
     `get_vocab()` check cost ~0.3 s a depth. SFTTrainer only reads it here (the config sets no eos/pad token)."""
-    from ..modeling import placeholder_tokenizer
-
     key = (spec.vocab_size, repr(spec.text_value("pad_token_id")), repr(spec.text_value("eos_token_id")))
     tok = _TOKENIZERS.get(key)
     if tok is None:
@@ -271,8 +268,7 @@ def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expanda
     time linear in depth. Raises `layers.NotSeparable` where the runs do not split into identical layers."""
     if len(runs) == 1:
         return runs[0]
-    from ..physics import extrapolate_cost
-    from .layers import NotSeparable, synthesize_checked
+    from ..physics import extrapolate_cost  # lazy: loads numpy
 
     lo, hi = runs
     k = (depth - lo.layers) / (hi.layers - lo.layers)
@@ -306,7 +302,7 @@ def extrapolate(runs: list[DepthRun], depth: int, *, cuda: bool = False, expanda
 def worst_rows(workload: Workload, candidate: Candidate, trainer: str | Trainer | None = None) -> list[dict]:
     """The rows of the longest micro-batch, the batch a simulated step runs (the trainer's `worst_rows`; the
     workload's trainer unless given)."""
-    from ..trainers import get_trainer, trainer_of
+    from ..trainers import get_trainer, trainer_of  # lazy: loads numpy
 
     kind = get_trainer(trainer) if trainer is not None else trainer_of(workload)
     return kind.worst_rows(workload, candidate)
@@ -315,7 +311,7 @@ def worst_rows(workload: Workload, candidate: Candidate, trainer: str | Trainer 
 def worst_batch(trainer: Any, batch_size: int, spec: str | Trainer | None = None) -> dict:
     """The batch that needs the most memory, as `trainer`'s collator builds it (`spec`: its
     advisor.trainers.Trainer or name; the default trainer when not given)."""
-    from .fake_step import worst_batch as of_trainer
+    from .fake_step import worst_batch as of_trainer  # lazy: loads torch
 
     return of_trainer(trainer, batch_size, spec)
 
@@ -324,9 +320,8 @@ def worst_batch(trainer: Any, batch_size: int, spec: str | Trainer | None = None
 def _quiet() -> Iterator[None]:
     """The library never prints: datasets' progress bars off, and what TRL / transformers warn or log per trainer
     is collected (advisor._messages.capture: the search lists it once in its report) instead of printed."""
-    import datasets
+    import datasets  # lazy: loads datasets
 
-    from .._messages import capture
 
     bars = datasets.utils.logging.is_progress_bar_enabled()
     datasets.utils.logging.disable_progress_bar()

@@ -47,7 +47,7 @@ __all__ = ["fake_process_group", "fsdp2_sharding", "prepare_fsdp2"]
 def fake_process_group(world_size: int) -> Iterator[Any]:
     """The default process group as the `fake` backend with `world_size` ranks (this process is rank 0), and its
     1-D device mesh (built outside any fake mode: the mesh computes its coordinates with real tensors)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # lazy: loads torch.testing
 
     if dist.is_initialized():
         raise ConfigError(
@@ -64,7 +64,7 @@ def fake_process_group(world_size: int) -> Iterator[Any]:
 
 def fsdp2_plugin(parallelism: Parallelism, precision: str):
     """accelerate's FSDP2 plugin as `accelerate launch` builds it from the emitted config (accelerate_config)."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils import FullyShardedDataParallelPlugin  # lazy: loads accelerate
 
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, reshard_after_forward=parallelism.reshard_after_forward,
@@ -82,8 +82,8 @@ def prepare_fsdp2(model: torch.nn.Module, mesh: Any, parallelism: Parallelism, p
 
     `fake`: on fake tensors the offload policy does not pin host memory (aten._pin_memory has no fake kernel;
     pinning changes no size)."""
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-    from torch.distributed.fsdp import CPUOffloadPolicy
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model  # lazy: loads accelerate
+    from torch.distributed.fsdp import CPUOffloadPolicy  # lazy: loads torch.distributed.fsdp
 
     plugin = fsdp2_plugin(parallelism, precision)
     if fake and isinstance(plugin.cpu_offload, CPUOffloadPolicy):
@@ -104,7 +104,7 @@ def fsdp2_sharding(mesh: Any, parallelism: Parallelism, precision: str) -> Itera
     tracker."""
     materialise = fake_step._materialise
 
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # lazy: loads torch.distributed.tensor
 
 
     offload = parallelism.offload_params
@@ -182,7 +182,7 @@ def _communication_categories(offload: bool = False) -> Iterator[None]:
     output) is labelled temporaries; the sharded gradients it assigns after the reduce-scatter (no gradient hook sees
     them: autograd accumulates into the unsharded parameters) gradients, or, offloaded, host memory: FSDP2 copies
     them to the host and the device's reduce-scatter output dies with the post-backward."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup  # lazy: loads torch FSDP
 
 
     unshard, post_backward = FSDPParamGroup.unshard, FSDPParamGroup.post_backward
@@ -220,7 +220,7 @@ def _untracked_sharding_propagation() -> Iterator[None]:
     """DTensor computes each op's global output shape by running it on fake tensors of the global shape
     (ShardingPropagator._propagate_tensor_meta_non_cached, in a fresh FakeTensorMode on a real run, so on no
     memory); inside our fake mode those tensors would reach the tracker, so it records nothing while they run."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator  # lazy: loads torch.distributed.tensor
 
     original = ShardingPropagator._propagate_tensor_meta_non_cached
 
@@ -252,7 +252,7 @@ def _tracked_storage_resizes() -> Iterator[None]:
     """FSDP2 allocates and frees its unsharded parameters (the all-gather outputs) by resizing their storages in
     place (`_fsdp_param.alloc_storage` / `free_storage`); a storage resize dispatches no op, so each one is reported
     to the running tracker as the allocation or free it is on the real allocator."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group  # lazy: loads torch.distributed.fsdp
 
 
     def alloc_storage(tensor: torch.Tensor) -> None:

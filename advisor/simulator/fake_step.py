@@ -99,7 +99,7 @@ def _seq_lengths(batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
 def worst_batch(trainer: Any, batch_size: int, spec: Any = None) -> dict[str, torch.Tensor]:
     """The batch that needs the most memory, as the trainer's collator builds it (`spec`: its
     advisor.trainers.Trainer; the default trainer when not given)."""
-    from ..trainers import DEFAULT, get_trainer
+    from ..trainers import DEFAULT, get_trainer  # lazy: loads yaml
 
     return get_trainer(spec or DEFAULT).worst_batch(trainer, batch_size)
 
@@ -146,14 +146,14 @@ def real_path_patches(cuda: bool) -> Iterator[None]:
       fake tensors under every torch the project declares (advisor/simulator/out_dtype.py: torch 2.11's fake kernel
       fails them).
     """
-    import transformers.masking_utils as mu
-    from transformers.utils.import_utils import is_torchdynamo_compiling
+    import transformers.masking_utils as mu  # lazy: loads transformers
+    from transformers.utils.import_utils import is_torchdynamo_compiling  # lazy: loads transformers
 
     saved: list[tuple[Any, str, Any]] = [(mu, "is_tracing", mu.is_tracing)]
     mu.is_tracing = lambda tensor=None: is_torchdynamo_compiling()
     if cuda:
-        import trl.kernels.chunked_logprob as ck
-        import trl.trainer.utils as tu
+        import trl.kernels.chunked_logprob as ck  # lazy: loads trl
+        import trl.trainer.utils as tu  # lazy: loads trl
 
         saved.append((tu, "_use_triton", tu._use_triton))
         tu._use_triton = lambda device: True
@@ -207,8 +207,8 @@ def _divergence_cuda_path() -> list[tuple[Any, str, Any]]:
     """Install the CUDA path of trl/kernels/chunked_divergence.py (see `real_path_patches`); returns what to restore.
     `_project` and `_addmm_fp32` take their `device.type == "cuda"` branch (torch >= 2.8's out_dtype matmuls, which
     fake tensors run); the Triton kernels allocate nothing; `triton.cdiv` sizes their grid."""
-    import trl.kernels.chunked_divergence as cd
-    import trl.trainer.distillation_trainer as dt
+    import trl.kernels.chunked_divergence as cd  # lazy: loads trl
+    import trl.trainer.distillation_trainer as dt  # lazy: loads trl
 
     def project(tile, hidden_chunk, weight, bias, start, end, dtype):
         w = weight[start:end].to(dtype).t()
@@ -287,7 +287,7 @@ def _bool_index(indices: Any) -> bool:
 def make_trainer_class(spec: Any = None):
     """The trainer class of `spec` (an advisor.trainers.Trainer or its name; the default trainer when not given)
     that leaves placement alone, trains on batches handed to it, and takes the trainer's own fake-run overrides."""
-    from ..trainers import DEFAULT, get_trainer
+    from ..trainers import DEFAULT, get_trainer  # lazy: loads yaml
 
     spec = get_trainer(spec or DEFAULT)
     base = spec.trainer_class()
@@ -327,7 +327,7 @@ def run_fake_training(
     training, then `trainer.train()` for `steps` optimizer steps. `spec`: the advisor.trainers.Trainer (the default
     trainer when not given). `on_op` sees every op of train(), `on_sync` every op the host waits at (SyncWatch),
     `on_tracker` the tracker (whose `layer` tags the ops with their decoder layer)."""
-    from ..trainers import DEFAULT, get_trainer
+    from ..trainers import DEFAULT, get_trainer  # lazy: loads yaml
 
     spec = get_trainer(spec or DEFAULT)
     facts = batch_facts(batch, spec.labels(batch))

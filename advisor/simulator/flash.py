@@ -383,7 +383,7 @@ class _DataAnswers(TorchDispatchMode):
 
 
 def _fake_flash_attention_forward(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.integrations.flash_attention import flash_attention_forward  # lazy: loads transformers
 
     with _DataAnswers(_active()):
         return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -391,7 +391,7 @@ def _fake_flash_attention_forward(module, query, key, value, attention_mask, **k
 
 def _stand_in_imports(implementation=None, attention_wrapper=None, allow_all_kernels=False):
     """`lazy_import_flash_attention` for the fake run: the stand-in kernels, transformers' own pad/unpad."""
-    import transformers.modeling_flash_attention_utils as mfa
+    import transformers.modeling_flash_attention_utils as mfa  # lazy: loads transformers
 
     global _PROCESS
     if _PROCESS is None:
@@ -405,9 +405,12 @@ _PROCESS = None
 def flash_attention_names() -> tuple[str, ...]:
     """Every FlashAttention `attn_implementation` transformers knows for CUDA: flash_attention_2/3/4 and the Hub
     kernels it maps them to or versions (kernels-community/flash-attn2, flash-attn3, vllm-flash-attn3, ...)."""
-    from transformers.modeling_flash_attention_utils import FLASH_ATTN_KERNEL_DEVICES, FLASH_ATTN_KERNEL_FALLBACK
-    from transformers.modeling_utils import AttentionInterface
-    from transformers.utils.generic import is_flash_attention_requested
+    from transformers.modeling_flash_attention_utils import (  # lazy: loads transformers
+        FLASH_ATTN_KERNEL_DEVICES,
+        FLASH_ATTN_KERNEL_FALLBACK,
+    )
+    from transformers.modeling_utils import AttentionInterface  # lazy: loads transformers
+    from transformers.utils.generic import is_flash_attention_requested  # lazy: loads transformers
 
     names = {k for k in AttentionInterface._global_mapping if not k.startswith("paged|")}
     names |= set(FLASH_ATTN_KERNEL_FALLBACK.values())
@@ -423,9 +426,12 @@ def fake_flash_attention(facts: Callable[[], Any]) -> Iterator[None]:
     `facts()` gives the batch being run (BatchFacts: `seq_lengths`, `packed`); it is read at each call, so a run that
     feeds several batches only has to update what it returns.
     """
-    import transformers.modeling_flash_attention_utils as mfa
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
-    from transformers.modeling_utils import AttentionInterface
+    import transformers.modeling_flash_attention_utils as mfa  # lazy: loads transformers
+    from transformers.masking_utils import (  # lazy: loads transformers
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        flash_attention_mask,
+    )
+    from transformers.modeling_utils import AttentionInterface  # lazy: loads transformers
 
     attn_map = AttentionInterface._global_mapping
     mask_map = type(ALL_MASK_ATTENTION_FUNCTIONS)._global_mapping

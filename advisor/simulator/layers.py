@@ -416,7 +416,7 @@ def offload_peak(events: Sequence[tuple[int, int]], categories: Sequence[Categor
 def install_layer_hooks(model: Any, tracker: Any, num_layers: int) -> list[Any]:
     """Tag the tracker's events with the decoder layer that runs: forward (and recomputation) by module hooks,
     backward from the moment the gradient of the layer's output is complete. Returns the hook handles."""
-    import torch
+    import torch  # lazy: loads torch
 
     stack = _decoder_layers(model, num_layers)
     if stack is None:
@@ -455,7 +455,7 @@ def install_layer_hooks(model: Any, tracker: Any, num_layers: int) -> list[Any]:
 
 
 def _decoder_layers(model: Any, num_layers: int):
-    import torch
+    import torch  # lazy: loads torch
 
     best = None
     for module in model.modules():

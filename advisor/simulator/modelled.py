@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..knobs import stand_ins
 from ..measurement import Category
+from ..physics import architecture, knob_memory_savings, knob_time, quantized_linear_bytes
 from ..space import Candidate, Optimizer, Precision, Quantization, WeightsDtype
 from ..workload import GPUSpec, ModelSpec, Workload
 
@@ -39,7 +40,13 @@ def expected_time(workload: Workload, candidate: Candidate, target: GPUSpec, cos
     """The expected step time over the batches the sampler makes (the worst batch stays the memory case)."""
     if cost is None:
         return None
-    from ..physics import batch_distribution, evaluate, offload_copy_s_per_token, peak_flops, time_constants
+    from ..physics import (  # lazy: loads numpy
+        batch_distribution,
+        evaluate,
+        offload_copy_s_per_token,
+        peak_flops,
+        time_constants,
+    )
 
     tc = time_constants(target)
     cost = cost.with_(peak_flops=peak_flops(target, candidate.precision.value))
@@ -52,8 +59,6 @@ def expected_time(workload: Workload, candidate: Candidate, target: GPUSpec, cos
 def _knob_time(cost, model: ModelSpec, candidate: Candidate, target: GPUSpec):
     """The modelled knobs' step-time terms (use_kernels, checkpoint_offload): advisor/physics/modelled.py's closed
     form."""
-    from ..physics import knob_time
-
     return knob_time(cost, model, candidate, target)
 
 
@@ -63,7 +68,7 @@ def resolve_target(gpu: str | GPUSpec | None, workload: Workload) -> GPUSpec:
         return workload.gpu
     if isinstance(gpu, GPUSpec):
         return gpu
-    from ..profiles import resolve_gpu
+    from ..profiles import resolve_gpu  # lazy: loads yaml
 
     return resolve_gpu(gpu)
 
@@ -127,8 +132,6 @@ def modelled_adjustments(
     _modelled_knobs(adj, candidate, model, breakdown, batch_shape[0] * batch_shape[1], cuda)
     params = Category.PARAMETERS.value
     if candidate.quantization is not Quantization.NONE:
-        from ..physics import architecture, quantized_linear_bytes
-
         arch = architecture(model)
         n = arch.decoder_linear
         stored = quantized_linear_bytes(arch, candidate)
@@ -176,8 +179,6 @@ def _modelled_knobs(adj: Adjustment, candidate: Candidate, model: ModelSpec, bre
                     tokens: int, cuda: bool) -> None:
     """The knobs fake tensors cannot run, from advisor/physics/modelled.py's closed forms (one model for both
     backends): what each frees of the activations held at the simulated peak, noted as modelled."""
-    from ..physics import knob_memory_savings
-
     acts = Category.ACTIVATIONS.value
     for name in ("use_kernels", "checkpoint_offload"):
         if getattr(candidate, name):

@@ -154,9 +154,9 @@ def online_construction(config: Any = None, *, engine: str = "generate", trainer
     is told yes."""
     _check_engine(engine)
 
-    import trl.generation.vllm_generation as vg
-    import trl.trainer.grpo_trainer as grpo
-    import trl.trainer.rloo_trainer as rloo
+    import trl.generation.vllm_generation as vg  # lazy: loads trl
+    import trl.trainer.grpo_trainer as grpo  # lazy: loads trl
+    import trl.trainer.rloo_trainer as rloo  # lazy: loads trl
 
     builders = [grpo, rloo]
     own = sys.modules[trainer_class.__module__] if trainer_class is not None else None
@@ -164,8 +164,8 @@ def online_construction(config: Any = None, *, engine: str = "generate", trainer
         builders.append(own)
 
     def meta_model_from_path(model_id: str, architecture: Any = None, **kwargs: Any):
-        import transformers
-        from transformers import AutoConfig
+        import transformers  # lazy: loads transformers
+        from transformers import AutoConfig  # lazy: loads transformers
 
         if kwargs.get("quantization_config") is not None:
             raise UsageError(f"the reference of {model_id!r} is quantized (quantization_config): a quantized "
@@ -186,7 +186,7 @@ def online_construction(config: Any = None, *, engine: str = "generate", trainer
         model.config._name_or_path = model_id
         return model
 
-    from accelerate import Accelerator
+    from accelerate import Accelerator  # lazy: loads accelerate
 
     prepare_model = Accelerator.prepare_model
 
@@ -398,7 +398,7 @@ def run_online_fake(trainer: Any, *, steps: int, cuda: bool, engine: str = "gene
     the trainer runs (its `extra_models`: a teacher), materialised and tracked as the policy is."""
     _check_run(trainer, steps, engine, decode_lengths)
     trainer.args.max_steps = steps
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback  # lazy: loads transformers
 
     for callback in (PrinterCallback, ProgressCallback):  # the library never prints
         trainer.remove_callback(callback)

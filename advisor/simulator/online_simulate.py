@@ -50,6 +50,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import AdvisorError
 from ..measurement import Category, Measurement, Source, Status
+from ..modeling import input_model
+from ..physics import architecture, online_constants, step_divergence, teacher_of, vocabulary_note
+from ..physics import online_PhaseKind as PhaseKind
+from .depth import _quiet, _record_last_step, _step_cost, _tokenizer, _worst_step
+from .modelled import modelled_adjustments, runnable
 
 if TYPE_CHECKING:
     from ..space import Candidate
@@ -72,8 +77,7 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
         online_TrainingState,
         online_vllm_terms,
         online_VllmRefusal,
-    )
-    from .modelled import runnable
+    )  # lazy: loads yaml
 
     started = time.perf_counter()
     k = kind.knobs(candidate)
@@ -106,7 +110,6 @@ def simulate_online(workload: Workload, candidate: Candidate, target: GPUSpec, k
                              context_bytes=ctx + (cublas_workspace_bytes(target.compute_capability, threads=1)
                                                   if cuda else 0))
     if step.teacher is not None:  # a divergence against a teacher: its vocabulary-sized parts, named
-        from ..physics import online_constants, step_divergence, vocabulary_note
 
         div = step_divergence(step, b, cpu_fold_tiles=int(online_constants()["cpu_divergence_fold_tiles"]["value"]))
         notes.append(vocabulary_note(div, vocab=step.vocab, beta=step.divergence_beta) + " (sizes from TRL's code; "
@@ -144,7 +147,7 @@ def _timed(step: Any, target: GPUSpec, arch: Any, candidate: Candidate, built: A
            notes: list[str]) -> Any:
     """The step's time: the training passes costed from the fake run's own ops, generation and scoring from its
     GENERATE and SCORE phases' ops (transformers' generate), online RL's other terms from the physics."""
-    from ..physics import online_step_time_on
+    from ..physics import online_step_time_on  # lazy: loads numpy
 
     phases = built.phases
     timed = online_step_time_on(
@@ -186,7 +189,7 @@ def _device(candidate: Candidate, result: Any, phase_peaks: dict, adjust: dict[s
             ws: int, ctx: int, notes: list[str]) -> tuple[int, int, int, dict[str, int], int]:
     """(peak, reserved, device bytes, the breakdown, what is outside the allocator at the device's peak): the
     phases' allocator peaks combined with what vLLM holds outside the allocator in each (`online_device_peak`)."""
-    from ..physics import RESERVED_FACTOR, online_device_peak
+    from ..physics import RESERVED_FACTOR, online_device_peak  # lazy: loads yaml
 
     dp = online_device_peak(phase_peaks, vllm)
     at, outside, peak = dp.peak_phase, dp.outside_at_peak, dp.allocator_peak_bytes
@@ -237,7 +240,7 @@ def _vllm_notes(vllm: Any, step: Any, k: Any) -> list[str]:
 
 def _time_detail(built: Any, target: GPUSpec, generations: float) -> dict[str, Any]:
     """The training passes' two queues (per optimizer step), the ops of one decode step and its time."""
-    from ..physics import time_constants, time_detail
+    from ..physics import time_constants, time_detail  # lazy: loads numpy
 
     out = time_detail(built.train_timed, time_constants(target))
     phases = built.phases
@@ -257,9 +260,6 @@ def _modelled(candidate: Candidate, workload: Workload, result: Any, rows: int, 
     optimizer's state, are held in every phase; what a knob frees of the saved activations (use_kernels,
     checkpoint_offload) only in the training phase. Returns the phases' allocator peaks and the breakdown's delta
     (at the allocator's peak phase)."""
-    from ..physics import online_PhaseKind as PhaseKind
-    from .modelled import modelled_adjustments
-
     cats = {c.value if isinstance(c, Category) else str(c): int(v) for c, v in result.breakdown.items()}
     adj = modelled_adjustments(candidate, workload.model, cats, 0.0, batch_shape=(rows, seq), cuda=cuda)
     notes.extend(adj.notes)
@@ -287,7 +287,6 @@ def _teacher(workload: Workload, models: dict[str, tuple[Any, Any]], role: str |
     and its bytes and weight element as built; None without one."""
     if role is None or role not in models:
         return None
-    from ..physics import architecture, teacher_of
 
     model = models[role][0]
     return teacher_of(architecture(workload.model_of(role)), weights_bytes=_model_bytes(model),
@@ -307,10 +306,8 @@ def _model_inputs(workload: Workload, kind: Trainer, candidate: Candidate, dtype
     AutoModelForSequenceClassification with num_labels=1; a teacher as a causal LM), in the dtype the trainer loads
     it in (`input_dtype`; `dtype`, the policy's as built, where that is the policy's), resident, counted; with its
     placeholder tokenizer."""
-    import torch
+    import torch  # lazy: loads torch
 
-    from ..modeling import input_model
-    from .depth import _tokenizer
 
     out = {}
     for inp in kind.model_inputs:
@@ -331,8 +328,7 @@ def _phases_timed(hook: Any, timers: Any) -> Iterator[None]:
     tracker, so its class is extended for the run (generation and scoring run inside `training_step`, through
     `_prepare_inputs`); the short decode runs of the extrapolated generate (suspended for memory) are what is timed
     of generation."""
-    from ..physics import online_PhaseKind as PhaseKind
-    from . import online_rl
+    from . import online_rl  # lazy: loads torch
 
     base = online_rl._PhaseTracker
 
@@ -372,13 +368,17 @@ def _phases_timed(hook: Any, timers: Any) -> Iterator[None]:
 
 def _build_and_run(workload: Workload, run_cand: Candidate, original: Candidate, target: GPUSpec, kind: Trainer, *,
                    steps: int, engine: str, decode_lengths: tuple[int, int] | None) -> _Built:
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback  # lazy: loads transformers
 
-    from .decode_extrapolation import _hf_model
-    from .depth import _quiet, _record_last_step, _step_cost, _tokenizer, _worst_step
-    from .online_rl import SHORT_DECODES, make_online_trainer_class, online_construction, run_online_fake
-    from .phase_timing import PhaseTimers
-    from .timing_hook import BatchLayout, TimingHook
+    from .decode_extrapolation import _hf_model  # lazy: loads torch
+    from .online_rl import (  # lazy: loads torch
+        SHORT_DECODES,
+        make_online_trainer_class,
+        online_construction,
+        run_online_fake,
+    )
+    from .phase_timing import PhaseTimers  # lazy: loads numpy
+    from .timing_hook import BatchLayout, TimingHook  # lazy: loads numpy
 
     spec = workload.model
     model = kind.build_model(spec, run_cand, device="meta")

@@ -80,7 +80,7 @@ def is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether dispatching `func` makes the host wait for the device: its value is read (`.item()`, `bool()`,
     `.tolist()`: `_local_scalar_dense`) or its output's size is the data's (nonzero, boolean indexing, unique,
     repeat_interleave without output_size, ...)."""
-    import torch
+    import torch  # lazy: loads torch
 
     name = func._overloadpacket.__name__
     if name == "repeat_interleave":
@@ -95,7 +95,7 @@ def traffic_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
     mutated arguments written once (and read unless write-only), fresh outputs written; outputs that share an
     input's storage (views, in-place results) are not counted again; a collective moves none through the memory-bound
     term; FSDP2's copy-in writes only this rank's slice of the buffer it is handed."""
-    from .tracker import tensors_in
+    from .tracker import tensors_in  # lazy: loads torch
 
     if getattr(func, "namespace", "") == _COLLECTIVES:
         return 0.0
@@ -170,7 +170,7 @@ class BatchLayout:
 def layout_of(batch: dict) -> BatchLayout:
     """From the collated (real) batch: the sequences come from the attention mask, or from `position_ids` resets
     (padding-free), as FlashAttention's varlen path derives `cu_seqlens`."""
-    import torch
+    import torch  # lazy: loads torch
 
     ids = batch["input_ids"]
     rows, seq = int(ids.shape[0]), int(ids.shape[1])
@@ -276,7 +276,7 @@ class TimingHook:
     def _layer(self) -> int:
         """The decoder layer of the op being dispatched: the tracker's (set by the layers' forward hooks and by the
         gradient hooks of their outputs), except after the backward, where the tracker keeps the last layer's."""
-        import torch
+        import torch  # lazy: loads torch
 
         if torch._C._current_autograd_node() is not None:
             self._backward_seen = True
@@ -318,7 +318,7 @@ class TimingHook:
 
     def _quant(self) -> dict[int, int]:
         if self._quant_keys is None:
-            import torch
+            import torch  # lazy: loads torch
 
             keys: dict[int, int] = {}
             if self.quantized and self.model is not None:
@@ -333,7 +333,7 @@ class TimingHook:
     def __call__(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if not self.recording:
             return
-        from .tracker import tensors_in
+        from .tracker import tensors_in  # lazy: loads torch
 
         tc = self.tc
         self.ops += 1
@@ -522,6 +522,6 @@ class TimingHook:
 
 
 def tensors_of(tree: Any) -> list:
-    from .tracker import tensors_in
+    from .tracker import tensors_in  # lazy: loads torch
 
     return tensors_in(tree)

@@ -86,12 +86,12 @@ class TrlTrainer:
 
     # ---- TRL's classes --------------------------------------------------------------------------------------------
     def config_class(self) -> type:
-        import trl  # start-up: loaded on first use
+        import trl  # lazy: loads trl
 
         return getattr(trl, self.config_name)
 
     def trainer_class(self) -> type:
-        import trl  # start-up: loaded on first use
+        import trl  # lazy: loads trl
 
         return getattr(trl, self.trainer_name)
 

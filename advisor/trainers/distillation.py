@@ -241,7 +241,7 @@ class Distillation(OnlineRLTrainer):
     def check_run_keys(self, data: Mapping[str, Any], *, source: str = "config") -> None:
         """An SFT-only key, online RL's reward keys, `use_liger_loss` and `auto_find_batch_size: true` are
         ConfigErrors naming the key and the fix (`trl distillation` would pass some on silently)."""
-        from trl import GRPOConfig
+        from trl import GRPOConfig  # lazy: loads trl
 
 
         problems = [f"{key}={data[key]!r}: an SFT-only key (DistillationConfig has no {key!r}); remove it from the "

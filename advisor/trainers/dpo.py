@@ -186,7 +186,7 @@ class DPO(PairTrainer):
         real = trainer.data_collator(_longest_pairs(dataset, batch_size, trainer.args.max_length))
 
         def run(batch: dict) -> None:
-            import torch  # start-up: loaded on first use
+            import torch  # lazy: loads torch
 
             model = trainer.ref_model or trainer.model
             chosen, rejected = trainer.compute_ref_log_probs(model, batch)
@@ -273,7 +273,7 @@ def meta_construction(spec: ModelSpec, candidate: Candidate, module: str) -> Ite
     """A reference trainer's __init__ (`module`: DPOTrainer's or KTOTrainer's) on a meta policy: its reference is
     built as TRL builds it (`create_model_from_path` with the policy's dtype and attention implementation), on meta;
     `hash_module` (the precompute cache's key) cannot read meta weights."""
-    import torch  # start-up: loaded on first use
+    import torch  # lazy: loads torch
 
     dt = importlib.import_module(module)  # start-up: TRL loaded on first use
 

@@ -244,7 +244,7 @@ class KTO(PairTrainer):
         real = trainer.data_collator(_first(dataset, batch_size))
 
         def run(batch: dict) -> None:
-            import torch  # start-up: loaded on first use
+            import torch  # lazy: loads torch
 
             model = trainer.ref_model or trainer.model
             ref_logps, ref_kl_logps = [], []

@@ -156,7 +156,7 @@ class OnlineRLTrainer(TrlTrainer):
         """What a measured run passes `<Trainer>(...)` beyond the shared arguments: the reward. The emitted default,
         built as trl grpo builds it (online_files.REWARD_REGISTRY): a host function, no device memory; a reward
         model given (`models`: its module or path and its tokenizer) scores beside it, resident."""
-        from trl.rewards import get_soft_overlong_punishment  # start-up: loaded on first use
+        from trl.rewards import get_soft_overlong_punishment  # lazy: loads trl
 
         funcs: list[Any] = [get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)]
         out: dict[str, Any] = {"reward_funcs": funcs}
@@ -195,7 +195,7 @@ class OnlineRLTrainer(TrlTrainer):
 
     def train_dataset(self, workload: Workload, rows: list | None = None) -> datasets.Dataset:
         """The `prompt` column the trainer reads: advisor.modeling's placeholder text of each prompt's token ids."""
-        import datasets  # start-up: loaded on first use
+        import datasets  # lazy: loads datasets
 
         picked = workload.dataset.rows if rows is None else rows
         return datasets.Dataset.from_dict({PROMPT_COLUMN: [placeholder_text(r) for r in picked]})
@@ -218,7 +218,7 @@ class OnlineRLTrainer(TrlTrainer):
         return True  # the completion mask comes from the first EOS of each completion: data-dependent
 
     def extra_models(self, trainer: Any) -> list:
-        import torch  # start-up: loaded on first use
+        import torch  # lazy: loads torch
 
         out = [trainer.ref_model] if getattr(trainer, "ref_model", None) is not None else []
         out += [f for f in getattr(trainer, "reward_funcs", []) if isinstance(f, torch.nn.Module)]

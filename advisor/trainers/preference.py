@@ -146,7 +146,7 @@ class PreferenceDataset(SourcedRows):
         return out[0], out[1]
 
     def to_hf(self, rows: Sequence[dict[str, Any]] | None = None) -> datasets.Dataset:
-        import datasets  # start-up: loaded on first use
+        import datasets  # lazy: loads datasets
 
         rows = list(self.rows if rows is None else rows)
         return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in TOKEN_COLUMNS})
@@ -275,9 +275,9 @@ def trl_prepared(rows: list[dict[str, Any]], columns: Sequence[str], tok: Any, s
     whether the rows are conversational and a note of what the libraries said meanwhile (about `what`), each distinct
     message once (or None). What TRL cannot tokenize is a DatasetError naming the dataset."""
 
-    import datasets  # start-up: loaded on first use
-    import trl  # start-up: loaded on first use
-    from trl.data_utils import is_conversational  # start-up: loaded on first use
+    import datasets  # lazy: loads datasets
+    import trl  # lazy: loads trl
+    from trl.data_utils import is_conversational  # lazy: loads trl
 
     keep = [c for c in columns if any(c in r for r in rows)]
     try:
@@ -340,7 +340,7 @@ class PreferenceLengthReport:
 
     def text(self) -> str:
         """`advisor lengths`' text for pairs."""
-        from tabulate import tabulate  # start-up: loaded on first use
+        from tabulate import tabulate  # lazy: loads tabulate
 
         kind = "synthetic preference data (no --dataset given)" if self.synthetic else "preference dataset"
         lines = [f"{self.name}: {kind}, {self.pairs} pairs",

@@ -118,7 +118,7 @@ class PromptDataset(SourcedRows):
     def to_hf(self, rows: Sequence[int] | None = None) -> datasets.Dataset:
         """A `prompt` column of plain text that advisor.modeling's placeholder tokenizer (one word `<tN>` per id)
         turns back into exactly these ids: the same lengths, whatever the original format."""
-        import datasets  # start-up: loaded on first use
+        import datasets  # lazy: loads datasets
 
         picked = self.rows if rows is None else [self.rows[int(i)] for i in rows]
         return datasets.Dataset.from_dict({PROMPT_COLUMN: [placeholder_text(ids) for ids in picked]})
@@ -204,7 +204,7 @@ def tokenize_prompts(prompts: Sequence[Any], tok: Any, *, trainer: str = "grpo",
     if trainer not in _TRAINERS:
         raise ConfigError(f"trainer={trainer!r} does not read prompt-only data; use one of {', '.join(_TRAINERS)}",
                           context="trainer")
-    import trl  # start-up: loaded on first use
+    import trl  # lazy: loads trl
 
     cls = getattr(trl, _TRAINERS[trainer])
     conversational = bool(prompts) and _is_messages(prompts[0])

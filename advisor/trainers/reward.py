@@ -73,8 +73,8 @@ class Reward(PairTrainer):
     # ---- the model -------------------------------------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, candidate: Candidate, device: str = "cpu") -> Any:
         """What `trl reward` trains: AutoModelForSequenceClassification with one label, random weights."""
-        import torch  # start-up: loaded on first use
-        from transformers import AutoModelForSequenceClassification  # start-up: loaded on first use
+        import torch  # lazy: loads torch
+        from transformers import AutoModelForSequenceClassification  # lazy: loads transformers
 
         config = spec.hf_config()
         config.num_labels = 1
@@ -110,7 +110,7 @@ class Reward(PairTrainer):
         return [_pair(data.rows[i]) for i in order]
 
     def train_dataset(self, workload: Workload, rows: list[dict] | None = None) -> datasets.Dataset:
-        import datasets  # start-up: loaded on first use
+        import datasets  # lazy: loads datasets
 
         rows = [_pair(r) for r in workload.dataset.rows] if rows is None else rows
         return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in ("chosen_ids", "rejected_ids")})

@@ -144,7 +144,7 @@ class UnpairedDataset(SourcedRows):
         return [int(kept[i]) for i in np.argsort(-lengths, kind="stable")[:n]]
 
     def to_hf(self, rows: Sequence[dict[str, Any]] | None = None) -> datasets.Dataset:
-        import datasets
+        import datasets  # lazy: loads datasets
 
         rows = list(self.rows if rows is None else rows)
         return datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in TOKEN_COLUMNS})
@@ -315,7 +315,7 @@ class UnpairedLengthReport:
 
     def text(self) -> str:
         """`advisor lengths`' text for unpaired examples."""
-        from tabulate import tabulate  # start-up: loaded on first use
+        from tabulate import tabulate  # lazy: loads tabulate
 
         kind = "synthetic unpaired data (no --dataset given)" if self.synthetic else "unpaired dataset"
         lines = [f"{self.name}: {kind}, {self.examples} examples ({self.desirable} desirable, "

@@ -43,7 +43,7 @@ BANDWIDTH_BYTES = 1 << 27
 
 
 def _sync(device: str) -> None:
-    import torch
+    import torch  # lazy: loads torch
 
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -64,7 +64,7 @@ def timed(fn: Callable[[], Any], device: str, *, repeats: int = 20, warmup: int 
 
 
 def gemm_s(device: str, dtype: Any, m: int, n: int, k: int) -> float:
-    import torch
+    import torch  # lazy: loads torch
 
     a = torch.randn(m, k, device=device, dtype=dtype)
     b = torch.randn(k, n, device=device, dtype=dtype)
@@ -75,7 +75,7 @@ def gemm_s(device: str, dtype: Any, m: int, n: int, k: int) -> float:
 def elementwise_s(device: str, numel: int) -> float:
     """An elementwise op over `numel` floats into an output already allocated (as a training step's reuse the
     allocator's cached blocks: a fresh large allocation would time the page faults)."""
-    import torch
+    import torch  # lazy: loads torch
 
     x = torch.randn(numel, device=device)
     y = torch.empty_like(x)
@@ -84,8 +84,8 @@ def elementwise_s(device: str, numel: int) -> float:
 
 def attention_s(device: str, dtype: Any, heads: int = 8, seq: int = 512, head_dim: int = 64) -> tuple[float, ...]:
     """(forward, backward) seconds of causal sdpa on (1, heads, seq, head_dim)."""
-    import torch
-    import torch.nn.functional as F
+    import torch  # lazy: loads torch
+    import torch.nn.functional as F  # lazy: loads torch
 
     q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     fwd = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, repeats=10)
@@ -102,7 +102,7 @@ def attention_s(device: str, dtype: Any, heads: int = 8, seq: int = 512, head_di
 
 def launch_and_sync_s(device: str) -> tuple[float, float]:
     """CUDA: (host seconds per back-to-back launch of a tiny kernel, seconds of a sync after one)."""
-    import torch
+    import torch  # lazy: loads torch
 
     x = torch.zeros(1, device=device)
     n = 2000
@@ -118,8 +118,8 @@ def launch_and_sync_s(device: str) -> tuple[float, float]:
 
 def decode_token_s(device: str, tokens: int = 32) -> float:
     """Seconds per decoded token of transformers' eager generate (greedy, batch 1) on a 2-layer Llama."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # lazy: loads torch
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: loads transformers
 
     config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512)
@@ -144,7 +144,7 @@ def decode_token_s(device: str, tokens: int = 32) -> float:
 def measurements(device: str, quick: bool = False) -> list[tuple[str, Callable[[], Any]]]:
     """Each calibration row's name and how it is measured on `device`, in the order they run (`quick`: the small
     sizes only, seconds on a CPU; what a test runs)."""
-    import torch
+    import torch  # lazy: loads torch
 
 
     rows: list[tuple[str, Callable[[], Any]]] = []
@@ -225,7 +225,7 @@ def cpu_path() -> Path:
 
 
 def gpu_path(gpu_name: str) -> Path:
-    from ...profiles import PROFILES_DIR
+    from ...profiles import PROFILES_DIR  # lazy: read on call (tests patch PROFILES_DIR)
 
     return PROFILES_DIR / "measurements" / f"{_slug(gpu_name)}.json"
 

@@ -56,7 +56,7 @@ _NT, _NB = len(_TERMS), len(Basis)
 
 
 def _path() -> Path:
-    from ...profiles import PROFILES_DIR
+    from ...profiles import PROFILES_DIR  # lazy: read on call (tests patch PROFILES_DIR)
 
     return PROFILES_DIR / "measurements" / "time_constants.json"
 
@@ -113,7 +113,7 @@ class TimeConstants:
         return self.host.loop_s * self.host_scale + self.launch_s
 
     def peak_for(self, dtype: Any) -> float:
-        import torch
+        import torch  # lazy: loads torch
 
         name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
         return self.peak[name]
@@ -237,7 +237,7 @@ def _label(block: dict | None) -> str:
 
 def fitted_multipliers(gpu_name: str) -> dict[str, float]:
     """Multipliers per term fitted by scripts/gpu_validate.py on this GPU (measured / predicted), if it ran."""
-    from ...profiles import PROFILES_DIR
+    from ...profiles import PROFILES_DIR  # lazy: read on call (tests patch PROFILES_DIR)
 
     path = PROFILES_DIR / "measurements" / (re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") + ".json")
     if not path.is_file():

@@ -81,7 +81,7 @@ class HostCost:
 def op_class() -> OpClass:
     """The class of the op being dispatched now (call it from a dispatch mode): a checkpointed layer's recompute runs
     inside the engine with grad on, as the forward it repeats."""
-    import torch
+    import torch  # lazy: loads torch
 
     if torch.is_grad_enabled():
         return OpClass.GRAD
@@ -105,8 +105,8 @@ def host_name() -> str:
 
 
 def _versions() -> str:
-    import torch
-    import transformers
+    import torch  # lazy: loads torch
+    import transformers  # lazy: loads transformers
 
     return f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
 
@@ -119,8 +119,8 @@ def _cache_path() -> Path:
 # ---- the microbenchmark ---------------------------------------------------------------------------------------------
 
 def _bench_model(device: str = "cpu"):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # lazy: loads torch
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: loads transformers
 
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=64, max_position_embeddings=64)
@@ -134,7 +134,7 @@ def _bench_model(device: str = "cpu"):
 
 def _counted(run) -> list[int]:
     """Ops per OpClass that `run()` dispatches."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode  # lazy: loads torch
 
     counts = [0, 0, 0]
 
@@ -157,8 +157,8 @@ def measure(repeats: int = 60, device: str = "cpu") -> HostCost:
     """Run the microbenchmark (about a second) and return what it measured (the module docstring). On a CUDA
     `device` each pass ends with a sync (the kernels are tiny: the pass is the host's issue time, launches
     included)."""
-    import torch
-    from torch.utils._python_dispatch import _disable_current_modes
+    import torch  # lazy: loads torch
+    from torch.utils._python_dispatch import _disable_current_modes  # lazy: loads torch
 
     def sync() -> None:
         if device.startswith("cuda"):

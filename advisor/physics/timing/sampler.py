@@ -120,8 +120,8 @@ def _epoch(n: int, b: int, grouped: bool, lengths: np.ndarray) -> np.ndarray:
     """The order of one epoch: transformers' LengthGroupedSampler (seeded as advisor.lengths does) or a seeded
     random permutation (RandomSampler)."""
     if grouped:
-        import torch
-        from transformers.trainer_pt_utils import get_length_grouped_indices
+        import torch  # lazy: loads torch
+        from transformers.trainer_pt_utils import get_length_grouped_indices  # lazy: loads transformers
 
 
         return np.asarray(get_length_grouped_indices(lengths.tolist(), b,
@@ -179,8 +179,8 @@ def _packed(dataset: TokenizedDataset, s: SamplerSpec, block: int) -> BatchDistr
 def _packed_rows(dataset: TokenizedDataset, max_length: int, strategy: str) -> tuple[np.ndarray, np.ndarray, list]:
     """(tokens per packed row, trained tokens per packed row, document lengths per row) from TRL's pack_dataset,
     on the same input_ids/labels columns SFTTrainer packs (advisor.lengths)."""
-    import pyarrow.compute as pc
-    from trl.data_utils import pack_dataset
+    import pyarrow.compute as pc  # lazy: loads pyarrow
+    from trl.data_utils import pack_dataset  # lazy: loads trl
 
 
     hf = _labelled(dataset)
