@@ -94,7 +94,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 
 __all__ = ["simulate", "simulate_per_rank", "shard_fsdp2", *sorted(_EXPORTS)]
 
-__getattr__, _dir_parts = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())[0]  # its own __dir__ below names the face too
 
 
 def __dir__() -> list[str]:
