@@ -12,10 +12,11 @@ kept in what is emitted, not given to measured runs, where hub, reporting and ou
 unless at a harmless value (it changes memory in a way that is not simulated: a ConfigError names the key and the
 fix). A trainer's own keys (its config's fields outside that vocabulary) are its reader's.
 
-The parts live in the private `advisor/_emit/` (imported through its `__init__` only): `keys.py` (KEY_USES),
-`config.py` (Candidate -> config kwargs, LoraConfig, BitsAndBytesConfig, env), `writer.py` (the YAML, the Python
-snippet) and `reader.py` (a run config read back into a Candidate). This module is their public face, with the
-trainer named by its registry name or given as a Trainer (default: advisor.trainers.DEFAULT).
+The parts live in the run-config layer `advisor/runconfig/` (imported through its `__init__` only), below the
+trainers: `keys.py` (KEY_USES), `config.py` (Candidate -> config kwargs, LoraConfig, BitsAndBytesConfig, env),
+`writer.py` (the YAML, the Python snippet) and `reader.py` (a run config read back into a Candidate). This module,
+above the trainer registry, is their public face, with the trainer named by its registry name or given as a Trainer
+(default: advisor.trainers.DEFAULT).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._emit import (
+from .runconfig import (
     ALLOC_CONF,  # noqa: F401  (public, outside __all__)
     ALLOC_ENV,  # noqa: F401  (the allocator variables the files set)
     KEY_USES,
@@ -38,7 +39,7 @@ from ._emit import (
     trl_fields,
     write_yaml,
 )
-from ._emit import load_run_config as read_run_config
+from .runconfig import load_run_config as read_run_config
 from .trainers import DEFAULT, get_trainer
 
 if TYPE_CHECKING:

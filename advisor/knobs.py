@@ -6,7 +6,7 @@ a trainer accepts it when its TRL config class has that field, advisor/trainers/
 space holds at their default), when it has an effect (`active`), how memory moves along it (`memory`), its report
 label and its quality cost. The rest derives from the registry, the way TrlParser
 derives flags and YAML keys from dataclass fields: Candidate's validation and `canonical()` (advisor/space.py), the
-default space and `--fix` (advisor/search/space.py), both directions of emit (advisor/_emit/), the report's labels
+default space and `--fix` (advisor/search/space.py), both directions of emit (advisor/runconfig), the report's labels
 (advisor/report.py), the ledger's memory order (advisor/search/ledger.py) and the stand-ins of what fake tensors
 cannot run (advisor/simulator/modelled.py). `Candidate`'s field block is checked against `KNOBS` when advisor/space.py
 defines it: a field without a declaration, or a declaration without a field, fails loudly with the fix.
@@ -30,7 +30,10 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._candidate import (
+from . import packages
+from .errors import ConfigError
+from .parallelism import Layout
+from .values import (
     LLAMA_LINEARS,
     NO_STAND_IN,
     TRL_DEFAULT,
@@ -50,8 +53,6 @@ from ._candidate import (
     knob_view,
     parse_bool,
 )
-from .errors import ConfigError
-from .parallelism import Layout
 from .workload import Method
 
 if TYPE_CHECKING:
@@ -164,9 +165,7 @@ def _shown_if_on(field: str) -> Callable[[Candidate], str | None]:
 
 def kernels_available() -> bool:
     """transformers' own check that a compatible `kernels` package is importable (what `use_kernels=True` needs)."""
-    from .packages import installed  # lazy: read on call (tests patch installed)
-
-    return installed("kernels")
+    return packages.installed("kernels")
 
 
 # ---- the registry -------------------------------------------------------------------------------------------------

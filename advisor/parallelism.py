@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from . import packages
 from .errors import ConfigError
 
 __all__ = ["Strategy", "Parallelism", "Layout", "layout_problems", "search_layouts", "deepspeed_available",
@@ -142,9 +143,7 @@ def search_layouts(num_gpus: int) -> tuple[Layout, ...]:
 
 def deepspeed_available() -> bool:
     """DeepSpeed is an optional extra (`pip install advisor[deepspeed]`)."""
-    from .packages import installed  # lazy: read on call (tests patch installed)
-
-    return installed("deepspeed")
+    return packages.installed("deepspeed")
 
 
 def accumulation_for(global_rows: int, per_device_rows: int, num_gpus: int) -> int:

@@ -3,8 +3,8 @@
 `Candidate.problems()` encodes TRL 1.16's own rules, exactly as strict as TRL and no stricter, so that no
 emitted configuration can be rejected by TRL.
 
-The value types, `RunBase`, `QualityCost` and the rules live in the private `advisor/_candidate/` (imported
-through its `__init__` only); this module holds the types and is the public way to all of them.
+The value types, `RunBase`, `QualityCost` and the rules live in the value-type layer `advisor/values/` (imported
+through its `__init__` only), below `knobs.py`; this module holds `Candidate` and `SearchSpace` above the knobs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import knobs as _knobs
-from ._candidate import (
+from .errors import ConfigError
+from .values import (
     CHECKPOINT_EXTRA,
     UNSUPPORTED_OPTIMIZERS,
     Attention,
@@ -32,7 +33,6 @@ from ._candidate import (
     model_linear_names,
     peft_default_targets,
 )
-from .errors import ConfigError
 from .workload import Method
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ class Candidate:
     # ---- rules -------------------------------------------------------------------------------------------
     def problems(self, gpu: GPUSpec | None = None, model: ModelSpec | None = None) -> list[str]:
         """Every rule of TRL 1.16 / transformers 5 / torch that this candidate breaks, with the fix
-        (advisor/_candidate/rules.py)."""
+        (advisor/values/rules.py)."""
         return candidate_problems(self, gpu, model)
 
     def check(self, gpu: GPUSpec | None = None, model: ModelSpec | None = None) -> Candidate:

@@ -1,5 +1,5 @@
 """Private packages are private: nothing outside a package of advisor's layers (`physics`, `simulator`, `estimator`,
-`data`, `search`: LAYERS) or a private package (`advisor/_<name>/`: `_emit`, `_candidate`) imports its modules.
+`data`, `search`, `runconfig`, `values`: LAYERS) or a private package (`advisor/_<name>/`) imports its modules.
 
 Such a package is used from outside only through the names its `__init__` declares in `__all__` (`from
 advisor.simulator import X`, `from .simulator import X`). Every module under advisor/, tests/ and scripts/ is read with
@@ -23,7 +23,7 @@ KNOWN: dict[tuple[str, str], str] = {
 
 
 # Packages whose insides are private though their name has no leading underscore: a layer of its own, named for it.
-LAYERS = ("physics", "simulator", "estimator", "data", "search")
+LAYERS = ("physics", "simulator", "estimator", "data", "search", "runconfig", "values")
 
 
 def _private_packages() -> dict[str, Path]:

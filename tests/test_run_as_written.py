@@ -169,7 +169,7 @@ def test_local_data_is_an_entry_trl_reads_and_reads_back(tmp_path):
     import datasets
     from trl import DatasetMixtureConfig, get_dataset
 
-    from advisor._emit import dataset_entry, dataset_of
+    from advisor.runconfig import dataset_entry, dataset_of
 
     rows = [{"text": f"row {i}"} for i in range(5)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

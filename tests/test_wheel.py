@@ -1,6 +1,6 @@
 """The wheel holds every package under advisor/ and every file under profiles/ (as `advisor._profiles`), and what
 is installed from it imports and answers offline without the checkout (issue 25: a hand-kept package list left
-`advisor._candidate`, `_data`, `_emit`, `_estimate`, `_sim.timing` and `trainers` out of it)."""
+the value types, data, run-config, estimate and simulator-timing packages and `trainers` out of it)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_the_wheel_holds_every_module_and_every_profile(wheel):
     expected |= {f"advisor/_profiles/{p}" for p in _tree(ROOT / "profiles")}
     assert names - dist_info == expected
     packages = {p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "advisor").rglob("__init__.py")}
-    assert {"advisor/_candidate", "advisor/_emit", "advisor/estimator", "advisor/physics/timing",
+    assert {"advisor/values", "advisor/runconfig", "advisor/estimator", "advisor/physics/timing",
             "advisor/simulator", "advisor/data", "advisor/trainers"} <= packages
     assert all(f"{p}/__init__.py" in names for p in packages)
 

@@ -13,7 +13,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..profiles import PROFILES_DIR, list_gpus, resolve_gpu  # lazy: read on call (tests patch PROFILES_DIR)
+    from ..profiles import (  # lazy: keeps start-up light (loads yaml)
+        PROFILES_DIR,
+        list_gpus,
+        resolve_gpu,
+    )
     from ._common import emit_json  # lazy: loads numpy
 
     specs = [resolve_gpu(name) for name in list_gpus()]

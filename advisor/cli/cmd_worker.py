@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from ..search import run_worker  # lazy: read on call (tests patch run_worker)
+    from ..search import run_worker  # lazy: keeps start-up light (every command registers; loads numpy)
 
     n = run_worker(ns.storage, ns.study, backend=ns.backend, idle_s=ns.idle, **jobs_kwargs(ns))
     if ns.json:

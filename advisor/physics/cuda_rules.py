@@ -18,11 +18,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .. import profiles
+
 
 def _constants_path() -> Path:
-    from ..profiles import PROFILES_DIR  # lazy: read on call (tests patch PROFILES_DIR)
-
-    return PROFILES_DIR / "measurements" / "cuda_constants.json"
+    return profiles.PROFILES_DIR / "measurements" / "cuda_constants.json"
 
 
 CONSTANTS_PATH = _constants_path()

@@ -53,6 +53,7 @@ from enum import Enum
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from .. import profiles
 from ..errors import ConfigError
 from .distillation import Teacher
 from .shapes import DTYPE_BYTES
@@ -76,9 +77,7 @@ GENERATE, SCORE, TRAIN = PhaseKind.GENERATE, PhaseKind.SCORE, PhaseKind.TRAIN
 PHASES = (GENERATE, SCORE, TRAIN)
 
 def _constants_path():
-    from ..profiles import PROFILES_DIR  # lazy: read on call (tests patch PROFILES_DIR)
-
-    return PROFILES_DIR / "measurements" / "online_rl_constants.json"
+    return profiles.PROFILES_DIR / "measurements" / "online_rl_constants.json"
 
 
 @lru_cache(maxsize=1)

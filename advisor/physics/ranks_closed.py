@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace as NS
 from typing import Any
 
+from .. import profiles
 from ..errors import ConfigError
 from ..measurement import Category
 from ..parallelism import Parallelism, Strategy
@@ -159,10 +160,8 @@ def interconnect(gpu: Any) -> Interconnect:
 def _interconnect(name: str) -> Interconnect:
     import yaml  # lazy: loads yaml
 
-    from ..profiles import PROFILES_DIR, _gpu_index, normalize_gpu_name  # lazy: read on call (tests patch PROFILES_DIR)
-
-    keys, _ = _gpu_index(PROFILES_DIR)
-    path = keys.get(normalize_gpu_name(name))
+    keys, _ = profiles._gpu_index(profiles.PROFILES_DIR)
+    path = keys.get(profiles.normalize_gpu_name(name))
     data = yaml.safe_load(path.read_text()) if path is not None else {}
     ic = (data or {}).get("interconnect")
     if not ic:

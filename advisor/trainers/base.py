@@ -4,9 +4,10 @@ trainer module declares only what differs; `PairTrainer` for preference pairs (p
 A trainer is one module (`sft.py`, `dpo.py`, ...), the way TRL pairs `<name>_config.py` / `<name>_trainer.py` with
 `trl/scripts/<name>.py`: TRL's classes by name, its own knobs (a typed view, registered with it), its rules, its data,
 what the fake step changes on the trainer class, what the estimate counts of its step, the models it takes beside the
-policy. Its config object, YAML and Python snippet are written by the one writer (advisor/_emit) from the knobs its TRL
-config class has; a trainer adds only the keys no knob owns (`config_extras`, `script_kwargs`, `model_extras`). The
-backends' and the search's packages (`simulator`, `search`) import this package; it never imports them.
+policy. Its config object, YAML and Python snippet are written by the one writer (advisor/runconfig) from the knobs
+its TRL config class has; a trainer adds only the keys no knob owns (`config_extras`, `script_kwargs`,
+`model_extras`). The backends' and the search's packages (`simulator`, `search`) import this package; it never
+imports them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._emit import (
+from ..data import TokenizedDataset, load_dataset, load_processing_class
+from ..errors import ConfigError
+from ..knobs import Home, KnobView, owned_rows
+from ..lengths import LengthRequest, max_length_candidates, rows_length
+from ..modeling import build_model
+from ..runconfig import (
     candidate_from_run_dict,
     config_keys,
     config_kwargs,
@@ -31,11 +37,6 @@ from .._emit import (
     write_python,
     write_yaml,
 )
-from ..data import TokenizedDataset, load_dataset, load_processing_class
-from ..errors import ConfigError
-from ..knobs import Home, KnobView, owned_rows
-from ..lengths import LengthRequest, max_length_candidates, rows_length
-from ..modeling import build_model
 from ..space import Candidate
 from .preference import (
     PreferenceDataset,
@@ -168,7 +169,7 @@ class TrlTrainer:
     def completions_per_row(self, candidate: Candidate) -> int:
         return 1
 
-    # ---- the config and the files: the one writer (advisor/_emit) -------------------------------------------------
+    # ---- the config and the files: the one writer (advisor/runconfig) ---------------------------------------------
     def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
                       measured: bool = False) -> dict[str, Any]:
         return config_kwargs(self, candidate, workload, measured=measured)
@@ -244,14 +245,14 @@ class TrlTrainer:
         return None
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
-        """A `trl <command>` config read back into a Candidate: the shared keys as advisor/_emit reads them, the
+        """A `trl <command>` config read back into a Candidate: the shared keys as advisor/runconfig reads them, the
         keys of the models it takes beside the policy (their ModelInput.yaml_key) in the base as written."""
         keys = {m.yaml_key for m in self.model_inputs}
         return self.read_config({k: v for k, v in data.items() if k not in keys},
                                 {k: v for k, v in data.items() if k in keys}, source=source)
 
     def read_config(self, shared: Mapping[str, Any], own: Mapping[str, Any], *, source: str) -> Candidate:
-        """The shared keys read as advisor/_emit reads them, the output_dir the writer gives this trainer left out,
+        """The shared keys read as advisor/runconfig reads them, the output_dir the writer gives this trainer left out,
         and `own` (the trainer's own keys) in the base as written."""
 
         cand = candidate_from_run_dict(dict(shared), source=source)

@@ -29,12 +29,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._candidate import WeightsDtype
-from .._emit import model_input_keys
 from ..errors import ConfigError
 from ..knobs import Home, Kind, Knob, Memory, knob_view
 from ..physics import divergence_tiles
+from ..runconfig import model_input_keys
 from ..space import Precision, with_knobs
+from ..values import WeightsDtype
 from . import online_files
 from .base import field_names, own_keys, register, sft_only_keys
 from .online_knobs import KNOBS as _ONLINE_KNOBS
@@ -265,7 +265,7 @@ class Distillation(OnlineRLTrainer):
             raise ConfigError(problems, context=source)
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
-        """A `trl distillation` config read back: the shared keys as advisor/_emit reads them, DistillationConfig's
+        """A `trl distillation` config read back: the shared keys as advisor/runconfig reads them, DistillationConfig's
         in the base, `teacher_model_init_kwargs`' dtype as the teacher_dtype knob (the rest of it as written); what
         the writer emits for a plain candidate (TRL's defaults, its output_dir, the allocator variables) not
         stored."""

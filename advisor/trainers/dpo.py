@@ -123,7 +123,7 @@ class DPO(PairTrainer):
         return out + reference_problems(k, c, self.trainer_name)
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
-        """A `trl dpo` config read into a Candidate: the shared keys as advisor/_emit reads them, DPO's own keys
+        """A `trl dpo` config read into a Candidate: the shared keys as advisor/runconfig reads them, DPO's own keys
         in the base (DPOKnobs among them)."""
         self.check_run_keys(data, source=source)
         dpo_only = own_keys(self)

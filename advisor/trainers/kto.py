@@ -143,7 +143,7 @@ class KTO(PairTrainer):
         return {"train_sampling_strategy": _sampling(candidate)}
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
-        """A `trl kto` config read into a Candidate: the shared keys as advisor/_emit reads them, KTO's own keys in
+        """A `trl kto` config read into a Candidate: the shared keys as advisor/runconfig reads them, KTO's own keys in
         the base (KTOKnobs among them); `train_sampling_strategy` as KTOConfig defaults it (sequential)."""
         self.check_run_keys(data, source=source)
         kto_only = own_keys(self) | {k.key for k in KNOBS}

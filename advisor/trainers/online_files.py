@@ -1,7 +1,7 @@
 """Online RL's files: what GRPOConfig / RLOOConfig and `trl grpo|rloo`'s script take beyond the knobs (the config
 keys no knob owns, the reward functions or model, both allocator variables), the `<Trainer>(reward_funcs=...)` of
 the snippet, the split of --num-gpus in server mode, and a `trl grpo|rloo` file read back. The one writer
-(advisor/_emit) writes the rest from the knobs; the online trainer (online_trainer.py) declares these."""
+(advisor/runconfig) writes the rest from the knobs; the online trainer (online_trainer.py) declares these."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import shlex
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._emit import ALLOC_ENV, model_input_keys
 from ..errors import ConfigError
+from ..runconfig import ALLOC_ENV, model_input_keys
 from ..space import with_knobs
 from .base import own_keys, sft_only_keys
 from .online_knobs import LIGER_LOSS_GONE, world_problems
@@ -163,7 +163,7 @@ def check_run_keys(trainer: TrlTrainer, data: Mapping[str, Any], *, source: str)
 
 
 def candidate_from_run_dict(trainer: TrlTrainer, data: Mapping[str, Any], *, source: str) -> Candidate:
-    """A `trl grpo|rloo` config read back: the shared keys as advisor/_emit reads them, the online keys (the knobs
+    """A `trl grpo|rloo` config read back: the shared keys as advisor/runconfig reads them, the online keys (the knobs
     of the trainer's view, the rest as written) in the base; what the trainer emits itself for a plain candidate
     (TRL's defaults, the default reward function, its output_dir, the allocator variables) is not stored."""
     check_run_keys(trainer, data, source=source)

@@ -164,7 +164,7 @@ class Trainer(Protocol):
 
     def completions_per_row(self, candidate: Candidate) -> int: ...  # micro-batch rows per dataset row
 
-    # ---- the config and the files: one writer (advisor/_emit) ------------------------------------------------
+    # ---- the config and the files: one writer (advisor/runconfig) ------------------------------------------------
     def config_kwargs(self, candidate: Candidate, workload: Workload | None = None, *,
                       measured: bool = False) -> dict[str, Any]: ...  # every memory-relevant field, explicitly
 

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._emit import peft_config
 from ..errors import ConfigError
 from ..modeling import default_attention
+from ..runconfig import peft_config
 from .base import PairTrainer, own_keys, register
 from .protocol import StepShape
 
@@ -57,7 +57,7 @@ class Reward(PairTrainer):
         return {"lora_task_type": "SEQ_CLS"} if candidate.use_lora else {}
 
     def candidate_from_run_dict(self, data: Mapping[str, Any], *, source: str = "config") -> Candidate:
-        """A `trl reward` config read back: the shared keys as advisor/_emit reads them, with what this trainer
+        """A `trl reward` config read back: the shared keys as advisor/runconfig reads them, with what this trainer
         emits itself accepted (`lora_task_type: SEQ_CLS` under LoRA, the default output_dir) and its own keys in
         the base. Another LoRA task type is refused by name."""
 

@@ -3,7 +3,7 @@
 SFT's data (chat rows as SFTTrainer prepares them: the rows that make the worst batch, packed when packing, TRL's own
 collator on the longest prepared rows) is every trainer's default (base.py); this module declares TRL's classes, the
 step-time model over the sampler's batches, and the one key of SFTConfig no knob owns (`completion_only_loss`). The
-config itself is the one writer's (advisor/_emit), from the knobs SFTConfig has.
+config itself is the one writer's (advisor/runconfig), from the knobs SFTConfig has.
 """
 
 from __future__ import annotations

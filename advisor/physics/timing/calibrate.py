@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ... import profiles
 from ..._files import cache_dir, write_atomic
 from .host import measure
 
@@ -225,9 +226,7 @@ def cpu_path() -> Path:
 
 
 def gpu_path(gpu_name: str) -> Path:
-    from ...profiles import PROFILES_DIR  # lazy: read on call (tests patch PROFILES_DIR)
-
-    return PROFILES_DIR / "measurements" / f"{_slug(gpu_name)}.json"
+    return profiles.PROFILES_DIR / "measurements" / f"{_slug(gpu_name)}.json"
 
 
 def path_for(gpu: Any) -> Path:

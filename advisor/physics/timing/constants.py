@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ... import profiles
 from .calibrate import label, read
 from .host import ENV, HostCost, OpClass, host_cost
 
@@ -56,9 +57,7 @@ _NT, _NB = len(_TERMS), len(Basis)
 
 
 def _path() -> Path:
-    from ...profiles import PROFILES_DIR  # lazy: read on call (tests patch PROFILES_DIR)
-
-    return PROFILES_DIR / "measurements" / "time_constants.json"
+    return profiles.PROFILES_DIR / "measurements" / "time_constants.json"
 
 
 @lru_cache(maxsize=1)
@@ -237,9 +236,7 @@ def _label(block: dict | None) -> str:
 
 def fitted_multipliers(gpu_name: str) -> dict[str, float]:
     """Multipliers per term fitted by scripts/gpu_validate.py on this GPU (measured / predicted), if it ran."""
-    from ...profiles import PROFILES_DIR  # lazy: read on call (tests patch PROFILES_DIR)
-
-    path = PROFILES_DIR / "measurements" / (re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") + ".json")
+    path = profiles.PROFILES_DIR / "measurements" / (re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") + ".json")
     if not path.is_file():
         return {}
     try:

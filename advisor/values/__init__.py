@@ -1,7 +1,17 @@
-"""A Candidate's parts, private to `advisor/space.py` and `advisor/knobs.py` (the public ways to them): the knobs'
-value types and what a knob declaration is, the base of the user's other keys and the quality cost, and TRL's rules.
-Import from here, never from the modules inside."""
+"""The value types, the lowest layer above errors and the workload: the knobs' values (str-Enums, `enums.py`), what
+a knob declaration is (`knob.py`), the base of the user's other keys and the quality cost (`runbase.py`), and TRL's
+rules between knob values (`rules.py`). `knobs.py` (the registry of knobs) and `space.py` (`Candidate`, derived from
+that registry) build on it. Import from here, never from the modules inside."""
 
+from .enums import (
+    UNSUPPORTED_OPTIMIZERS,
+    Attention,
+    Optimizer,
+    PackingStrategy,
+    Precision,
+    Quantization,
+    WeightsDtype,
+)
 from .knob import (
     NO_STAND_IN,
     TRL_DEFAULT,
@@ -17,15 +27,6 @@ from .knob import (
 )
 from .rules import LLAMA_LINEARS, candidate_problems, default_attention, model_linear_names, peft_default_targets
 from .runbase import CHECKPOINT_EXTRA, QualityCost, RunBase
-from .values import (
-    UNSUPPORTED_OPTIMIZERS,
-    Attention,
-    Optimizer,
-    PackingStrategy,
-    Precision,
-    Quantization,
-    WeightsDtype,
-)
 
 __all__ = [  # noqa: RUF022
     "PackingStrategy", "Precision", "WeightsDtype", "Quantization", "Optimizer", "Attention", "UNSUPPORTED_OPTIMIZERS",

@@ -1,6 +1,7 @@
-"""Emission's parts, private to `advisor/emit.py` (their public face): what each run-config key is, a Candidate as a
-trainer's TRL config objects, the YAML and snippet writers, the reader. Every function takes the trainer it writes
-or reads for (advisor.trainers.Trainer). Import from here, never from the modules inside."""
+"""The run config, below the trainers (which write and read through it) and above the value types: what each key of
+a `trl <command>` config is, a Candidate as a trainer's TRL config objects, the YAML and snippet writers, the reader.
+Every function takes the trainer it writes or reads for (advisor.trainers.Trainer); `advisor/emit.py`, above the
+trainer registry, names the trainer for callers. Import from here, never from the modules inside."""
 
 from .config import (
     ALLOC_CONF,

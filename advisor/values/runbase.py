@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .values import Quantization
+from .enums import Quantization
 
 # The base key that holds the user's activation_checkpointing_kwargs other than the knobs' (selective,
 # every_n_layers): use_reentrant, preserve_rng_state, ...

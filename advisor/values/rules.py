@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .enums import Attention, Precision, Quantization, WeightsDtype
 from .runbase import CHECKPOINT_EXTRA
-from .values import Attention, Precision, Quantization, WeightsDtype
 
 if TYPE_CHECKING:
     from ..space import Candidate
