@@ -60,6 +60,7 @@ class Dataset(Protocol):
     notes: tuple[str, ...]
     population: int | None  # rows (pairs, prompts) in the whole source when `rows` is a seeded sample of it
     unit: str  # what one row is, in words: "rows", "pairs", "prompts"
+    completion_only_loss: bool | None  # only the completions trained (None: TRL decides from the data's columns)
 
     @property
     def lengths(self) -> np.ndarray: ...  # per row, the longest sequence the collator pads (before truncation)

@@ -164,7 +164,7 @@ def job_dict(
         "dataset": {
             "name": ds.name,
             "source": ds.source,
-            "completion_only_loss": getattr(ds, "completion_only_loss", True),
+            "completion_only_loss": ds.completion_only_loss,
             "dataset_name": ds.dataset_name,
             "rows": [dict(r) if isinstance(r, dict) else list(r) for r in plan.rows],  # prompts: token ids
         },
