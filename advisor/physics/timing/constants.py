@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from functools import lru_cache
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import profiles
-from .calibrate import label, read
+from .calibrate import gpu_path, label, read
 from .host import ENV, HostCost, OpClass, host_cost
 
 if TYPE_CHECKING:
@@ -236,7 +235,7 @@ def _label(block: dict | None) -> str:
 
 def fitted_multipliers(gpu_name: str) -> dict[str, float]:
     """Multipliers per term fitted by scripts/gpu_validate.py on this GPU (measured / predicted), if it ran."""
-    path = profiles.PROFILES_DIR / "measurements" / (re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") + ".json")
+    path = gpu_path(gpu_name)
     if not path.is_file():
         return {}
     try:
